@@ -1,0 +1,34 @@
+# The commands the README names. `make tiny` and `make test` set up the environment first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# On a GPU machine pick the CUDA build you want, e.g. TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup tiny test test-fast lint format reference clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)          # first, so nothing pulls a multi-GB CUDA build
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+tiny: setup                                  ## train the embedded default experiment
+	$(PY) bin/train configs/experiments/tiny.yaml
+
+test: setup                                  ## every test: unit, e2e, 2-rank launcher tests
+	$(PY) -m pytest -q --durations=15
+
+test-fast: setup                             ## unit tests only (seconds)
+	$(PY) -m pytest -q tests/unit
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
+
+clean:
+	rm -rf runs .cache .pytest_cache

@@ -1,0 +1,163 @@
+"""Bad input through the real CLI: exit code 2, no traceback, a message naming the key and the fix."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, TINY, TRAIN, env_for
+
+pytestmark = pytest.mark.e2e
+
+
+def run(args, tmp_path):
+    p = subprocess.run(
+        [sys.executable, str(TRAIN), *map(str, args)],
+        cwd=ROOT,
+        env=env_for(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return p.returncode, p.stderr + p.stdout
+
+
+def tiny(tmp_path, *sets):
+    args = [TINY, "--set", f"run_dir={tmp_path / 'run'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def yaml_file(tmp_path, text, name="exp.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def template(tmp_path, d):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(d) if isinstance(d, dict) else d)
+    return p
+
+
+BASE = (
+    "model: {config: {model_type: gpt2, n_layer: 1, n_embd: 32, n_head: 2, n_positions: 64}}\n"
+    "data: {train: {files: data/tiny/python_docs.jsonl}, seq_len: 32}\ntrain: {max_steps: 2}\n"
+)
+
+BAD_JSON = '{"zero_optimization": {"stage": 2,}}'
+
+CASES = {
+    # name: (args builder, substrings that must appear: key, and the fix)
+    "unknown top-level key": (
+        lambda t: [yaml_file(t, BASE + "trian: {}\n")],
+        ["trian", "Did you mean 'train'"],
+    ),
+    "typo in a nested key": (
+        lambda t: [yaml_file(t, BASE.replace("max_steps: 2", "max_steps: 2, micro_batchsize: 2"))],
+        ["train.micro_batchsize", "Did you mean 'micro_batch_size'"],
+    ),
+    "wrong type": (
+        lambda t: [yaml_file(t, BASE.replace("max_steps: 2", "max_steps: two"))],
+        ["train.max_steps", "valid integer", "optimizer steps to train"],
+    ),
+    "negative batch": (
+        lambda t: tiny(t, "train.micro_batch_size=-4"),
+        ["train.micro_batch_size", "greater than or equal to 1"],
+    ),
+    "stage 5": (lambda t: tiny(t, "strategy.zero_stage=5"), ["strategy.zero_stage", "auto, 0, 1, 2, 3"]),
+    "missing data files": (
+        lambda t: tiny(t, "data.train.files=nope/*.jsonl"),
+        ["data.train.files", "'nope/*.jsonl' matches no file", "check the path"],
+    ),
+    "empty dataset": (
+        lambda t: [*tiny(t, f"data.train.files={_empty(t)}")],
+        ["data.train", "empty", "point it at data"],
+    ),
+    "too little data for seq_len": (
+        lambda t: [*tiny(t, f"data.train.files={_short(t)}")],
+        ["data.train", "no full sequence of data.seq_len 128", "lower data.seq_len"],
+    ),
+    "seq_len beyond the model's positions": (
+        lambda t: tiny(t, "data.seq_len=512"),
+        ["data.seq_len", "n_positions=256", "lower data.seq_len"],
+    ),
+    "template contradicts the experiment": (
+        lambda t: tiny(
+            t,
+            f"strategy.deepspeed={template(t, {'train_micro_batch_size_per_gpu': 2, 'zero_optimization': {'stage': 2}})}",
+        ),
+        ["train_micro_batch_size_per_gpu: template says 2, the experiment says 16", "one source of truth"],
+    ),
+    "malformed YAML": (
+        lambda t: [yaml_file(t, "model:\n  config: {model_type: gpt2\ndata: x\n")],
+        ["exp.yaml:3", "invalid YAML"],
+    ),
+    "unknown template path": (
+        lambda t: tiny(t, "strategy.deepspeed=configs/deepspeed/zero9.json"),
+        ["strategy.deepspeed", "does not exist", "configs/deepspeed/zero2.json"],
+    ),
+    "--set of a missing key": (
+        lambda t: tiny(t, "train.max_stepz=3"),
+        ["train.max_stepz", "Did you mean 'max_steps'"],
+    ),
+    "unknown top-level key in a DeepSpeed template": (
+        lambda t: tiny(
+            t,
+            f"strategy.deepspeed={template(t, {'train_batch_sizee': 32, 'zero_optimization': {'stage': 0}})}",
+        ),
+        ["train_batch_sizee", "Did you mean 'train_batch_size'", "allow_deepspeed_keys"],
+    ),
+    "template JSON syntax": (
+        lambda t: tiny(t, "strategy.deepspeed=" + str(template(t, BAD_JSON))),
+        ["ds.json:1: invalid JSON"],
+    ),
+    "offload without ZeRO": (
+        lambda t: tiny(t, "strategy.zero_stage=0", "strategy.offload=cpu"),
+        ["strategy.offload", "set zero_stage to 2, 3 or auto"],
+    ),
+    "duplicate key": (lambda t: [yaml_file(t, BASE + "train: {max_steps: 3}\n")], ["train", "duplicate key"]),
+    "experiment file missing": (lambda t: [t / "nope.yaml"], ["nope.yaml does not exist"]),
+    "--set without =": (lambda t: tiny(t, "train.max_steps"), ["expected KEY=VALUE"]),
+    "two model sources": (
+        lambda t: tiny(t, "model.pretrained=gpt2"),
+        ["model", "exactly one of model.config, model.pretrained"],
+    ),
+    "unknown tokenizer path": (
+        lambda t: tiny(t, f"data.tokenizer={t / 'no-tokenizer'}"),
+        ["data.tokenizer", "cannot load"],
+    ),
+    "json field missing": (
+        lambda t: tiny(t, "data.train.text_field=body"),
+        ["data.train.text_field", "'body' is not a column", "topic, text"],
+    ),
+}
+
+
+def _empty(t):
+    p = t / "empty.jsonl"
+    p.write_text("")
+    return p
+
+
+def _short(t):
+    p = t / "short.jsonl"
+    p.write_text(json.dumps({"text": "too short"}) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, name):
+    build, needles = CASES[name]
+    code, out = run(build(tmp_path), tmp_path)
+    assert code == 2, f"exit {code}\n{out}"
+    assert "Traceback" not in out, out
+    assert out.lstrip().startswith("error:"), out
+    for needle in needles:
+        assert needle in out, f"{needle!r} not in:\n{out}"
+
+
+def test_no_experiment_is_a_usage_error(tmp_path):
+    code, out = run([], tmp_path)
+    assert code == 2 and "no experiment file given" in out

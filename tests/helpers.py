@@ -1,0 +1,171 @@
+"""Run bin/train as a user does: in one process, or on 2 ranks through the real launchers.
+
+`train()` returns the exit code, the output, the parsed metrics.jsonl and each rank's debug
+report (parameter digest, consumed samples), and on failure raises with every rank's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "bin" / "train"
+TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
+BIN = Path(sys.executable).parent  # the venv's bin: deepspeed, torchrun
+
+# A small, fast version of tiny for multi-rank tests: per-step losses, no eval in between.
+FAST = {
+    "train.max_steps": 16,
+    "train.log_every": 1,
+    "train.eval_every": 0,
+    "train.micro_batch_size": 4,
+    "model.config.n_layer": 2,
+    "data.num_workers": 0,
+    "checkpoint.every_steps": 0,
+    "checkpoint.save_final": False,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+    debug_dir: Path | None = None
+    cmd: list[str] = field(default_factory=list)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {m["step"]: m["loss"] for m in self.metrics if "loss" in m}
+
+    @property
+    def eval_losses(self) -> dict[int, float]:
+        return {m["step"]: m["eval_loss"] for m in self.metrics if "eval_loss" in m}
+
+    def rank_reports(self) -> list[dict[str, Any]]:
+        assert self.debug_dir is not None
+        return [json.loads(p.read_text()) for p in sorted(self.debug_dir.glob("rank*.json"))]
+
+
+def env_for(nproc: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
+    env.setdefault("TRAINER_TEST_DATA_CACHE", "")
+    env.update(extra or {})
+    return env
+
+
+def command(launcher: str, nproc: int, args: list[str], port: int | None = None) -> list[str]:
+    if launcher == "none":
+        return [sys.executable, str(TRAIN), *args]
+    port = port or free_port()
+    if launcher == "deepspeed":
+        return [
+            str(BIN / "deepspeed"),
+            "--num_gpus",
+            str(nproc),
+            "--master_port",
+            str(port),
+            str(TRAIN),
+            *args,
+        ]
+    if launcher == "torchrun":
+        return [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(port),
+            str(TRAIN),
+            *args,
+        ]
+    raise ValueError(launcher)
+
+
+def train(
+    tmp: Path,
+    sets: dict[str, Any] | None = None,
+    *,
+    launcher: str = "none",
+    nproc: int = 2,
+    experiment: Path | str = TINY,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    debug: bool = True,
+    check: bool = True,
+    timeout: float = 600,
+    cache: Path | None = None,
+) -> Result:
+    """Run bin/train; `sets` become --set KEY=VALUE (run_dir and the data cache default into tmp)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    sets = dict(sets or {})
+    sets.setdefault("run_dir", str(tmp / "run"))
+    sets.setdefault("data.cache_dir", str(cache or data_cache()))
+    args = [str(experiment)]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={_yaml(v)}"]
+    args += extra_args or []
+    debug_dir = tmp / "debug" if debug else None
+    extra = dict(env or {})
+    if debug_dir:
+        shutil.rmtree(debug_dir, ignore_errors=True)
+        extra["TRAINER_DEBUG_DIR"] = str(debug_dir)
+    n = 1 if launcher == "none" else nproc
+    cmd = command(launcher, n, args)
+    p = subprocess.run(cmd, cwd=ROOT, env=env_for(n, extra), capture_output=True, text=True, timeout=timeout)
+    res = Result(p.returncode, p.stdout, p.stderr, Path(sets["run_dir"]), debug_dir, cmd)
+    if check and p.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)}\nexit {p.returncode}\n--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+        )
+    return res
+
+
+def _yaml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, list | dict):
+        return json.dumps(v)
+    return str(v)
+
+
+def data_cache() -> Path:
+    """One tokenized-data cache for the whole test session (tokenizing tiny once)."""
+    path = os.environ.get("TRAINER_TEST_DATA_CACHE") or str(ROOT / ".cache" / "test-data")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
+def falling(losses: dict[int, float], k: int = 3) -> tuple[float, float]:
+    steps = sorted(losses)
+    first = sum(losses[s] for s in steps[:k]) / k
+    last = sum(losses[s] for s in steps[-k:]) / k
+    return first, last

@@ -1,0 +1,130 @@
+"""Data: byte tokenizer, packing, the cache (built once per node), and the global data order."""
+
+import json
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from trainer import config
+from trainer.data import RankSampler, build, byte_tokenizer
+from trainer.errors import UserError
+
+
+def test_byte_tokenizer_ids_are_utf8_bytes(tmp_path):
+    tok = byte_tokenizer()
+    text = "Hello, wörld!\n\ttabs  and spaces"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode())
+    assert tok.decode(ids) == text
+    assert len(tok) == 257 and tok.eos_token_id == 256
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path)(text, add_special_tokens=False)["input_ids"] == ids
+
+
+def section(tmp_path, **kw):
+    docs = tmp_path / "docs.jsonl"
+    if not docs.exists():
+        docs.write_text("".join(json.dumps({"text": f"document {i} " * (5 + i)}) + "\n" for i in range(40)))
+    raw = {
+        "train": {"files": str(docs)},
+        "seq_len": 16,
+        "eval_fraction": 0.1,
+        "cache_dir": str(tmp_path / "cache"),
+        **kw,
+    }
+    return config.DataSection.model_validate(raw)
+
+
+def test_packing_and_eval_split(tmp_path):
+    s = section(tmp_path)
+    data = build(s, seed=0)
+    tokens = sum(len(f"document {i} " * (5 + i)) + 1 for i in range(40))  # + EOS per document
+    n = len(data.train) + len(data.eval)
+    assert n == tokens // 16
+    assert len(data.eval) == int(np.ceil(n * 0.1))
+    rows = data.train[:]["input_ids"]
+    assert rows.shape == (len(data.train), 16)
+    flat = np.concatenate([rows.reshape(-1), data.eval[:]["input_ids"].reshape(-1)])
+    assert (flat == 256).sum() >= 39  # EOS between documents
+    assert bytes(flat[:11].astype(np.uint8)) == b"document 0 "
+
+
+def test_second_build_reads_the_cache(tmp_path):
+    s = section(tmp_path)
+    first = build(s, seed=0)
+    second = build(s, seed=0)
+    assert first.built and not second.built and first.cache_path == second.cache_path
+    assert (second.train[:]["input_ids"] == first.train[:]["input_ids"]).all()
+    # A change in the source (or seq_len, tokenizer...) is a new cache entry.
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "other " * 100}) + "\n")
+    assert build(s, seed=0).cache_path != first.cache_path
+
+
+def _build_in_child(s_json, q):
+    s = config.DataSection.model_validate_json(s_json)
+    q.put(build(s, seed=0).built)
+
+
+def test_concurrent_builders_build_once(tmp_path):
+    s = section(tmp_path)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(s.model_dump_json(), q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert sorted(q.get(timeout=5) for _ in procs) == [False, False, True]
+
+
+def test_empty_and_missing(tmp_path):
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(UserError, match="empty"):
+        build(section(tmp_path, train={"files": str(tmp_path / "e.jsonl")}), seed=0)
+    with pytest.raises(UserError, match="matches no file"):
+        build(section(tmp_path, train={"files": str(tmp_path / "none*.jsonl")}), seed=0)
+
+
+def rank_order(n, world, micro, seed=1, epoch=0, start=0):
+    out = []
+    for r in range(world):
+        s = RankSampler(n, r, world, micro, seed, shuffle=True)
+        s.set_epoch(epoch, start)
+        out.append(list(s))
+    return out
+
+
+def test_ranks_take_disjoint_slices_of_each_global_batch():
+    a, b = rank_order(100, 2, 4)
+    assert len(a) == len(b) == (100 // 8) * 4
+    assert not set(a) & set(b)
+    perm = RankSampler(100, 0, 2, 4, 1, True).order(0)
+    for i in range(len(a) // 4):  # global micro step i = perm[8i:8i+8], rank r its 4-slice
+        assert a[4 * i : 4 * i + 4] + b[4 * i : 4 * i + 4] == list(perm[8 * i : 8 * i + 8])
+
+
+def test_global_order_does_not_depend_on_world_size():
+    one = rank_order(96, 1, 8)[0]
+    two = rank_order(96, 2, 4)
+    four = rank_order(96, 4, 2)
+    for i in range(96 // 8):
+        batch = set(one[8 * i : 8 * i + 8])
+        assert batch == set(two[0][4 * i : 4 * i + 4] + two[1][4 * i : 4 * i + 4])
+        assert batch == {x for r in four for x in r[2 * i : 2 * i + 2]}
+
+
+def test_resume_from_a_position_continues_the_same_sequence():
+    full = rank_order(100, 2, 4, epoch=3)
+    resumed = rank_order(100, 2, 4, epoch=3, start=5 * 8)
+    assert resumed[0] == full[0][20:] and resumed[1] == full[1][20:]
+    # ...and on another world size the remaining global batches are the same samples
+    other = rank_order(100, 1, 8, epoch=3, start=5 * 8)[0]
+    assert set(other) == set(full[0][20:]) | set(full[1][20:])
+
+
+def test_epochs_reshuffle_deterministically():
+    assert rank_order(50, 1, 5, epoch=0) != rank_order(50, 1, 5, epoch=1)
+    assert rank_order(50, 1, 5, epoch=1) == rank_order(50, 1, 5, epoch=1)

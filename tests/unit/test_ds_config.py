@@ -1,0 +1,198 @@
+"""The DeepSpeed JSON: one source of truth for every value the experiment owns."""
+
+import json
+
+import pytest
+from helpers import TINY
+
+from trainer import config, strategy
+from trainer.errors import UserError
+
+INFO = strategy.ModelInfo(params=1_000_000, largest_layer=40_000, hidden=128, layers=4, heads=4, vocab=257)
+
+
+def build(overrides=(), template=None, world=2, precision="fp32", tmp_path=None):
+    exp = config.load(TINY, list(overrides))
+    tpl_path, tpl = strategy.template_for(exp)
+    plan = strategy.plan(
+        exp,
+        INFO,
+        world_size=world,
+        gpus_per_node=world,
+        device_type="cpu",
+        device_memory=8 * 2**30,
+        host_memory=16 * 2**30,
+        precision=precision,
+        template=tpl or None,
+    )
+    if not tpl:
+        tpl_path, tpl = strategy.template_for(exp, plan.candidate)
+    return strategy.ds_config(exp, plan, INFO, tpl, tpl_path), plan
+
+
+def test_owned_values_come_from_the_experiment():
+    ds, plan = build(
+        [
+            "train.micro_batch_size=4",
+            "train.grad_accum=3",
+            "train.grad_clip=0.5",
+            "optim.lr=1e-3",
+            "optim.weight_decay=0.05",
+            "strategy.zero_stage=2",
+        ],
+        world=4,
+    )
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 4 * 4 * 3  # micro x world x accum
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.05},
+    }
+    assert ds["scheduler"]["type"] == "WarmupCosineLR"
+    assert ds["scheduler"]["params"]["total_num_steps"] == 300
+    assert ds["scheduler"]["params"]["cos_min_ratio"] == 0.1
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
+    assert not strategy._autos(ds), "no 'auto' left"
+    assert ds["zero_optimization"]["reduce_bucket_size"] == strategy.auto_bucket(128)
+
+
+@pytest.mark.parametrize(("schedule", "ds_type"), [("linear", "WarmupDecayLR"), ("constant", "WarmupLR")])
+def test_schedules(schedule, ds_type):
+    ds, _ = build([f"optim.schedule={schedule}", "optim.warmup_steps=7", "optim.lr=2e-3"])
+    assert ds["scheduler"]["type"] == ds_type
+    assert ds["scheduler"]["params"]["warmup_max_lr"] == 2e-3
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 7
+
+
+def test_lr_scaling():
+    ds, _ = build(["optim.lr_scaling=linear", "optim.lr=1e-3", "train.grad_accum=2"], world=4)
+    assert ds["optimizer"]["params"]["lr"] == pytest.approx(8e-3)
+    ds, _ = build(["optim.lr_scaling=sqrt", "optim.lr=1e-3"], world=4)
+    assert ds["optimizer"]["params"]["lr"] == pytest.approx(2e-3)
+
+
+def test_offload_sections():
+    ds, plan = build(["strategy.zero_stage=3", "strategy.offload=cpu"])
+    z = ds["zero_optimization"]
+    assert plan.candidate.name == "zero3+cpu"
+    assert z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
+
+
+def test_huggingface_style_template_is_accepted(tmp_path):
+    hf = {  # as in the transformers DeepSpeed docs
+        "fp16": {
+            "enabled": "auto",
+            "loss_scale": 0,
+            "loss_scale_window": 1000,
+            "initial_scale_power": 16,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "bf16": {"enabled": "auto"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"},
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "none"},
+            "offload_param": {"device": "none"},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 2000,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+    p = tmp_path / "hf_zero3.json"
+    p.write_text(json.dumps(hf))
+    ds, plan = build([f"strategy.deepspeed={p}"])
+    assert plan.candidate.stage == 3 and plan.pinned  # the template's stage is the pinned choice
+    z = ds["zero_optimization"]
+    assert z["reduce_bucket_size"] == strategy.auto_bucket(128)
+    assert z["stage3_param_persistence_threshold"] == 1280
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 20
+    assert not strategy._autos(ds)
+
+
+def test_template_that_contradicts_the_experiment_lists_every_mismatch(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "train_batch_size": 1000,
+                "gradient_clipping": 2.0,
+                "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                "zero_optimization": {"stage": 2},
+            }
+        )
+    )
+    with pytest.raises(UserError) as e:
+        build([f"strategy.deepspeed={p}", "strategy.zero_stage=3"])
+    text = str(e.value)
+    for key in (
+        "train_micro_batch_size_per_gpu: template says 4, the experiment says 16",
+        "train_batch_size: template says 1000, the experiment says 32",
+        "gradient_clipping: template says 2.0",
+        "optimizer.type",
+        "optimizer.params.lr",
+        "zero_optimization.stage: template says 2, the experiment says 3",
+    ):
+        assert key in text, f"{key!r} not in {text}"
+
+
+def test_unknown_top_level_template_key_is_rejected(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"train_batch_sizee": 8, "zero_optimization": {"stage": 0}}))
+    with pytest.raises(
+        UserError,
+        match=r"train_batch_sizee: unknown top-level DeepSpeed key.*Did you mean 'train_batch_size'",
+    ):
+        build([f"strategy.deepspeed={p}"])
+    ds, _ = build([f"strategy.deepspeed={p}", 'strategy.allow_deepspeed_keys=["train_batch_sizee"]'])
+    assert ds["train_batch_sizee"] == 8  # escape hatch for keys this list does not know
+
+
+def test_template_json_syntax_error_names_the_line(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')
+    with pytest.raises(UserError, match=r"t.json:2: invalid JSON"):
+        build([f"strategy.deepspeed={p}"])
+
+
+def test_auto_for_a_value_nobody_owns_is_an_error(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}))
+    with pytest.raises(UserError, match="zero_optimization.sub_group_size"):
+        build([f"strategy.deepspeed={p}"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_precision(precision):
+    ds, _ = build([f"train.precision={precision}"], precision=precision)
+    assert ds["bf16"]["enabled"] is (precision == "bf16")
+    assert ds["fp16"]["enabled"] is (precision == "fp16")
+
+
+def test_precision_auto_resolves_by_device():
+    assert strategy.resolve_precision("auto", "cuda") == "bf16"
+    assert strategy.resolve_precision("auto", "cpu") == "fp32"
+    assert strategy.resolve_precision("fp16", "cpu") == "fp16"

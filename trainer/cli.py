@@ -1,0 +1,389 @@
+"""`bin/train`: parse arguments, build everything, run the loop.
+
+Construction happens here, in order, before the loop: config -> plan -> DeepSpeed JSON -> process
+group -> data -> model -> engine -> checkpoints -> loop. User errors (bad config, bad paths, an
+unjustified pinned stage...) print one message and exit 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer import config as config_mod
+from trainer.errors import EXIT_USER_ERROR, UserError
+
+log = logging.getLogger("trainer")
+
+EPILOG = """\
+examples:
+  bin/train configs/experiments/tiny.yaml
+  bin/train configs/experiments/tiny.yaml --set train.max_steps=50 --set strategy.zero_stage=2
+  bin/train configs/experiments/tiny.yaml --print-config
+  bin/train configs/experiments/llama7b.yaml --plan --world-size 8 --set strategy.device_memory=80GB
+  deepspeed --num_gpus 2 bin/train configs/experiments/tiny.yaml
+  torchrun --nproc_per_node 2 bin/train configs/experiments/tiny.yaml
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bin/train",
+        description="Train a model described by one YAML experiment on DeepSpeed.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("experiment", nargs="?", help="experiment YAML file (e.g. configs/experiments/tiny.yaml)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.max_steps=100 (repeatable; typed by the field)",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved experiment and DeepSpeed JSON, then exit",
+    )
+    p.add_argument(
+        "--describe-config", action="store_true", help="print every config key with type, default and meaning"
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan per ZeRO candidate and the decision, then exit",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to plan for with --plan/--print-config (default: from the launcher, else 1)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks per node to plan for (default: min(world size, 8))",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="run a pinned stage/offload even if predicted not to fit"
+    )
+    # The deepspeed launcher injects --local_rank=N; torch.distributed.launch used --local-rank.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.describe_config:
+            print(describe_config())
+            return 0
+        if not args.experiment:
+            raise UserError(
+                "no experiment file given: bin/train EXPERIMENT.yaml (try configs/experiments/tiny.yaml)"
+            )
+        exp = config_mod.load(args.experiment, args.overrides)
+        if args.plan or args.print_config:
+            return plan_command(exp, args)
+        return train_command(exp, args)
+    except UserError as e:
+        # Errors found before the process group exists are the same on every rank: say them once.
+        if e.before_launch is False or _launcher_rank() == 0:
+            print(e.render(), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def _launcher_rank() -> int:
+    from trainer.dist import detect
+
+    return detect().rank
+
+
+def describe_config() -> str:
+    rows = config_mod.describe()
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{'key'.ljust(w[0])}  {'type'.ljust(w[1])}  {'default'.ljust(w[2])}  meaning"]
+    for key, typ, default, desc in rows:
+        if typ == "section":
+            lines.append(f"\n{key}:  {desc}")
+        else:
+            lines.append(f"{key.ljust(w[0])}  {typ.ljust(w[1])}  {default.ljust(w[2])}  {desc}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+@dataclass
+class Planned:
+    plan: Any
+    ds_config: dict[str, Any]
+    info: Any
+    template_path: str
+
+
+def make_plan(
+    exp: config_mod.Experiment,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    device_type: str,
+    device_memory: int | None,
+    vocab_size: int | None,
+    eos_id: int | None,
+    force: bool,
+) -> Planned:
+    """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed."""
+    from trainer import dist, model, strategy
+
+    info = model.info(exp.model, vocab_size, eos_id)
+    precision = strategy.resolve_precision(exp.train.precision, device_type)
+    mem = exp.strategy.device_memory or device_memory
+    host = exp.strategy.host_memory or dist.host_memory()
+    if mem is None:  # CPU training: the ranks of a node share its memory
+        mem = host // max(1, gpus_per_node)
+    template_path, template = strategy.template_for(exp)
+    plan = strategy.plan(
+        exp,
+        info,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        device_type=device_type,
+        device_memory=mem,
+        host_memory=host,
+        precision=precision,
+        template=template or None,
+        force=force,
+    )
+    if not template:
+        template_path, template = strategy.template_for(exp, plan.candidate)
+    ds = strategy.ds_config(exp, plan, info, template, template_path)
+    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path)
+
+
+def vocab_for_planning(exp: config_mod.Experiment) -> tuple[int | None, int | None]:
+    """The vocabulary size the model will get: given in model.config, else the tokenizer's."""
+    if exp.model.config is not None and isinstance(exp.model.config.get("vocab_size"), int):
+        return exp.model.config["vocab_size"], None
+    if exp.model.config is None:
+        return None, None
+    from trainer.data import load_tokenizer
+
+    tok = load_tokenizer(exp.data.tokenizer)
+    return len(tok), tok.eos_token_id
+
+
+def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
+    """--plan / --print-config: planning only; imports neither deepspeed nor CUDA."""
+    from trainer import dist, strategy
+
+    env = dist.detect()
+    world = args.world_size or env.world_size
+    per_node = args.nproc_per_node or (env.local_world_size if env.world_size > 1 else min(world, 8))
+    gpu_mem = dist.device_memory()
+    device_type = "cuda" if (gpu_mem is not None or exp.strategy.device_memory is not None) else "cpu"
+    vocab, eos = vocab_for_planning(exp)
+    planned = make_plan(
+        exp,
+        world_size=world,
+        gpus_per_node=per_node,
+        device_type=device_type,
+        device_memory=gpu_mem,
+        vocab_size=vocab,
+        eos_id=eos,
+        force=args.force,
+    )
+    if args.print_config:
+        print("# experiment (resolved)")
+        print(exp.to_yaml())
+        print(f"# DeepSpeed config (from {planned.template_path}, world size {world})")
+        print(json.dumps(planned.ds_config, indent=2))
+    if args.plan:
+        info = planned.info
+        print(
+            f"model: {info.params:,} parameters (largest layer {info.largest_layer:,}), "
+            f"micro batch {exp.train.micro_batch_size} x seq {exp.data.seq_len}, activation checkpointing "
+            f"{'on' if exp.model.activation_checkpointing else 'off'}"
+        )
+        print(strategy.describe_plan(planned.plan))
+    return 0
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
+    from trainer import dist
+    from trainer.data import resolve_files
+
+    # Cheap checks before any process group: data files exist.
+    for key, src in (("data.train", exp.data.train), ("data.eval", exp.data.eval)):
+        if src is not None and src.files is not None:
+            resolve_files(src, key)
+
+    env = dist.detect()
+    device_type = "cuda" if dist.gpu_present() else "cpu"
+    vocab, eos = vocab_for_planning(exp)
+    planned = make_plan(
+        exp,
+        world_size=env.world_size,
+        gpus_per_node=env.local_world_size,
+        device_type=device_type,
+        device_memory=dist.device_memory(),
+        vocab_size=vocab,
+        eos_id=eos,
+        force=args.force,
+    )
+    runtime = dist.setup()
+    try:
+        return _train(exp, args, runtime, planned)
+    except UserError as e:
+        e.before_launch = False  # found by this rank while running: it must say it itself
+        raise
+    finally:
+        import torch.distributed as tdist
+
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+def _train(exp: config_mod.Experiment, args: argparse.Namespace, runtime: Any, planned: Planned) -> int:
+    from trainer import data as data_mod
+    from trainer import dist, metrics, model
+    from trainer.checkpoint import Checkpointer
+    from trainer.control import Control
+    from trainer.engine import Engine
+    from trainer.loop import Evaluator, TrainState, train
+
+    env = runtime.env
+    metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
+    for warning in config_mod.warnings(exp):
+        log.warning(f"warning: {warning}")
+    run_dir = Path(exp.run_dir)
+    if runtime.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
+    if data.built:
+        log.info(f"data: tokenized and cached in {data.cache_path}")
+
+    dist.seed_all(exp.seed)  # identical initial weights on every rank
+    module = model.build(
+        exp.model,
+        vocab_size=data.vocab_size,
+        eos_id=data.eos_id,
+        seq_len=exp.data.seq_len,
+        ds_config=planned.ds_config,
+    )
+    engine = Engine(module, planned.ds_config, model.param_groups(module, exp.optim.weight_decay))
+    dist.seed_all(exp.seed + 1 + env.rank)  # dropout differs per rank
+
+    t = exp.train
+    stream = data_mod.TrainStream(
+        data,
+        exp.data,
+        rank=env.rank,
+        world=env.world_size,
+        micro=t.micro_batch_size,
+        seed=exp.seed,
+        device_type=runtime.device_type,
+    )
+    eval_loader = data_mod.eval_batches(
+        data,
+        exp.data,
+        rank=env.rank,
+        world=env.world_size,
+        micro=t.micro_batch_size,
+        limit=t.eval_batches,
+        device_type=runtime.device_type,
+    )
+    evaluator = Evaluator(eval_loader, t.eval_every, env.world_size)
+    state = TrainState()
+    checkpointer = Checkpointer(
+        exp.checkpoint, run_dir, engine=engine, stream=stream, is_main=runtime.is_main
+    )
+    samples_per_step = t.micro_batch_size * env.world_size * t.grad_accum
+    mets = metrics.Metrics(
+        run_dir,
+        is_main=runtime.is_main,
+        world_size=env.world_size,
+        log_every=t.log_every,
+        max_steps=t.max_steps,
+        samples_per_step=samples_per_step,
+        tokens_per_step=samples_per_step * exp.data.seq_len,
+        device=engine.device,
+    )
+    control = Control(
+        rank=env.rank,
+        world_size=env.world_size,
+        attempt=dist.attempt(),
+        faults=dist.faults(),
+        handle_signals=exp.checkpoint.save_on_signal,
+    )
+    debug = dist.debug_dir()
+    if debug:
+        stream.record = []
+    banner(exp, runtime, planned, data, stream, samples_per_step)
+    try:
+        state = train(
+            max_steps=t.max_steps,
+            grad_accum=t.grad_accum,
+            tokens_per_sample=exp.data.seq_len,
+            engine=engine,
+            stream=stream,
+            evaluator=evaluator,
+            checkpointer=checkpointer,
+            metrics=mets,
+            state=state,
+            control=control,
+        )
+    finally:
+        mets.close()
+    if debug:
+        from trainer.checks import write_debug_report
+
+        write_debug_report(
+            debug, env.rank, env.world_size, engine.module, stream.record or [], {"step": state.step}
+        )
+    if runtime.is_main:
+        first, last = mets.first_loss, mets.last_loss
+        log.info(
+            f"done: {state.step} steps, {state.tokens:,} tokens in {state.wall_time:.1f} s; loss {first:.4f} -> {last:.4f}"
+        )
+    return 0
+
+
+def banner(
+    exp: config_mod.Experiment, runtime: Any, planned: Planned, data: Any, stream: Any, samples_per_step: int
+) -> None:
+    if not runtime.is_main:
+        return
+    from trainer.config import format_size
+
+    env, t, plan = runtime.env, exp.train, planned.plan
+    est = plan.estimate
+    lines = [
+        f"experiment {exp.name}: run dir {exp.run_dir}",
+        f"world: {env.world_size} rank(s) on {env.nodes} node(s) via {env.launcher}; device {runtime.device_type}, "
+        f"backend {runtime.backend}, {runtime.threads} CPU thread(s) per rank",
+        f"model: {planned.info.params:,} parameters; precision {plan.precision}",
+        f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",
+        f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
+        f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)})",
+        f"batch: micro {t.micro_batch_size} x world {env.world_size} x grad_accum {t.grad_accum} = {samples_per_step} "
+        f"sequences = {samples_per_step * exp.data.seq_len:,} tokens per step",
+        f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "
+        f"{data.seq_len} tokens; {stream.steps_per_epoch:,} micro steps per epoch",
+    ]
+    for line in lines:
+        log.info(line)

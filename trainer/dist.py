@@ -1,0 +1,286 @@
+"""Process-group setup, launcher-agnostic.
+
+The one module that reads the environment (besides `cli`, which reads argv): rank, local rank,
+world size and node come from whichever launcher started us (the deepspeed runner, torchrun,
+SLURM's srun, or none); the backend follows the device (NCCL on GPU, gloo on CPU); CPU threads
+are split between the ranks of a node; seeds are set so that model init is identical on every
+rank and dropout differs per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+ENV_FAULT = "TRAINER_FAULT"  # test hook, e.g. "oom@5:rank=1" (see Faults)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    launcher: str = "none"  # deepspeed | torchrun | slurm | none
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    hostname: str = ""
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env: dict[str, str], *names: str, default: int | None = None) -> int | None:
+    for n in names:
+        v = env.get(n)
+        if v is not None and v.strip().lstrip("-").isdigit():
+            return int(v)
+    return default
+
+
+def detect(env: dict[str, str] | None = None) -> DistEnv:
+    """Read rank/world from the launcher's environment variables."""
+    env = dict(os.environ if env is None else env)
+    host = socket.gethostname()
+    if "RANK" in env and "WORLD_SIZE" in env:
+        if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:
+            launcher = "torchrun"
+        elif "CROSS_RANK" in env or "LOCAL_SIZE" in env:
+            launcher = "deepspeed"
+        else:
+            launcher = env.get("TRAINER_LAUNCHER", "deepspeed")
+        world = _int(env, "WORLD_SIZE", default=1)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE", default=world)
+        rank = _int(env, "RANK", default=0)
+        return DistEnv(
+            rank=rank,
+            local_rank=_int(env, "LOCAL_RANK", default=0),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=_int(env, "GROUP_RANK", "CROSS_RANK", "NODE_RANK", default=rank // max(1, local_world)),
+            launcher=launcher,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", default=29500),
+            hostname=host,
+        )
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
+        world = _int(env, "SLURM_NTASKS", default=1)
+        nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
+        return DistEnv(
+            rank=_int(env, "SLURM_PROCID", default=0),
+            local_rank=_int(env, "SLURM_LOCALID", default=0),
+            world_size=world,
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", default=max(1, world // max(1, nodes))),
+            node_rank=_int(env, "SLURM_NODEID", default=0),
+            launcher="slurm",
+            master_addr=env.get("MASTER_ADDR") or _slurm_first_host(env) or "127.0.0.1",
+            master_port=_int(env, "MASTER_PORT", default=29500),
+            hostname=host,
+        )
+    return DistEnv(hostname=host)
+
+
+def _slurm_first_host(env: dict[str, str]) -> str | None:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.split()[0] if out.returncode == 0 and out.stdout.split() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def user_set_threads() -> bool:
+    return "OMP_NUM_THREADS" in os.environ
+
+
+@dataclass
+class Runtime:
+    """The process's place in the job plus its device; built once by `setup`."""
+
+    env: DistEnv
+    device_type: str  # cuda | cpu
+    backend: str
+    threads: int
+    device: Any = None  # torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def setup(timeout_s: float = 600.0) -> Runtime:
+    """Initialise the process group for whichever launcher started us (world 1 without one)."""
+    env = detect()
+    if env.launcher in ("none", "slurm"):  # give torch.distributed the env:// variables it reads
+        port = env.master_port or free_port()
+        os.environ.update(
+            RANK=str(env.rank),
+            LOCAL_RANK=str(env.local_rank),
+            WORLD_SIZE=str(env.world_size),
+            LOCAL_WORLD_SIZE=str(env.local_world_size),
+            MASTER_ADDR=env.master_addr,
+            MASTER_PORT=str(port),
+        )
+        env = DistEnv(**{**env.__dict__, "master_port": port})
+    if not gpu_present():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed guessing loudly
+    import torch
+
+    # CPU threads: cores split between the ranks of this node, unless the user chose.
+    threads = (
+        int(os.environ["OMP_NUM_THREADS"])
+        if user_set_threads()
+        else max(1, cpu_cores() // env.local_world_size)
+    )
+    torch.set_num_threads(threads)
+
+    if torch.cuda.is_available():
+        device_type, backend = "cuda", "nccl"
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device_type, backend = "cpu", "gloo"
+        device = torch.device("cpu")
+
+    import deepspeed
+
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=False,
+        timeout=timedelta(seconds=timeout_s),
+        verbose=False,
+    )
+    return Runtime(env=env, device_type=device_type, backend=backend, threads=threads, device=device)
+
+
+def seed_all(seed: int) -> None:
+    """Same seed everywhere: python, numpy, torch (CPU and every GPU)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def device_memory(runtime: Runtime | None = None) -> int | None:
+    """Memory of this rank's GPU, without initialising CUDA when there is no process group yet."""
+    if runtime is not None and runtime.device_type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(runtime.device).total_memory
+    try:  # nvidia-smi keeps `--plan` free of CUDA initialisation
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return int(out.stdout.split()[0]) * 2**20
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        pass
+    return None
+
+
+def host_memory() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def gpu_present() -> bool:
+    """A GPU on this machine, found without initialising CUDA."""
+    return device_memory() is not None
+
+
+# ----------------------------------------------------------------------------- fault injection
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault the tests inject through TRAINER_FAULT: `kind@step[:rank=R][:attempt=A]`, comma-separated.
+
+    kinds: oom (raise torch.OutOfMemoryError), raise (RuntimeError), kill (SIGKILL self), sleep
+    (hang), nan (NaN loss), exit (os._exit(1)), perturb (change one parameter before training),
+    killsave (SIGKILL self while writing checkpoint shards)."""
+
+    kind: str
+    step: int
+    rank: int | None = None
+    attempt: int | None = None
+
+    def applies(self, step: int, rank: int, attempt: int) -> bool:
+        return (
+            step == self.step
+            and (self.rank is None or self.rank == rank)
+            and (self.attempt is None or self.attempt == attempt)
+        )
+
+
+def faults() -> list[Fault]:
+    spec = os.environ.get(ENV_FAULT, "").strip()
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        head, *opts = item.split(":")
+        kind, _, step = head.partition("@")
+        kw: dict[str, Any] = {"kind": kind, "step": int(step or 0)}
+        for opt in opts:
+            k, _, v = opt.partition("=")
+            kw[k] = int(v)
+        out.append(Fault(**kw))
+    return out
+
+
+def debug_dir() -> str | None:
+    """Where tests want per-rank reports (parameter digests, consumed samples); None = off."""
+    return os.environ.get("TRAINER_DEBUG_DIR") or None
+
+
+def attempt() -> int:
+    """Which supervised attempt this is (0 = first), set by the supervisor."""
+    return int(os.environ.get("TRAINER_ATTEMPT", "0") or 0)

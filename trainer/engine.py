@@ -1,0 +1,75 @@
+"""A thin wrapper over the DeepSpeed engine: initialize, forward/backward/step, eval. Nothing else.
+
+DeepSpeed owns the optimizer, the LR schedule, gradient accumulation (it scales the loss by
+1/grad_accum and steps only at the accumulation boundary), clipping and mixed precision, all as
+written in the DeepSpeed JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from trainer.model import loss_of
+
+
+class Engine:
+    def __init__(self, model: Any, ds_config: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
+        import deepspeed
+
+        self.ds_config = dict(ds_config)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=param_groups, config=self.ds_config
+        )
+        self.device = self.ds.device
+        self._record_fp32_grad_norm()
+
+    def _record_fp32_grad_norm(self) -> None:
+        """DeepSpeed's fp32 stage-0 path clips but drops the norm it computed; keep it for logging."""
+        ds = self.ds
+        if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
+            return
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        def clip_and_record() -> None:
+            ds._global_grad_norm = clip_grad_norm_(
+                parameters=ds.module.parameters(), max_norm=ds.gradient_clipping(), mpu=ds.mpu
+            )
+
+        ds.clip_fp32_gradients = clip_and_record
+
+    def micro_step(self, input_ids: Any) -> Any:
+        """Forward and backward one micro batch; the optimizer steps at the accumulation boundary.
+        Returns the detached loss (no device synchronisation)."""
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        loss = loss_of(self.ds(input_ids=input_ids, labels=input_ids))
+        self.ds.backward(loss)
+        self.ds.step()
+        return loss.detach()
+
+    def eval_loss(self, input_ids: Any) -> Any:
+        import torch
+
+        input_ids = input_ids.to(self.device, non_blocking=True)
+        with torch.no_grad():
+            return loss_of(self.ds(input_ids=input_ids, labels=input_ids)).detach()
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    @property
+    def grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(getattr(self.ds, "skipped_steps", 0) or 0)
+
+    @property
+    def module(self) -> Any:
+        return self.ds.module

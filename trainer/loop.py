@@ -1,0 +1,100 @@
+"""The training loop. Everything is built before it is called; it only calls, in order."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class TrainState:
+    """The whole training state besides what DeepSpeed and the data stream hold."""
+
+    step: int = 0
+    samples: int = 0
+    tokens: int = 0
+    started_at: float = field(default_factory=time.time)
+    wall_time: float = 0.0  # seconds trained, summed over resumed attempts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "wall_time": self.wall_time,
+        }
+
+
+class Evaluator:
+    """Mean loss over the eval batches, averaged over ranks (all ranks call it at the same steps)."""
+
+    def __init__(self, batches: Any, every: int, world_size: int) -> None:
+        self.batches, self.every, self.world_size = batches, every, world_size
+        self.last_step = -1
+
+    def due(self, step: int) -> bool:
+        return self.batches is not None and self.every > 0 and step % self.every == 0
+
+    def run(self, engine: Any, step: int) -> float | None:
+        import torch
+        import torch.distributed as dist
+
+        if self.batches is None:
+            return None
+        self.last_step = step
+        engine.train(False)
+        total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        for batch in self.batches:
+            total[0] += engine.eval_loss(batch).double()
+            total[1] += 1
+        engine.train(True)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(total)
+        return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train(
+    *,
+    max_steps: int,
+    grad_accum: int,
+    tokens_per_sample: int,
+    engine: Any,
+    stream: Any,
+    evaluator: Evaluator,
+    checkpointer: Any,
+    metrics: Any,
+    state: TrainState,
+    control: Any,
+) -> TrainState:
+    """Run optimizer steps until max_steps (or a stop request); evaluate and save on cadence."""
+    samples_per_step = stream.sampler.global_batch * grad_accum
+    t_attempt = time.perf_counter()
+    wall0 = state.wall_time
+    while state.step < max_steps:
+        control.before_step(state.step + 1)  # injected faults (tests), watchdog heartbeat
+        loss, wait = 0.0, 0.0
+        for _ in range(grad_accum):
+            t = time.perf_counter()
+            batch = stream.next()
+            wait += time.perf_counter() - t
+            loss = loss + engine.micro_step(batch)
+        state.step += 1
+        state.samples += samples_per_step
+        state.tokens += samples_per_step * tokens_per_sample
+        state.wall_time = wall0 + time.perf_counter() - t_attempt
+        metrics.step(state.step, control.check_loss(loss / grad_accum, state.step), wait, engine)
+        if evaluator.due(state.step):
+            metrics.eval(state.step, evaluator.run(engine, state.step))
+        stop = control.stop_requested()  # agreed by all ranks (preemption signals)
+        checkpointer.offer(state, force=stop)
+        if stop:
+            log.info(f"stopping at step {state.step} on request; checkpoint saved")
+            return state
+    if evaluator.batches is not None and evaluator.last_step != state.step:
+        metrics.eval(state.step, evaluator.run(engine, state.step))
+    checkpointer.offer(state, final=True)
+    return state

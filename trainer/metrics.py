@@ -1,0 +1,173 @@
+"""Metrics: rank-0 console lines (or a progress bar), metrics.jsonl, and wandb.
+
+Per step the loop hands over the loss as a device tensor; it is summed on the device and only
+reduced across ranks (one all-reduce, one host sync) at each log interval. Throughput is counted
+over the interval's wall time, so no per-step synchronisation is added.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trainer")
+
+
+def setup_logging(is_main: bool, rank: int, level: str = "info") -> None:
+    """Rank 0 logs at `level`; other ranks only warnings and errors, prefixed with their rank."""
+    lvl = getattr(logging, level.upper()) if is_main else logging.WARNING
+    fmt = "%(asctime)s %(message)s" if is_main else f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"
+    handler = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(lvl)
+    log.propagate = False
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Libraries speak only when something is wrong (DeepSpeed's own warnings at init are noise)."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message=".*all_gather_into_tensor.*is deprecated", category=FutureWarning
+    )
+    warnings.filterwarnings(
+        "ignore", message=".*reduce_scatter_tensor.*is deprecated", category=FutureWarning
+    )
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "transformers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.ERROR)
+    except ImportError:
+        pass
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+@dataclass
+class Interval:
+    """Sums over the steps since the last log line."""
+
+    steps: int = 0
+    loss: Any = 0.0  # device tensor sum
+    data_wait: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Metrics:
+    """Collects per-step values cheaply; reduces, prints and records them every `log_every` steps."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        is_main: bool,
+        world_size: int,
+        log_every: int,
+        max_steps: int,
+        samples_per_step: int,
+        tokens_per_step: int,
+        device: Any,
+    ) -> None:
+        self.is_main = is_main
+        self.world_size = world_size
+        self.log_every = log_every
+        self.max_steps = max_steps
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.device = device
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = None
+        if is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)  # noqa: SIM115  (closed in close())
+        self.interval = Interval()
+        self.history: list[dict[str, Any]] = []
+        self.last_loss: float | None = None
+        self.first_loss: float | None = None
+        self._t_start = time.perf_counter()
+
+    def step(self, step: int, loss: Any, data_wait: float, engine: Any) -> dict[str, Any] | None:
+        """Account one optimizer step; at a log step, reduce across ranks and record a line."""
+        iv = self.interval
+        iv.steps += 1
+        iv.loss = iv.loss + loss
+        iv.data_wait += data_wait
+        if step % self.log_every != 0 and step != self.max_steps:
+            return None
+        return self._flush(step, engine)
+
+    def _flush(self, step: int, engine: Any) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        iv = self.interval
+        elapsed = max(time.perf_counter() - iv.started, 1e-9)
+        packed = torch.stack(
+            [
+                torch.as_tensor(iv.loss, dtype=torch.float32, device=self.device).reshape(()),
+                torch.tensor(iv.data_wait / elapsed, dtype=torch.float32, device=self.device),
+            ]
+        )
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(packed)
+        loss_sum, wait_share = (packed / self.world_size).tolist()
+        loss = loss_sum / iv.steps
+        rec = {
+            "step": step,
+            "loss": loss,
+            "lr": engine.lr,
+            "grad_norm": engine.grad_norm,
+            "tokens_per_s": self.tokens_per_step * iv.steps / elapsed,
+            "samples_per_s": self.samples_per_step * iv.steps / elapsed,
+            "tokens_per_s_per_rank": self.tokens_per_step * iv.steps / elapsed / self.world_size,
+            "step_time_s": elapsed / iv.steps,
+            "data_wait_share": min(1.0, max(0.0, wait_share)),
+            "skipped_steps": engine.skipped_steps,
+            "elapsed_s": time.perf_counter() - self._t_start,
+        }
+        self.last_loss = loss
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.interval = Interval()
+        self.record(rec)
+        if self.is_main:
+            gn = rec["grad_norm"]
+            log.info(
+                f"step {step:>6}/{self.max_steps}  loss {loss:.4f}  lr {rec['lr']:.3e}  "
+                f"grad_norm {gn if gn is None else f'{gn:.3f}'}  tok/s {rec['tokens_per_s']:,.0f}  "
+                f"step {rec['step_time_s'] * 1000:.0f} ms  data {rec['data_wait_share']:.1%}"
+            )
+        return rec
+
+    def eval(self, step: int, loss: float) -> None:
+        rec = {"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        self.record(rec)
+        if self.is_main:
+            log.info(f"eval  step {step:>6}  loss {loss:.4f}  ppl {rec['eval_ppl']:.2f}")
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.history.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None

@@ -1,0 +1,255 @@
+"""The model: from a transformers config (random init), a local path or hub id, or a factory.
+
+`info()` counts parameters and the largest layer on the meta device (no weights allocated), for
+the planner. `build()` makes the real module; at ZeRO stage 3 it is built under DeepSpeed's
+zero.Init (through transformers' HfDeepSpeedConfig), so no rank ever holds the whole model.
+
+A factory (`model.factory: package.module:function`) returns a torch.nn.Module whose forward
+takes `input_ids` and `labels` and returns either the loss tensor or an object with `.loss`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from trainer.config import ModelSection, thaw
+from trainer.errors import UserError
+from trainer.strategy import ModelInfo
+
+
+def _config(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> Any:
+    """The transformers config for `config:` or `pretrained:` models."""
+    from transformers import AutoConfig
+
+    if section.config is not None:
+        fields = thaw(section.config)
+        model_type = fields.pop("model_type")
+        if vocab_size is not None:
+            given = fields.get("vocab_size")
+            if given is not None and given < vocab_size:
+                raise UserError(
+                    f"model.config.vocab_size is {given} but the tokenizer has {vocab_size} tokens; remove "
+                    "vocab_size (it then follows the tokenizer) or raise it"
+                )
+            fields.setdefault("vocab_size", vocab_size)
+        if eos_id is not None:
+            for key in ("bos_token_id", "eos_token_id"):
+                fields.setdefault(key, eos_id)
+        try:
+            return AutoConfig.for_model(model_type, **fields)
+        except ValueError as e:
+            raise UserError(f"model.config.model_type: {e}") from None
+        except TypeError as e:
+            raise UserError(f"model.config: {e}") from None
+    try:
+        return AutoConfig.from_pretrained(
+            section.pretrained, revision=section.revision, trust_remote_code=section.trust_remote_code
+        )
+    except OSError as e:
+        raise UserError(
+            f"model.pretrained: cannot load '{section.pretrained}': {str(e).splitlines()[0]}. Give a local "
+            "directory with config.json, or a hub id on a machine with network access"
+        ) from None
+
+
+def _factory(section: ModelSection) -> Callable[..., Any]:
+    module_name, _, fn_name = (section.factory or "").partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"model.factory: cannot import '{module_name}': {e}; is it on PYTHONPATH?") from None
+    fn = module
+    for part in fn_name.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise UserError(f"model.factory: '{module_name}' has no '{fn_name}'")
+    if not callable(fn):
+        raise UserError(f"model.factory: '{section.factory}' is not callable")
+    return fn
+
+
+def positions(cfg: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def check_seq_len(cfg: Any, seq_len: int) -> None:
+    n = positions(cfg)
+    if n is not None and seq_len > n:
+        raise UserError(
+            f"data.seq_len {seq_len} is longer than the model's {n} positions; lower data.seq_len to at most {n}"
+        )
+
+
+def _shape(cfg: Any) -> dict[str, Any]:
+    def first(*names: str) -> Any:
+        for n in names:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int):
+                return v
+        return None
+
+    return {
+        "hidden": first("hidden_size", "n_embd", "d_model"),
+        "layers": first("num_hidden_layers", "n_layer", "num_layers"),
+        "heads": first("num_attention_heads", "n_head"),
+        "vocab": first("vocab_size"),
+        "positions": positions(cfg),
+        "model_type": getattr(cfg, "model_type", None),
+    }
+
+
+def count(module: Any) -> tuple[int, int]:
+    """(unique parameters, largest parameter count held directly by one module)."""
+    unique = {id(p): p.numel() for p in module.parameters()}
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+    return sum(unique.values()), largest
+
+
+def info(section: ModelSection, vocab_size: int | None = None, eos_id: int | None = None) -> ModelInfo:
+    """Count the model on the meta device: no weights are allocated, even for 70B."""
+    import torch
+
+    if section.factory is not None:
+        fn = _factory(section)
+        try:
+            with torch.device("meta"):
+                module = fn(**thaw(section.factory_args))
+        except Exception:  # a factory that cannot build on meta: build it for real once
+            module = fn(**thaw(section.factory_args))
+        params, largest = count(module)
+        cfg = getattr(module, "config", None)
+        shape = _shape(cfg) if cfg is not None else {}
+        return ModelInfo(params=params, largest_layer=largest, **shape)
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(section, vocab_size, eos_id)
+    kwargs = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
+    with torch.device("meta"), _quiet_transformers():
+        module = AutoModelForCausalLM.from_config(cfg, **kwargs)
+    params, largest = count(module)
+    attn = getattr(module.config, "_attn_implementation", None)
+    return ModelInfo(params=params, largest_layer=largest, attn_implementation=attn, **_shape(cfg))
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def build(
+    section: ModelSection,
+    *,
+    vocab_size: int | None,
+    eos_id: int | None,
+    seq_len: int,
+    ds_config: Mapping[str, Any] | None = None,
+) -> Any:
+    """The real module. At ZeRO stage 3 it is created partitioned (zero.Init)."""
+    zero3 = bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
+    with _zero3_context(ds_config if zero3 else None), _quiet_transformers():
+        if section.factory is not None:
+            import deepspeed
+
+            fn = _factory(section)
+            init = (
+                deepspeed.zero.Init(config_dict_or_path=dict(ds_config))
+                if zero3
+                else contextlib.nullcontext()
+            )
+            with init:
+                model = fn(**thaw(section.factory_args))
+            cfg = getattr(model, "config", None)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            cfg = _config(section, vocab_size, eos_id)
+            check_seq_len(cfg, seq_len)
+            kwargs: dict[str, Any] = {}
+            if section.attn_implementation:
+                kwargs["attn_implementation"] = section.attn_implementation
+            if section.config is not None:
+                model = AutoModelForCausalLM.from_config(cfg, **kwargs)
+            else:
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(
+                        section.pretrained,
+                        config=cfg,
+                        revision=section.revision,
+                        trust_remote_code=section.trust_remote_code,
+                        **kwargs,
+                    )
+                except OSError as e:
+                    raise UserError(
+                        f"model.pretrained: cannot load weights of '{section.pretrained}': {e}"
+                    ) from None
+            if vocab_size is not None and cfg.vocab_size < vocab_size:
+                raise UserError(
+                    f"data.tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; use the "
+                    "model's own tokenizer"
+                )
+    if cfg is not None:
+        check_seq_len(cfg, seq_len)
+    if section.activation_checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise UserError(
+                "model.activation_checkpointing: the factory's model has no gradient_checkpointing_enable(); "
+                "implement it or set activation_checkpointing: false"
+            )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+            model.config.use_cache = False
+    return model
+
+
+@contextlib.contextmanager
+def _zero3_context(ds_config: Mapping[str, Any] | None) -> Iterator[None]:
+    """Make transformers build/load the model under zero.Init (the weakref needs a live object)."""
+    if ds_config is None:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    keep = HfDeepSpeedConfig(dict(ds_config))
+    try:
+        yield
+    finally:
+        del keep
+        unset_hf_deepspeed_config()
+
+
+def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: biases and norm weights (1-D) get no weight decay. Under ZeRO-3 a
+    parameter is a 1-D placeholder, so its real shape is `ds_shape`."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def loss_of(output: Any) -> Any:
+    """The loss from a model's output: a tensor, or an object/dict with `.loss`."""
+    if hasattr(output, "loss"):
+        return output.loss
+    if isinstance(output, Mapping) and "loss" in output:
+        return output["loss"]
+    return output
