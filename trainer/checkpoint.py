@@ -1,13 +1,475 @@
-"""Checkpoints (placeholder until the checkpoint module lands)."""
+"""Checkpoints you can trust.
+
+Layout (one directory per checkpoint, `latest` names the newest complete one):
+
+    <run_dir>/checkpoints/
+      latest                  "step_00000500": replaced atomically, only after every rank finished
+      step_00000500/
+        ds_config.json        exactly the dict given to deepspeed.initialize
+        experiment.yaml       the resolved experiment
+        trainer_state.json    step, samples, tokens, data position, world size, stage, plan, versions,
+                              wall time, metrics, and the manifest (every file with its size)
+        rng_rank00000.pt ...  per-rank RNG states (python, numpy, torch CPU and CUDA)
+        ...DeepSpeed's files  mp_rank_00_model_states.pt, *_optim_states.pt
+
+Saving: every rank writes into a hidden staging directory (`.tmp-step_00000500`); after a barrier,
+rank 0 writes the metadata and the manifest, renames the directory to its final name and replaces
+`latest` (write, fsync, rename). A crash at any point leaves the previous checkpoint as `latest`;
+staging leftovers are ignored on resume and removed by the next save. DeepSpeed's own `latest`
+(written by rank 0 before the other ranks finish) is never used.
+
+Resuming checks the manifest first (every file present with its size) on every rank: a truncated or
+missing shard is reported by name before any rank loads anything; `--resume`/auto then fall back to
+the previous complete checkpoint and say so, `--resume PATH` stops.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
+import yaml
 
-class Checkpointer:
-    def __init__(self, section: Any, run_dir: Any, *, engine: Any, stream: Any, is_main: bool) -> None:
-        self.section = section
+from trainer.config import CheckpointSection, Experiment
+from trainer.errors import Problem, UserError
 
-    def offer(self, state: Any, force: bool = False, final: bool = False) -> None:
+log = logging.getLogger("trainer")
+
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+STAGING_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+LATEST = "latest"
+STATE = "trainer_state.json"
+
+# ----------------------------------------------------------------------------- discovery (no torch)
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete checkpoint on disk."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def tag(self) -> str:
+        return self.path.name
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / STATE).read_text())
+    except (OSError, json.JSONDecodeError):
         return None
+
+
+def verify(path: Path, state: Mapping[str, Any]) -> list[str]:
+    """Problems with a checkpoint's files: missing or with another size than the manifest says."""
+    out = []
+    for rel, size in state.get("files", {}).items():
+        f = path / rel
+        try:
+            actual = f.stat().st_size
+        except FileNotFoundError:
+            out.append(f"{f} is missing")
+            continue
+        if actual != size:
+            out.append(f"{f} has {actual} bytes, the manifest says {size} (truncated or overwritten)")
+    return out
+
+
+def complete(root: Path) -> list[Found]:
+    """Complete checkpoints under a checkpoints directory, oldest first (final names only)."""
+    out = []
+    if not root.is_dir():
+        return out
+    for d in root.iterdir():
+        if d.is_dir() and STEP_DIR.match(d.name):
+            state = read_state(d)
+            if state is not None:
+                out.append(Found(d, state))
+    return sorted(out, key=lambda f: f.step)
+
+
+def latest(root: Path) -> tuple[Found | None, list[str]]:
+    """The newest complete checkpoint that passes verification, and warnings about skipped ones."""
+    warnings: list[str] = []
+    candidates = complete(root)
+    named = None
+    with contextlib.suppress(OSError):
+        named = (root / LATEST).read_text().strip()
+    # `latest` first, then newest to oldest (a deleted `latest` target falls back by itself).
+    order = sorted(candidates, key=lambda f: (f.tag != named, -f.step))
+    for found in order:
+        problems = verify(found.path, found.state)
+        if not problems:
+            return found, warnings
+        warnings.append(f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); skipping it")
+    return None, warnings
+
+
+def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Found | None, list[str]]:
+    """What to resume from: `--resume` (arg 'latest'), `--resume PATH`, or checkpoint.resume: auto."""
+    root = checkpoints_dir(run_dir)
+    if arg is None and mode == "never":
+        existing = complete(root)
+        if existing:
+            raise UserError(
+                f"{root} already holds checkpoints (newest: {existing[-1].tag}); starting fresh would mix runs. "
+                f"Resume with --resume (or checkpoint.resume: auto), or choose another run_dir "
+                f"(--set run_dir=...), or remove {root}"
+            )
+        return None, []
+    if arg is None or arg == "latest":
+        found, warnings = latest(root)
+        if found is None:
+            if arg is None:  # auto: nothing there yet, start fresh
+                return None, warnings
+            looked = f"looked in {root.resolve()} for '{LATEST}' and step_* directories"
+            raise UserError(
+                f"--resume: nothing to resume: no complete checkpoint ({looked}). " + " ".join(warnings)
+            )
+        return found, warnings
+    path = Path(arg)
+    if (path / STATE).exists():
+        state = read_state(path)
+        if state is None:
+            raise UserError(f"--resume {arg}: {path / STATE} is not valid JSON; the checkpoint is damaged")
+        problems = verify(path, state)
+        if problems:
+            raise UserError(f"--resume {arg}: the checkpoint is damaged: " + "; ".join(problems))
+        return Found(path, state), []
+    for root_guess in (path, path / "checkpoints"):  # a checkpoints dir or a run dir: take its latest
+        if (root_guess / LATEST).exists() or complete(root_guess):
+            found, warnings = latest(root_guess)
+            if found is not None:
+                return found, warnings
+    raise UserError(
+        f"--resume {arg}: not a checkpoint (no {STATE} in it) and no complete checkpoint below it; pass a "
+        "step_XXXXXXXX directory, a checkpoints directory or a run directory"
+    )
+
+
+# ----------------------------------------------------------------------------- compatibility
+
+# Changing these between save and resume is fine: they do not change what was learned.
+HARMLESS = (
+    "name",
+    "run_dir",
+    "logging",
+    "checkpoint",
+    "strategy",
+    "train.max_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.micro_batch_size",
+    "train.grad_accum",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.persistent_workers",
+    "data.num_proc",
+    "data.cache_dir",
+)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Keys whose values differ between two experiments (dotted paths)."""
+    a, b = _flatten(saved), _flatten(current)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def check_compatible(found: Found, exp: Experiment) -> list[str]:
+    """Raise if the model or data differ from the checkpoint's; return the harmless differences."""
+    try:
+        saved = yaml.safe_load((found.path / "experiment.yaml").read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"--resume: cannot read {found.path / 'experiment.yaml'}: {e}") from None
+    diffs = differences(saved, exp.to_dict())
+    harmful = [k for k in diffs if not any(k == h or k.startswith(h + ".") for h in HARMLESS)]
+    if harmful:
+        a, b = _flatten(saved), _flatten(exp.to_dict())
+        raise UserError(
+            f"--resume: the experiment differs from the one that wrote {found.path} in what the model learned "
+            "from; resume with the same model and data, or start a new run_dir",
+            [
+                Problem(k, f"checkpoint has {a.get(k)!r}, the experiment now has {b.get(k)!r}")
+                for k in harmful
+            ],
+        )
+    return diffs
+
+
+# ----------------------------------------------------------------------------- saving / loading
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "deepspeed", "transformers", "datasets"):
+        with contextlib.suppress(ImportError):
+            out[mod] = __import__(mod).__version__
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    import torch
+
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class Checkpointer:
+    """Decides when to save (its own cadence), saves atomically, prunes, and restores."""
+
+    section: CheckpointSection
+    run_dir: Path
+    engine: Any
+    stream: Any
+    exp: Experiment
+    rank: int
+    world_size: int
+    plan: dict[str, Any] = field(default_factory=dict)
+    layout: tuple[list[list[str]], dict[str, str]] = ([], {})  # parameter names per group, tied aliases
+    control: Any = None
+    metrics: Any = None
+    last_saved_step: int = -1
+    _last_save_time: float = field(default_factory=time.monotonic)
+    _group: Any = None
+
+    def __post_init__(self) -> None:
+        self.root = checkpoints_dir(self.run_dir)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # CPU barriers: never sync the GPU
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def minutes_due(self) -> bool:
+        """This rank's clock says a timed save is due (agreed across ranks by the caller)."""
+        m = self.section.every_minutes
+        return m > 0 and time.monotonic() - self._last_save_time >= m * 60
+
+    def offer(self, state: Any, *, force: bool = False, final: bool = False, time_due: bool = False) -> bool:
+        """Called by the loop after every step; saves when the cadence says so."""
+        if state.step == self.last_saved_step:
+            return False
+        every = self.section.every_steps
+        due = (
+            force
+            or time_due
+            or (final and self.section.save_final)
+            or (every > 0 and state.step % every == 0)
+        )
+        if due:
+            self.save(state)
+        return due
+
+    # --- save -------------------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._group)
+
+    def save(self, state: Any) -> Path:
+        import torch
+
+        t0 = time.perf_counter()
+        tag = tag_for(state.step)
+        staging = STAGING_PREFIX + tag
+        stage_dir = self.root / staging
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._clean_leftovers(keep=staging)
+            if stage_dir.exists():
+                shutil.rmtree(stage_dir)
+        self._barrier()
+        # Every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers before and after).
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), stage_dir / f"rng_rank{self.rank:05d}.pt")
+        if self.control is not None:
+            self.control.arm_save(state.step, self.engine.ds.checkpoint_engine)
+        self.engine.ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
+        self._barrier()  # every rank has finished writing
+        self._fault("killcommit", state.step)
+        final = self.root / tag
+        if self.is_main:
+            self._write_metadata(stage_dir, state)
+            if final.exists():  # an older run reached this step too: replace it
+                trash = self.root / (TRASH_PREFIX + tag)
+                shutil.rmtree(trash, ignore_errors=True)
+                os.rename(final, trash)
+            os.rename(stage_dir, final)
+            _fsync_dir(self.root)
+            _write_atomic(self.root / LATEST, tag + "\n")
+            self._prune(keep=tag)
+        self._barrier()
+        self.last_saved_step = state.step
+        self._last_save_time = time.monotonic()
+        if self.is_main:
+            log.info(f"checkpoint {final} saved in {time.perf_counter() - t0:.1f} s")
+        return final
+
+    def _write_metadata(self, stage_dir: Path, state: Any) -> None:
+        (stage_dir / "ds_config.json").write_text(json.dumps(self.engine.ds_config, indent=2) + "\n")
+        (stage_dir / "experiment.yaml").write_text(self.exp.to_yaml())
+        files = {}
+        for p in sorted(stage_dir.rglob("*")):
+            if p.is_file() and p.name != STATE:
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+                files[str(p.relative_to(stage_dir))] = p.stat().st_size
+        pos = self.stream.position
+        metrics = {}
+        if self.metrics is not None and self.metrics.history:
+            metrics = {k: v for rec in self.metrics.history[-3:] for k, v in rec.items()}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            **state.to_dict(),
+            "epoch": pos.epoch,
+            "data_position": {
+                "epoch": pos.epoch,
+                "sample": pos.sample,
+                "samples_per_epoch": self.stream.sampler.n,
+            },
+            "world_size": self.world_size,
+            "zero_stage": self.engine.ds.zero_optimization_stage(),
+            "offload": self.plan.get("offload", "none"),
+            "plan": self.plan,
+            "versions": versions(),
+            "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "metrics": metrics,
+            "files": files,
+        }
+        _write_atomic(stage_dir / STATE, json.dumps(meta, indent=2) + "\n")
+
+    def _clean_leftovers(self, keep: str) -> None:
+        """Remove staging and trash directories left by crashed saves or prunes."""
+        for d in self.root.iterdir():
+            if d.is_dir() and d.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and d.name != keep:
+                log.info(f"removing {d} (left by an interrupted save)")
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _prune(self, keep: str) -> None:
+        n = self.section.keep_last
+        if n <= 0:
+            return
+        done = [f for f in complete(self.root) if f.tag != keep]
+        for old in done[: max(0, len(done) - (n - 1))]:
+            trash = self.root / (TRASH_PREFIX + old.tag)
+            os.rename(old.path, trash)  # atomic: never a half-deleted "complete" checkpoint
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _fault(self, point: str, step: int) -> None:
+        if self.control is not None:
+            self.control.at(point, step)
+
+    # --- load -------------------------------------------------------------------------------
+
+    def load(self, found: Found, state: Any) -> None:
+        """Restore weights, optimizer, scheduler, step, data position and this rank's RNG."""
+        import torch
+
+        from trainer import reshard
+
+        saved = found.state
+        same_world = saved["world_size"] == self.world_size
+        names, aliases = self.layout
+        reshard.load(self.engine, found.path, names, aliases, self.rank, self._group)
+        state.step = int(saved["step"])
+        state.samples = int(saved["samples"])
+        state.tokens = int(saved["tokens"])
+        state.wall_time = float(saved.get("wall_time", 0.0))
+        from trainer.data import Position
+
+        pos = saved["data_position"]
+        self.stream.seek(Position(int(pos["epoch"]), int(pos["sample"])))
+        rng = found.path / f"rng_rank{self.rank:05d}.pt"
+        if same_world and rng.exists():
+            set_rng_state(torch.load(rng, weights_only=False))
+        else:  # another world size: a fresh, still deterministic, per-rank stream
+            from trainer.dist import seed_all
+
+            seed_all(self.exp.seed + 1 + self.rank + 1_000_003 * state.step)
+        self.last_saved_step = state.step
+        self._last_save_time = time.monotonic()

@@ -75,6 +75,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force", action="store_true", help="run a pinned stage/offload even if predicted not to fit"
     )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="resume from the latest complete checkpoint in the run directory, or from PATH "
+        "(a step_XXXXXXXX directory, a checkpoints directory or a run directory)",
+    )
     # The deepspeed launcher injects --local_rank=N; torch.distributed.launch used --local-rank.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -82,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.resume and args.resume.endswith((".yaml", ".yml")) and args.experiment is None:
+        args.experiment, args.resume = args.resume, "latest"  # `bin/train --resume exp.yaml`
     try:
         if args.describe_config:
             print(describe_config())
@@ -231,6 +242,20 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         if src is not None and src.files is not None:
             resolve_files(src, key)
 
+    from trainer import checkpoint
+
+    found, warnings = checkpoint.resolve_resume(args.resume, exp.checkpoint.resume, exp.run_dir)
+    resume = None
+    if found is not None:
+        diffs = checkpoint.check_compatible(found, exp)
+        resume = Resume(found, warnings, diffs)
+        if found.step >= exp.train.max_steps:
+            if dist.detect().rank == 0:
+                print(
+                    f"{found.path} is at step {found.step}, train.max_steps is {exp.train.max_steps}: nothing to do"
+                )
+            return 0
+
     env = dist.detect()
     device_type = "cuda" if dist.gpu_present() else "cpu"
     vocab, eos = vocab_for_planning(exp)
@@ -246,7 +271,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     )
     runtime = dist.setup()
     try:
-        return _train(exp, args, runtime, planned)
+        return _train(exp, args, runtime, planned, resume)
     except UserError as e:
         e.before_launch = False  # found by this rank while running: it must say it itself
         raise
@@ -255,11 +280,25 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 
         if tdist.is_initialized():
             tdist.destroy_process_group()
+        dist.release_shm(runtime.env)
 
 
-def _train(exp: config_mod.Experiment, args: argparse.Namespace, runtime: Any, planned: Planned) -> int:
+@dataclass
+class Resume:
+    found: Any  # checkpoint.Found
+    warnings: list[str]
+    differences: list[str]
+
+
+def _train(
+    exp: config_mod.Experiment,
+    args: argparse.Namespace,
+    runtime: Any,
+    planned: Planned,
+    resume: Resume | None,
+) -> int:
     from trainer import data as data_mod
-    from trainer import dist, metrics, model
+    from trainer import dist, metrics, model, reshard
     from trainer.checkpoint import Checkpointer
     from trainer.control import Control
     from trainer.engine import Engine
@@ -267,7 +306,7 @@ def _train(exp: config_mod.Experiment, args: argparse.Namespace, runtime: Any, p
 
     env = runtime.env
     metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
-    for warning in config_mod.warnings(exp):
+    for warning in config_mod.warnings(exp) if runtime.is_main else ():
         log.warning(f"warning: {warning}")
     run_dir = Path(exp.run_dir)
     if runtime.is_main:
@@ -285,7 +324,9 @@ def _train(exp: config_mod.Experiment, args: argparse.Namespace, runtime: Any, p
         seq_len=exp.data.seq_len,
         ds_config=planned.ds_config,
     )
-    engine = Engine(module, planned.ds_config, model.param_groups(module, exp.optim.weight_decay))
+    groups = model.param_groups(module, exp.optim.weight_decay)
+    layout = reshard.names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
+    engine = Engine(module, planned.ds_config, groups)
     dist.seed_all(exp.seed + 1 + env.rank)  # dropout differs per rank
 
     t = exp.train
@@ -309,9 +350,6 @@ def _train(exp: config_mod.Experiment, args: argparse.Namespace, runtime: Any, p
     )
     evaluator = Evaluator(eval_loader, t.eval_every, env.world_size)
     state = TrainState()
-    checkpointer = Checkpointer(
-        exp.checkpoint, run_dir, engine=engine, stream=stream, is_main=runtime.is_main
-    )
     samples_per_step = t.micro_batch_size * env.world_size * t.grad_accum
     mets = metrics.Metrics(
         run_dir,
@@ -330,10 +368,34 @@ def _train(exp: config_mod.Experiment, args: argparse.Namespace, runtime: Any, p
         faults=dist.faults(),
         handle_signals=exp.checkpoint.save_on_signal,
     )
+    checkpointer = Checkpointer(
+        exp.checkpoint,
+        run_dir,
+        engine=engine,
+        stream=stream,
+        exp=exp,
+        rank=env.rank,
+        world_size=env.world_size,
+        plan=planned.plan.summary(),
+        layout=layout,
+        control=control,
+        metrics=mets,
+    )
+    if resume is not None:
+        checkpointer.load(resume.found, state)
     debug = dist.debug_dir()
     if debug:
         stream.record = []
     banner(exp, runtime, planned, data, stream, samples_per_step)
+    if resume is not None and runtime.is_main:
+        for w in resume.warnings:
+            log.warning(f"warning: {w}")
+        log.info(
+            f"resumed from {resume.found.path} at step {state.step} (epoch {stream.position.epoch}, "
+            f"sample {stream.position.sample} of the epoch)"
+        )
+        if resume.differences:
+            log.info(f"resumed with changed settings: {', '.join(resume.differences)}")
     try:
         state = train(
             max_steps=t.max_steps,
@@ -352,15 +414,28 @@ def _train(exp: config_mod.Experiment, args: argparse.Namespace, runtime: Any, p
     if debug:
         from trainer.checks import write_debug_report
 
-        write_debug_report(
-            debug, env.rank, env.world_size, engine.module, stream.record or [], {"step": state.step}
-        )
+        extra = {"step": state.step, "ds_config": engine.ds._config._param_dict}
+        write_debug_report(debug, env.rank, env.world_size, engine.module, stream.record or [], extra)
+        probe_logits(debug, engine, data, env.rank)
     if runtime.is_main:
         first, last = mets.first_loss, mets.last_loss
         log.info(
             f"done: {state.step} steps, {state.tokens:,} tokens in {state.wall_time:.1f} s; loss {first:.4f} -> {last:.4f}"
         )
     return 0
+
+
+def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
+    """Tests: the engine's logits on the first two training sequences (compared with an export)."""
+    import torch
+
+    ids = torch.from_numpy(data.train[:2]["input_ids"].astype("int64"))
+    engine.train(False)
+    with torch.no_grad():
+        logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()
+    engine.train(True)
+    if rank == 0:
+        torch.save({"input_ids": ids, "logits": logits}, Path(directory) / "probe.pt")
 
 
 def banner(

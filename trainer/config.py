@@ -212,6 +212,10 @@ class OptimSection(Section):
     """Optimizer and learning-rate schedule (passed to DeepSpeed, which owns the update)."""
 
     name: choice("adamw", "adam") = Field("adamw", description="optimizer")
+    implementation: choice("auto", "deepspeed", "torch") = Field(
+        "auto",
+        description="auto = DeepSpeed's fused Adam on GPU / CPUAdam with offload, torch AdamW on CPU (bitwise resume)",
+    )
     lr: float = Field(3e-4, gt=0.0, description="peak learning rate (before lr_scaling)")
     lr_scaling: choice("none", "linear", "sqrt") = Field(
         "none", description="scale lr with world size x grad_accum relative to one rank (Goyal et al.)"
@@ -261,6 +265,7 @@ class CheckpointSection(Section):
     keep_last: int = Field(3, ge=0, description="keep the newest N complete checkpoints (0 = all)")
     save_final: bool = Field(True, description="save at the end of training")
     save_on_signal: bool = Field(True, description="on SIGTERM/SIGUSR1: finish the step, save, exit")
+    signal_exit_code: int = Field(0, ge=0, le=255, description="exit status after a save on a signal")
     resume: choice("never", "auto") = Field(
         "never", description="auto = resume from the latest complete checkpoint if there is one"
     )

@@ -42,22 +42,46 @@ class Control:
     def signalled(self) -> int | None:
         return self._signalled
 
-    def stop_requested(self) -> bool:
-        """True on every rank if any rank was signalled (one tiny CPU all-reduce per step)."""
+    def agree(self, time_due: bool) -> tuple[bool, bool]:
+        """(stop, timed save due) on every rank: any rank signalled / any rank's clock says a timed
+        checkpoint is due. One tiny all-reduce per step on a CPU group."""
+        flags = [self._signalled is not None, time_due]
         if self._group is None:
-            return self._signalled is not None
+            return flags[0], flags[1]
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if self._signalled is not None else 0], dtype=torch.int32)
-        dist.all_reduce(flag, group=self._group)
-        return bool(flag.item())
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(t[0]), bool(t[1])
 
     def before_step(self, step: int) -> None:
         """Apply injected faults for this step (tests only; TRAINER_FAULT)."""
         for f in self.faults:
             if f.applies(step, self.rank, self.attempt):
                 self._inject(f, step)
+
+    def at(self, point: str, step: int) -> None:
+        """`killcommit`: die after every rank has written its shards, before `latest` is updated."""
+        for f in self.faults:
+            if f.kind == point and f.applies(step, self.rank, self.attempt):
+                log.warning(f"injected {point} at rank {self.rank} step {step} (TRAINER_FAULT)")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm_save(self, step: int, writer: Any) -> None:
+        """`killsave`: die in the middle of this rank's shard writes (after a pause, so that the
+        other ranks finish theirs first): wraps DeepSpeed's checkpoint writer for this save."""
+        if not any(f.kind == "killsave" and f.applies(step, self.rank, self.attempt) for f in self.faults):
+            return
+        real = writer.save
+
+        def save_then_die(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(2.0)
+            real(*args, **kwargs)
+            log.warning(f"injected killsave at rank {self.rank} step {step} (TRAINER_FAULT)")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        writer.save = save_then_die
 
     def check_loss(self, loss: Any, step: int) -> Any:
         for f in self.faults:

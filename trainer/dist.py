@@ -9,10 +9,12 @@ rank and dropout differs per rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -168,6 +170,8 @@ def setup(timeout_s: float = 600.0) -> Runtime:
         env = DistEnv(**{**env.__dict__, "master_port": port})
     if not gpu_present():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed guessing loudly
+        if env.local_rank == 0:
+            sweep_stale_shm()
     import torch
 
     # CPU threads: cores split between the ranks of this node, unless the user chose.
@@ -195,6 +199,46 @@ def setup(timeout_s: float = 600.0) -> Runtime:
         verbose=False,
     )
     return Runtime(env=env, device_type=device_type, backend=backend, threads=threads, device=device)
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU all-reduce buffers; it never unlinks them
+
+
+def shm_buffer(env: DistEnv) -> str:
+    return os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getuid()}_{env.master_addr}_{env.master_port}_{env.rank}")
+
+
+def release_shm(env: DistEnv) -> None:
+    """Unlink this rank's DeepSpeed shared-memory buffer (peers keep their mappings until they exit)."""
+    with contextlib.suppress(OSError):
+        os.unlink(shm_buffer(env))
+
+
+def sweep_stale_shm(min_age_s: float = 60.0) -> list[str]:
+    """Remove DeepSpeed buffers of this user that no live process maps (left by killed runs)."""
+    mine = f"{SHM_PREFIX}{os.getuid()}_"
+    try:
+        candidates = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(mine)]
+    except OSError:
+        return []
+    if not candidates:
+        return []
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+                mapped.update(line.split()[-1] for line in f if SHM_PREFIX in line)
+    removed = []
+    now = time.time()
+    for path in candidates:
+        with contextlib.suppress(OSError):
+            if path not in mapped and now - os.stat(path).st_mtime > min_age_s:
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 def seed_all(seed: int) -> None:

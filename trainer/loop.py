@@ -19,6 +19,7 @@ class TrainState:
     tokens: int = 0
     started_at: float = field(default_factory=time.time)
     wall_time: float = 0.0  # seconds trained, summed over resumed attempts
+    stopped: bool = False  # ended early on a stop request (preemption signal)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,10 +90,11 @@ def train(
         metrics.step(state.step, control.check_loss(loss / grad_accum, state.step), wait, engine)
         if evaluator.due(state.step):
             metrics.eval(state.step, evaluator.run(engine, state.step))
-        stop = control.stop_requested()  # agreed by all ranks (preemption signals)
-        checkpointer.offer(state, force=stop)
+        stop, timed = control.agree(checkpointer.minutes_due())  # the same answer on every rank
+        checkpointer.offer(state, force=stop, time_due=timed)
         if stop:
             log.info(f"stopping at step {state.step} on request; checkpoint saved")
+            state.stopped = True
             return state
     if evaluator.batches is not None and evaluator.last_step != state.step:
         metrics.eval(state.step, evaluator.run(engine, state.step))

@@ -599,6 +599,15 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def optimizer_implementation(choice: str, device_type: str, offload: str) -> str:
+    """auto: DeepSpeed's fused Adam on GPU and DeepSpeedCPUAdam with offload (the fast paths); torch's
+    AdamW on a CPU device, where DeepSpeed's SIMD kernel rounds differently depending on where a
+    reloaded tensor lands in memory, which would make resumed runs differ in the last bit."""
+    if choice != "auto":
+        return choice
+    return "deepspeed" if device_type == "cuda" or offload != "none" else "torch"
+
+
 def scaled_lr(exp: Experiment, world_size: int) -> float:
     """optim.lr scaled by optim.lr_scaling for world_size x grad_accum (lr is given for one rank)."""
     k = world_size * exp.train.grad_accum
@@ -636,6 +645,8 @@ def ds_config(
     f.own(d, "optimizer.params.betas", list(o.betas), why="optim.betas")
     f.own(d, "optimizer.params.eps", o.eps, why="optim.eps")
     f.own(d, "optimizer.params.weight_decay", o.weight_decay, why="optim.weight_decay")
+    impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
+    f.own(d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}")
 
     sched = SCHEDULERS[o.schedule]
     warm = max(1, o.warmup_steps)

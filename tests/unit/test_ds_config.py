@@ -48,7 +48,7 @@ def test_owned_values_come_from_the_experiment():
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"] == {
         "type": "AdamW",
-        "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.05},
+        "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True},
     }
     assert ds["scheduler"]["type"] == "WarmupCosineLR"
     assert ds["scheduler"]["params"]["total_num_steps"] == 300
@@ -190,6 +190,16 @@ def test_precision(precision):
     ds, _ = build([f"train.precision={precision}"], precision=precision)
     assert ds["bf16"]["enabled"] is (precision == "bf16")
     assert ds["fp16"]["enabled"] is (precision == "fp16")
+
+
+def test_optimizer_implementation():
+    impl = strategy.optimizer_implementation
+    assert impl("auto", "cuda", "none") == "deepspeed"  # FusedAdam
+    assert impl("auto", "cpu", "cpu") == "deepspeed"  # DeepSpeedCPUAdam for offload
+    assert impl("auto", "cpu", "none") == "torch"  # bitwise-reproducible resume on CPU
+    assert impl("torch", "cuda", "none") == "torch"
+    ds, _ = build(["strategy.zero_stage=2", "strategy.offload=cpu"])
+    assert ds["optimizer"]["params"]["torch_adam"] is False
 
 
 def test_precision_auto_resolves_by_device():

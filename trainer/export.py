@@ -1,0 +1,106 @@
+"""Export a checkpoint of any ZeRO stage to a Hugging Face model directory.
+
+    bin/export CHECKPOINT OUT_DIR [--dtype fp32|bf16]
+
+CHECKPOINT is a step_XXXXXXXX directory, a checkpoints directory or a run directory (its latest
+complete checkpoint). The weights are consolidated in fp32 (ZeRO stages 1-3: DeepSpeed's
+zero_to_fp32 from the partitioned fp32 master weights; stage 0: the saved module), loaded into the
+model the checkpoint's experiment.yaml describes, and written with save_pretrained, together with the
+tokenizer and the checkpoint's ds_config.json, experiment.yaml and trainer_state.json (in training/).
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` then loads it. Runs on CPU, with no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import EXIT_USER_ERROR, UserError
+
+
+def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
+    """Full fp32 weights from a checkpoint of any stage."""
+    import torch
+
+    from trainer.reshard import saved_layout
+
+    stage, _ = saved_layout(ckpt)
+    if stage == 0:
+        sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return {k: v.float() for k, v in sd["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
+
+
+def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
+    import torch
+    import yaml
+
+    from trainer import config, data, model
+
+    exp = config.validate(
+        yaml.safe_load((ckpt / "experiment.yaml").read_text()), source=str(ckpt / "experiment.yaml")
+    )
+    if exp.model.factory is not None:
+        raise UserError(
+            f"{ckpt}: the model comes from a factory ({exp.model.factory}), which has no Hugging Face config to "
+            "export; load consolidated weights with trainer.export.consolidated_state_dict instead"
+        )
+    tok = data.load_tokenizer(exp.data.tokenizer)
+    cfg = model._config(exp.model, len(tok), tok.eos_token_id)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(cfg)
+    state = consolidated_state_dict(ckpt)
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    tied = {k for k in missing if k in _tied_keys(module)}
+    if set(missing) - tied or unexpected:
+        raise UserError(
+            f"{ckpt}: the weights do not fit the model of its experiment.yaml (missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]})"
+        )
+    module.tie_weights()
+    module = module.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    module.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    meta = out / "training"
+    meta.mkdir(exist_ok=True)
+    for name in ("ds_config.json", "experiment.yaml", "trainer_state.json"):
+        if (ckpt / name).exists():
+            shutil.copy2(ckpt / name, meta / name)
+    return out
+
+
+def _tied_keys(module: Any) -> set[str]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {k for k, t in module.state_dict(keep_vars=True).items() if id(t) in names and names[id(t)] != k}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bin/export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a step_XXXXXXXX directory, a checkpoints directory or a run directory")
+    p.add_argument("out_dir", help="where to write the Hugging Face model directory")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights")
+    args = p.parse_args(argv)
+    try:
+        from trainer.checkpoint import resolve_resume
+
+        found, warnings = resolve_resume(args.checkpoint, "never", args.checkpoint)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        out = export(found.path, Path(args.out_dir), args.dtype)
+        print(f"exported {found.path} (step {found.step}) to {out}")
+        return 0
+    except UserError as e:
+        print(e.render().replace("--resume", "bin/export"), file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
