@@ -62,3 +62,82 @@ def write_debug_report(
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     (path / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+# ----------------------------------------------------------------------------- memory census
+
+
+def _storages(tensors: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for t in tensors:
+        if t is not None and hasattr(t, "untyped_storage") and t.numel() > 0:
+            s = t.untyped_storage()
+            out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def _flatten(x: Any) -> list[Any]:
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _flatten(v)]
+    if isinstance(x, list | tuple):
+        return [t for v in x for t in _flatten(v)]
+    return [x]
+
+
+def census(ds: Any) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer states, counted from the
+    engine's tensors (each storage once). Parameters: the module's weights (ZeRO-3: their
+    partitions). Optimizer: fp32 master copies (ZeRO) and Adam's moments. Gradients: the module's
+    .grad at stage 0, ZeRO's gradient partitions otherwise; module .grad left at stage >= 1 are
+    gradients still waiting in a communication bucket, reported as `bucket`."""
+    import torch
+
+    module = ds.module
+    stage = ds.zero_optimization_stage()
+    opt = ds.optimizer
+    base = getattr(ds, "basic_optimizer", None) or opt
+    param_store = _storages(getattr(p, "ds_tensor", p.data) for p in module.parameters())
+    for flat in getattr(opt, "bit16_groups_flat", None) or []:
+        param_store.update(_storages([flat]))
+    if stage == 0:
+        masters = [p for g in base.param_groups for p in g["params"]]
+    else:
+        masters = list(
+            getattr(opt, "single_partition_of_fp32_groups", None)
+            or getattr(opt, "fp32_partitioned_groups_flat", [])
+        )
+    optim_store = {k: v for k, v in _storages(masters).items() if k not in param_store}
+    moments = (t for st in base.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    optim_store.update(_storages(moments))
+    module_grads = _storages(p.grad for p in module.parameters())
+    zero_grads = [getattr(m, "grad", None) for m in masters]
+    for name in ("grads_in_partition", "grad_partitions_flat_buffer", "averaged_gradients"):
+        zero_grads += _flatten(getattr(opt, name, None))
+    zero_store = _storages(t for t in zero_grads if torch.is_tensor(t))
+    grads = module_grads if stage == 0 else zero_store
+    bucket = {} if stage == 0 else {k: v for k, v in module_grads.items() if k not in zero_store}
+    return {
+        "params": sum(param_store.values()),
+        "grads": sum(grads.values()),
+        "optimizer": sum(optim_store.values()),
+        "bucket": sum(bucket.values()),
+    }
+
+
+class MemoryCensus:
+    """Takes the census at the first two backward passes: gradients at the first, parameters and
+    optimizer states at the second (Adam allocates its moments in the first step)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.result: dict[str, int] = {}
+
+    def __call__(self, engine: Any) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            c = census(engine.ds)
+            self.result.update(grads=c["grads"], bucket=c["bucket"])
+        elif self.calls == 2:
+            c = census(engine.ds)
+            self.result.update(params=c["params"], optimizer=c["optimizer"])
+            engine.on_backward = None

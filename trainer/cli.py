@@ -84,6 +84,23 @@ def parser() -> argparse.ArgumentParser:
         help="resume from the latest complete checkpoint in the run directory, or from PATH "
         "(a step_XXXXXXXX directory, a checkpoints directory or a run directory)",
     )
+    g = p.add_argument_group("supervised runs (bin/train starts the launcher and restarts it)")
+    g.add_argument(
+        "--launcher",
+        choices=["deepspeed", "torchrun", "none"],
+        default=None,
+        help="start the job with this launcher and supervise it (restarts, OOM escalation)",
+    )
+    g.add_argument(
+        "--hostfile", default=None, help="deepspeed hostfile for a multi-node --launcher deepspeed run"
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="re-run a failed job up to N times, resuming from the latest checkpoint (exit 2 is not retried)",
+    )
     # The deepspeed launcher injects --local_rank=N; torch.distributed.launch used --local-rank.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -104,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         exp = config_mod.load(args.experiment, args.overrides)
         if args.plan or args.print_config:
             return plan_command(exp, args)
+        if args.launcher is not None or args.max_restarts is not None:
+            return supervise_command(exp, args)
         return train_command(exp, args)
     except UserError as e:
         # Errors found before the process group exists are the same on every rank: say them once.
@@ -153,6 +172,7 @@ def make_plan(
     vocab_size: int | None,
     eos_id: int | None,
     force: bool,
+    this_machine: bool = True,
 ) -> Planned:
     """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed."""
     from trainer import dist, model, strategy
@@ -160,9 +180,9 @@ def make_plan(
     info = model.info(exp.model, vocab_size, eos_id)
     precision = strategy.resolve_precision(exp.train.precision, device_type)
     mem = exp.strategy.device_memory or device_memory
-    host = exp.strategy.host_memory or dist.host_memory()
+    host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
     if mem is None:  # CPU training: the ranks of a node share its memory
-        mem = host // max(1, gpus_per_node)
+        mem = dist.host_memory() // max(1, gpus_per_node)
     template_path, template = strategy.template_for(exp)
     plan = strategy.plan(
         exp,
@@ -213,6 +233,8 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         vocab_size=vocab,
         eos_id=eos,
         force=args.force,
+        # device memory given for a machine without a GPU here: planning for another machine
+        this_machine=not (exp.strategy.device_memory is not None and gpu_mem is None),
     )
     if args.print_config:
         print("# experiment (resolved)")
@@ -228,6 +250,35 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         )
         print(strategy.describe_plan(planned.plan))
     return 0
+
+
+# ----------------------------------------------------------------------------- supervision
+
+
+def supervise_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
+    from trainer.dist import detect
+    from trainer.supervisor import Supervisor
+
+    if detect().launcher != "none":
+        raise UserError(
+            "--launcher/--max-restarts start and supervise a launcher; they cannot run under one. Run "
+            f"`bin/train {args.experiment} --launcher deepspeed --max-restarts N` instead of wrapping it in a launcher"
+        )
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise UserError("--max-restarts must be 0 or more")
+    launcher = args.launcher or "none"
+    sup = Supervisor(
+        experiment=args.experiment,
+        overrides=list(args.overrides),
+        run_dir=Path(exp.run_dir),
+        launcher=launcher,
+        nproc_per_node=args.nproc_per_node or 1,
+        hostfile=args.hostfile,
+        max_restarts=args.max_restarts or 0,
+        resume=args.resume,
+        extra_args=["--force"] if args.force else [],
+    )
+    return sup.run()
 
 
 # ----------------------------------------------------------------------------- training
@@ -297,6 +348,8 @@ def _train(
     planned: Planned,
     resume: Resume | None,
 ) -> int:
+    import torch
+
     from trainer import data as data_mod
     from trainer import dist, metrics, model, reshard
     from trainer.checkpoint import Checkpointer
@@ -384,8 +437,12 @@ def _train(
     if resume is not None:
         checkpointer.load(resume.found, state)
     debug = dist.debug_dir()
+    memory = None
     if debug:
+        from trainer.checks import MemoryCensus
+
         stream.record = []
+        memory = engine.on_backward = MemoryCensus()
     banner(exp, runtime, planned, data, stream, samples_per_step)
     if resume is not None and runtime.is_main:
         for w in resume.warnings:
@@ -409,12 +466,44 @@ def _train(
             state=state,
             control=control,
         )
+    except torch.OutOfMemoryError as e:
+        c = planned.plan.candidate
+        where = f"{c.name} at step {state.step + 1} on rank {env.rank}"
+        if exp.strategy.on_oom != "escalate":
+            log.error(
+                f"out of memory on {where}. Lower train.micro_batch_size or data.seq_len, set "
+                "model.activation_checkpointing: true, or let the supervisor climb the ladder: "
+                "strategy.on_oom: escalate with --max-restarts N"
+            )
+            raise
+        from trainer.supervisor import EXIT_OOM, record_oom
+
+        record_oom(
+            run_dir,
+            stage=c.stage,
+            offload=c.offload,
+            step=state.step + 1,
+            rank=env.rank,
+            attempt=dist.attempt(),
+            error=str(e),
+        )
+        print(
+            f"[rank {env.rank}] out of memory on {where}; recorded for escalation, ending this attempt",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_OOM
     finally:
         mets.close()
     if debug:
         from trainer.checks import write_debug_report
 
-        extra = {"step": state.step, "ds_config": engine.ds._config._param_dict}
+        extra = {
+            "step": state.step,
+            "ds_config": engine.ds._config._param_dict,
+            "memory": memory.result if memory else {},
+            "plan": planned.plan.summary(),
+        }
         write_debug_report(debug, env.rank, env.world_size, engine.module, stream.record or [], extra)
         probe_logits(debug, engine, data, env.rank)
     if runtime.is_main:

@@ -711,6 +711,12 @@ def warnings(exp: Experiment) -> list[str]:
             f"optim.warmup_steps ({exp.optim.warmup_steps}) >= train.max_steps ({exp.train.max_steps}): "
             "the learning rate never reaches its peak"
         )
+    c = exp.checkpoint
+    if exp.strategy.on_oom == "escalate" and not (c.every_steps or c.every_minutes):
+        out.append(
+            "strategy.on_oom is escalate but no checkpoint cadence is set (checkpoint.every_steps / every_minutes): "
+            "an escalated attempt would start from scratch"
+        )
     return out
 
 

@@ -22,6 +22,7 @@ class Engine:
             model=model, model_parameters=param_groups, config=self.ds_config
         )
         self.device = self.ds.device
+        self.on_backward: Any = None  # tests: called after backward, before the optimizer step
         self._record_fp32_grad_norm()
 
     def _record_fp32_grad_norm(self) -> None:
@@ -44,6 +45,8 @@ class Engine:
         input_ids = input_ids.to(self.device, non_blocking=True)
         loss = loss_of(self.ds(input_ids=input_ids, labels=input_ids))
         self.ds.backward(loss)
+        if self.on_backward is not None:
+            self.on_backward(self)
         self.ds.step()
         return loss.detach()
 

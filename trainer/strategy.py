@@ -99,6 +99,8 @@ class Estimate:
     fits_device: bool = False
     fits_host: bool = True
 
+    gather: int = 0  # stage 3: the gathered layer inside `params` (transient, 4 x largest layer)
+
     @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
@@ -112,14 +114,18 @@ class Estimate:
         return self.fits_device and self.fits_host
 
 
-def model_states(c: Candidate, p: int, largest: int, n: int, lp: int) -> tuple[int, int, int]:
+def model_states(
+    c: Candidate, p: int, largest: int, n: int, lp: int, grad_accum: int = 1
+) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for Adam, following DeepSpeed's estimators.
 
     p parameters, n data-parallel ranks, lp bytes per low-precision value (2 for bf16/fp16, 4 for
     fp32). Mixed precision keeps an fp32 master copy (4), Adam keeps two fp32 moments (8) and ZeRO
     keeps fp32 gradient partitions (4). With lp=2 this gives DeepSpeed's figures: stage 0: 16P,
-    stage 2: 2P + 18P/N, stage 3: 18P/N + 4 x largest layer; offload moves the optimizer (and at
-    stage 3 the parameters) off the device.
+    stage 2: 2P + 18P/N, stage 3: 18P/N + 4 x largest layer (a gathered layer, counted with the
+    parameters as DeepSpeed does); offload moves the optimizer (and at stage 3 the parameters) off
+    the device. Stage 1 keeps full gradients only between micro steps (grad_accum > 1); at the
+    accumulation boundary DeepSpeed reduces them into partitions during backward, as stage 2 does.
     """
     master = 4  # fp32 master weights (a separate fp32 copy in DeepSpeed's ZeRO even for fp32 models)
     moments = 8
@@ -127,7 +133,8 @@ def model_states(c: Candidate, p: int, largest: int, n: int, lp: int) -> tuple[i
     if c.stage == 0:
         params, grads, optim = lp * p, lp * p, (master if lp < 4 else 0) * p + moments * p
     elif c.stage == 1:
-        params, grads, optim = lp * p, lp * p + fp32_grads * p / n, (master + moments) * p / n
+        full = lp * p if grad_accum > 1 else lp * p / n
+        params, grads, optim = lp * p, full + fp32_grads * p / n, (master + moments) * p / n
     elif c.stage == 2:
         params, grads, optim = lp * p, (lp + fp32_grads) * p / n, (master + moments) * p / n
     else:
@@ -197,8 +204,8 @@ def buffers(c: Candidate, info: ModelInfo, lp: int, on_gpu: bool, template: Mapp
 
 
 def auto_bucket(hidden: int) -> int:
-    """Bucket size (elements) for "auto": hidden^2 as the Hugging Face integration does, at least 5M."""
-    return max(hidden * hidden, 5_000_000)
+    """Bucket size (elements) for "auto": hidden^2, as the Hugging Face integration does."""
+    return hidden * hidden
 
 
 def _number(value: Any, default: int) -> int:
@@ -217,7 +224,7 @@ class Plan:
     estimates: tuple[Estimate, ...]
     budget: int  # device bytes the plan may use (device memory x headroom)
     device_memory: int
-    host_memory: int
+    host_memory: int | None  # None: planning for another machine whose host memory was not given
     world_size: int
     gpus_per_node: int
     precision: str
@@ -288,6 +295,7 @@ class Plan:
                 "buffers": e.buffers,
                 "total": e.total,
                 "host_per_node": e.host,
+                "gathered_layer": e.gather,
             },
             "budget_bytes": self.budget,
             "device_memory_bytes": self.device_memory,
@@ -314,7 +322,7 @@ def plan(
     gpus_per_node: int,
     device_type: str,
     device_memory: int,
-    host_memory: int,
+    host_memory: int | None,
     precision: str,
     template: Mapping[str, Any] | None = None,
     force: bool = False,
@@ -338,7 +346,9 @@ def plan(
 
     estimates = []
     for c in table:
-        par, grad, opt = model_states(c, info.params, info.largest_layer, world_size, lp)
+        par, grad, opt = model_states(
+            c, info.params, info.largest_layer, world_size, lp, exp.train.grad_accum
+        )
         buf = buffers(c, info, lp, on_gpu, template)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node)
         total = par + grad + opt + act + buf
@@ -353,7 +363,8 @@ def plan(
                 buf,
                 host,
                 fits_device=total <= budget and nvme_ok,
-                fits_host=host <= host_memory,
+                fits_host=host_memory is None or host <= host_memory,  # None: a target machine, not known
+                gather=4 * info.largest_layer if c.stage == 3 else 0,
             )
         )
     by = {e.candidate: e for e in estimates}
@@ -732,7 +743,15 @@ def _autos(d: Any, prefix: str = "") -> list[str]:
 
 def describe_plan(plan_: Plan) -> str:
     mem = f"{format_size(plan_.device_memory)} {plan_.device_type} memory x headroom -> {format_size(plan_.budget)} usable per rank"
-    return f"{plan_.table()}\n\n{mem}; world size {plan_.world_size}; precision {plan_.precision}\ndecision: {plan_.candidate.name}: {plan_.reason}"
+    host = (
+        f"host memory {format_size(plan_.host_memory)} per node"
+        if plan_.host_memory is not None
+        else "host memory not checked (set strategy.host_memory for the target machine)"
+    )
+    return (
+        f"{plan_.table()}\n\n{mem}; {host}; world size {plan_.world_size} ({plan_.gpus_per_node} per node); "
+        f"precision {plan_.precision}\ndecision: {plan_.candidate.name}: {plan_.reason}"
+    )
 
 
 def plan_dict(plan_: Plan) -> dict[str, Any]:

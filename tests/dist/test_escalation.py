@@ -1,0 +1,43 @@
+"""Run-time escalation: an out-of-memory at stage 0 ends the attempt and the supervisor continues
+from the last checkpoint one rung higher (stage 2), to the requested number of steps."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import FAST, ROOT, TINY, TRAIN, data_cache, env_for
+
+pytestmark = pytest.mark.dist
+
+
+def test_oom_at_stage_0_escalates_to_stage_2_and_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    sets = {**FAST, "train.max_steps": 12, "checkpoint.every_steps": 3, "strategy.on_oom": "escalate",
+            "strategy.justification": "", "run_dir": run_dir, "data.cache_dir": data_cache()}
+    args = [sys.executable, str(TRAIN), str(TINY), "--launcher", "deepspeed", "--nproc-per-node", "2", "--max-restarts", "2"]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    p = subprocess.run(args, cwd=ROOT, env=env_for(2, {"TRAINER_FAULT": "oom@8:rank=1:attempt=0"}),
+                       capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+
+    attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [a["exit"] for a in attempts] == [3, 0]
+    assert attempts[0]["oom"]["stage"] == 0 and attempts[0]["oom"]["step"] == 8 and attempts[0]["oom"]["rank"] == 1
+    assert "escalated after out-of-memory on zero0 at step 8 (attempt 0): next attempt on zero2" in out
+
+    final = json.loads((run_dir / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
+    assert final["step"] == 12 and final["zero_stage"] == 2
+    assert "escalated after out-of-memory on zero0" in final["plan"]["reason"]
+
+    # Steps: attempt 0 logged 1..7, attempt 1 resumed from the checkpoint at 6 and logged 7..12.
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert sorted(set(steps)) == list(range(1, 13)), "no step skipped"
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    assert repeated == [7], "only the steps between the last checkpoint (6) and the OOM (8) run twice"
+    losses = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first7, second7 = [m["loss"] for m in losses if m.get("step") == 7 and "loss" in m]
+    assert abs(first7 - second7) <= 1e-5 * first7, "stage 2 continues exactly where stage 0 stood"

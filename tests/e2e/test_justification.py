@@ -1,0 +1,94 @@
+"""Pinning a stage above the rules' choice needs a justification; --plan is fast and GPU-free."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import ROOT, TINY, TRAIN, env_for, train
+
+pytestmark = pytest.mark.e2e
+
+
+def run(*args):
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *map(str, args)],
+        cwd=ROOT,
+        env=env_for(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_pinned_stage_3_without_justification_names_stage_0(tmp_path):
+    p = run(
+        TINY,
+        "--set",
+        "strategy.zero_stage=3",
+        "--set",
+        "strategy.justification=",
+        "--set",
+        f"run_dir={tmp_path}",
+    )
+    assert p.returncode == 2, p.stderr
+    assert "zero3 is pinned, but the cheaper zero0 fits" in p.stderr and "strategy.justification" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_pinned_stage_3_with_justification_runs(tmp_path):
+    r = train(
+        tmp_path,
+        {
+            "strategy.zero_stage": 3,
+            "strategy.justification": "profiling ZeRO-3 gathers",
+            "train.max_steps": 2,
+            "train.eval_every": 0,
+            "model.config.n_layer": 1,
+            "data.num_workers": 0,
+            "checkpoint.save_final": False,
+        },
+        debug=False,
+    )
+    assert "ZeRO stage 3" in r.output and "justification: profiling ZeRO-3 gathers" in r.output
+
+
+@pytest.mark.parametrize("experiment", ["tiny.yaml", "llama7b.yaml"])
+def test_plan_prints_the_table_and_decision_quickly(experiment):
+    t0 = time.perf_counter()
+    p = run(
+        ROOT / "configs" / "experiments" / experiment,
+        "--plan",
+        "--world-size",
+        "8",
+        "--set",
+        "strategy.device_memory=80GB",
+    )
+    took = time.perf_counter() - t0
+    assert p.returncode == 0, p.stderr
+    for col in (
+        "candidate",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "total/rank",
+        "host/node",
+        "fits",
+    ):
+        assert col in p.stdout
+    assert "decision:" in p.stdout and "zero0" in p.stdout and "zero3+nvme" in p.stdout
+    print(f"--plan {experiment}: {took:.2f} s")
+    assert took < 10
+
+
+def test_max_restarts_cannot_run_inside_a_launcher(tmp_path):
+    p = subprocess.run(
+        [sys.executable, str(TRAIN), str(TINY), "--max-restarts", "1"],
+        cwd=ROOT,
+        env=env_for(1, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "CROSS_RANK": "0"}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and "cannot run under one" in p.stderr

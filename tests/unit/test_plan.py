@@ -1,0 +1,236 @@
+"""The memory planner and the escalation rules.
+
+Model-state figures are checked against DeepSpeed's own estimator functions; the expected rung for
+each model is computed here from the formulas (DeepSpeed's estimators for model states, the
+Korthikanti et al. activation formula), not copied from the planner's output.
+"""
+
+import pytest
+from helpers import TINY
+
+from trainer import config, model, strategy
+from trainer.errors import UserError
+
+GiB = 2**30
+
+
+def info_for(cfg: dict, attn="sdpa"):
+    section = config.ModelSection.model_validate({"config": cfg, "attn_implementation": attn})
+    return model.info(section)
+
+
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 12,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+}
+LLAMA7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+LLAMA70B = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return info_for(GPT2)
+
+
+def test_parameter_counts_on_the_meta_device(gpt2):
+    assert gpt2.params == 124_439_808  # GPT-2 small, tied embeddings counted once
+    assert gpt2.largest_layer == 50257 * 768  # the embedding
+    llama = info_for(LLAMA7B)
+    assert 6.7e9 < llama.params < 6.8e9 and llama.hidden == 4096 and llama.layers == 32
+
+
+@pytest.mark.parametrize("ranks", [1, 8])
+def test_model_states_agree_with_deepspeeds_estimators(gpt2, ranks):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    P, L = gpt2.params, gpt2.largest_layer
+
+    def ours(stage, offload="none"):
+        return sum(strategy.model_states(strategy._c(stage, offload), P, L, ranks, lp=2))
+
+    _, z2 = estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=False)
+    _, z2_off = estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=True)
+    _, z3, _ = estimate_zero3_model_states_mem_needs(P, L, ranks, 1, cpu_offload=False)
+    _, z3_off, _ = estimate_zero3_model_states_mem_needs(
+        P, L, ranks, 1, cpu_offload=True, cpu_offload_params=True
+    )
+    for mine, theirs in [(ours(2), z2), (ours(2, "cpu"), z2_off), (ours(3), z3), (ours(3, "cpu"), z3_off)]:
+        assert mine == pytest.approx(theirs, rel=0.05)
+    assert ours(0) == 16 * P  # DDP with mixed-precision Adam
+
+
+# Independent formulas for the expected rung -------------------------------------------------
+
+
+def activations(info, micro, seq, checkpointing, bytes_per=2):
+    s, b, h, L, V = seq, micro, info.hidden, info.layers, info.vocab
+    per_layer = s * b * h * 34 * (bytes_per / 2)  # sdpa: no 5as/h attention-score term
+    acts = (2 * s * b * h * (bytes_per / 2) * L + per_layer) if checkpointing else per_layer * L
+    return acts + 2 * b * s * V * (bytes_per + 4)
+
+
+def expected_rung(info, ranks, micro, seq, checkpointing, device=80 * GiB, headroom=0.9):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    P, L = info.params, info.largest_layer
+    act = activations(info, micro, seq, checkpointing)
+    states = {
+        "zero0": 16 * P,
+        "zero2": estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=False)[1],
+        "zero3": estimate_zero3_model_states_mem_needs(P, L, ranks, 1, cpu_offload=False)[1],
+        "zero3+cpu": estimate_zero3_model_states_mem_needs(
+            P, L, ranks, 1, cpu_offload=True, cpu_offload_params=True
+        )[1],
+    }
+    for name, ms in states.items():
+        # The planner also counts fixed buffers: 1 GiB CUDA context + communication buckets (<2 GiB).
+        if ms + act + 3 * GiB <= headroom * device:
+            return name
+    return "zero3+nvme"
+
+
+def plan_for(info, ranks, micro, seq, checkpointing, host=2048 * GiB, **sets):
+    overrides = [
+        f"train.micro_batch_size={micro}",
+        f"data.seq_len={seq}",
+        "strategy.justification=",
+        f"model.activation_checkpointing={str(checkpointing).lower()}",
+        "model.config.n_positions=8192",
+    ]
+    overrides += [f"{k}={v}" for k, v in sets.items()]
+    exp = config.load(TINY, overrides)
+    return strategy.plan(
+        exp,
+        info,
+        world_size=ranks,
+        gpus_per_node=min(ranks, 8),
+        device_type="cuda",
+        device_memory=80 * GiB,
+        host_memory=host,
+        precision="bf16",
+    )
+
+
+def test_gpt2_124m_on_an_80gb_device_is_stage_0(gpt2):
+    p = plan_for(gpt2, 1, 8, 1024, False)
+    assert expected_rung(gpt2, 1, 8, 1024, False) == "zero0"
+    assert p.candidate.name == "zero0" and "first rung that fits" in p.reason
+
+
+def test_7b_on_8x80gb_escalates_above_stage_0():
+    llama = info_for(LLAMA7B)
+    want = expected_rung(llama, 8, 1, 4096, True)
+    assert want in ("zero2", "zero3")  # 16P = 108 GB: stage 0 cannot fit
+    p = plan_for(llama, 8, 1, 4096, True)
+    assert p.candidate.name == want
+    assert "zero0 needs" in p.reason
+
+
+def test_70b_on_8x80gb_needs_offload():
+    llama = info_for(LLAMA70B)
+    want = expected_rung(llama, 8, 1, 4096, True)
+    assert want == "zero3+cpu"  # 18P/8 = 158 GB per GPU even at stage 3
+    assert plan_for(llama, 8, 1, 4096, True).candidate.name == "zero3+cpu"
+    # Not enough host memory for the CPU offload: NVMe is the last rung (given a path).
+    p = plan_for(llama, 8, 1, 4096, True, host=256 * GiB, **{"strategy.nvme_path": "/local_nvme"})
+    assert p.candidate.name == "zero3+nvme"
+    with pytest.raises(UserError, match="nothing fits"):
+        plan_for(llama, 8, 1, 4096, True, host=256 * GiB)
+
+
+def tiny_plan(*sets, device=8 * GiB, force=False):
+    exp = config.load(TINY, list(sets))
+    info = strategy.ModelInfo(
+        params=1_000_000, largest_layer=40_000, hidden=128, layers=4, heads=4, vocab=257
+    )
+    return strategy.plan(
+        exp,
+        info,
+        world_size=2,
+        gpus_per_node=2,
+        device_type="cpu",
+        device_memory=device,
+        host_memory=64 * GiB,
+        precision="fp32",
+        force=force,
+    )
+
+
+def test_stage_1_only_when_asked_for():
+    assert tiny_plan("strategy.zero_stage=auto").candidate.name == "zero0"
+    p = tiny_plan("strategy.zero_stage=1", "strategy.justification=comparing stage 1")
+    assert p.candidate.name == "zero1" and p.pinned
+
+
+def test_pinning_above_the_rules_needs_a_justification():
+    with pytest.raises(UserError) as e:
+        tiny_plan("strategy.zero_stage=3", "strategy.justification=")
+    assert "zero3 is pinned, but the cheaper zero0 fits" in str(e.value) and "strategy.justification" in str(
+        e.value
+    )
+    p = tiny_plan("strategy.zero_stage=3", "strategy.justification=measuring stage 3 overhead")
+    assert p.candidate.name == "zero3" and "measuring stage 3 overhead" in p.reason
+    with pytest.raises(UserError, match="zero2\\+cpu is pinned"):
+        tiny_plan("strategy.offload=cpu", "strategy.justification=")
+
+
+def test_a_pinned_candidate_that_does_not_fit_fails_with_the_table_unless_forced():
+    with pytest.raises(UserError) as e:
+        tiny_plan("strategy.zero_stage=0", device=20 * 2**20)
+    assert (
+        "predicted not to fit" in str(e.value) and "candidate" in str(e.value) and "--force" in str(e.value)
+    )
+    p = tiny_plan("strategy.zero_stage=0", device=20 * 2**20, force=True)
+    assert p.candidate.name == "zero0" and "NOT to fit" in p.reason
+
+
+def test_the_first_rung_that_fits_is_chosen():
+    """With device memory just above each rung's estimate, that rung is chosen: 0 -> 2 -> 3 -> 3+cpu."""
+    sets = ("train.micro_batch_size=1", "data.seq_len=16")
+    by = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB).estimates}
+    ladder = ["zero0", "zero2", "zero3", "zero3+cpu"]
+    assert [by[n] for n in ladder] == sorted((by[n] for n in ladder), reverse=True), by
+    for name in ladder:
+        device = int(by[name] / 0.9) + 16
+        assert tiny_plan(*sets, device=device).candidate.name == name
+
+
+def test_summary_for_trainer_state():
+    s = tiny_plan().summary()
+    assert s["stage"] == 0 and s["estimate_bytes"]["total"] > 0 and "fits" in s["reason"]
+
+
+def test_escalation_ladder():
+    from trainer.supervisor import next_rung
+
+    assert next_rung(0, "none") == (2, "none")
+    assert next_rung(1, "none") == (2, "none")
+    assert next_rung(2, "none") == (3, "none")
+    assert next_rung(3, "none") == (3, "cpu")
+    assert next_rung(2, "cpu") == (3, "cpu")
+    assert next_rung(3, "cpu") == (3, "nvme")
+    assert next_rung(3, "nvme") is None

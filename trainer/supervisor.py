@@ -1,0 +1,211 @@
+"""Supervised runs: build the launcher command, run it, and on a retryable failure run it again.
+
+    bin/train EXP.yaml --launcher deepspeed|torchrun|none [--nproc-per-node G] [--hostfile H] --max-restarts N
+
+Each attempt resumes from the latest complete checkpoint. A configuration error (exit 2) is not
+retried. After an out-of-memory with `strategy.on_oom: escalate`, the rank that hit it records the
+failed candidate in `<run_dir>/escalation.json` and the next attempt runs one rung higher on the
+ladder (0 -> 2 -> 3 -> 3+cpu -> 3+nvme), with the escalation as its justification. Every attempt is
+recorded in `<run_dir>/attempts.jsonl`. The supervisor never runs inside a launcher: it is the thing
+that starts one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import EXIT_USER_ERROR, UserError
+
+log = logging.getLogger("trainer")
+
+ESCALATION = "escalation.json"
+ATTEMPTS = "attempts.jsonl"
+EXIT_OOM = 3  # a rank ran out of memory (with on_oom: escalate the supervisor escalates)
+TRAIN = Path(__file__).resolve().parent.parent / "bin" / "train"
+LADDER = [(0, "none"), (2, "none"), (3, "none"), (3, "cpu"), (3, "nvme")]
+
+
+def next_rung(stage: int, offload: str) -> tuple[int, str] | None:
+    """The rung above a failed candidate (stage 1 escalates to 2, 2+cpu to 3+cpu)."""
+    key = (stage, offload)
+    if key == (1, "none"):
+        return 2, "none"
+    if key == (2, "cpu"):
+        return 3, "cpu"
+    if key not in LADDER:
+        return None
+    i = LADDER.index(key)
+    return LADDER[i + 1] if i + 1 < len(LADDER) else None
+
+
+def record_oom(
+    run_dir: str | Path, *, stage: int, offload: str, step: int, rank: int, attempt: int, error: str
+) -> None:
+    """Called by the rank that ran out of memory (before it exits)."""
+    path = Path(run_dir) / ESCALATION
+    rec = {
+        "stage": stage,
+        "offload": offload,
+        "step": step,
+        "rank": rank,
+        "attempt": attempt,
+        "error": error[:500],
+        "time": time.time(),
+    }
+    tmp = path.with_name(f".{path.name}.{rank}.tmp")
+    tmp.write_text(json.dumps(rec, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class Supervisor:
+    experiment: str
+    overrides: list[str]
+    run_dir: Path
+    launcher: str = "none"  # none | deepspeed | torchrun
+    nproc_per_node: int = 1
+    hostfile: str | None = None
+    max_restarts: int = 0
+    resume: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    backoff_s: float = 2.0
+    _child: subprocess.Popen | None = None
+    _stopping: bool = False
+
+    def command(self, overrides: list[str], resume: str | None, port: int) -> list[str]:
+        args = [str(TRAIN), self.experiment]
+        for o in overrides:
+            args += ["--set", o]
+        if resume:
+            args += ["--resume"] + ([] if resume == "latest" else [resume])
+        args += self.extra_args
+        bindir = Path(sys.executable).parent
+        if self.launcher == "none":
+            return [sys.executable, *args]
+        if self.launcher == "deepspeed":
+            head = [str(bindir / "deepspeed")]
+            if self.hostfile:
+                head += ["--hostfile", self.hostfile]
+            else:
+                head += ["--num_gpus", str(self.nproc_per_node)]
+            return [*head, "--master_port", str(port), *args]
+        if self.launcher == "torchrun":
+            return [
+                str(bindir / "torchrun"),
+                "--nproc_per_node",
+                str(self.nproc_per_node),
+                "--master_port",
+                str(port),
+                *args,
+            ]
+        raise UserError(f"--launcher: unknown launcher '{self.launcher}'; use deepspeed, torchrun or none")
+
+    def run(self) -> int:
+        from trainer.checkpoint import checkpoints_dir, latest
+        from trainer.dist import free_port, sweep_stale_shm
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        overrides = list(self.overrides)
+        resume = self.resume
+        attempt = 0
+        while True:
+            escalation_before = self._escalation_mtime()
+            cmd = self.command(overrides, resume, free_port())
+            env = dict(os.environ, TRAINER_ATTEMPT=str(attempt))
+            if self.launcher == "torchrun":
+                env.setdefault(
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"
+                )  # pytorch#135712: gloo re-rendezvous
+            print(f"[supervisor] attempt {attempt}: {' '.join(cmd)}", flush=True)
+            t0 = time.time()
+            self._child = subprocess.Popen(cmd, env=env, start_new_session=True)
+            rc = self._child.wait()
+            self._child = None
+            sweep_stale_shm(min_age_s=0.0)
+            escalated = self._escalation() if self._escalation_mtime() != escalation_before else None
+            self._record(attempt, cmd, rc, time.time() - t0, escalated)
+            if rc == 0 or self._stopping:
+                return rc
+            if rc == EXIT_USER_ERROR:
+                print(
+                    f"[supervisor] attempt {attempt} failed with a configuration error (exit 2): not retrying",
+                    flush=True,
+                )
+                return rc
+            if attempt >= self.max_restarts:
+                print(f"[supervisor] attempt {attempt} failed (exit {rc}); no restarts left", flush=True)
+                return rc
+            if escalated is not None:
+                rung = next_rung(escalated["stage"], escalated["offload"])
+                if rung is None:
+                    print(
+                        "[supervisor] out of memory on the last rung of the ladder: nothing to escalate to",
+                        flush=True,
+                    )
+                    return rc
+                why = (
+                    f"escalated after out-of-memory on zero{escalated['stage']}"
+                    f"{'' if escalated['offload'] == 'none' else '+' + escalated['offload']} at step {escalated['step']} "
+                    f"(attempt {attempt})"
+                )
+                overrides = [
+                    o
+                    for o in overrides
+                    if not o.startswith(
+                        ("strategy.zero_stage=", "strategy.offload=", "strategy.justification=")
+                    )
+                ]
+                overrides += [
+                    f"strategy.zero_stage={rung[0]}",
+                    f"strategy.offload={rung[1]}",
+                    f"strategy.justification={why}",
+                ]
+                print(
+                    f"[supervisor] {why}: next attempt on zero{rung[0]}{'' if rung[1] == 'none' else '+' + rung[1]}",
+                    flush=True,
+                )
+            found, _ = latest(checkpoints_dir(self.run_dir))
+            resume = "latest" if found is not None else None
+            delay = min(self.backoff_s * 2**attempt, 60.0)
+            print(
+                f"[supervisor] attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s "
+                f"{'from ' + found.tag if found else 'from scratch'}",
+                flush=True,
+            )
+            time.sleep(delay)
+            attempt += 1
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        self._stopping = True
+        if self._child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._child.pid, signum)
+
+    def _escalation_mtime(self) -> float | None:
+        try:
+            return (self.run_dir / ESCALATION).stat().st_mtime
+        except OSError:
+            return None
+
+    def _escalation(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.run_dir / ESCALATION).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def _record(self, attempt: int, cmd: list[str], rc: int, seconds: float, escalated: dict | None) -> None:
+        rec = {"attempt": attempt, "exit": rc, "seconds": round(seconds, 1), "command": cmd, "oom": escalated}
+        with open(self.run_dir / ATTEMPTS, "a") as f:
+            f.write(json.dumps(rec) + "\n")
