@@ -141,3 +141,78 @@ class MemoryCensus:
             c = census(engine.ds)
             self.result.update(params=c["params"], optimizer=c["optimizer"])
             engine.on_backward = None
+
+
+# ----------------------------------------------------------------------------- preflight
+
+
+class CheckFailed(Exception):
+    """A consistency check failed; the message names the ranks. Raised on every rank."""
+
+
+def fingerprint(module: Any) -> Any:
+    """Per-parameter (sum, sum of squares) in float64, on the device: cheap, and equal across ranks
+    exactly when the weights are (ZeRO-3 partitions differ by design and are not compared)."""
+    import torch
+
+    rows = [
+        torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+        for p in module.parameters()
+    ]
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def _odd_ranks(values: list[Any]) -> list[int]:
+    """Ranks whose value differs from the majority (rank 0's when there is no majority)."""
+    counts: dict[Any, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    reference = max(counts, key=lambda v: (counts[v], v == values[0]))
+    return [r for r, v in enumerate(values) if v != reference]
+
+
+def preflight(engine: Any, world_size: int, hosts: list[str]) -> list[str]:
+    """At start: every rank can all-reduce, and holds the same weights. Returns log lines."""
+    import torch
+    import torch.distributed as dist
+
+    lines = []
+    if world_size > 1:
+        t = torch.ones(1, device=engine.device)
+        dist.all_reduce(t)
+        if int(t.item()) != world_size:
+            raise CheckFailed(
+                f"all-reduce sanity check failed: sum of ones over {world_size} ranks gave {t.item()}"
+            )
+        lines.append(f"preflight: all-reduce across {world_size} ranks on {len(set(hosts))} host(s) ok")
+    lines += _same_weights(engine, world_size, hosts, "at start")
+    return lines
+
+
+def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> list[str]:
+    if engine.ds.zero_optimization_stage() == 3:
+        return [f"preflight: weights {when}: ZeRO-3 partitions differ by design; not compared"]
+    fp = fingerprint(engine.module).cpu().numpy().tobytes()
+    prints = all_gather(fp, world_size)
+    odd = _odd_ranks(prints)
+    if odd:
+        who = ", ".join(f"rank {r} ({hosts[r] if r < len(hosts) else '?'})" for r in odd)
+        raise CheckFailed(
+            f"parameters differ across ranks {when}: {who} differ from the others. Ranks must start from the same "
+            "weights (same seed, same checkpoint) and stay in step"
+        )
+    return [f"preflight: weights identical on all {world_size} ranks {when}"]
+
+
+def after_first_step(engine: Any, world_size: int, hosts: list[str]) -> list[str]:
+    """After the first optimizer step: the global gradient norm and the weights agree everywhere."""
+    norm = engine.grad_norm
+    norms = all_gather(None if norm is None else round(float(norm), 6), world_size)
+    odd = _odd_ranks(norms)
+    if odd:
+        who = ", ".join(f"rank {r} ({hosts[r] if r < len(hosts) else '?'}): {norms[r]}" for r in odd)
+        raise CheckFailed(
+            f"gradient norms disagree after the first step ({who}; others {norms[0]}): ranks are out of sync"
+        )
+    lines = [f"check: gradient norm after the first step agrees on all ranks ({norms[0]})"]
+    return lines + _same_weights(engine, world_size, hosts, "after the first step")

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.errors import EXIT_USER_ERROR, UserError
+from trainer.checks import CheckFailed
+from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, UserError
 
 log = logging.getLogger("trainer")
 
@@ -76,6 +77,11 @@ def parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="run a pinned stage/offload even if predicted not to fit"
     )
     p.add_argument(
+        "--check",
+        action="store_true",
+        help="run the consistency checks, one training step and a checkpoint round trip, then exit",
+    )
+    p.add_argument(
         "--resume",
         nargs="?",
         const="latest",
@@ -107,6 +113,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.dist import under_torchrun
+
+    if under_torchrun():  # torchrun's failure summary then shows this rank's exception, not just an exit code
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_main)(argv)
+    return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.resume and args.resume.endswith((".yaml", ".yml")) and args.experiment is None:
         args.experiment, args.resume = args.resume, "latest"  # `bin/train --resume exp.yaml`
@@ -124,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.launcher is not None or args.max_restarts is not None:
             return supervise_command(exp, args)
         return train_command(exp, args)
+    except CheckFailed as e:
+        if _launcher_rank() == 0:
+            print(f"check failed: {e}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     except UserError as e:
         # Errors found before the process group exists are the same on every rank: say them once.
         if e.before_launch is False or _launcher_rank() == 0:
@@ -320,7 +340,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         eos_id=eos,
         force=args.force,
     )
-    runtime = dist.setup()
+    runtime = dist.setup(exp.dist.timeout_s)
     try:
         return _train(exp, args, runtime, planned, resume)
     except UserError as e:
@@ -350,10 +370,10 @@ def _train(
 ) -> int:
     import torch
 
+    from trainer import checks, dist, metrics, model, reshard
     from trainer import data as data_mod
-    from trainer import dist, metrics, model, reshard
     from trainer.checkpoint import Checkpointer
-    from trainer.control import Control
+    from trainer.control import Control, NonFiniteLoss
     from trainer.engine import Engine
     from trainer.loop import Evaluator, TrainState, train
 
@@ -413,6 +433,8 @@ def _train(
         samples_per_step=samples_per_step,
         tokens_per_step=samples_per_step * exp.data.seq_len,
         device=engine.device,
+        hosts=checks.all_gather(env.hostname, env.world_size),
+        straggler_margin=exp.dist.straggler_margin,
     )
     control = Control(
         rank=env.rank,
@@ -420,6 +442,9 @@ def _train(
         attempt=dist.attempt(),
         faults=dist.faults(),
         handle_signals=exp.checkpoint.save_on_signal,
+        watchdog_s=exp.dist.watchdog_s,
+        nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
+        cleanup=lambda: dist.release_shm(env),
     )
     checkpointer = Checkpointer(
         exp.checkpoint,
@@ -444,6 +469,16 @@ def _train(
         stream.record = []
         memory = engine.on_backward = MemoryCensus()
     banner(exp, runtime, planned, data, stream, samples_per_step)
+    hosts = mets.hosts
+    control.perturb(engine.module)
+    if exp.dist.preflight or args.check:
+        for line in checks.preflight(engine, env.world_size, hosts):
+            log.info(line)
+        control.on_first_step = lambda: [
+            log.info(x) for x in checks.after_first_step(engine, env.world_size, hosts)
+        ]
+    if args.check:
+        return check_run(exp, engine, stream, data, state, env, hosts, layout)
     if resume is not None and runtime.is_main:
         for w in resume.warnings:
             log.warning(f"warning: {w}")
@@ -476,7 +511,7 @@ def _train(
                 "strategy.on_oom: escalate with --max-restarts N"
             )
             raise
-        from trainer.supervisor import EXIT_OOM, record_oom
+        from trainer.supervisor import record_oom
 
         record_oom(
             run_dir,
@@ -493,6 +528,10 @@ def _train(
             flush=True,
         )
         return EXIT_OOM
+    except NonFiniteLoss as e:
+        if runtime.is_main:
+            log.error(f"stopped: {e}")
+        state.failed = str(e)
     finally:
         mets.close()
     if debug:
@@ -506,11 +545,71 @@ def _train(
         }
         write_debug_report(debug, env.rank, env.world_size, engine.module, stream.record or [], extra)
         probe_logits(debug, engine, data, env.rank)
-    if runtime.is_main:
+    if state.failed:
+        return EXIT_NONFINITE  # every rank stopped at the same step
+    if runtime.is_main and mets.first_loss is not None:
         first, last = mets.first_loss, mets.last_loss
         log.info(
             f"done: {state.step} steps, {state.tokens:,} tokens in {state.wall_time:.1f} s; loss {first:.4f} -> {last:.4f}"
         )
+    return exp.checkpoint.signal_exit_code if state.stopped else 0
+
+
+def check_run(
+    exp: Any, engine: Any, stream: Any, data: Any, state: Any, env: Any, hosts: list[str], layout: Any
+) -> int:
+    """--check: the preflight passed; now one training step, the post-step checks, and a checkpoint
+    round trip (save, take another step, load: the loss on a fixed batch must come back exactly)."""
+    import shutil
+
+    import torch
+
+    from trainer import checks
+    from trainer.checkpoint import Checkpointer, Found, read_state
+
+    engine.backward_step(engine.forward(stream.next()))
+    state.step = 1
+    for line in checks.after_first_step(engine, env.world_size, hosts):
+        log.info(line)
+    probe = torch.from_numpy(data.train[: stream.sampler.micro]["input_ids"].astype("int64"))
+
+    def probe_loss() -> float:
+        engine.train(False)
+        loss = float(engine.eval_loss(probe))
+        engine.train(True)
+        return loss
+
+    scratch = Path(exp.run_dir) / ".check"
+    ck = Checkpointer(
+        exp.checkpoint,
+        scratch,
+        engine=engine,
+        stream=stream,
+        exp=exp,
+        rank=env.rank,
+        world_size=env.world_size,
+        layout=layout,
+    )
+    saved = ck.save(state)
+    before = probe_loss()
+    engine.backward_step(engine.forward(stream.next()))  # move the weights away
+    moved = probe_loss()
+    ck.load(Found(saved, read_state(saved)), state)
+    after = probe_loss()
+    ck._barrier()
+    if env.rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if after != before:
+        raise checks.CheckFailed(
+            f"checkpoint round trip changed the loss on a fixed batch: {before!r} before saving, {after!r} after "
+            f"loading (and {moved!r} in between)"
+        )
+    moved_note = "" if moved != before else " (unchanged: the learning rate is 0 at this step)"
+    log.info(
+        f"check: checkpoint round trip ok: loss on a fixed batch {before!r} at save, {moved!r} after another "
+        f"step{moved_note}, {after!r} after loading"
+    )
+    log.info("check passed")
     return 0
 
 

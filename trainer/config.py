@@ -257,6 +257,28 @@ class StrategySection(Section):
     headroom: float = Field(0.9, gt=0.0, le=1.0, description="share of device memory the plan may use")
 
 
+class DistSection(Section):
+    """How ranks talk, and how a job that stops making progress ends (see README: Multi-node)."""
+
+    timeout_s: float = Field(
+        600.0, gt=0, description="timeout of every collective (all process groups, DeepSpeed's too)"
+    )
+    watchdog_s: float = Field(
+        1800.0,
+        ge=0,
+        description="end the job when a rank makes no progress (step, eval, save) this long; 0 = off",
+    )
+    preflight: bool = Field(
+        True, description="check at start: all-reduce works, every rank holds the same weights"
+    )
+    nan_check: bool = Field(
+        True, description="stop every rank at the same step on a NaN/inf loss (before the update)"
+    )
+    straggler_margin: float = Field(
+        0.2, ge=0, description="report a rank whose step time exceeds the median by this share"
+    )
+
+
 class CheckpointSection(Section):
     """When and how checkpoints are written and resumed (see README: Checkpoints)."""
 
@@ -301,6 +323,9 @@ class Experiment(Section):
     train: TrainSection = Field(description="training length, batch and precision")
     optim: OptimSection = Field(default_factory=OptimSection, description="optimizer and LR schedule")
     strategy: StrategySection = Field(default_factory=StrategySection, description="ZeRO stage, offload")
+    dist: DistSection = Field(
+        default_factory=DistSection, description="timeouts, watchdog, consistency checks"
+    )
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="checkpoints")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="logging")
 
@@ -326,7 +351,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-SECTIONS = ("model", "data", "train", "optim", "strategy", "checkpoint", "logging")
+SECTIONS = ("model", "data", "train", "optim", "strategy", "dist", "checkpoint", "logging")
 
 # ----------------------------------------------------------------------------- loading
 

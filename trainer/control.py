@@ -1,15 +1,26 @@
-"""Run control: preemption signals agreed by every rank, and faults injected by tests.
+"""Run control: what keeps every rank doing the same thing, and ends a job that cannot go on.
 
-A signal (SIGTERM, SIGUSR1) may reach one rank only. Each step the ranks agree on "someone was
-asked to stop" with one all-reduce of a flag on a CPU (gloo) group, so all of them finish the same
-step, save the same checkpoint and exit together. The CPU group never synchronises the GPU.
+- Preemption: a signal (SIGTERM, SIGUSR1) may reach one rank only. Each step the ranks agree on
+  "someone was asked to stop" with one all-reduce of a flag on a CPU (gloo) group, so all of them
+  finish the same step, save the same checkpoint and exit together. The CPU group never
+  synchronises the GPU.
+- NaN guard: a non-finite loss on any rank stops every rank at that step, before the update, so
+  the weights stay finite and identical (fp16 is left to DeepSpeed's loss scaler, which skips the
+  step on every rank).
+- Watchdog: a rank that makes no progress (no step, eval or save) for `dist.watchdog_s` dumps
+  every thread's stack and exits; faulthandler runs it from a C thread, so it fires even when
+  Python is stuck in a collective or in I/O. The launcher then ends the other ranks.
+- Faults injected by the tests (TRAINER_FAULT).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -18,12 +29,80 @@ from trainer.dist import Fault
 log = logging.getLogger("trainer")
 
 
+class Watchdog:
+    """Ends this rank when nothing calls `pet()` for `timeout_s`: dumps every thread's stack, runs
+    `cleanup` (the job's shared memory) and exits 1; the launcher then ends the other ranks, whose
+    own watchdogs fire too. A faulthandler dump 60 s later is the backstop for a thread that holds
+    the GIL forever (it needs no GIL, but cannot clean up)."""
+
+    BACKSTOP_S = 60.0
+
+    def __init__(self, timeout_s: float, rank: int, cleanup: Any = None) -> None:
+        import threading
+
+        self.timeout_s, self.rank, self.cleanup = timeout_s, rank, cleanup
+        self._deadline = time.monotonic() + timeout_s
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
+        self._thread.start()
+
+    def pet(self) -> None:
+        with self._cond:
+            self._deadline = time.monotonic() + self.timeout_s
+        faulthandler.dump_traceback_later(self.timeout_s + self.BACKSTOP_S, exit=True, file=sys.stderr)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        faulthandler.cancel_dump_traceback_later()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._stopped:
+                return
+        sys.stderr.write(
+            f"watchdog: rank {self.rank} made no progress (no step, eval or save) for {self.timeout_s:.0f} s "
+            "(dist.watchdog_s); ending the job. Stacks of every thread:\n"
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        if self.cleanup is not None:
+            with contextlib.suppress(Exception):
+                self.cleanup()
+        os._exit(1)
+
+
+class NonFiniteLoss(Exception):
+    """The loss was NaN or infinite on some rank; every rank raises it at the same step."""
+
+
 class Control:
     def __init__(
-        self, *, rank: int, world_size: int, attempt: int, faults: list[Fault], handle_signals: bool
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        attempt: int,
+        faults: list[Fault],
+        handle_signals: bool,
+        watchdog_s: float = 0.0,
+        nan_check: bool = True,
+        cleanup: Any = None,
     ) -> None:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.faults = faults
+        self.watchdog_s = watchdog_s
+        self._watchdog: Watchdog | None = None
+        self._cleanup = cleanup
+        self.nan_check = nan_check
+        self.on_first_step: Any = None  # called once, before step 2 (post-first-step consistency checks)
         self._signalled: int | None = None
         self._group: Any = None
         if handle_signals:
@@ -55,8 +134,25 @@ class Control:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         return bool(t[0]), bool(t[1])
 
+    def heartbeat(self) -> None:
+        """Progress: (re)arm the watchdog for another `watchdog_s` (started at the first call)."""
+        if self.watchdog_s <= 0:
+            return
+        if self._watchdog is None:
+            self._watchdog = Watchdog(self.watchdog_s, self.rank, self._cleanup)
+        self._watchdog.pet()
+
+    def disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
     def before_step(self, step: int) -> None:
-        """Apply injected faults for this step (tests only; TRAINER_FAULT)."""
+        """Every step: the watchdog, the first-step checks, injected faults (TRAINER_FAULT)."""
+        self.heartbeat()
+        if step == 2 and self.on_first_step is not None:
+            self.on_first_step()
+            self.on_first_step = None
         for f in self.faults:
             if f.applies(step, self.rank, self.attempt):
                 self._inject(f, step)
@@ -83,11 +179,39 @@ class Control:
 
         writer.save = save_then_die
 
-    def check_loss(self, loss: Any, step: int) -> Any:
+    def inspect_loss(self, loss: Any, step: int) -> tuple[Any, bool]:
+        """This rank's loss and whether it is finite (one host read); injected faults apply here."""
         for f in self.faults:
             if f.kind == "nan" and f.applies(step, self.rank, self.attempt):
-                return loss * float("nan")
-        return loss
+                loss = loss * float("nan")
+            if f.kind == "slow" and step >= f.step and f.applies(f.step, self.rank, self.attempt):
+                time.sleep(0.1)  # a straggler: this rank's compute takes 100 ms longer from step f.step on
+        if not self.nan_check:
+            return loss, True
+        import torch
+
+        return loss, bool(torch.isfinite(loss.detach()).all())
+
+    def require_finite(self, finite: bool, step: int) -> None:
+        """Stop every rank at this step if the loss was not finite on any of them (before backward,
+        so the update never happens): one tiny CPU all-gather."""
+        if not self.nan_check:
+            return
+        flags = [finite]
+        if self._group is not None:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.zeros(self.world_size, dtype=torch.int32)
+            dist.all_gather_into_tensor(t, torch.tensor([int(finite)], dtype=torch.int32), group=self._group)
+            flags = [bool(x) for x in t.tolist()]
+        bad = [r for r, ok in enumerate(flags) if not ok]
+        if bad:
+            raise NonFiniteLoss(
+                f"non-finite loss at step {step} on rank(s) {', '.join(map(str, bad))}: every rank stops before "
+                "the optimizer update, so the weights stay as after the previous step. Typical causes: a learning "
+                "rate too high (optim.lr, optim.warmup_steps), fp16 overflow (use train.precision: bf16), bad data"
+            )
 
     def _inject(self, f: Fault, step: int) -> None:
         import torch
@@ -107,3 +231,12 @@ class Control:
                 time.sleep(3600)
         if f.kind == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def perturb(self, module: Any) -> None:
+        """Injected desync (tests): change one weight on this rank before the preflight check."""
+        import torch
+
+        if any(f.kind == "perturb" and f.applies(0, self.rank, self.attempt) for f in self.faults):
+            with torch.no_grad():
+                next(module.parameters()).data.add_(1e-3)
+            log.warning(f"injected a parameter perturbation on rank {self.rank} (TRAINER_FAULT)")

@@ -155,7 +155,9 @@ def cuda_available() -> bool:
 
 
 def setup(timeout_s: float = 600.0) -> Runtime:
-    """Initialise the process group for whichever launcher started us (world 1 without one)."""
+    """Initialise the process group for whichever launcher started us (world 1 without one).
+    `timeout_s` bounds every collective, in every group: DeepSpeed creates its own groups without a
+    timeout, so torch's defaults (30 minutes for gloo) would apply to them."""
     env = detect()
     if env.launcher in ("none", "slurm"):  # give torch.distributed the env:// variables it reads
         port = env.master_port or free_port()
@@ -190,6 +192,12 @@ def setup(timeout_s: float = 600.0) -> Runtime:
         device_type, backend = "cpu", "gloo"
         device = torch.device("cpu")
 
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timedelta(seconds=timeout_s)  # read by every new_group() without a timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+
     import deepspeed
 
     deepspeed.init_distributed(
@@ -212,9 +220,14 @@ def shm_buffer(env: DistEnv) -> str:
 
 
 def release_shm(env: DistEnv) -> None:
-    """Unlink this rank's DeepSpeed shared-memory buffer (peers keep their mappings until they exit)."""
+    """Unlink this job's DeepSpeed shared-memory buffers, a killed peer's included. DeepSpeed opens
+    them only at start, and a mapping outlives its name, so ranks still running are unaffected."""
+    prefix = os.path.basename(shm_buffer(env)).rsplit("_", 1)[0] + "_"
     with contextlib.suppress(OSError):
-        os.unlink(shm_buffer(env))
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(prefix) and name[len(prefix) :].isdigit():
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
 
 
 def sweep_stale_shm(min_age_s: float = 60.0) -> list[str]:
@@ -290,8 +303,9 @@ class Fault:
     """A fault the tests inject through TRAINER_FAULT: `kind@step[:rank=R][:attempt=A]`, comma-separated.
 
     kinds: oom (raise torch.OutOfMemoryError), raise (RuntimeError), kill (SIGKILL self), sleep
-    (hang), nan (NaN loss), exit (os._exit(1)), perturb (change one parameter before training),
-    killsave (SIGKILL self while writing checkpoint shards)."""
+    (hang), nan (NaN loss), exit (os._exit(1)), term (SIGTERM self), slow (100 ms more per step from
+    `step` on: a straggler), perturb@0 (change one weight after DeepSpeed's broadcast), killsave
+    (SIGKILL while writing checkpoint shards), killcommit (SIGKILL before `latest` is replaced)."""
 
     kind: str
     step: int
@@ -326,5 +340,34 @@ def debug_dir() -> str | None:
 
 
 def attempt() -> int:
-    """Which supervised attempt this is (0 = first), set by the supervisor."""
-    return int(os.environ.get("TRAINER_ATTEMPT", "0") or 0)
+    """Which attempt this is (0 = first): set by our supervisor, or torchrun's restart count."""
+    return int(os.environ.get("TRAINER_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+# Environment a remote node needs (the deepspeed runner forwards only PYTHON*, MLFLOW*, MV2*, UCX*).
+FORWARD_PREFIXES = (
+    "NCCL_",
+    "TRAINER_",
+    "HF_",
+    "TRANSFORMERS_",
+    "WANDB_",
+    "TORCH_",
+    "CUDA_",
+    "OMP_",
+    "MKL_",
+    "GLOO_",
+)
+FORWARD_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+def remote_env() -> dict[str, str]:
+    """The variables to forward to every node of a hostfile run."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)) and "\n" not in v
+    }

@@ -39,11 +39,14 @@ class Engine:
 
         ds.clip_fp32_gradients = clip_and_record
 
-    def micro_step(self, input_ids: Any) -> Any:
-        """Forward and backward one micro batch; the optimizer steps at the accumulation boundary.
-        Returns the detached loss (no device synchronisation)."""
+    def forward(self, input_ids: Any) -> Any:
+        """The loss of one micro batch (kept in the graph for backward)."""
         input_ids = input_ids.to(self.device, non_blocking=True)
-        loss = loss_of(self.ds(input_ids=input_ids, labels=input_ids))
+        return loss_of(self.ds(input_ids=input_ids, labels=input_ids))
+
+    def backward_step(self, loss: Any) -> Any:
+        """Backward, then DeepSpeed's step (which updates only at the accumulation boundary).
+        Returns the detached loss (no device synchronisation)."""
         self.ds.backward(loss)
         if self.on_backward is not None:
             self.on_backward(self)

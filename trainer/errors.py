@@ -11,7 +11,11 @@ import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-EXIT_USER_ERROR = 2
+# Exit statuses of bin/train (the supervisor reads them).
+EXIT_CHECK_FAILED = 1  # a consistency check failed (the message names the ranks)
+EXIT_USER_ERROR = 2  # bad config or input: not retried
+EXIT_OOM = 3  # out of memory with strategy.on_oom: escalate
+EXIT_NONFINITE = 4  # a NaN/inf loss stopped every rank
 
 
 @dataclass(frozen=True)

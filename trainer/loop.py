@@ -20,6 +20,7 @@ class TrainState:
     started_at: float = field(default_factory=time.time)
     wall_time: float = 0.0  # seconds trained, summed over resumed attempts
     stopped: bool = False  # ended early on a stop request (preemption signal)
+    failed: str = ""  # why every rank stopped (a non-finite loss)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,21 +83,30 @@ def train(
             t = time.perf_counter()
             batch = stream.next()
             wait += time.perf_counter() - t
-            loss = loss + engine.micro_step(batch)
+            with metrics.forward:  # this rank's own compute, no collectives (stragglers)
+                micro_loss, finite = control.inspect_loss(engine.forward(batch), state.step + 1)
+            control.require_finite(finite, state.step + 1)  # NaN on any rank: every rank stops here
+            loss = loss + engine.backward_step(micro_loss)
         state.step += 1
         state.samples += samples_per_step
         state.tokens += samples_per_step * tokens_per_sample
         state.wall_time = wall0 + time.perf_counter() - t_attempt
-        metrics.step(state.step, control.check_loss(loss / grad_accum, state.step), wait, engine)
+        metrics.step(state.step, loss / grad_accum, wait, engine)
         if evaluator.due(state.step):
+            control.heartbeat()
             metrics.eval(state.step, evaluator.run(engine, state.step))
         stop, timed = control.agree(checkpointer.minutes_due())  # the same answer on every rank
+        control.heartbeat()
         checkpointer.offer(state, force=stop, time_due=timed)
         if stop:
+            control.disarm()
             log.info(f"stopping at step {state.step} on request; checkpoint saved")
             state.stopped = True
             return state
+    control.heartbeat()
     if evaluator.batches is not None and evaluator.last_step != state.step:
         metrics.eval(state.step, evaluator.run(engine, state.step))
+    control.heartbeat()
     checkpointer.offer(state, final=True)
+    control.disarm()
     return state

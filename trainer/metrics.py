@@ -65,7 +65,22 @@ class Interval:
     steps: int = 0
     loss: Any = 0.0  # device tensor sum
     data_wait: float = 0.0
+    forward: float = 0.0  # host seconds in forward + the loss check (the rank's own compute, no collectives)
     started: float = field(default_factory=time.perf_counter)
+
+
+class ForwardTimer:
+    """`with metrics.forward:` around forward and the loss check, per micro step."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._t = 0.0
+
+    def __enter__(self) -> None:
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.metrics.interval.forward += time.perf_counter() - self._t
 
 
 class Metrics:
@@ -82,8 +97,13 @@ class Metrics:
         samples_per_step: int,
         tokens_per_step: int,
         device: Any,
+        hosts: list[str] | None = None,
+        straggler_margin: float = 0.2,
     ) -> None:
         self.is_main = is_main
+        self.hosts = hosts or ["?"] * world_size
+        self.straggler_margin = straggler_margin
+        self.forward = ForwardTimer(self)
         self.world_size = world_size
         self.log_every = log_every
         self.max_steps = max_steps
@@ -117,16 +137,22 @@ class Metrics:
 
         iv = self.interval
         elapsed = max(time.perf_counter() - iv.started, 1e-9)
-        packed = torch.stack(
+        mine = torch.stack(
             [
-                torch.as_tensor(iv.loss, dtype=torch.float32, device=self.device).reshape(()),
-                torch.tensor(iv.data_wait / elapsed, dtype=torch.float32, device=self.device),
+                torch.as_tensor(iv.loss, dtype=torch.float64, device=self.device).reshape(()),
+                torch.tensor(iv.data_wait, dtype=torch.float64, device=self.device),
+                torch.tensor(iv.forward, dtype=torch.float64, device=self.device),
             ]
         )
-        if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(packed)
-        loss_sum, wait_share = (packed / self.world_size).tolist()
-        loss = loss_sum / iv.steps
+        if dist.is_initialized() and self.world_size > 1:  # one collective per log line, none per step
+            everyone = torch.zeros(self.world_size, 3, dtype=torch.float64, device=self.device)
+            dist.all_gather_into_tensor(everyone, mine.reshape(1, 3))
+        else:
+            everyone = mine.reshape(1, 3)
+        rows = everyone.tolist()
+        loss = sum(r[0] for r in rows) / self.world_size / iv.steps
+        wait_share = sum(r[1] for r in rows) / self.world_size / elapsed
+        busy = [(r[1] + r[2]) / iv.steps for r in rows]  # per rank: data wait + forward, per step
         rec = {
             "step": step,
             "loss": loss,
@@ -139,7 +165,12 @@ class Metrics:
             "data_wait_share": min(1.0, max(0.0, wait_share)),
             "skipped_steps": engine.skipped_steps,
             "elapsed_s": time.perf_counter() - self._t_start,
+            "rank_busy_s": busy,
+            "rank_tokens_per_s": [self.tokens_per_step / self.world_size / max(b, 1e-9) for b in busy],
         }
+        stragglers = self._stragglers(busy)
+        if stragglers:
+            rec["stragglers"] = stragglers
         self.last_loss = loss
         if self.first_loss is None:
             self.first_loss = loss
@@ -152,7 +183,36 @@ class Metrics:
                 f"grad_norm {gn if gn is None else f'{gn:.3f}'}  tok/s {rec['tokens_per_s']:,.0f}  "
                 f"step {rec['step_time_s'] * 1000:.0f} ms  data {rec['data_wait_share']:.1%}"
             )
+            for s in stragglers:
+                log.warning(
+                    f"straggler: rank {s['rank']} on {s['host']} spends {s['busy_ms']:.0f} ms per step in data + "
+                    f"forward, {s['slower_by']:.0%} more than the median {s['median_ms']:.0f} ms"
+                )
         return rec
+
+    def _stragglers(self, busy: list[float]) -> list[dict[str, Any]]:
+        """Ranks whose own time per step (data wait + forward, no collectives) exceeds the median by
+        more than the margin (and by at least 2 ms, so timer noise on tiny steps is not reported)."""
+        if len(busy) < 2:
+            return []
+        median = (
+            sorted(busy)[len(busy) // 2]
+            if len(busy) % 2
+            else sum(sorted(busy)[len(busy) // 2 - 1 : len(busy) // 2 + 1]) / 2
+        )
+        out = []
+        for r, b in enumerate(busy):
+            if b > median * (1 + self.straggler_margin) and b - median > 0.002:
+                out.append(
+                    {
+                        "rank": r,
+                        "host": self.hosts[r],
+                        "busy_ms": b * 1000,
+                        "median_ms": median * 1000,
+                        "slower_by": b / max(median, 1e-9) - 1,
+                    }
+                )
+        return out
 
     def eval(self, step: int, loss: float) -> None:
         rec = {"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}

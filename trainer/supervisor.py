@@ -30,7 +30,6 @@ log = logging.getLogger("trainer")
 
 ESCALATION = "escalation.json"
 ATTEMPTS = "attempts.jsonl"
-EXIT_OOM = 3  # a rank ran out of memory (with on_oom: escalate the supervisor escalates)
 TRAIN = Path(__file__).resolve().parent.parent / "bin" / "train"
 LADDER = [(0, "none"), (2, "none"), (3, "none"), (3, "cpu"), (3, "nvme")]
 
@@ -46,6 +45,40 @@ def next_rung(stage: int, offload: str) -> tuple[int, str] | None:
         return None
     i = LADDER.index(key)
     return LADDER[i + 1] if i + 1 < len(LADDER) else None
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """Hosts and slots of a deepspeed hostfile; every problem (missing file, a malformed line, a host
+    named twice) is an error, where the deepspeed runner alone would warn and train locally."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(
+            f"--hostfile {path} does not exist (resolved against {Path.cwd()}); the deepspeed runner would only warn "
+            "and train on this machine alone. Write one line per node: '<host> slots=<ranks on that node>'"
+        )
+    hosts: list[tuple[str, int]] = []
+    problems = []
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = parts[1][len("slots=") :] if len(parts) == 2 and parts[1].startswith("slots=") else ""
+        if not slots.isdigit() or int(slots) < 1:
+            problems.append(f"line {n}: '{raw.strip()}' is not '<host> slots=<N>' with N >= 1")
+            continue
+        host = parts[0]
+        if host in seen:
+            problems.append(f"line {n}: host '{host}' is already named on line {seen[host]}")
+            continue
+        seen[host] = n
+        hosts.append((host, int(slots)))
+    if not hosts and not problems:
+        problems.append("it names no host")
+    if problems:
+        raise UserError(f"--hostfile {path}: " + "; ".join(problems))
+    return hosts
 
 
 def record_oom(
@@ -82,6 +115,9 @@ class Supervisor:
     _child: subprocess.Popen | None = None
     _stopping: bool = False
 
+    def hosts(self) -> list[tuple[str, int]]:
+        return read_hostfile(self.hostfile) if self.hostfile else []
+
     def command(self, overrides: list[str], resume: str | None, port: int) -> list[str]:
         args = [str(TRAIN), self.experiment]
         for o in overrides:
@@ -95,7 +131,7 @@ class Supervisor:
         if self.launcher == "deepspeed":
             head = [str(bindir / "deepspeed")]
             if self.hostfile:
-                head += ["--hostfile", self.hostfile]
+                head += ["--hostfile", self.hostfile, "--master_addr", self.hosts()[0][0]]
             else:
                 head += ["--num_gpus", str(self.nproc_per_node)]
             return [*head, "--master_port", str(port), *args]
@@ -114,6 +150,7 @@ class Supervisor:
         from trainer.checkpoint import checkpoints_dir, latest
         from trainer.dist import free_port, sweep_stale_shm
 
+        self.hosts()  # a missing or malformed hostfile is an error before anything starts
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,10 +161,14 @@ class Supervisor:
             escalation_before = self._escalation_mtime()
             cmd = self.command(overrides, resume, free_port())
             env = dict(os.environ, TRAINER_ATTEMPT=str(attempt))
-            if self.launcher == "torchrun":
-                env.setdefault(
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"
-                )  # pytorch#135712: gloo re-rendezvous
+            if self.launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
+                env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+            if self.hostfile:  # the runner forwards only PYTHON*/MV2*/UCX* to the nodes
+                from trainer.dist import remote_env
+
+                env_file = self.run_dir / ".deepspeed_env"
+                env_file.write_text("".join(f"{k}={v}\n" for k, v in remote_env().items()))
+                env["DS_ENV_FILE"] = str(env_file.resolve())
             print(f"[supervisor] attempt {attempt}: {' '.join(cmd)}", flush=True)
             t0 = time.time()
             self._child = subprocess.Popen(cmd, env=env, start_new_session=True)

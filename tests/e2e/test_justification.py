@@ -92,3 +92,18 @@ def test_max_restarts_cannot_run_inside_a_launcher(tmp_path):
         timeout=120,
     )
     assert p.returncode == 2 and "cannot run under one" in p.stderr
+
+
+def test_a_missing_hostfile_stops_before_anything_starts(tmp_path):
+    p = run(
+        TINY,
+        "--launcher",
+        "deepspeed",
+        "--hostfile",
+        tmp_path / "hostfile",
+        "--max-restarts",
+        "1",
+        "--set",
+        f"run_dir={tmp_path / 'run'}",
+    )
+    assert p.returncode == 2 and "does not exist" in p.stderr and not (tmp_path / "run").exists()

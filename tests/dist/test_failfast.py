@@ -1,0 +1,143 @@
+"""Failures end the whole job quickly and loudly, under both launchers, and leave nothing behind.
+
+Each run injects a fault (TRAINER_FAULT) and measures how long the job takes to exit; afterwards no
+process of the run is alive and no DeepSpeed shared-memory buffer of its port is left in /dev/shm."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from helpers import BIN, FAST, ROOT, TINY, TRAIN, Result, data_cache, env_for, free_port, train
+
+pytestmark = pytest.mark.dist
+
+
+def launch(tmp_path, launcher, fault, sets=None, extra=None, timeout=300):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    args = [str(TRAIN), str(TINY)]
+    for k, v in {**FAST, "train.max_steps": 40, "run_dir": run_dir, "data.cache_dir": data_cache(), **(sets or {})}.items():
+        args += ["--set", f"{k}={v}"]
+    args += extra or []
+    if launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), *args]
+    else:
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port), *args]
+    env = env_for(2, {"TRAINER_FAULT": fault, "TRAINER_DEBUG_DIR": str(tmp_path / "debug")} if fault else
+                  {"TRAINER_DEBUG_DIR": str(tmp_path / "debug")})
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    took = time.time() - t0
+    leftovers = [q.pid for q in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(q.info["cmdline"] or [])]
+    shm = [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f]
+    assert not leftovers, f"processes of the run still alive: {leftovers}"
+    assert not shm, f"shared-memory buffers left behind: {shm}"
+    return Result(p.returncode, p.stdout, p.stderr, run_dir, tmp_path / "debug"), took
+
+
+def first_step_logged(r):
+    return max(r.losses) if r.losses else 0
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_sigkill_of_rank_1_ends_the_job(tmp_path, launcher):
+    r, took = launch(tmp_path, launcher, "kill@5:rank=1")
+    print(f"{launcher}: SIGKILL of rank 1 at step 5 -> exit {r.returncode} after {took:.1f} s")
+    assert r.returncode != 0 and took < 60
+    if launcher == "deepspeed":
+        assert re.search(r"--local_rank=1.*exits with return code = -9", r.output), r.output[-3000:]
+    else:
+        assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", r.output) and "SIGKILL" in r.output, r.output[-3000:]
+    assert first_step_logged(r) < 6
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_an_exception_on_rank_0_only_ends_the_job_and_is_shown(tmp_path, launcher):
+    r, took = launch(tmp_path, launcher, "raise@5:rank=0")
+    print(f"{launcher}: exception on rank 0 at step 5 -> exit {r.returncode} after {took:.1f} s")
+    assert r.returncode != 0 and took < 60
+    assert "RuntimeError: injected failure at rank 0 step 5 (TRAINER_FAULT)" in r.output
+
+
+def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout(tmp_path):
+    r, took = launch(tmp_path, "deepspeed", "sleep@5:rank=1", sets={"dist.watchdog_s": 30})
+    assert r.returncode != 0 and "[rank 1] WARNING injected hang" in r.output, r.output[-3000:]
+    assert "watchdog: rank 1 made no progress" in r.output and "Stacks of every thread" in r.output
+    assert "in _inject" in r.output  # the stack shows where rank 1 is stuck
+    # The run reaches step 5 within seconds; then 30 s of watchdog, then the launcher's reaction.
+    print(f"rank 1 hung at step 5; the job exited {r.returncode} after {took:.1f} s in all (watchdog 30 s)")
+    assert took < 30 + 40, f"took {took:.1f} s"
+
+
+def test_a_nan_loss_on_rank_1_stops_every_rank_at_that_step(tmp_path):
+    r, took = launch(tmp_path, "deepspeed", "nan@5:rank=1")
+    assert r.returncode == 4, r.output[-3000:]
+    assert "non-finite loss at step 5 on rank(s) 1: every rank stops before the optimizer update" in r.output
+    assert max(r.losses) == 4
+    reports = r.rank_reports()
+    assert [rep["step"] for rep in reports] == [4, 4]  # both ranks stopped after step 4
+    assert reports[0]["param_digest"] == reports[1]["param_digest"]  # identical...
+    probe = __import__("torch").load(r.debug_dir / "probe.pt")
+    assert bool(probe["logits"].isfinite().all())  # ...and finite
+
+
+def test_check_passes_and_names_a_perturbed_rank(tmp_path):
+    ok, _ = launch(tmp_path / "ok", "deepspeed", "", extra=["--check"])
+    assert ok.returncode == 0, ok.output[-3000:]
+    for line in ("preflight: all-reduce across 2 ranks", "weights identical on all 2 ranks at start",
+                 "gradient norm after the first step agrees", "checkpoint round trip ok", "check passed"):
+        assert line in ok.output
+    assert not (tmp_path / "ok" / "run" / ".check").exists()
+    bad, _ = launch(tmp_path / "bad", "deepspeed", "perturb@0:rank=1", extra=["--check"])
+    assert bad.returncode == 1
+    assert "check failed: parameters differ across ranks at start: rank 1" in bad.output
+
+
+def test_supervised_restart_after_a_crash_resumes_and_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(TRAIN), str(TINY), "--launcher", "deepspeed", "--nproc-per-node", "2",
+            "--max-restarts", "2"]
+    for k, v in {**FAST, "train.max_steps": 12, "checkpoint.every_steps": 4, "run_dir": run_dir,
+                 "data.cache_dir": data_cache()}.items():
+        args += ["--set", f"{k}={v}"]
+    p = subprocess.run(args, cwd=ROOT, env=env_for(2, {"TRAINER_FAULT": "raise@7:rank=1:attempt=0"}),
+                       capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [a["exit"] != 0 for a in attempts] == [True, False]
+    assert "restarting in 2 s from step_00000004" in out and "resumed from" in out
+    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    assert sorted(set(steps)) == list(range(1, 13))  # every step ran; 5 and 6 twice (after the checkpoint at 4)
+    assert sorted({s for s in steps if steps.count(s) > 1}) == [5, 6]
+
+
+def test_torchrun_max_restarts_with_gloo_resumes(tmp_path):
+    """torchrun's own --max-restarts: with gloo it needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (pytorch#135712); checkpoint.resume: auto makes the restarted workers resume."""
+    run_dir = tmp_path / "run"
+    args = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(TRAIN), str(TINY)]
+    for k, v in {**FAST, "train.max_steps": 12, "checkpoint.every_steps": 4, "checkpoint.resume": "auto",
+                 "run_dir": run_dir, "data.cache_dir": data_cache()}.items():
+        args += ["--set", f"{k}={v}"]
+    env = env_for(2, {"TRAINER_FAULT": "raise@7:rank=1:attempt=0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "resumed from" in out and "step_00000004 at step 4" in out
+    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
+    assert sorted(set(steps)) == list(range(1, 13))
+
+
+def test_stragglers_are_named(tmp_path):
+    r = train(tmp_path, {**FAST, "train.max_steps": 8, "train.log_every": 4}, launcher="deepspeed",
+              env={"TRAINER_FAULT": "slow@2:rank=1"})
+    assert re.search(r"straggler: rank 1 on \S+ spends \d+ ms per step", r.output)
+    last = [m for m in r.metrics if "loss" in m][-1]
+    assert [s["rank"] for s in last["stragglers"]] == [1] and len(last["rank_busy_s"]) == 2

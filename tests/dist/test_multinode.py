@@ -1,0 +1,79 @@
+"""Two "nodes" on one machine, for real: the deepspeed runner over ssh/pdsh with a hostfile naming
+127.0.0.1 and 127.0.0.2 (a private sshd on both), and torchrun with two node ranks on loopback.
+Both give the same per-step losses as a single-node 2-rank run."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import BIN, FAST, ROOT, TINY, TRAIN, data_cache, env_for, free_port, train, Result
+
+pytestmark = pytest.mark.dist
+SCRIPT = ROOT / "scripts" / "loopback_sshd.sh"
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """A private sshd on 127.0.0.1 and 127.0.0.2; stopped by its pid afterwards."""
+    if not (Path("/usr/sbin/sshd").exists() and shutil.which("pdsh")) or os.geteuid() != 0:
+        pytest.skip("needs openssh-server, pdsh and root (.ci/run installs them)")
+    d = Path(f"/tmp/trainer-sshd-{os.getpid()}")
+    p = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    yield d
+    subprocess.run(["bash", str(SCRIPT), "down", str(d)], timeout=60)
+    assert not d.exists()
+
+
+@pytest.fixture(scope="module")
+def single_node(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), FAST, launcher="deepspeed")
+
+
+def args_for(run_dir, debug):
+    args = [str(TRAIN), str(TINY)]
+    for k, v in {**FAST, "run_dir": run_dir, "data.cache_dir": data_cache()}.items():
+        args += ["--set", f"{k}={v}"]
+    return args
+
+
+def test_deepspeed_hostfile_over_ssh(tmp_path, nodes, single_node):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    debug = tmp_path / "debug"
+    # The runner forwards only PYTHON*/MV2*/UCX* variables to the nodes; the rest goes in DS_ENV_FILE.
+    remote = {"PATH": f"{BIN}:{nodes / 'bin'}:/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+              "TRAINER_DEBUG_DIR": str(debug), "PYTHONUNBUFFERED": "1"}
+    env_file = tmp_path / "ds_env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in remote.items()))
+    env = env_for(2, {"PATH": f"{nodes / 'bin'}:{BIN}:{os.environ['PATH']}", "DS_ENV_FILE": str(env_file)})
+    cmd = [str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), *args_for(tmp_path / "run", debug)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-5000:]
+    r = Result(p.returncode, p.stdout, p.stderr, tmp_path / "run", debug)
+    assert "pdsh" in out and "2 rank(s) on 2 node(s) via deepspeed" in out
+    assert r.losses == single_node.losses  # same per-step losses as one node with 2 ranks
+    reports = r.rank_reports()
+    assert reports[0]["all_param_digests"][0] == reports[0]["all_param_digests"][1]
+
+
+def test_torchrun_two_nodes_on_loopback(tmp_path, single_node):
+    port = free_port()
+    debug = tmp_path / "debug"
+    procs = []
+    for node in (0, 1):
+        cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+               *args_for(tmp_path / "run", debug)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_for(2, {"TRAINER_DEBUG_DIR": str(debug)}),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    r = Result(0, outs[0], "", tmp_path / "run", debug)
+    assert "2 rank(s) on 2 node(s) via torchrun" in outs[0] + outs[1]
+    assert r.losses == single_node.losses
