@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 tiny: setup                                  ## train the embedded default experiment
 	$(PY) bin/train configs/experiments/tiny.yaml
 
+# Two pytest-xdist workers: the launchers' start-up, imports and waits leave a core idle otherwise.
+# Tests that share a module's runs carry an xdist_group and stay on one worker.
 test: setup                                  ## every test: unit, e2e, 2-rank launcher tests
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
 
 test-fast: setup                             ## unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit

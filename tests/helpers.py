@@ -26,6 +26,7 @@ FAST = {
     "train.max_steps": 16,
     "train.log_every": 1,
     "train.eval_every": 0,
+    "train.eval_batches": 2,
     "train.micro_batch_size": 4,
     "model.config.n_layer": 2,
     "data.num_workers": 0,
@@ -75,7 +76,10 @@ def env_for(nproc: int = 1, extra: dict[str, str] | None = None) -> dict[str, st
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))
+    # Threads per rank: the cores shared by this job's ranks and, under pytest-xdist, by the jobs of
+    # the other workers (oversubscribed OpenMP threads spin and crawl).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // (nproc * workers))))
     env.setdefault("TRAINER_TEST_DATA_CACHE", "")
     env.update(extra or {})
     return env
@@ -169,3 +173,45 @@ def falling(losses: dict[int, float], k: int = 3) -> tuple[float, float]:
     first = sum(losses[s] for s in steps[:k]) / k
     last = sum(losses[s] for s in steps[-k:]) / k
     return first, last
+
+
+def wandb_offline_run(path: Path) -> dict[str, Any]:
+    """What an offline wandb run recorded (run id, config, history), read from its `run-<id>.wandb`
+    file: wandb's LevelDB-style log (a 7-byte header, 32 KiB blocks of records split into
+    FULL/FIRST/MIDDLE/LAST chunks) of protobuf Records. wandb 0.31 ships no reader for it."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    ident, magic, _ = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, f"{path} is not a wandb run file"
+    raw, pos, block, pending = [], 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        if kind in (1, 4):
+            raw.append(pending)
+    out: dict[str, Any] = {"id": None, "config": {}, "history": []}
+    for r in raw:
+        rec = pb.Record()
+        rec.ParseFromString(r)
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            out["id"] = rec.run.run_id
+            out["config"] = {_key(i): json.loads(i.value_json) for i in rec.run.config.update}
+        elif kind == "history":
+            out["history"].append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+    return out
+
+
+def _key(item: Any) -> str:
+    """A history/config item's key: plain, or split into parts ("train/loss" -> ["train", "loss"])."""
+    return item.key or "/".join(item.nested_key)

@@ -419,6 +419,7 @@ class Checkpointer:
             "versions": versions(),
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "metrics": metrics,
+            "wandb_run_id": getattr(self.metrics, "wandb_id", None),  # a resumed run continues it
             "files": files,
         }
         _write_atomic(stage_dir / STATE, json.dumps(meta, indent=2) + "\n")

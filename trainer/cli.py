@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +19,18 @@ from typing import Any
 from trainer import config as config_mod
 from trainer.checks import CheckFailed
 from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, UserError
+from trainer.modes import MODES, SUBDIR
 
 log = logging.getLogger("trainer")
+
+PROFILE_WARMUP, PROFILE_ACTIVE = 3, 5  # --profile: steps before the trace, steps traced
 
 EPILOG = """\
 examples:
   bin/train configs/experiments/tiny.yaml
   bin/train configs/experiments/tiny.yaml --set train.max_steps=50 --set strategy.zero_stage=2
   bin/train configs/experiments/tiny.yaml --print-config
+  bin/train configs/experiments/tiny.yaml --overfit-batch --set train.max_steps=150
   bin/train configs/experiments/llama7b.yaml --plan --world-size 8 --set strategy.device_memory=80GB
   deepspeed --num_gpus 2 bin/train configs/experiments/tiny.yaml
   torchrun --nproc_per_node 2 bin/train configs/experiments/tiny.yaml
@@ -76,10 +81,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--force", action="store_true", help="run a pinned stage/offload even if predicted not to fit"
     )
-    p.add_argument(
+    modes = p.add_argument_group("modes (one at a time; see README: Modes)").add_mutually_exclusive_group()
+    modes.add_argument(
         "--check",
         action="store_true",
         help="run the consistency checks, one training step and a checkpoint round trip, then exit",
+    )
+    modes.add_argument(
+        "--overfit-batch",
+        action="store_true",
+        help="train train.max_steps steps on one fixed batch (the loss must approach zero), in RUN_DIR/overfit-batch",
+    )
+    modes.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"profile {PROFILE_ACTIVE} steps after {PROFILE_WARMUP} warm-up steps with torch.profiler, "
+        "in RUN_DIR/profile",
+    )
+    modes.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build everything (and load a checkpoint to resume), take no step",
     )
     p.add_argument(
         "--resume",
@@ -135,6 +157,26 @@ def _main(argv: list[str] | None = None) -> int:
                 "no experiment file given: bin/train EXPERIMENT.yaml (try configs/experiments/tiny.yaml)"
             )
         exp = config_mod.load(args.experiment, args.overrides)
+        mode = next((m for m in MODES if getattr(args, m)), None)
+        if mode in SUBDIR:
+            if args.resume:
+                raise UserError(f"--{mode.replace('_', '-')} starts from fresh weights; drop --resume")
+            # Its own run dir, no checkpoints, no resume: a mode never disturbs the run it is aimed at.
+            sub = Path(exp.run_dir) / SUBDIR[mode]
+            exp = config_mod.load(
+                args.experiment,
+                [
+                    *args.overrides,
+                    f"run_dir={sub}",
+                    "checkpoint.resume=never",
+                    "checkpoint.every_steps=0",
+                    "checkpoint.every_minutes=0",
+                    "checkpoint.save_final=false",
+                    "logging.wandb.enabled=false",
+                ],
+            )
+            if _launcher_rank() == 0:  # replaced at every run (before any rank writes to it)
+                shutil.rmtree(sub, ignore_errors=True)
         if args.plan or args.print_config:
             return plan_command(exp, args)
         if args.launcher is not None or args.max_restarts is not None:
@@ -197,7 +239,7 @@ def make_plan(
     """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed."""
     from trainer import dist, model, strategy
 
-    info = model.info(exp.model, vocab_size, eos_id)
+    info = model.info(exp.model, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
     precision = strategy.resolve_precision(exp.train.precision, device_type)
     mem = exp.strategy.device_memory or device_memory
     host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
@@ -228,10 +270,9 @@ def vocab_for_planning(exp: config_mod.Experiment) -> tuple[int | None, int | No
         return exp.model.config["vocab_size"], None
     if exp.model.config is None:
         return None, None
-    from trainer.data import load_tokenizer
+    from trainer.data import tokenizer_shape
 
-    tok = load_tokenizer(exp.data.tokenizer)
-    return len(tok), tok.eos_token_id
+    return tokenizer_shape(exp.data.tokenizer, exp.data.cache_dir)
 
 
 def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
@@ -296,7 +337,8 @@ def supervise_command(exp: config_mod.Experiment, args: argparse.Namespace) -> i
         hostfile=args.hostfile,
         max_restarts=args.max_restarts or 0,
         resume=args.resume,
-        extra_args=["--force"] if args.force else [],
+        extra_args=(["--force"] if args.force else [])
+        + [f"--{m.replace('_', '-')}" for m in MODES if getattr(args, m)],
     )
     return sup.run()
 
@@ -370,7 +412,7 @@ def _train(
 ) -> int:
     import torch
 
-    from trainer import checks, dist, metrics, model, reshard
+    from trainer import checks, dist, metrics, model, modes, reshard
     from trainer import data as data_mod
     from trainer.checkpoint import Checkpointer
     from trainer.control import Control, NonFiniteLoss
@@ -421,20 +463,25 @@ def _train(
         limit=t.eval_batches,
         device_type=runtime.device_type,
     )
-    evaluator = Evaluator(eval_loader, t.eval_every, env.world_size)
+    one_off = args.overfit_batch or args.profile  # no eval, no checkpoints (see trainer/modes.py)
+    evaluator = Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size)
     state = TrainState()
     samples_per_step = t.micro_batch_size * env.world_size * t.grad_accum
+    info = planned.info
     mets = metrics.Metrics(
         run_dir,
         is_main=runtime.is_main,
         world_size=env.world_size,
         log_every=t.log_every,
-        max_steps=t.max_steps,
+        max_steps=state.step + PROFILE_WARMUP + PROFILE_ACTIVE if args.profile else t.max_steps,
         samples_per_step=samples_per_step,
         tokens_per_step=samples_per_step * exp.data.seq_len,
         device=engine.device,
         hosts=checks.all_gather(env.hostname, env.world_size),
         straggler_margin=exp.dist.straggler_margin,
+        progress=progress_enabled(exp.logging.progress),
+        flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
+        peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
     )
     control = Control(
         rank=env.rank,
@@ -461,6 +508,8 @@ def _train(
     )
     if resume is not None:
         checkpointer.load(resume.found, state)
+    if args.overfit_batch:
+        stream = modes.FixedBatch(stream)
     debug = dist.debug_dir()
     memory = None
     if debug:
@@ -468,17 +517,7 @@ def _train(
 
         stream.record = []
         memory = engine.on_backward = MemoryCensus()
-    banner(exp, runtime, planned, data, stream, samples_per_step)
-    hosts = mets.hosts
-    control.perturb(engine.module)
-    if exp.dist.preflight or args.check:
-        for line in checks.preflight(engine, env.world_size, hosts):
-            log.info(line)
-        control.on_first_step = lambda: [
-            log.info(x) for x in checks.after_first_step(engine, env.world_size, hosts)
-        ]
-    if args.check:
-        return check_run(exp, engine, stream, data, state, env, hosts, layout)
+    banner(exp, runtime, planned, data, stream, samples_per_step, resume)
     if resume is not None and runtime.is_main:
         for w in resume.warnings:
             log.warning(f"warning: {w}")
@@ -488,9 +527,42 @@ def _train(
         )
         if resume.differences:
             log.info(f"resumed with changed settings: {', '.join(resume.differences)}")
-    try:
-        state = train(
-            max_steps=t.max_steps,
+    hosts = mets.hosts
+    control.perturb(engine.module)
+    if exp.dist.preflight or args.check:
+        for line in checks.preflight(engine, env.world_size, hosts):
+            log.info(line)
+        control.on_first_step = lambda: [
+            log.info(x) for x in checks.after_first_step(engine, env.world_size, hosts)
+        ]
+    if args.check:
+        return modes.check(exp, engine, stream, data, state, env, hosts, layout)
+    if args.dry_run:
+        log.info(
+            f"dry run: everything is built{' and the checkpoint loaded' if resume else ''}; no step taken"
+        )
+        return 0
+    if runtime.is_main and wandb_enabled(exp.logging.wandb):
+        from trainer.tracking import WandbRun
+
+        mets.wandb = WandbRun(
+            exp.logging.wandb,
+            name=exp.name,
+            run_dir=run_dir,
+            config={
+                "experiment": exp.to_dict(),
+                "deepspeed": planned.ds_config,
+                "plan": planned.plan.summary(),
+                "world_size": env.world_size,
+                "nodes": env.nodes,
+                "parameters": info.params,
+            },
+            run_id=resume.found.state.get("wandb_run_id") if resume is not None else None,
+        )
+
+    def run(until: int) -> TrainState:
+        return train(
+            max_steps=until,
             grad_accum=t.grad_accum,
             tokens_per_sample=exp.data.seq_len,
             engine=engine,
@@ -501,6 +573,22 @@ def _train(
             state=state,
             control=control,
         )
+
+    exit_code = 1
+    try:
+        if args.profile:
+            modes.profile(
+                run,
+                state,
+                run_dir=run_dir,
+                rank=env.rank,
+                device=engine.device,
+                warmup=PROFILE_WARMUP,
+                active=PROFILE_ACTIVE,
+            )
+        else:
+            state = run(t.max_steps)
+        exit_code = exp.checkpoint.signal_exit_code if state.stopped else 0
     except torch.OutOfMemoryError as e:
         c = planned.plan.candidate
         where = f"{c.name} at step {state.step + 1} on rank {env.rank}"
@@ -527,13 +615,15 @@ def _train(
             file=sys.stderr,
             flush=True,
         )
-        return EXIT_OOM
+        exit_code = EXIT_OOM
+        return exit_code
     except NonFiniteLoss as e:
         if runtime.is_main:
             log.error(f"stopped: {e}")
         state.failed = str(e)
+        exit_code = EXIT_NONFINITE  # every rank stopped at the same step
     finally:
-        mets.close()
+        mets.close(exit_code)
     if debug:
         from trainer.checks import write_debug_report
 
@@ -544,97 +634,70 @@ def _train(
             "plan": planned.plan.summary(),
         }
         write_debug_report(debug, env.rank, env.world_size, engine.module, stream.record or [], extra)
-        probe_logits(debug, engine, data, env.rank)
-    if state.failed:
-        return EXIT_NONFINITE  # every rank stopped at the same step
-    if runtime.is_main and mets.first_loss is not None:
+        modes.probe_logits(debug, engine, data, env.rank)
+    if runtime.is_main and mets.first_loss is not None and not state.failed:
         first, last = mets.first_loss, mets.last_loss
         log.info(
             f"done: {state.step} steps, {state.tokens:,} tokens in {state.wall_time:.1f} s; loss {first:.4f} -> {last:.4f}"
         )
-    return exp.checkpoint.signal_exit_code if state.stopped else 0
+        if args.overfit_batch:
+            log.info(modes.overfit_verdict(first, last, samples_per_step))
+    return exit_code
 
 
-def check_run(
-    exp: Any, engine: Any, stream: Any, data: Any, state: Any, env: Any, hosts: list[str], layout: Any
-) -> int:
-    """--check: the preflight passed; now one training step, the post-step checks, and a checkpoint
-    round trip (save, take another step, load: the loss on a fixed batch must come back exactly)."""
-    import shutil
-
-    import torch
-
-    from trainer import checks
-    from trainer.checkpoint import Checkpointer, Found, read_state
-
-    engine.backward_step(engine.forward(stream.next()))
-    state.step = 1
-    for line in checks.after_first_step(engine, env.world_size, hosts):
-        log.info(line)
-    probe = torch.from_numpy(data.train[: stream.sampler.micro]["input_ids"].astype("int64"))
-
-    def probe_loss() -> float:
-        engine.train(False)
-        loss = float(engine.eval_loss(probe))
-        engine.train(True)
-        return loss
-
-    scratch = Path(exp.run_dir) / ".check"
-    ck = Checkpointer(
-        exp.checkpoint,
-        scratch,
-        engine=engine,
-        stream=stream,
-        exp=exp,
-        rank=env.rank,
-        world_size=env.world_size,
-        layout=layout,
-    )
-    saved = ck.save(state)
-    before = probe_loss()
-    engine.backward_step(engine.forward(stream.next()))  # move the weights away
-    moved = probe_loss()
-    ck.load(Found(saved, read_state(saved)), state)
-    after = probe_loss()
-    ck._barrier()
-    if env.rank == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
-    if after != before:
-        raise checks.CheckFailed(
-            f"checkpoint round trip changed the loss on a fixed batch: {before!r} before saving, {after!r} after "
-            f"loading (and {moved!r} in between)"
-        )
-    moved_note = "" if moved != before else " (unchanged: the learning rate is 0 at this step)"
-    log.info(
-        f"check: checkpoint round trip ok: loss on a fixed batch {before!r} at save, {moved!r} after another "
-        f"step{moved_note}, {after!r} after loading"
-    )
-    log.info("check passed")
-    return 0
+def progress_enabled(setting: Any) -> bool:
+    """logging.progress: true, false, or auto = a bar only when stdout is a terminal (plain log lines
+    in CI and log files)."""
+    return sys.stdout.isatty() if setting == "auto" else bool(setting)
 
 
-def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
-    """Tests: the engine's logits on the first two training sequences (compared with an export)."""
-    import torch
+def wandb_enabled(section: Any) -> bool:
+    """logging.wandb.enabled: true, false, or auto = on when wandb is installed and configured (an API
+    key in WANDB_API_KEY or ~/.netrc, or WANDB_MODE set)."""
+    if section.enabled != "auto":
+        return bool(section.enabled)
+    import importlib.util
+    import os
 
-    ids = torch.from_numpy(data.train[:2]["input_ids"].astype("int64"))
-    engine.train(False)
-    with torch.no_grad():
-        logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()
-    engine.train(True)
-    if rank == 0:
-        torch.save({"input_ids": ids, "logits": logits}, Path(directory) / "probe.pt")
+    if importlib.util.find_spec("wandb") is None:
+        return False
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
 
 
 def banner(
-    exp: config_mod.Experiment, runtime: Any, planned: Planned, data: Any, stream: Any, samples_per_step: int
+    exp: config_mod.Experiment,
+    runtime: Any,
+    planned: Planned,
+    data: Any,
+    stream: Any,
+    samples_per_step: int,
+    resume: Resume | None = None,
 ) -> None:
+    """What this run is, on rank 0: where it runs, what it trains, how, and from where."""
     if not runtime.is_main:
         return
+    from trainer.checkpoint import checkpoints_dir
     from trainer.config import format_size
 
     env, t, plan = runtime.env, exp.train, planned.plan
     est = plan.estimate
+    c = exp.checkpoint
+    cadence = ", ".join(
+        x
+        for x in (
+            f"every {c.every_steps} steps" if c.every_steps else "",
+            f"every {c.every_minutes:g} min" if c.every_minutes else "",
+            "at the end" if c.save_final else "",
+        )
+        if x
+    )
+    start = f"resuming from {resume.found.tag}" if resume is not None else "fresh start"
     lines = [
         f"experiment {exp.name}: run dir {exp.run_dir}",
         f"world: {env.world_size} rank(s) on {env.nodes} node(s) via {env.launcher}; device {runtime.device_type}, "
@@ -647,6 +710,7 @@ def banner(
         f"sequences = {samples_per_step * exp.data.seq_len:,} tokens per step",
         f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "
         f"{data.seq_len} tokens; {stream.steps_per_epoch:,} micro steps per epoch",
+        f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}); {start}",
     ]
     for line in lines:
         log.info(line)

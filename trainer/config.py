@@ -296,7 +296,10 @@ class CheckpointSection(Section):
 class WandbSection(Section):
     """Weights & Biases logging, rank 0 only."""
 
-    enabled: AutoBool = Field(False, description="true, false, or auto (on when wandb is configured)")
+    enabled: AutoBool = Field(
+        False,
+        description="true, false, or auto (on when wandb is installed and logged in, or WANDB_MODE is set)",
+    )
     project: str | None = Field(None, description="project; null = the experiment name")
     entity: str | None = Field(None, description="team or user")
     run_name: str | None = Field(None, description="display name; null = the experiment name")
@@ -309,6 +312,9 @@ class LoggingSection(Section):
 
     progress: AutoBool = Field("auto", description="progress bar; auto = only when stdout is a terminal")
     level: choice("debug", "info", "warning") = Field("info", description="log level of rank 0")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="dense bf16 peak of one GPU in TFLOP/s, for MFU; null = from the GPU's name"
+    )
     wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases")
 
 

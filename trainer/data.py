@@ -34,6 +34,7 @@ from trainer.errors import UserError
 
 CACHE_VERSION = 1
 EOS = "<|endoftext|>"
+BYTE_VOCAB, BYTE_EOS_ID = 257, 256  # the built-in byte tokenizer: 256 bytes + EOS
 
 # ----------------------------------------------------------------------------- tokenizer
 
@@ -47,7 +48,7 @@ def byte_tokenizer() -> Any:
 
     b2u = bytes_to_unicode()
     vocab = {b2u[i]: i for i in range(256)}
-    vocab[EOS] = 256
+    vocab[EOS] = BYTE_EOS_ID
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -66,6 +67,34 @@ def load_tokenizer(spec: str) -> Any:
             f"data.tokenizer: cannot load '{spec}': {str(e).splitlines()[0]}. Use 'byte', a local tokenizer "
             "directory, or a hub id on a machine with network access"
         ) from None
+
+
+def tokenizer_shape(spec: str, cache_dir: str | Path | None = None) -> tuple[int, int | None]:
+    """(vocabulary size, EOS id) of a tokenizer, for planning. The byte tokenizer's are constants; a
+    local tokenizer directory's are cached by its files' names, sizes and times, so that planning a
+    model seen before does not import transformers."""
+    if spec == "byte":
+        return BYTE_VOCAB, BYTE_EOS_ID
+    path = None
+    local = Path(spec).expanduser()
+    if cache_dir and local.is_dir():
+        stamp = sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in local.iterdir() if f.is_file()
+        )
+        key = hashlib.sha256(json.dumps([str(local.resolve()), stamp]).encode()).hexdigest()[:24]
+        path = Path(cache_dir).expanduser() / "model-info" / f"tokenizer-{key}.json"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            d = json.loads(path.read_text())
+            return d["vocab"], d["eos"]
+    tok = load_tokenizer(spec)
+    shape = len(tok), tok.eos_token_id
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"vocab": shape[0], "eos": shape[1]}))
+            os.replace(tmp, path)
+    return shape
 
 
 def tokenizer_id(tok: Any, spec: str) -> str:

@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -154,10 +155,27 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def prefer_interpreter_tools() -> str | None:
+    """Put the interpreter's own scripts directory (the venv's bin) first on PATH when it holds
+    `ninja`, so DeepSpeed's JIT-built ops always build with the same ninja. Two ninjas (pip's 1.13 in
+    the venv, a distribution's 1.11 in /usr/bin) write incompatible build logs, and a run under
+    either one rebuilds what the other built: 40 s and more at every start that alternates between
+    `make tiny` (no venv on PATH) and `deepspeed ...` (venv activated). Returns the directory added."""
+    bindir = os.path.dirname(sys.executable)
+    if not os.path.isfile(os.path.join(bindir, "ninja")):
+        return None
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if path and path[0] == bindir:
+        return None
+    os.environ["PATH"] = os.pathsep.join([bindir, *(p for p in path if p != bindir)])
+    return bindir
+
+
 def setup(timeout_s: float = 600.0) -> Runtime:
     """Initialise the process group for whichever launcher started us (world 1 without one).
     `timeout_s` bounds every collective, in every group: DeepSpeed creates its own groups without a
     timeout, so torch's defaults (30 minutes for gloo) would apply to them."""
+    prefer_interpreter_tools()
     env = detect()
     if env.launcher in ("none", "slurm"):  # give torch.distributed the env:// variables it reads
         port = env.master_port or free_port()
@@ -228,6 +246,21 @@ def release_shm(env: DistEnv) -> None:
             if name.startswith(prefix) and name[len(prefix) :].isdigit():
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(SHM_DIR, name))
+
+
+def release_port_shm(port: int) -> list[str]:
+    """Unlink the DeepSpeed buffers of the job that used `port` (any master address, any rank): what
+    a supervisor does after an attempt, whose ranks may all have been killed."""
+    mine = f"{SHM_PREFIX}{os.getuid()}_"
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            head, _, rank = name.rpartition("_")
+            if name.startswith(mine) and rank.isdigit() and head.endswith(f"_{port}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    removed.append(name)
+    return removed
 
 
 def sweep_stale_shm(min_age_s: float = 60.0) -> list[str]:

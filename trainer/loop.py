@@ -91,7 +91,7 @@ def train(
         state.samples += samples_per_step
         state.tokens += samples_per_step * tokens_per_sample
         state.wall_time = wall0 + time.perf_counter() - t_attempt
-        metrics.step(state.step, loss / grad_accum, wait, engine)
+        metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens)
         if evaluator.due(state.step):
             control.heartbeat()
             metrics.eval(state.step, evaluator.run(engine, state.step))

@@ -11,8 +11,14 @@ takes `input_ids` and `labels` and returns either the loss tensor or an object w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import importlib
+import importlib.metadata
+import json
+import os
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from trainer.config import ModelSection, thaw
@@ -112,8 +118,59 @@ def count(module: Any) -> tuple[int, int]:
     return sum(unique.values()), largest
 
 
-def info(section: ModelSection, vocab_size: int | None = None, eos_id: int | None = None) -> ModelInfo:
-    """Count the model on the meta device: no weights are allocated, even for 70B."""
+def info(
+    section: ModelSection,
+    vocab_size: int | None = None,
+    eos_id: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> ModelInfo:
+    """Count the model on the meta device: no weights are allocated, even for 70B.
+
+    With `cache_dir`, the count is kept in `<cache_dir>/model-info/` keyed by the model section, the
+    vocabulary and the transformers version, so that `--plan` and `--print-config` of a model seen
+    before import neither torch nor transformers (whose import alone takes seconds, and pulls in
+    DeepSpeed through accelerate). Factories and hub ids are counted every time: their code or
+    config can change under the same name."""
+    key = _info_key(section, vocab_size, eos_id)
+    path = Path(cache_dir).expanduser() / "model-info" / f"{key}.json" if cache_dir and key else None
+    if path is not None and path.is_file():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            return ModelInfo(**json.loads(path.read_text()))
+    found = _count(section, vocab_size, eos_id)
+    if path is not None:
+        with contextlib.suppress(OSError):  # a read-only cache only costs speed
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(dataclasses.asdict(found), indent=1) + "\n")
+            os.replace(tmp, path)
+    return found
+
+
+def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> str | None:
+    if section.factory is not None:
+        return None
+    extra = None
+    if section.pretrained is not None:
+        config = Path(section.pretrained).expanduser() / "config.json"
+        if not config.is_file():
+            return None
+        extra = hashlib.sha256(config.read_bytes()).hexdigest()
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    payload = {
+        "v": 1,
+        "model": thaw(section.model_dump(mode="python")),
+        "vocab": vocab_size,
+        "eos": eos_id,
+        "transformers": version,
+        "config_json": extra,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> ModelInfo:
     import torch
 
     if section.factory is not None:

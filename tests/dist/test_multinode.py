@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from helpers import BIN, FAST, ROOT, TINY, TRAIN, data_cache, env_for, free_port, train, Result
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("multinode")]
 SCRIPT = ROOT / "scripts" / "loopback_sshd.sh"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def nodes(tmp_path_factory):
     """A private sshd on 127.0.0.1 and 127.0.0.2; stopped by its pid afterwards."""
     if not (Path("/usr/sbin/sshd").exists() and shutil.which("pdsh")) or os.geteuid() != 0:
@@ -28,7 +28,7 @@ def nodes(tmp_path_factory):
     assert not d.exists()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_node(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"), FAST, launcher="deepspeed")
 

@@ -1,9 +1,10 @@
 """Checkpoints on 2 ranks through the deepspeed launcher: exact resume, atomic `latest`, preemption.
 
-Run A trains 2K steps straight (checkpoints every K). Run B is the same command stopped at K (a
-SIGTERM to one rank), then resumed with --resume for K more steps: its per-step losses after the
-resume equal A's bit for bit (fp32 on CPU is deterministic, dropout on) and the final weights are
-equal. The data is small so that an epoch ends inside the resumed part.
+Run A trains 2K steps straight (checkpoints every K). Run B, a new process, resumes from A's
+checkpoint at K for K more steps: its per-step losses equal A's bit for bit (fp32 on CPU is
+deterministic, dropout on) and the final weights are equal. Kills during a save and a SIGTERM to
+one rank stop a run that is then resumed the same way. The data is small so that an epoch ends
+inside the resumed part.
 """
 
 import json
@@ -19,6 +20,8 @@ from helpers import FAST, ROOT, TINY, command, env_for
 from helpers import train as _train
 
 pytestmark = pytest.mark.dist
+# Tests that share a module fixture's runs stay on one pytest-xdist worker.
+EXACT, RESHARD = pytest.mark.xdist_group("resume-exact"), pytest.mark.xdist_group("resume-reshard")
 
 K = 6
 
@@ -27,7 +30,7 @@ def train(*args, **kwargs):
     return _train(*args, launcher="deepspeed", **kwargs)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
     """About 60 sequences of 128 tokens: an epoch is 7 micro steps of 2 ranks x 4."""
     path = tmp_path_factory.mktemp("data") / "small.jsonl"
@@ -47,7 +50,7 @@ def sets(data, stage, accum=1, **kw):
             "checkpoint.save_final": True, "checkpoint.keep_last": 0, **kw}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(tmp_path_factory, small_data):
     """Run A per (stage, accum), shared by the tests of this module."""
     cache = {}
@@ -70,19 +73,17 @@ def assert_same_continuation(a, b, k=K):
     assert b.rank_reports()[0]["param_digest"] == a.rank_reports()[0]["param_digest"]
 
 
+@EXACT
 @pytest.mark.parametrize(("stage", "accum"), [(0, 1), (1, 2), (2, 1), (3, 2)])
 def test_stop_and_resume_is_exact(tmp_path, small_data, straight, stage, accum):
+    """Run B resumes in a new process from run A's own checkpoint at step K (stopping at K on a
+    signal, then resuming, is test_sigterm_to_one_rank_saves_and_exits_0)."""
     a = straight(stage, accum)
-    b1 = train(tmp_path, sets(small_data, stage, accum), env={"TRAINER_FAULT": f"term@{K}:rank=1"})
-    assert "stopping at step 6 on request; checkpoint saved" in b1.output
-    ckpts = b1.run_dir / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_00000006"
-    assert {s: v for s, v in a.losses.items() if s <= K} == b1.losses
 
     # The checkpoint carries the exact DeepSpeed JSON, the resolved experiment and the state.
-    d = ckpts / "step_00000006"
+    d = a.run_dir / "checkpoints" / "step_00000006"
     ds_saved = json.loads((d / "ds_config.json").read_text())
-    assert ds_saved == b1.rank_reports()[0]["ds_config"]
+    assert ds_saved == a.rank_reports()[0]["ds_config"]
     assert ds_saved["zero_optimization"]["stage"] == stage and ds_saved["gradient_accumulation_steps"] == accum
     assert yaml.safe_load((d / "experiment.yaml").read_text())["strategy"]["zero_stage"] == stage
     st = json.loads((d / "trainer_state.json").read_text())
@@ -92,13 +93,14 @@ def test_stop_and_resume_is_exact(tmp_path, small_data, straight, stage, accum):
     assert {"torch", "deepspeed", "transformers"} <= set(st["versions"]) and st["plan"]["stage"] == stage
     assert all((d / f).stat().st_size == n for f, n in st["files"].items())
 
-    b2 = train(tmp_path, sets(small_data, stage, accum), extra_args=["--resume"])
-    assert "resumed from" in b2.output and "at step 6" in b2.output
-    final = json.loads((ckpts / "step_00000012" / "trainer_state.json").read_text())
+    b = train(tmp_path, sets(small_data, stage, accum), extra_args=["--resume", str(d)])
+    assert f"resumed from {d} at step 6" in b.output
+    final = json.loads((b.run_dir / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
     assert final["data_position"]["epoch"] > st["data_position"]["epoch"], "an epoch should end after the resume"
-    assert_same_continuation(a, b2)
+    assert_same_continuation(a, b)
 
 
+@EXACT
 @pytest.mark.parametrize("fault", ["killsave@12:rank=1", "killsave@12", "killcommit@12:rank=0"])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, small_data, straight, fault):
     """Rank 1 killed while writing (rank 0 has finished its shards), every rank killed while
@@ -114,8 +116,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, small_dat
     assert "resumed from" in b2.output and "step_00000006" in b2.output
     assert not (ckpts / ".tmp-step_00000012").exists(), "leftovers are cleaned by the next save"
     assert_same_continuation(a, b2)
-
-
+@EXACT
 def test_sigterm_to_one_rank_saves_and_exits_0(tmp_path, small_data, straight):
     """A real SIGTERM from outside to rank 1 under the deepspeed launcher: the job saves and exits 0."""
     s = sets(small_data, 2, **{"train.max_steps": 400})
@@ -155,7 +156,7 @@ def test_sigterm_to_one_rank_saves_and_exits_0(tmp_path, small_data, straight):
 NODROP = {"model.config.resid_pdrop": 0, "model.config.embd_pdrop": 0, "model.config.attn_pdrop": 0}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sources(tmp_path_factory, small_data):
     """Uninterrupted runs without dropout, per (ranks, stage): the reference and the checkpoint."""
     cache = {}
@@ -170,6 +171,7 @@ def sources(tmp_path_factory, small_data):
     return get
 
 
+@RESHARD
 @pytest.mark.parametrize(
     ("src", "dst"),
     [((2, 2), (1, 2)), ((1, 2), (2, 2)), ((2, 2), (2, 3)), ((2, 3), (2, 2)), ((2, 0), (2, 2))],
@@ -192,8 +194,7 @@ def test_resume_on_another_world_size_or_stage(tmp_path, small_data, sources, sr
     for step, loss in after.items():
         ref = a.losses[step]
         assert abs(loss - ref) <= 1e-5 * abs(ref), f"step {step}: {loss} vs {ref}"
-
-
+@RESHARD
 def test_export_from_stage3_gives_the_engines_logits(tmp_path, sources):
     """bin/export of a 2-rank ZeRO-3 checkpoint loads with from_pretrained and gives the same logits."""
     import sys

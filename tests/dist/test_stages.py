@@ -8,7 +8,7 @@ deepspeed launcher and under torchrun.
 import pytest
 from helpers import FAST, falling, train
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("stages")]
 
 CASES = {
     "zero0": {"strategy.zero_stage": 0},
@@ -20,7 +20,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     cache = {}
 

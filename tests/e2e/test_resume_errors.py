@@ -6,7 +6,7 @@ import sys
 import pytest
 from helpers import ROOT, TINY, TRAIN, env_for, train
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("resume-errors")]
 
 SMALL = {
     "train.max_steps": 2,
@@ -29,7 +29,7 @@ def run(*args):
     return p.returncode, p.stderr + p.stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def saved(tmp_path_factory):
     return train(tmp_path_factory.mktemp("saved"), SMALL, debug=False)
 

@@ -18,7 +18,7 @@ def write(tmp_path, text, name="exp.yaml"):
 
 def test_tiny_loads_into_a_typed_immutable_tree():
     exp = config.load(TINY)
-    assert exp.train.max_steps == 300 and exp.model.config["model_type"] == "gpt2"
+    assert exp.train.max_steps == 200 and exp.model.config["model_type"] == "gpt2"
     with pytest.raises(ValidationError, match="frozen"):
         exp.train.max_steps = 5
     with pytest.raises(TypeError):

@@ -51,7 +51,7 @@ def test_owned_values_come_from_the_experiment():
         "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True},
     }
     assert ds["scheduler"]["type"] == "WarmupCosineLR"
-    assert ds["scheduler"]["params"]["total_num_steps"] == 300
+    assert ds["scheduler"]["params"]["total_num_steps"] == 200
     assert ds["scheduler"]["params"]["cos_min_ratio"] == 0.1
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False

@@ -49,7 +49,7 @@ LLAMA70B = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gpt2():
     return info_for(GPT2)
 
@@ -59,6 +59,22 @@ def test_parameter_counts_on_the_meta_device(gpt2):
     assert gpt2.largest_layer == 50257 * 768  # the embedding
     llama = info_for(LLAMA7B)
     assert 6.7e9 < llama.params < 6.8e9 and llama.hidden == 4096 and llama.layers == 32
+
+
+def test_model_shapes_are_cached_for_planning(gpt2, tmp_path, monkeypatch):
+    """A second plan of the same model reads its shape from the cache (no torch, no transformers);
+    a change to the model section or the vocabulary is a new key."""
+    section = config.ModelSection.model_validate({"config": GPT2, "attn_implementation": "sdpa"})
+    assert model.info(section, cache_dir=tmp_path) == gpt2
+    monkeypatch.setattr(model, "_count", lambda *a: pytest.fail("counted again instead of reading the cache"))
+    assert model.info(section, cache_dir=tmp_path) == gpt2
+    assert len(list((tmp_path / "model-info").glob("*.json"))) == 1
+    with pytest.raises(pytest.fail.Exception):
+        model.info(section, vocab_size=50304, cache_dir=tmp_path)
+    factory = config.ModelSection.model_validate(
+        {"factory": "torch.nn:Linear", "factory_args": {"in_features": 2, "out_features": 3}}
+    )
+    assert model._info_key(factory, None, None) is None  # user code can change under the same name
 
 
 @pytest.mark.parametrize("ranks", [1, 8])

@@ -1,0 +1,87 @@
+"""Where a process sits in the job, read from each launcher's environment (no processes)."""
+
+import os
+import sys
+
+from trainer import dist
+
+
+def test_no_launcher_is_one_rank():
+    e = dist.detect({})
+    assert (e.rank, e.world_size, e.local_world_size, e.launcher, e.nodes) == (0, 1, 1, "none", 1)
+
+
+def test_deepspeed_runner():
+    env = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_SIZE": "2",
+        "CROSS_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29511",
+    }
+    e = dist.detect(env)
+    assert (e.rank, e.local_rank, e.world_size, e.local_world_size, e.node_rank) == (3, 1, 4, 2, 1)
+    assert (e.launcher, e.master_addr, e.master_port, e.nodes) == ("deepspeed", "10.0.0.1", 29511, 2)
+
+
+def test_torchrun():
+    env = {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "TORCHELASTIC_RUN_ID": "exp",
+    }
+    e = dist.detect(env)
+    assert (e.rank, e.local_rank, e.node_rank, e.launcher, e.nodes) == (5, 1, 1, "torchrun", 2)
+
+
+def test_slurm_srun():
+    env = {
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "16",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "MASTER_ADDR": "node-a",
+    }
+    e = dist.detect(env)
+    assert (e.rank, e.local_rank, e.world_size, e.local_world_size, e.node_rank) == (9, 1, 16, 8, 1)
+    assert (e.launcher, e.master_addr) == ("slurm", "node-a")
+
+
+def test_a_one_task_slurm_allocation_is_a_plain_process():
+    assert dist.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launcher == "none"
+
+
+def test_the_interpreters_ninja_comes_first(monkeypatch, tmp_path):
+    """Two ninjas write incompatible build logs: DeepSpeed's ops must always build with the same one."""
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(bindir / "python"))
+    monkeypatch.setenv("PATH", f"/usr/bin{os.pathsep}{bindir}")
+    assert dist.prefer_interpreter_tools() is None  # no ninja beside the interpreter: PATH unchanged
+    assert os.environ["PATH"] == f"/usr/bin{os.pathsep}{bindir}"
+    (bindir / "ninja").write_text("")
+    assert dist.prefer_interpreter_tools() == str(bindir)
+    assert os.environ["PATH"] == f"{bindir}{os.pathsep}/usr/bin"
+    assert dist.prefer_interpreter_tools() is None  # already first
+
+
+def test_a_supervisor_removes_only_its_own_jobs_shared_memory(monkeypatch, tmp_path):
+    monkeypatch.setattr(dist, "SHM_DIR", str(tmp_path))
+    uid = os.getuid()
+    names = [
+        f"{dist.SHM_PREFIX}{uid}_127.0.0.1_29500_0",
+        f"{dist.SHM_PREFIX}{uid}_10.0.0.1_29500_1",
+        f"{dist.SHM_PREFIX}{uid}_127.0.0.1_29501_0",
+        f"{dist.SHM_PREFIX}{uid + 1}_127.0.0.1_29500_0",
+        "unrelated_29500_0",
+    ]
+    for n in names:
+        (tmp_path / n).write_text("")
+    assert sorted(dist.release_port_shm(29500)) == sorted(names[:2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

@@ -1,0 +1,147 @@
+"""The one-off modes of bin/train, each run after everything is built:
+
+- `--check`: the consistency checks, one training step and a checkpoint round trip (multi-node
+  bring-up);
+- `--overfit-batch`: train on one fixed batch, a quick proof that the pipeline learns (the loss
+  must approach zero);
+- `--profile`: a torch.profiler trace of a few steps after warm-up, and the top operators;
+- `--dry-run`: build everything (process group, data, model, engine, a checkpoint to resume) and
+  take no step.
+
+`--overfit-batch` and `--profile` write into `<run_dir>/overfit-batch` and `<run_dir>/profile`,
+start from fresh weights, evaluate nothing and save no checkpoint, so they never disturb a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trainer")
+
+MODES = ("check", "overfit_batch", "profile", "dry_run")
+SUBDIR = {"overfit_batch": "overfit-batch", "profile": "profile"}  # modes that get their own run dir
+
+
+class FixedBatch:
+    """--overfit-batch: this rank's first micro batch, at every micro step."""
+
+    def __init__(self, stream: Any) -> None:
+        self.sampler = stream.sampler
+        self.steps_per_epoch = stream.steps_per_epoch
+        self.record = stream.record
+        self.batch = stream.next()
+        self.position = stream.position
+
+    def next(self) -> Any:
+        if self.record is not None:
+            from trainer.checks import row_digest
+
+            self.record += [row_digest(row) for row in self.batch]
+        return self.batch
+
+
+def overfit_verdict(first: float | None, last: float | None, sequences: int) -> str:
+    if first is None or last is None:
+        return "overfit-batch: no loss was logged"
+    ok = last < 0.1 * first
+    return f"overfit-batch: loss {first:.4f} -> {last:.4f} on one fixed batch of {sequences} sequences" + (
+        ": the pipeline learns"
+        if ok
+        else "; it should approach zero: check optim.lr, the labels and the data before a long run"
+    )
+
+
+def profile(run: Any, state: Any, *, run_dir: Path, rank: int, device: Any, warmup: int, active: int) -> Path:
+    """Run `warmup` steps, then `active` steps under torch.profiler; every rank writes its Chrome
+    trace (`trace_rank00000.json`, open in chrome://tracing or Perfetto); rank 0 prints the top
+    operators by self time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    run(state.step + warmup)
+    cuda = getattr(device, "type", None) == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities, record_shapes=True) as prof:
+        run(state.step + active)
+    path = Path(run_dir) / f"trace_rank{rank:05d}.json"
+    prof.export_chrome_trace(str(path))
+    if rank == 0:
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        log.info(f"profile: steps {state.step - active + 1}-{state.step}; top operators by self time:")
+        log.info(prof.key_averages().table(sort_by=sort, row_limit=15))
+        log.info(
+            f"profile: trace written to {path} (one per rank; open in chrome://tracing or ui.perfetto.dev)"
+        )
+    return path
+
+
+def check(
+    exp: Any, engine: Any, stream: Any, data: Any, state: Any, env: Any, hosts: list[str], layout: Any
+) -> int:
+    """--check: the preflight passed; now one training step, the post-step checks, and a checkpoint
+    round trip (save, take another step, load: the loss on a fixed batch must come back exactly)."""
+    import torch
+
+    from trainer import checks
+    from trainer.checkpoint import Checkpointer, Found, read_state
+
+    engine.backward_step(engine.forward(stream.next()))
+    state.step = 1
+    for line in checks.after_first_step(engine, env.world_size, hosts):
+        log.info(line)
+    probe = torch.from_numpy(data.train[: stream.sampler.micro]["input_ids"].astype("int64"))
+
+    def probe_loss() -> float:
+        engine.train(False)
+        loss = float(engine.eval_loss(probe))
+        engine.train(True)
+        return loss
+
+    scratch = Path(exp.run_dir) / ".check"
+    ck = Checkpointer(
+        exp.checkpoint,
+        scratch,
+        engine=engine,
+        stream=stream,
+        exp=exp,
+        rank=env.rank,
+        world_size=env.world_size,
+        layout=layout,
+    )
+    saved = ck.save(state)
+    before = probe_loss()
+    engine.backward_step(engine.forward(stream.next()))  # move the weights away
+    moved = probe_loss()
+    ck.load(Found(saved, read_state(saved)), state)
+    after = probe_loss()
+    ck._barrier()
+    if env.rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if after != before:
+        raise checks.CheckFailed(
+            f"checkpoint round trip changed the loss on a fixed batch: {before!r} before saving, {after!r} after "
+            f"loading (and {moved!r} in between)"
+        )
+    moved_note = "" if moved != before else " (unchanged: the learning rate is 0 at this step)"
+    log.info(
+        f"check: checkpoint round trip ok: loss on a fixed batch {before!r} at save, {moved!r} after another "
+        f"step{moved_note}, {after!r} after loading"
+    )
+    log.info("check passed")
+    return 0
+
+
+def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
+    """Tests: the engine's logits on the first two training sequences (compared with an export)."""
+    import torch
+
+    ids = torch.from_numpy(data.train[:2]["input_ids"].astype("int64"))
+    engine.train(False)
+    with torch.no_grad():
+        logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()
+    engine.train(True)
+    if rank == 0:
+        torch.save({"input_ids": ids, "logits": logits}, Path(directory) / "probe.pt")

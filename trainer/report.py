@@ -1,0 +1,166 @@
+"""`bin/report RUN_DIR`: a PNG of a run's curves and a short summary, from its metrics.jsonl.
+
+Four panels against the step: loss (train, and eval where evaluated), learning rate, throughput
+(tokens/s, and MFU on GPU), and peak memory per rank. A resumed run logs some steps twice (those
+after the checkpoint it resumed from); the later attempt's values are the ones that count, so the
+last record of each step is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import EXIT_USER_ERROR, UserError
+
+
+def load(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """(train records, eval records, wall seconds over every attempt) from metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run_dir}: no metrics.jsonl here; pass a run directory (run_dir of an experiment)")
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    wall, attempt_max, last_elapsed = 0.0, 0.0, -1.0
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{path}:{n}: not a JSON line; the file is damaged") from None
+        if "eval_loss" in rec:
+            evals[rec["step"]] = rec
+        elif "loss" in rec:
+            train[rec["step"]] = rec
+            elapsed = float(rec.get("elapsed_s", 0.0))
+            if elapsed < last_elapsed:  # a new attempt (a resume) starts its clock again
+                wall += attempt_max
+                attempt_max = 0.0
+            attempt_max, last_elapsed = max(attempt_max, elapsed), elapsed
+    if not train:
+        raise UserError(f"{path}: no training steps logged yet")
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], wall + attempt_max
+
+
+def summary(
+    run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]], wall: float
+) -> list[tuple[str, str]]:
+    from trainer.checkpoint import checkpoints_dir, complete, latest
+    from trainer.config import format_size
+
+    last = train[-1]
+    steady = train[1:] or train  # the first interval includes warm-up
+    rows = [
+        ("steps", f"{last['step']:,}"),
+        ("tokens", f"{last['tokens']:,}" if "tokens" in last else "?"),
+        ("wall time", f"{wall:,.1f} s"),
+        ("mean tokens/s", f"{sum(r['tokens_per_s'] for r in steady) / len(steady):,.0f}"),
+        ("mean step time", f"{sum(r['step_time_s'] for r in steady) / len(steady) * 1000:,.0f} ms"),
+        ("first / final loss", f"{train[0]['loss']:.4f} / {last['loss']:.4f}"),
+    ]
+    if evals:
+        rows.append(("final eval loss (ppl)", f"{evals[-1]['eval_loss']:.4f} ({evals[-1]['eval_ppl']:.2f})"))
+    mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    if mfu:
+        rows.append(("mean MFU", f"{sum(mfu) / len(mfu):.1%}"))
+    mem = [r["peak_memory_bytes"] for r in train if r.get("peak_memory_bytes")]
+    if mem:
+        kind = "device" if last.get("memory_kind") == "device" else "host RSS"
+        rows.append((f"peak memory per rank ({kind})", format_size(max(mem))))
+    stragglers = sum(1 for r in train if r.get("stragglers"))
+    if stragglers:
+        rows.append(("log intervals with a straggler", f"{stragglers}"))
+    found = complete(checkpoints_dir(run_dir))
+    newest, _ = latest(checkpoints_dir(run_dir))
+    rows.append(
+        (
+            "checkpoints",
+            f"{len(found)} ({', '.join(f.tag for f in found)}); latest {newest.tag if newest else 'none'}"
+            if found
+            else "none",
+        )
+    )
+    return rows
+
+
+def plot(run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in train]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    fig.suptitle(f"{run_dir.name}: {steps[-1]:,} steps", fontsize=13)
+
+    ax = axes[0][0]
+    ax.plot(steps, [r["loss"] for r in train], label="train", color="tab:blue")
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_loss"] for r in evals],
+            "o-",
+            label="eval",
+            color="tab:orange",
+        )
+    ax.set_title("loss")
+    ax.legend()
+
+    ax = axes[0][1]
+    ax.plot(steps, [r["lr"] for r in train], color="tab:green")
+    ax.set_title("learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+
+    ax = axes[1][0]
+    ax.plot(steps, [r["tokens_per_s"] for r in train], color="tab:purple", label="tokens/s (all ranks)")
+    ax.set_title("throughput")
+    ax.set_ylim(bottom=0)
+    mfu = [(r["step"], r["mfu"]) for r in train if r.get("mfu") is not None]
+    if mfu:
+        twin = ax.twinx()
+        twin.plot([s for s, _ in mfu], [100 * m for _, m in mfu], color="tab:gray", label="MFU %")
+        twin.set_ylabel("MFU %")
+    ax.legend(loc="lower right")
+
+    ax = axes[1][1]
+    mem = [(r["step"], r["peak_memory_bytes"] / 2**30) for r in train if r.get("peak_memory_bytes")]
+    kind = "device" if train[-1].get("memory_kind") == "device" else "host RSS"
+    ax.plot([s for s, _ in mem], [m for _, m in mem], color="tab:red")
+    ax.set_title(f"peak memory per rank, GiB ({kind})")
+    ax.set_ylim(bottom=0)
+
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="bin/report",
+        description="Plot a run's loss, learning rate, throughput and memory; print a summary.",
+    )
+    p.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        train, evals, wall = load(run_dir)
+        out = plot(run_dir, train, evals, Path(args.out) if args.out else run_dir / "report.png")
+        rows = summary(run_dir, train, evals, wall)
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        return EXIT_USER_ERROR
+    width = max(len(k) for k, _ in rows)
+    print(f"run {run_dir}")
+    for k, v in rows:
+        print(f"  {k.ljust(width)}  {v}")
+    print(f"plot: {out}")
+    return 0
