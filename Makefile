@@ -19,9 +19,10 @@ tiny: setup                                  ## train the embedded default exper
 	$(PY) bin/train configs/experiments/tiny.yaml
 
 # Two pytest-xdist workers: the launchers' start-up, imports and waits leave a core idle otherwise.
-# Tests that share a module's runs carry an xdist_group and stay on one worker.
+# A test file runs whole on one worker (its tests share the runs its fixtures cache); the big
+# dist files are collected first (testpaths) so that the small ones fill the gaps at the end.
 test: setup                                  ## every test: unit, e2e, 2-rank launcher tests
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: setup                             ## unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit

@@ -34,6 +34,29 @@ FAST = {
     "checkpoint.save_final": False,
 }
 
+# The resume tests: 2K steps with a checkpoint every K, on data small enough (conftest.small_data)
+# that an epoch ends after the checkpoint.
+K = 6
+
+
+def resume_sets(data, stage, accum=1, **kw):
+    return {
+        **FAST,
+        "data.train.files": str(data),
+        "data.eval_fraction": 0,
+        "strategy.zero_stage": stage,
+        "train.grad_accum": accum,
+        "train.max_steps": 2 * K,
+        "checkpoint.every_steps": K,
+        "checkpoint.save_final": True,
+        "checkpoint.keep_last": 0,
+        **kw,
+    }
+
+
+def steps_after(res, k):
+    return {s: v for s, v in res.losses.items() if s > k}
+
 
 def free_port() -> int:
     with socket.socket() as s:

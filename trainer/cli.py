@@ -393,7 +393,6 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 
         if tdist.is_initialized():
             tdist.destroy_process_group()
-        dist.release_shm(runtime.env)
 
 
 @dataclass
@@ -491,7 +490,6 @@ def _train(
         handle_signals=exp.checkpoint.save_on_signal,
         watchdog_s=exp.dist.watchdog_s,
         nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
-        cleanup=lambda: dist.release_shm(env),
     )
     checkpointer = Checkpointer(
         exp.checkpoint,

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import logging
 import os
@@ -30,17 +29,16 @@ log = logging.getLogger("trainer")
 
 
 class Watchdog:
-    """Ends this rank when nothing calls `pet()` for `timeout_s`: dumps every thread's stack, runs
-    `cleanup` (the job's shared memory) and exits 1; the launcher then ends the other ranks, whose
-    own watchdogs fire too. A faulthandler dump 60 s later is the backstop for a thread that holds
+    """Ends this rank when nothing calls `pet()` for `timeout_s`: dumps every thread's stack and exits
+    1; the launcher then ends the other ranks, whose own watchdogs fire too. A faulthandler dump 60 s later is the backstop for a thread that holds
     the GIL forever (it needs no GIL, but cannot clean up)."""
 
     BACKSTOP_S = 60.0
 
-    def __init__(self, timeout_s: float, rank: int, cleanup: Any = None) -> None:
+    def __init__(self, timeout_s: float, rank: int) -> None:
         import threading
 
-        self.timeout_s, self.rank, self.cleanup = timeout_s, rank, cleanup
+        self.timeout_s, self.rank = timeout_s, rank
         self._deadline = time.monotonic() + timeout_s
         self._cond = threading.Condition()
         self._stopped = False
@@ -73,9 +71,6 @@ class Watchdog:
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        if self.cleanup is not None:
-            with contextlib.suppress(Exception):
-                self.cleanup()
         os._exit(1)
 
 
@@ -94,13 +89,11 @@ class Control:
         handle_signals: bool,
         watchdog_s: float = 0.0,
         nan_check: bool = True,
-        cleanup: Any = None,
     ) -> None:
         self.rank, self.world_size, self.attempt = rank, world_size, attempt
         self.faults = faults
         self.watchdog_s = watchdog_s
         self._watchdog: Watchdog | None = None
-        self._cleanup = cleanup
         self.nan_check = nan_check
         self.on_first_step: Any = None  # called once, before step 2 (post-first-step consistency checks)
         self._signalled: int | None = None
@@ -139,7 +132,7 @@ class Control:
         if self.watchdog_s <= 0:
             return
         if self._watchdog is None:
-            self._watchdog = Watchdog(self.watchdog_s, self.rank, self._cleanup)
+            self._watchdog = Watchdog(self.watchdog_s, self.rank)
         self._watchdog.pet()
 
     def disarm(self) -> None:

@@ -9,13 +9,11 @@ rank and dropout differs per rank.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -190,8 +188,6 @@ def setup(timeout_s: float = 600.0) -> Runtime:
         env = DistEnv(**{**env.__dict__, "master_port": port})
     if not gpu_present():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed guessing loudly
-        if env.local_rank == 0:
-            sweep_stale_shm()
     import torch
 
     # CPU threads: cores split between the ranks of this node, unless the user chose.
@@ -218,6 +214,8 @@ def setup(timeout_s: float = 600.0) -> Runtime:
 
     import deepspeed
 
+    if device_type == "cpu":
+        skip_inference_shm_op()
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,
@@ -227,64 +225,19 @@ def setup(timeout_s: float = 600.0) -> Runtime:
     return Runtime(env=env, device_type=device_type, backend=backend, threads=threads, device=device)
 
 
-# ----------------------------------------------------------------------------- shared memory
+def skip_inference_shm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it initialises (40 s
+    on a fresh machine, a ninja run at every start after) that only inference tensor parallelism
+    uses (module_inject's inference_all_reduce); ZeRO training all-reduces through torch.distributed.
+    The op also leaves /dev/shm/deepspeed_allreduce_buffer_* behind, which DeepSpeed never removes.
+    Training does not build it. (If DeepSpeed renames the hook, the op is built as before, and the
+    fail-fast tests, which check /dev/shm after every run, say so.)"""
+    import importlib
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "deepspeed_allreduce_buffer_"  # DeepSpeed's CPU all-reduce buffers; it never unlinks them
-
-
-def shm_buffer(env: DistEnv) -> str:
-    return os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getuid()}_{env.master_addr}_{env.master_port}_{env.rank}")
-
-
-def release_shm(env: DistEnv) -> None:
-    """Unlink this job's DeepSpeed shared-memory buffers, a killed peer's included. DeepSpeed opens
-    them only at start, and a mapping outlives its name, so ranks still running are unaffected."""
-    prefix = os.path.basename(shm_buffer(env)).rsplit("_", 1)[0] + "_"
-    with contextlib.suppress(OSError):
-        for name in os.listdir(SHM_DIR):
-            if name.startswith(prefix) and name[len(prefix) :].isdigit():
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(SHM_DIR, name))
-
-
-def release_port_shm(port: int) -> list[str]:
-    """Unlink the DeepSpeed buffers of the job that used `port` (any master address, any rank): what
-    a supervisor does after an attempt, whose ranks may all have been killed."""
-    mine = f"{SHM_PREFIX}{os.getuid()}_"
-    removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(SHM_DIR):
-            head, _, rank = name.rpartition("_")
-            if name.startswith(mine) and rank.isdigit() and head.endswith(f"_{port}"):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(SHM_DIR, name))
-                    removed.append(name)
-    return removed
-
-
-def sweep_stale_shm(min_age_s: float = 60.0) -> list[str]:
-    """Remove DeepSpeed buffers of this user that no live process maps (left by killed runs)."""
-    mine = f"{SHM_PREFIX}{os.getuid()}_"
-    try:
-        candidates = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(mine)]
-    except OSError:
-        return []
-    if not candidates:
-        return []
-    mapped = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
-                mapped.update(line.split()[-1] for line in f if SHM_PREFIX in line)
-    removed = []
-    now = time.time()
-    for path in candidates:
-        with contextlib.suppress(OSError):
-            if path not in mapped and now - os.stat(path).st_mtime > min_age_s:
-                os.unlink(path)
-                removed.append(path)
-    return removed
+    # The module itself: the attribute deepspeed.comm.torch is the torch package, not this module.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_torch, "build_shm_op"):
+        ds_torch.build_shm_op = lambda: None
 
 
 def seed_all(seed: int) -> None:

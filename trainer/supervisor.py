@@ -148,7 +148,7 @@ class Supervisor:
 
     def run(self) -> int:
         from trainer.checkpoint import checkpoints_dir, latest
-        from trainer.dist import free_port, release_port_shm
+        from trainer.dist import free_port
 
         self.hosts()  # a missing or malformed hostfile is an error before anything starts
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,8 +159,7 @@ class Supervisor:
         attempt = 0
         while True:
             escalation_before = self._escalation_mtime()
-            port = free_port()
-            cmd = self.command(overrides, resume, port)
+            cmd = self.command(overrides, resume, free_port())
             env = dict(os.environ, TRAINER_ATTEMPT=str(attempt))
             if self.launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
                 env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -175,7 +174,6 @@ class Supervisor:
             self._child = subprocess.Popen(cmd, env=env, start_new_session=True)
             rc = self._child.wait()
             self._child = None
-            release_port_shm(port)  # every rank may have been killed: nobody else removes them
             escalated = self._escalation() if self._escalation_mtime() != escalation_before else None
             self._record(attempt, cmd, rc, time.time() - t0, escalated)
             if rc == 0 or self._stopping:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import BIN, FAST, ROOT, TINY, TRAIN, data_cache, env_for, free_port, train, Result
 
-pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("multinode")]
+pytestmark = pytest.mark.dist
 SCRIPT = ROOT / "scripts" / "loopback_sshd.sh"
 
 

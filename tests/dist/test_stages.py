@@ -8,7 +8,7 @@ deepspeed launcher and under torchrun.
 import pytest
 from helpers import FAST, falling, train
 
-pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("stages")]
+pytestmark = pytest.mark.dist
 
 CASES = {
     "zero0": {"strategy.zero_stage": 0},

@@ -6,7 +6,7 @@ import sys
 import pytest
 from helpers import ROOT, TINY, TRAIN, env_for, train
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("resume-errors")]
+pytestmark = pytest.mark.e2e
 
 SMALL = {
     "train.max_steps": 2,

@@ -69,19 +69,3 @@ def test_the_interpreters_ninja_comes_first(monkeypatch, tmp_path):
     assert dist.prefer_interpreter_tools() == str(bindir)
     assert os.environ["PATH"] == f"{bindir}{os.pathsep}/usr/bin"
     assert dist.prefer_interpreter_tools() is None  # already first
-
-
-def test_a_supervisor_removes_only_its_own_jobs_shared_memory(monkeypatch, tmp_path):
-    monkeypatch.setattr(dist, "SHM_DIR", str(tmp_path))
-    uid = os.getuid()
-    names = [
-        f"{dist.SHM_PREFIX}{uid}_127.0.0.1_29500_0",
-        f"{dist.SHM_PREFIX}{uid}_10.0.0.1_29500_1",
-        f"{dist.SHM_PREFIX}{uid}_127.0.0.1_29501_0",
-        f"{dist.SHM_PREFIX}{uid + 1}_127.0.0.1_29500_0",
-        "unrelated_29500_0",
-    ]
-    for n in names:
-        (tmp_path / n).write_text("")
-    assert sorted(dist.release_port_shm(29500)) == sorted(names[:2])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

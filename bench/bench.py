@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""Benchmarks of the wrapper's cost, as ratios measured side by side in one run (see BENCHMARKS.md).
+
+    bench/bench.py compare  [--stages 0 2 3] [--rounds 2] [--steps 40] [--warmup 10] [--nproc 2]
+    bench/bench.py startup  [--rounds 3]
+    bench/bench.py threads  [--rounds 2]
+    bench/bench.py datawait
+
+compare: the same model, data, seed and DeepSpeed JSON (a) through bin/train and (b) through a
+minimal hand-written DeepSpeed loop (bench/raw_loop.py), interleaved A B A B under the deepspeed
+launcher; median step time over the log intervals after warm-up, tokens/s, the ratio ours/raw (and
+its min and max over rounds) and whether the final weights are bitwise equal. On a CUDA machine it
+measures the GPT-2 124M experiment (configs/experiments/gpt2-124m.yaml) in bf16 and adds MFU.
+startup: seconds from starting bin/train to its first completed step, against bench/bare_start.py
+(import deepspeed, build the same model, deepspeed.initialize, one step); and `--help`, `--plan`.
+threads: 2 ranks on this machine with the automatic threads per rank against torch's default.
+datawait: the share of step time spent waiting for data on tiny with its default loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+TRAIN = ROOT / "bin" / "train"
+TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
+GPT2 = ROOT / "configs" / "experiments" / "gpt2-124m.yaml"
+BIN = Path(sys.executable).parent
+
+# CPU: tiny widened so that a step on 2 gloo ranks takes well over 100 ms.
+CPU_SETS = {
+    "model.config.n_embd": 256,
+    "model.config.n_head": 8,
+    "model.config.n_layer": 4,
+    "train.micro_batch_size": 8,
+}
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def run_sets(steps: int, log_every: int, run_dir: Path, cache: Path) -> dict[str, Any]:
+    return {
+        "train.max_steps": steps,
+        "train.log_every": log_every,
+        "train.eval_every": 0,
+        "train.eval_batches": 1,
+        "checkpoint.every_steps": 0,
+        "checkpoint.save_final": False,
+        "strategy.justification": "benchmark",
+        "run_dir": str(run_dir),
+        "data.cache_dir": str(cache),
+    }
+
+
+def overrides(sets: dict[str, Any]) -> list[str]:
+    out = []
+    for k, v in sets.items():
+        out += ["--set", f"{k}={json.dumps(v) if isinstance(v, bool | list) else v}"]
+    return out
+
+
+def env_for(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores() // nproc)))  # the same for both sides
+    env.update(extra or {})
+    return env
+
+
+def launch(args: list[str], nproc: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def median_after(intervals: list[dict[str, Any]], warmup: int, log_every: int) -> float:
+    """Median of the per-interval mean step times, over the intervals that start after `warmup`."""
+    return statistics.median(r["step_time_s"] for r in intervals if r["step"] - log_every >= warmup)
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, Any]:
+    """What the raw loop needs to run exactly what bin/train runs: the DeepSpeed JSON bin/train
+    prints for this world size, the model config with the tokenizer's vocabulary, the packed data."""
+    from trainer import config, data, model
+    from trainer.config import thaw
+
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            str(experiment),
+            "--print-config",
+            "--world-size",
+            str(nproc),
+            *overrides(sets),
+        ],
+        cwd=ROOT,
+        env=env_for(nproc),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    ds_text = p.stdout[p.stdout.index("# DeepSpeed config") :]
+    ds_config = json.loads(ds_text[ds_text.index("{") :])
+    exp = config.load(str(experiment), [f"{k}={v}" for k, v in sets.items()])
+    built = data.build(exp.data, exp.seed, is_main=True)
+    fields = thaw(exp.model.config)
+    fields.setdefault("vocab_size", built.vocab_size)
+    for key in ("bos_token_id", "eos_token_id"):
+        fields.setdefault(key, built.eos_id)
+    if exp.model.attn_implementation:
+        fields["attn_implementation"] = exp.model.attn_implementation
+    info = model.info(exp.model, built.vocab_size, built.eos_id, cache_dir=exp.data.cache_dir)
+    return {
+        "ds_config": ds_config,
+        "model_config": fields,
+        "seed": exp.seed,
+        "data": str(Path(built.cache_path) / "train"),
+        "micro": exp.train.micro_batch_size,
+        "grad_accum": exp.train.grad_accum,
+        "steps": exp.train.max_steps,
+        "log_every": exp.train.log_every,
+        "weight_decay": exp.optim.weight_decay,
+        "num_workers": exp.data.num_workers,
+        "pin_memory": exp.data.pin_memory,
+        "seq_len": exp.data.seq_len,
+        "params": info.params,
+        "flops_per_token": 6.0 * info.params
+        + 12.0 * (info.layers or 0) * (info.hidden or 0) * exp.data.seq_len,
+    }
+
+
+def ours(experiment: Path, sets: dict[str, Any], nproc: int, work: Path) -> dict[str, Any]:
+    debug = work / "debug"
+    shutil.rmtree(work / "run", ignore_errors=True)
+    shutil.rmtree(debug, ignore_errors=True)
+    launch(
+        [str(TRAIN), str(experiment), *overrides(sets)],
+        nproc,
+        env_for(nproc, {"TRAINER_DEBUG_DIR": str(debug)}),
+    )
+    lines = [json.loads(x) for x in (Path(sets["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    intervals = [
+        {"step": m["step"], "step_time_s": m["step_time_s"], "loss": m["loss"]} for m in lines if "loss" in m
+    ]
+    report = json.loads((debug / "rank0.json").read_text())
+    return {"intervals": intervals, "param_digest": report["param_digest"]}
+
+
+def raw(spec: dict[str, Any], nproc: int, work: Path) -> dict[str, Any]:
+    out = work / "raw.json"
+    spec_file = work / "spec.json"
+    spec_file.write_text(json.dumps({**spec, "out": str(out)}))
+    launch([str(ROOT / "bench" / "raw_loop.py"), "--spec", str(spec_file)], nproc, env_for(nproc))
+    return json.loads(out.read_text())
+
+
+def compare(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    gpu = torch.cuda.is_available() and not a.cpu
+    nproc = a.nproc or (torch.cuda.device_count() if gpu else 2)
+    experiment = Path(a.experiment) if a.experiment else (GPT2 if gpu else TINY)
+    base = {} if gpu or a.experiment else dict(CPU_SETS)
+    for item in a.set or []:
+        k, _, v = item.partition("=")
+        base[k] = v
+    results = []
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
+    print(
+        f"# compare: {experiment.name} on {nproc} {'GPU' if gpu else 'CPU'} rank(s); {a.rounds} rounds A B, "
+        f"{a.steps} steps, median of the {a.log_every}-step intervals after step {a.warmup}",
+        flush=True,
+    )
+    for stage in a.stages:
+        sets = {**base, **run_sets(a.steps, a.log_every, work / "run", cache), "strategy.zero_stage": stage}
+        spec = spec_for(experiment, sets, nproc)
+        tokens_per_step = spec["micro"] * nproc * spec["grad_accum"] * spec["seq_len"]
+        rows: dict[str, list[Any]] = {"ours": [], "raw": []}
+        for r in range(a.rounds):
+            for side in ("ours", "raw"):
+                t0 = time.perf_counter()
+                res = ours(experiment, sets, nproc, work) if side == "ours" else raw(spec, nproc, work)
+                med = median_after(res["intervals"], a.warmup, a.log_every)
+                rows[side].append({**res, "median_step_s": med})
+                print(
+                    f"  zero{stage} round {r} {side:4}: median step {med * 1000:8.1f} ms  "
+                    f"({time.perf_counter() - t0:.0f} s wall)",
+                    flush=True,
+                )
+        o = statistics.median(x["median_step_s"] for x in rows["ours"])
+        w = statistics.median(x["median_step_s"] for x in rows["raw"])
+        per_round = [
+            x["median_step_s"] / y["median_step_s"] for x, y in zip(rows["ours"], rows["raw"], strict=True)
+        ]
+        digests = {x["param_digest"] for x in rows["ours"] + rows["raw"]}
+        res = {
+            "stage": stage,
+            "ours_step_ms": o * 1000,
+            "raw_step_ms": w * 1000,
+            "ours_tokens_per_s": tokens_per_step / o,
+            "raw_tokens_per_s": tokens_per_step / w,
+            "ratio": o / w,
+            "ratio_min": min(per_round),
+            "ratio_max": max(per_round),
+            "bitwise_equal": len(digests) == 1,
+            "runs": {side: [x["median_step_s"] for x in rows[side]] for side in rows},
+        }
+        if gpu:
+            from trainer.metrics import peak_flops
+
+            peak = peak_flops(torch.device("cuda", 0))
+            if peak:
+                res["ours_mfu"] = res["ours_tokens_per_s"] / nproc * spec["flops_per_token"] / peak
+                res["raw_mfu"] = res["raw_tokens_per_s"] / nproc * spec["flops_per_token"] / peak
+        results.append(res)
+    shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(
+        "| stage | ours ms/step | raw ms/step | ours tok/s | raw tok/s | ratio ours/raw (min-max) | weights bitwise equal |"
+        + (" MFU ours / raw |" if gpu else "")
+    )
+    print("|---|---|---|---|---|---|---|" + ("---|" if gpu else ""))
+    for r in results:
+        mfu = f" {r['ours_mfu']:.1%} / {r['raw_mfu']:.1%} |" if "ours_mfu" in r else (" n/a |" if gpu else "")
+        print(
+            f"| {r['stage']} | {r['ours_step_ms']:.1f} | {r['raw_step_ms']:.1f} | {r['ours_tokens_per_s']:,.0f} | "
+            f"{r['raw_tokens_per_s']:,.0f} | {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | "
+            f"{'yes' if r['bitwise_equal'] else 'NO'} |{mfu}"
+        )
+    return {
+        "compare": results,
+        "device": "cuda" if gpu else "cpu",
+        "nproc": nproc,
+        "experiment": experiment.name,
+    }
+
+
+# ----------------------------------------------------------------------------- startup
+
+
+def time_to_line(cmd: list[str], pattern: str, env: dict[str, str]) -> float:
+    """Seconds from starting `cmd` to the first output line matching `pattern` (then it is waited for)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found = None
+    tail = []
+    for line in p.stdout:
+        tail = (tail + [line])[-30:]
+        if found is None and re.search(pattern, line):
+            found = time.perf_counter() - t0
+    p.wait()
+    if p.returncode != 0 or found is None:
+        raise SystemExit(
+            f"{' '.join(cmd)}: exit {p.returncode}, '{pattern}' seen: {found is not None}\n{''.join(tail)}"
+        )
+    return found
+
+
+def startup(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-start-"))
+    cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
+    sets = {**run_sets(1, 1, work / "run", cache), "train.max_steps": 1, "dist.preflight": True}
+    spec = spec_for(TINY, sets, 1)
+    spec_file = work / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    env = env_for(1)
+    ours_cmd = [sys.executable, str(TRAIN), str(TINY), *overrides(sets)]
+    bare_cmd = [sys.executable, str(ROOT / "bench" / "bare_start.py"), "--spec", str(spec_file)]
+    rows: dict[str, list[float]] = {"ours": [], "bare": [], "help": [], "plan": []}
+    time_to_line(ours_cmd, r"step +1/1", env)  # warm: data cache, model-shape cache, JIT ops
+    time_to_line(bare_cmd, r"first step done", env)
+    for _ in range(a.rounds):
+        shutil.rmtree(work / "run", ignore_errors=True)
+        rows["ours"].append(time_to_line(ours_cmd, r"step +1/1", env))
+        rows["bare"].append(time_to_line(bare_cmd, r"first step done", env))
+        rows["help"].append(time_to_line([sys.executable, str(TRAIN), "--help"], r"usage:", env))
+        rows["plan"].append(
+            time_to_line(
+                [sys.executable, str(TRAIN), str(TINY), "--plan", *overrides(sets)], r"^decision:", env
+            )
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"# startup on tiny, median of {a.rounds} (seconds from process start)")
+    print("| what | median s | runs |")
+    print("|---|---|---|")
+    for k, label in (
+        ("ours", "bin/train to its first completed step"),
+        ("bare", "bare import + deepspeed.initialize + one step"),
+        ("help", "bin/train --help"),
+        ("plan", "bin/train --plan (model shape cached)"),
+    ):
+        print(f"| {label} | {med[k]:.2f} | {', '.join(f'{x:.2f}' for x in rows[k])} |")
+    print(f"\nratio first step ours/bare: {med['ours'] / med['bare']:.2f}")
+    return {"startup": rows, "ratio": med["ours"] / med["bare"]}
+
+
+# ----------------------------------------------------------------------------- threads, data wait
+
+
+def threads(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-threads-"))
+    cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
+    sets = run_sets(a.steps, 10, work / "run", cache)
+    results: dict[str, list[float]] = {"auto": [], "torch default": []}
+    for _ in range(a.rounds):
+        for name in results:
+            shutil.rmtree(work / "run", ignore_errors=True)
+            env = env_for(2)
+            env.pop("OMP_NUM_THREADS")
+            if name == "torch default":  # what torch does on its own: every core, in every rank
+                env["OMP_NUM_THREADS"] = str(cores())
+            p = launch([str(TRAIN), str(TINY), *overrides(sets)], 2, env)
+            lines = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+            results[name].append(median_after([m for m in lines if "loss" in m], 10, 10))
+            threads_line = re.search(r"(\d+) CPU thread\(s\) per rank", p.stdout)
+            print(
+                f"  {name:13}: {threads_line.group(1) if threads_line else '?'} thread(s)/rank, "
+                f"median step {results[name][-1] * 1000:.0f} ms",
+                flush=True,
+            )
+    shutil.rmtree(work, ignore_errors=True)
+    auto, default = (statistics.median(results[k]) for k in results)
+    print(
+        f"\n# threads: tiny on 2 ranks, {cores()} cores: auto {auto * 1000:.0f} ms/step, torch default "
+        f"{default * 1000:.0f} ms/step: {default / auto:.2f}x faster with the automatic setting"
+    )
+    return {"threads": results}
+
+
+def datawait(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-data-"))
+    cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
+    sets = {
+        "run_dir": str(work / "run"),
+        "data.cache_dir": str(cache),
+        "train.max_steps": a.steps,
+        "train.eval_every": 0,
+        "checkpoint.save_final": False,
+    }
+    p = subprocess.run(
+        [sys.executable, str(TRAIN), str(TINY), *overrides(sets)],
+        cwd=ROOT,
+        env=env_for(1),
+        capture_output=True,
+        text=True,
+    )
+    if p.returncode != 0:
+        raise SystemExit(p.stderr[-3000:])
+    lines = [
+        json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
+    ]
+    shares = [m["data_wait_share"] for m in lines]
+    shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"# data wait on tiny (defaults: num_workers 1, persistent workers), {a.steps} steps: "
+        f"mean {statistics.mean(shares):.2%}, max {max(shares):.2%} of step time"
+    )
+    return {"data_wait_share": shares}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    c = sub.add_parser("compare", help="bin/train against a hand-written DeepSpeed loop")
+    c.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
+    c.add_argument("--rounds", type=int, default=2)
+    c.add_argument("--steps", type=int, default=40)
+    c.add_argument("--warmup", type=int, default=10)
+    c.add_argument("--log-every", type=int, default=5)
+    c.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU, or 2 on CPU)")
+    c.add_argument("--cpu", action="store_true", help="the CPU mode even where CUDA is present")
+    c.add_argument("--experiment", default=None, help="default: gpt2-124m.yaml on GPU, a widened tiny on CPU")
+    c.add_argument(
+        "--set", action="append", help="an override for both sides, e.g. train.micro_batch_size=32"
+    )
+    s = sub.add_parser("startup", help="bin/train to its first step, against a bare DeepSpeed script")
+    s.add_argument("--rounds", type=int, default=3)
+    t = sub.add_parser("threads", help="automatic CPU threads per rank against torch's default")
+    t.add_argument("--rounds", type=int, default=2)
+    t.add_argument("--steps", type=int, default=40)
+    d = sub.add_parser("datawait", help="data-wait share on tiny with its default loader")
+    d.add_argument("--steps", type=int, default=60)
+    for q in (c, s, t, d):
+        q.add_argument("--cache-dir", default=None, help="tokenized-data cache (default .cache/bench-data)")
+        q.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args()
+    res = {"compare": compare, "startup": startup, "threads": threads, "datawait": datawait}[a.what](a)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **res}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

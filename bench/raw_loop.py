@@ -1,0 +1,129 @@
+"""A minimal hand-written DeepSpeed training loop: the reference that `bench/bench.py compare` puts
+bin/train against. Same model config, DeepSpeed JSON, seed and data order as bin/train, and nothing
+else: no checks, no metrics beyond a loss read every `log_every` steps (the sync any logging loop
+has), no checkpoints.
+
+    deepspeed --num_gpus N bench/raw_loop.py --spec SPEC.json
+
+SPEC.json (written by bench.py): ds_config, model_config, seed, data (a packed dataset directory),
+micro, grad_accum, steps, log_every, loader settings, out (a JSON file rank 0 writes).
+"""
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import datasets
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations import HfDeepSpeedConfig
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def digest(module: torch.nn.Module) -> str:
+    """sha256 of every parameter (gathered under ZeRO-3), in name order."""
+    params = list(module.named_parameters())
+    ctx = contextlib.nullcontext()
+    if params and hasattr(params[0][1], "ds_id"):
+        ctx = deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
+    h = hashlib.sha256()
+    with ctx, torch.no_grad():
+        for name, p in params:
+            h.update(name.encode())
+            h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    spec = json.loads(Path(p.parse_args().spec).read_text())
+    ds_config = spec["ds_config"]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    # The model: same config, same seed on every rank; built partitioned at ZeRO-3.
+    seed_all(spec["seed"])
+    zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
+    keep = HfDeepSpeedConfig(ds_config) if zero3 else None  # noqa: F841 (must stay alive while building)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]))
+    decay = [q for q in model.parameters() if len(getattr(q, "ds_shape", q.shape)) >= 2]
+    no_decay = [q for q in model.parameters() if len(getattr(q, "ds_shape", q.shape)) < 2]
+    groups = [
+        {"params": decay, "weight_decay": spec["weight_decay"]},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    seed_all(spec["seed"] + 1 + rank)  # dropout differs per rank
+
+    # The data: each epoch a seeded permutation of the packed blocks; each micro step takes the
+    # next world x micro blocks, and this rank its slice.
+    train = datasets.load_from_disk(spec["data"]).with_format("numpy")
+    micro, n = spec["micro"], len(train)
+
+    def loader(epoch: int) -> DataLoader:
+        order = np.random.default_rng([spec["seed"], epoch]).permutation(n)
+        steps = n // (world * micro)
+        mine = order[: steps * world * micro].reshape(steps, world, micro)[:, rank, :].reshape(-1).tolist()
+        return DataLoader(
+            mine,
+            batch_size=micro,
+            collate_fn=lambda idx: torch.from_numpy(train[idx]["input_ids"].astype(np.int64)),
+            num_workers=spec["num_workers"],
+            pin_memory=cuda and spec["pin_memory"],
+            # its own generator: a default DataLoader draws from the global RNG (dropout) per iterator
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    epoch, it = 0, iter(loader(0))
+    times, t = [], time.perf_counter()
+    for step in range(1, spec["steps"] + 1):
+        for _ in range(spec["grad_accum"]):
+            try:
+                batch = next(it)
+            except StopIteration:
+                epoch += 1
+                it = iter(loader(epoch))
+                batch = next(it)
+            batch = batch.to(engine.device, non_blocking=True)
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+        if step % spec["log_every"] == 0 or step == spec["steps"]:
+            value = loss.item()
+            now = time.perf_counter()
+            times.append(
+                {
+                    "step": step,
+                    "step_time_s": (now - t) / (step - (times[-1]["step"] if times else 0)),
+                    "loss": value,
+                }
+            )
+            t = now
+    final = digest(engine.module)
+    if rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump({"intervals": times, "param_digest": final}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
