@@ -125,20 +125,20 @@ def census(ds: Any) -> dict[str, int]:
 
 
 class MemoryCensus:
-    """Takes the census at the first two backward passes: gradients at the first, parameters and
-    optimizer states at the second (Adam allocates its moments in the first step)."""
+    """Takes the census after backward passes: gradients at the first one that ends an accumulation
+    (they are reduced and partitioned then), parameters and optimizer states at the first one after
+    the first optimizer step (Adam allocates its moments in that step)."""
 
     def __init__(self) -> None:
-        self.calls = 0
         self.result: dict[str, int] = {}
 
     def __call__(self, engine: Any) -> None:
-        self.calls += 1
-        if self.calls == 1:
-            c = census(engine.ds)
+        ds = engine.ds
+        if "grads" not in self.result and ds.is_gradient_accumulation_boundary():
+            c = census(ds)
             self.result.update(grads=c["grads"], bucket=c["bucket"])
-        elif self.calls == 2:
-            c = census(engine.ds)
+        elif "grads" in self.result and ds.global_steps >= 1:
+            c = census(ds)
             self.result.update(params=c["params"], optimizer=c["optimizer"])
             engine.on_backward = None
 

@@ -178,7 +178,7 @@ class Control:
             if f.kind == "nan" and f.applies(step, self.rank, self.attempt):
                 loss = loss * float("nan")
             if f.kind == "slow" and step >= f.step and f.applies(f.step, self.rank, self.attempt):
-                time.sleep(0.1)  # a straggler: this rank's compute takes 100 ms longer from step f.step on
+                time.sleep(f.ms / 1000)  # a straggler: this rank's compute takes longer from step f.step on
         if not self.nan_check:
             return loss, True
         import torch

@@ -286,17 +286,19 @@ def gpu_present() -> bool:
 
 @dataclass(frozen=True)
 class Fault:
-    """A fault the tests inject through TRAINER_FAULT: `kind@step[:rank=R][:attempt=A]`, comma-separated.
+    """A fault the tests inject through TRAINER_FAULT: `kind@step[:rank=R][:attempt=A][:ms=M]`,
+    comma-separated.
 
     kinds: oom (raise torch.OutOfMemoryError), raise (RuntimeError), kill (SIGKILL self), sleep
-    (hang), nan (NaN loss), exit (os._exit(1)), term (SIGTERM self), slow (100 ms more per step from
-    `step` on: a straggler), perturb@0 (change one weight after DeepSpeed's broadcast), killsave
+    (hang), nan (NaN loss), exit (os._exit(1)), term (SIGTERM self), slow (M ms, default 100, more
+    per step from `step` on: a straggler), perturb@0 (change one weight after DeepSpeed's broadcast), killsave
     (SIGKILL while writing checkpoint shards), killcommit (SIGKILL before `latest` is replaced)."""
 
     kind: str
     step: int
     rank: int | None = None
     attempt: int | None = None
+    ms: int = 100
 
     def applies(self, step: int, rank: int, attempt: int) -> bool:
         return (
