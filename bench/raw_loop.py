@@ -65,7 +65,8 @@ def main() -> None:
     seed_all(spec["seed"])
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
     keep = HfDeepSpeedConfig(ds_config) if zero3 else None  # noqa: F841 (must stay alive while building)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]))
+    attn = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
     decay = [q for q in model.parameters() if len(getattr(q, "ds_shape", q.shape)) >= 2]
     no_decay = [q for q in model.parameters() if len(getattr(q, "ds_shape", q.shape)) < 2]
     groups = [

@@ -94,10 +94,12 @@ def train(
         metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens)
         if evaluator.due(state.step):
             control.heartbeat()
-            metrics.eval(state.step, evaluator.run(engine, state.step))
+            with metrics.paused():  # step time and throughput count training only
+                metrics.eval(state.step, evaluator.run(engine, state.step))
         stop, timed = control.agree(checkpointer.minutes_due())  # the same answer on every rank
         control.heartbeat()
-        checkpointer.offer(state, force=stop, time_due=timed)
+        with metrics.paused():
+            checkpointer.offer(state, force=stop, time_due=timed)
         if stop:
             control.disarm()
             log.info(f"stopping at step {state.step} on request; checkpoint saved")

@@ -13,12 +13,14 @@ the PaLM paper and nanoGPT), times tokens per second per device, over the device
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,7 @@ class Interval:
     loss: Any = 0.0  # device tensor sum
     data_wait: float = 0.0
     forward: float = 0.0  # host seconds in forward + the loss check (the rank's own compute, no collectives)
+    paused: float = 0.0  # seconds in eval and checkpoint saves: not training, not counted in step time
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -228,7 +231,7 @@ class Metrics:
         import torch.distributed as dist
 
         iv = self.interval
-        elapsed = max(time.perf_counter() - iv.started, 1e-9)
+        elapsed = max(time.perf_counter() - iv.started - iv.paused, 1e-9)
         mine = torch.stack(
             [
                 torch.as_tensor(iv.loss, dtype=torch.float64, device=self.device).reshape(()),
@@ -331,6 +334,16 @@ class Metrics:
                     }
                 )
         return out
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """`with metrics.paused():` around eval and checkpointing: step time and throughput measure
+        training steps only."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.interval.paused += time.perf_counter() - t
 
     def eval(self, step: int, loss: float) -> None:
         rec = {"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}

@@ -74,8 +74,15 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout(tmp_path):
     assert took < 30 + 40, f"took {took:.1f} s"
 
 
-def test_a_nan_loss_on_rank_1_stops_every_rank_at_that_step(tmp_path):
-    r, took = launch(tmp_path, "deepspeed", "nan@5:rank=1")
+@pytest.fixture(scope="session")
+def slow_then_nan(tmp_path_factory):
+    """One run for two tests: rank 1 is 100 ms slower a step from step 2 (a straggler), then its loss
+    is NaN at step 5."""
+    return launch(tmp_path_factory.mktemp("nan"), "deepspeed", "slow@2:rank=1,nan@5:rank=1")[0]
+
+
+def test_a_nan_loss_on_rank_1_stops_every_rank_at_that_step(slow_then_nan):
+    r = slow_then_nan
     assert r.returncode == 4, r.output[-3000:]
     assert "non-finite loss at step 5 on rank(s) 1: every rank stops before the optimizer update" in r.output
     assert max(r.losses) == 4
@@ -135,9 +142,8 @@ def test_torchrun_max_restarts_with_gloo_resumes(tmp_path):
     assert sorted(set(steps)) == list(range(1, 13))
 
 
-def test_stragglers_are_named(tmp_path):
-    r = train(tmp_path, {**FAST, "train.max_steps": 8, "train.log_every": 4}, launcher="deepspeed",
-              env={"TRAINER_FAULT": "slow@2:rank=1"})
+def test_stragglers_are_named(slow_then_nan):
+    r = slow_then_nan
     assert re.search(r"straggler: rank 1 on \S+ spends \d+ ms per step", r.output)
     last = [m for m in r.metrics if "loss" in m][-1]
-    assert [s["rank"] for s in last["stragglers"]] == [1] and len(last["rank_busy_s"]) == 2
+    assert last["step"] == 4 and [s["rank"] for s in last["stragglers"]] == [1] and len(last["rank_busy_s"]) == 2

@@ -88,7 +88,7 @@ CASES = {
             t,
             f"strategy.deepspeed={template(t, {'train_micro_batch_size_per_gpu': 2, 'zero_optimization': {'stage': 2}})}",
         ),
-        ["train_micro_batch_size_per_gpu: template says 2, the experiment says 16", "one source of truth"],
+        ["train_micro_batch_size_per_gpu: template says 2, the experiment says 8", "one source of truth"],
     ),
     "malformed YAML": (
         lambda t: [yaml_file(t, "model:\n  config: {model_type: gpt2\ndata: x\n")],

@@ -26,7 +26,7 @@ def test_tiny_trains_and_the_loss_falls(tiny):
         f"final eval loss {evals[200]:.3f} not 30% below the first logged {first:.3f}"
     )
     assert "ZeRO stage 0, offload none -- zero0 is the first rung that fits" in tiny.output
-    assert "batch: micro 16 x world 1 x grad_accum 1 = 16 sequences = 2,048 tokens per step" in tiny.output
+    assert "batch: micro 8 x world 1 x grad_accum 1 = 8 sequences = 1,024 tokens per step" in tiny.output
     assert (
         "checkpoints: " in tiny.output and "(every 100 steps, at the end; keep 2); fresh start" in tiny.output
     )
@@ -54,7 +54,7 @@ def test_metrics_lines_carry_every_field_that_applies_on_cpu(tiny):
         assert m["tokens_per_s"] > 0 and m["samples_per_s"] > 0 and m["step_time_s"] > 0
         assert 0 <= m["data_wait_share"] <= 1 and m["grad_norm"] > 0 and m["lr"] > 0
         assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * 128)
-        assert m["tokens"] == m["step"] * 2048
+        assert m["tokens"] == m["step"] * 1024
         assert m["mfu"] is None and m["memory_kind"] == "host_rss"  # MFU is a GPU figure
         assert 50 * 2**20 < m["peak_memory_bytes"] < 8 * 2**30
         assert m["skipped_steps"] == 0
@@ -80,7 +80,7 @@ def test_report_plots_the_run_and_prints_a_summary(tiny, tmp_path):
         "steps",
         "200",
         "tokens",
-        "409,600",
+        "204,800",
         "wall time",
         "mean tokens/s",
         "first / final loss",
@@ -97,8 +97,8 @@ def test_report_plots_the_run_and_prints_a_summary(tiny, tmp_path):
 
 
 def test_overfit_batch_drives_the_loss_to_zero(tmp_path):
-    """One fixed batch of tiny: the loss falls below 0.5 (with tiny's own settings, 16 sequences, it
-    is below 0.5 by step 100; this batch of 4 is at about 0.13 after 80 steps on CPU)."""
+    """One fixed batch of tiny: the loss falls below 0.5 (a batch of 4 sequences is at about 0.13
+    after 80 steps on CPU; see the README's Modes for tiny's own settings)."""
     r = train(
         tmp_path,
         {"train.max_steps": 80, "train.micro_batch_size": 4, "data.num_workers": 0},
@@ -165,7 +165,7 @@ def test_print_config_shows_the_resolved_experiment_and_deepspeed_json():
     assert "# experiment (resolved)" in out and "grad_accum: 2" in out
     ds_text = out[out.index("# DeepSpeed config") :]
     ds = json.loads(ds_text[ds_text.index("{") :])
-    assert ds["train_batch_size"] == 16 * 4 * 2 and ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 8 * 4 * 2 and ds["gradient_accumulation_steps"] == 2
 
 
 def test_describe_config_lists_every_key():

@@ -149,8 +149,8 @@ def test_template_that_contradicts_the_experiment_lists_every_mismatch(tmp_path)
         build([f"strategy.deepspeed={p}", "strategy.zero_stage=3"])
     text = str(e.value)
     for key in (
-        "train_micro_batch_size_per_gpu: template says 4, the experiment says 16",
-        "train_batch_size: template says 1000, the experiment says 32",
+        "train_micro_batch_size_per_gpu: template says 4, the experiment says 8",
+        "train_batch_size: template says 1000, the experiment says 16",
         "gradient_clipping: template says 2.0",
         "optimizer.type",
         "optimizer.params.lr",
