@@ -21,8 +21,9 @@ tiny: setup                                  ## train the embedded default exper
 # Two pytest-xdist workers: the launchers' start-up, imports and waits leave a core idle otherwise.
 # A test file runs whole on one worker (its tests share the runs its fixtures cache); the big
 # dist files are collected first (testpaths) so that the small ones fill the gaps at the end.
+# -rP shows what passing tests print: the measured figures (kill-to-exit times, memory against the plan).
 test: setup                                  ## every test: unit, e2e, 2-rank launcher tests
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -rP -n 2 --dist loadfile --durations=25
 
 test-fast: setup                             ## unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit
