@@ -76,8 +76,15 @@ def env_for(nproc: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def deepspeed_runner() -> list[str]:
+    """The `deepspeed` launcher beside this interpreter, or its module where no script was installed
+    (a package installed with pip --target, as on a borrowed GPU machine)."""
+    script = BIN / "deepspeed"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
 def launch(args: list[str], nproc: int, env: dict[str, str]) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *args]
+    cmd = [*deepspeed_runner(), "--num_gpus", str(nproc), "--master_port", str(free_port()), *args]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
@@ -140,10 +147,12 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "micro": exp.train.micro_batch_size,
         "grad_accum": exp.train.grad_accum,
         "steps": exp.train.max_steps,
+        "compile": exp.train.compile,
         "log_every": exp.train.log_every,
         "weight_decay": exp.optim.weight_decay,
         "num_workers": exp.data.num_workers,
         "pin_memory": exp.data.pin_memory,
+        "persistent_workers": exp.data.persistent_workers,
         "seq_len": exp.data.seq_len,
         "params": info.params,
         "flops_per_token": 6.0 * info.params

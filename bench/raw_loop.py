@@ -74,6 +74,8 @@ def main() -> None:
         {"params": no_decay, "weight_decay": 0.0},
     ]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    if spec.get("compile"):
+        engine.compile()
     seed_all(spec["seed"] + 1 + rank)  # dropout differs per rank
 
     # The data: each epoch a seeded permutation of the packed blocks; each micro step takes the
@@ -81,21 +83,37 @@ def main() -> None:
     train = datasets.load_from_disk(spec["data"]).with_format("numpy")
     micro, n = spec["micro"], len(train)
 
-    def loader(epoch: int) -> DataLoader:
-        order = np.random.default_rng([spec["seed"], epoch]).permutation(n)
-        steps = n // (world * micro)
-        mine = order[: steps * world * micro].reshape(steps, world, micro)[:, rank, :].reshape(-1).tolist()
-        return DataLoader(
-            mine,
-            batch_size=micro,
-            collate_fn=lambda idx: torch.from_numpy(train[idx]["input_ids"].astype(np.int64)),
-            num_workers=spec["num_workers"],
-            pin_memory=cuda and spec["pin_memory"],
-            # its own generator: a default DataLoader draws from the global RNG (dropout) per iterator
-            generator=torch.Generator().manual_seed(0),
-        )
+    class Sampler(torch.utils.data.Sampler):
+        """This rank's micro batches of the epoch set last (a DistributedSampler with set_epoch, as
+        a hand-written loop has, so that persistent workers live across epochs)."""
 
-    epoch, it = 0, iter(loader(0))
+        epoch = 0
+
+        def __iter__(self):
+            order = np.random.default_rng([spec["seed"], self.epoch]).permutation(n)
+            steps = n // (world * micro)
+            return iter(
+                order[: steps * world * micro].reshape(steps, world, micro)[:, rank, :].reshape(-1).tolist()
+            )
+
+        def __len__(self) -> int:
+            return n // (world * micro) * micro
+
+    sampler = Sampler()
+    workers = spec["num_workers"]
+    loader = DataLoader(
+        range(n),
+        batch_size=micro,
+        sampler=sampler,
+        collate_fn=lambda idx: torch.from_numpy(train[idx]["input_ids"].astype(np.int64)),
+        num_workers=workers,
+        pin_memory=cuda and spec["pin_memory"],
+        persistent_workers=workers > 0 and spec.get("persistent_workers", True),
+        # its own generator: a default DataLoader draws from the global RNG (dropout) per iterator
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    epoch, it = 0, iter(loader)
     times, t = [], time.perf_counter()
     for step in range(1, spec["steps"] + 1):
         for _ in range(spec["grad_accum"]):
@@ -103,7 +121,8 @@ def main() -> None:
                 batch = next(it)
             except StopIteration:
                 epoch += 1
-                it = iter(loader(epoch))
+                sampler.epoch = epoch
+                it = iter(loader)
                 batch = next(it)
             batch = batch.to(engine.device, non_blocking=True)
             loss = engine(input_ids=batch, labels=batch).loss

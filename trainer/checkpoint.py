@@ -186,6 +186,7 @@ HARMLESS = (
     "train.log_every",
     "train.eval_every",
     "train.eval_batches",
+    "train.compile",
     "train.micro_batch_size",
     "train.grad_accum",
     "data.num_workers",

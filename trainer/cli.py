@@ -440,7 +440,7 @@ def _train(
     )
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = reshard.names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
-    engine = Engine(module, planned.ds_config, groups)
+    engine = Engine(module, planned.ds_config, groups, compile=exp.train.compile)
     dist.seed_all(exp.seed + 1 + env.rank)  # dropout differs per rank
 
     t = exp.train

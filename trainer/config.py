@@ -206,6 +206,10 @@ class TrainSection(Section):
     log_every: int = Field(10, ge=1, description="log metrics every N steps")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0 = only at the end)")
     eval_batches: int = Field(50, ge=1, description="at most this many micro batches per rank per eval")
+    compile: bool = Field(
+        False,
+        description="torch.compile the model through DeepSpeed's engine.compile() (first steps compile)",
+    )
 
 
 class OptimSection(Section):

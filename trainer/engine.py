@@ -14,13 +14,21 @@ from trainer.model import loss_of
 
 
 class Engine:
-    def __init__(self, model: Any, ds_config: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        ds_config: Mapping[str, Any],
+        param_groups: list[dict[str, Any]],
+        compile: bool = False,
+    ) -> None:
         import deepspeed
 
         self.ds_config = dict(ds_config)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups, config=self.ds_config
         )
+        if compile:
+            self.ds.compile()  # torch.compile of the module, wrapped so ZeRO's hooks still run
         self.device = self.ds.device
         self.on_backward: Any = None  # tests: called after backward, before the optimizer step
         self._record_fp32_grad_norm()
