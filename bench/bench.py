@@ -236,6 +236,9 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
             "ratio_max": max(per_round),
             "bitwise_equal": len(digests) == 1,
             "runs": {side: [x["median_step_s"] for x in rows[side]] for side in rows},
+            "intervals": {
+                side: [[r["step_time_s"] for r in x["intervals"]] for x in rows[side]] for side in rows
+            },
         }
         if gpu:
             from trainer.metrics import peak_flops

@@ -114,18 +114,29 @@ class Control:
     def signalled(self) -> int | None:
         return self._signalled
 
-    def agree(self, time_due: bool) -> tuple[bool, bool]:
-        """(stop, timed save due) on every rank: any rank signalled / any rank's clock says a timed
-        checkpoint is due. One tiny all-reduce per step on a CPU group."""
-        flags = [self._signalled is not None, time_due]
-        if self._group is None:
-            return flags[0], flags[1]
-        import torch
-        import torch.distributed as dist
+    def agree(self, time_due: bool, finite: Any = None, step: int = 0) -> tuple[bool, bool]:
+        """(stop, timed save due), the same on every rank: any rank signalled / any rank's clock says
+        a timed checkpoint is due. Raises NonFiniteLoss on every rank if any rank's loss was not
+        finite (`finite`: the flag from `finite()`, read here once). One tiny all-gather per step on a
+        CPU group, after the step's backward and before its optimizer update."""
+        bad = 0 if finite is None else int(not bool(finite))
+        flags = [[int(self._signalled is not None), int(time_due), bad]]
+        if self._group is not None:
+            import torch
+            import torch.distributed as dist
 
-        t = torch.tensor(flags, dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(t[0]), bool(t[1])
+            t = torch.zeros(self.world_size * 3, dtype=torch.int32)
+            dist.all_gather_into_tensor(t, torch.tensor(flags[0], dtype=torch.int32), group=self._group)
+            flags = t.view(self.world_size, 3).tolist()
+        nonfinite = [r for r, f in enumerate(flags) if f[2]]
+        if nonfinite:
+            raise NonFiniteLoss(
+                f"non-finite loss at step {step} on rank(s) {', '.join(map(str, nonfinite))}: every rank stops "
+                "before the optimizer update, so the weights stay as after the previous step. Typical causes: a "
+                "learning rate too high (optim.lr, optim.warmup_steps), fp16 overflow (use train.precision: bf16), "
+                "bad data"
+            )
+        return any(f[0] for f in flags), any(f[1] for f in flags)
 
     def heartbeat(self) -> None:
         """Progress: (re)arm the watchdog for another `watchdog_s` (started at the first call)."""
@@ -172,39 +183,24 @@ class Control:
 
         writer.save = save_then_die
 
-    def inspect_loss(self, loss: Any, step: int) -> tuple[Any, bool]:
-        """This rank's loss and whether it is finite (one host read); injected faults apply here."""
+    def faulty_loss(self, loss: Any, step: int) -> Any:
+        """This rank's loss, with the injected faults that act on it (tests): `nan`, `slow`."""
         for f in self.faults:
             if f.kind == "nan" and f.applies(step, self.rank, self.attempt):
                 loss = loss * float("nan")
             if f.kind == "slow" and step >= f.step and f.applies(f.step, self.rank, self.attempt):
                 time.sleep(f.ms / 1000)  # a straggler: this rank's compute takes longer from step f.step on
+        return loss
+
+    def finite(self, loss: Any, so_far: Any = None) -> Any:
+        """Whether this step's micro-batch losses so far were all finite, as a device flag (no host
+        read: `agree` reads it once per step). None when the check is off."""
         if not self.nan_check:
-            return loss, True
+            return None
         import torch
 
-        return loss, bool(torch.isfinite(loss.detach()).all())
-
-    def require_finite(self, finite: bool, step: int) -> None:
-        """Stop every rank at this step if the loss was not finite on any of them (before backward,
-        so the update never happens): one tiny CPU all-gather."""
-        if not self.nan_check:
-            return
-        flags = [finite]
-        if self._group is not None:
-            import torch
-            import torch.distributed as dist
-
-            t = torch.zeros(self.world_size, dtype=torch.int32)
-            dist.all_gather_into_tensor(t, torch.tensor([int(finite)], dtype=torch.int32), group=self._group)
-            flags = [bool(x) for x in t.tolist()]
-        bad = [r for r, ok in enumerate(flags) if not ok]
-        if bad:
-            raise NonFiniteLoss(
-                f"non-finite loss at step {step} on rank(s) {', '.join(map(str, bad))}: every rank stops before "
-                "the optimizer update, so the weights stay as after the previous step. Typical causes: a learning "
-                "rate too high (optim.lr, optim.warmup_steps), fp16 overflow (use train.precision: bf16), bad data"
-            )
+        ok = torch.isfinite(loss).all()
+        return ok if so_far is None else so_far & ok
 
     def _inject(self, f: Fault, step: int) -> None:
         import torch

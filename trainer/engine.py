@@ -52,14 +52,22 @@ class Engine:
         input_ids = input_ids.to(self.device, non_blocking=True)
         return loss_of(self.ds(input_ids=input_ids, labels=input_ids))
 
-    def backward_step(self, loss: Any) -> Any:
-        """Backward, then DeepSpeed's step (which updates only at the accumulation boundary).
-        Returns the detached loss (no device synchronisation)."""
+    def backward(self, loss: Any) -> Any:
+        """Backward of one micro batch; returns the detached loss (no device synchronisation)."""
         self.ds.backward(loss)
         if self.on_backward is not None:
             self.on_backward(self)
-        self.ds.step()
         return loss.detach()
+
+    def step(self) -> None:
+        """DeepSpeed's step, once per micro batch: it updates only at the accumulation boundary."""
+        self.ds.step()
+
+    def backward_step(self, loss: Any) -> Any:
+        """Backward, then DeepSpeed's step. Returns the detached loss."""
+        out = self.backward(loss)
+        self.step()
+        return out
 
     def eval_loss(self, input_ids: Any) -> Any:
         import torch

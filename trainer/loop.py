@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -74,19 +75,30 @@ def train(
 ) -> TrainState:
     """Run optimizer steps until max_steps (or a stop request); evaluate and save on cadence."""
     samples_per_step = stream.sampler.global_batch * grad_accum
+    # Everything built so far (config, data, model, engine) lives to the end: keep it out of the
+    # garbage collector's full passes, which a ZeRO-3 step's many short-lived objects trigger.
+    gc.collect()
+    gc.freeze()
     t_attempt = time.perf_counter()
     wall0 = state.wall_time
     while state.step < max_steps:
         control.before_step(state.step + 1)  # injected faults (tests), watchdog heartbeat
-        loss, wait = 0.0, 0.0
-        for _ in range(grad_accum):
+        loss, wait, finite = 0.0, 0.0, None
+        for i in range(grad_accum):
             t = time.perf_counter()
             batch = stream.next()
             wait += time.perf_counter() - t
             with metrics.forward:  # this rank's own compute, no collectives (stragglers)
-                micro_loss, finite = control.inspect_loss(engine.forward(batch), state.step + 1)
-            control.require_finite(finite, state.step + 1)  # NaN on any rank: every rank stops here
-            loss = loss + engine.backward_step(micro_loss)
+                micro_loss = control.faulty_loss(engine.forward(batch), state.step + 1)
+            micro_loss = engine.backward(micro_loss)
+            finite = control.finite(micro_loss, finite)
+            loss = loss + micro_loss
+            if i < grad_accum - 1:
+                engine.step()  # between micro batches DeepSpeed only counts; the update is below
+        # One collective per step, on every rank: a non-finite loss on any rank raises here, before
+        # the optimizer update (the weights stay as after the previous step); and stop / timed save.
+        stop, timed = control.agree(checkpointer.minutes_due(), finite, state.step + 1)
+        engine.step()
         state.step += 1
         state.samples += samples_per_step
         state.tokens += samples_per_step * tokens_per_sample
@@ -96,7 +108,6 @@ def train(
             control.heartbeat()
             with metrics.paused():  # step time and throughput count training only
                 metrics.eval(state.step, evaluator.run(engine, state.step))
-        stop, timed = control.agree(checkpointer.minutes_due())  # the same answer on every rank
         control.heartbeat()
         with metrics.paused():
             checkpointer.offer(state, force=stop, time_due=timed)
