@@ -105,7 +105,7 @@ def activations(info, micro, seq, checkpointing, bytes_per=2):
     s, b, h, L, V = seq, micro, info.hidden, info.layers, info.vocab
     per_layer = s * b * h * 34 * (bytes_per / 2)  # sdpa: no 5as/h attention-score term
     acts = (2 * s * b * h * (bytes_per / 2) * L + per_layer) if checkpointing else per_layer * L
-    return acts + 2 * b * s * V * (bytes_per + 4)
+    return acts + 3 * b * s * V * (bytes_per + 4)  # logits, fp32 copy, log-softmax; their grads
 
 
 def expected_rung(info, ranks, micro, seq, checkpointing, device=80 * GiB, headroom=0.9):
