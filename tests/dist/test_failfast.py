@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from helpers import BIN, FAST, ROOT, TINY, TRAIN, Result, data_cache, env_for, free_port, train
+from helpers import BIN, FAST, ROOT, TINY, TRAIN, Result, data_cache, env_for, free_port
 
 pytestmark = pytest.mark.dist
 

@@ -5,7 +5,6 @@ Both give the same per-step losses as a single-node 2-rank run."""
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
