@@ -11,7 +11,6 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)          # first, so nothing pulls a multi-GB CUDA build
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@

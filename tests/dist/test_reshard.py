@@ -33,8 +33,8 @@ def sources(tmp_path_factory, small_data):
 
 @pytest.mark.parametrize(
     ("src", "dst"),
-    [((2, 2), (1, 2)), ((1, 2), (2, 2)), ((2, 2), (2, 3)), ((2, 3), (2, 2)), ((2, 0), (2, 2))],
-    ids=["2r-z2-to-1r-z2", "1r-z2-to-2r-z2", "z2-to-z3", "z3-to-z2", "z0-to-z2"],
+    [((2, 2), (1, 2)), ((1, 2), (2, 3)), ((2, 2), (2, 3)), ((2, 0), (2, 2))],
+    ids=["2r-z2-to-1r-z2", "1r-z2-to-2r-z3", "z2-to-z3", "z0-to-z2"],
 )
 def test_resume_on_another_world_size_or_stage(tmp_path, small_data, sources, src, dst):
     """The global batch is kept (micro = 8 / ranks), so the first step after the resume sees the
