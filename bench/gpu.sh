@@ -54,7 +54,7 @@ if [[ $what == compare || $what == all ]]; then
         --set train.micro_batch_size=$MICRO --set strategy.headroom=$HEADROOM --cache-dir $CACHE --json "$out/compare.json" 2>&1 | tee "$out/compare.log"
 fi
 if [[ $what == compile || $what == all ]]; then
-    timeout 560 $PY bench/bench.py compare --stages ${STAGES:-0} --rounds ${ROUNDS:-2} --steps 80 --warmup 40 \
+    timeout ${LIMIT:-560} $PY bench/bench.py compare --stages ${STAGES:-0} --rounds ${ROUNDS:-2} --steps 80 --warmup 40 \
         --set train.micro_batch_size=$MICRO --set strategy.headroom=$HEADROOM --set train.compile=true --cache-dir $CACHE \
         --json "$out/compile.json" 2>&1 | tee "$out/compile.log"
 fi

@@ -270,7 +270,7 @@ def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
     root.mkdir(parents=True, exist_ok=True)
     final = root / digest
     built = False
-    with _locked(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
+    with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
         if not (final / "meta.json").exists():
             _build_cache(section, tok, key, final)
             built = True
@@ -287,7 +287,8 @@ def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` (created if missing) for the duration of the block."""
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:

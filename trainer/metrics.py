@@ -126,7 +126,7 @@ class Interval:
     steps: int = 0
     loss: Any = 0.0  # device tensor sum
     data_wait: float = 0.0
-    forward: float = 0.0  # host seconds in forward + the loss check (the rank's own compute, no collectives)
+    forward: float = 0.0  # host seconds in forward (the rank's own compute, no collectives)
     paused: float = 0.0  # seconds in eval and checkpoint saves: not training, not counted in step time
     started: float = field(default_factory=time.perf_counter)
 

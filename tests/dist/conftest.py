@@ -6,14 +6,14 @@ session instead: in a directory all workers share, by the first worker that asks
 lock; the others wait for it and read its result from disk.
 """
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 from pathlib import Path
 
 import pytest
 from helpers import CASES, ROOT, Result, resume_sets, train
+
+from trainer.data import file_lock
 
 
 @pytest.fixture(scope="session")
@@ -23,21 +23,11 @@ def shared_dir(tmp_path_factory, worker_id):
     return base.parent if worker_id != "master" else base
 
 
-@contextlib.contextmanager
-def locked(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def small_data(shared_dir):
     """About 60 sequences of 128 tokens: an epoch is 7 micro steps of 2 ranks x 4."""
     path = shared_dir / "small-data" / "small.jsonl"
-    with locked(shared_dir / "small-data.lock"):
+    with file_lock(shared_dir / "small-data.lock"):
         if not path.exists():
             docs, size = [], 0
             for line in (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines():
@@ -61,7 +51,7 @@ def runs(shared_dir, small_data):
         if key not in cache:
             tmp = shared_dir / key
             done = tmp / "result.json"
-            with locked(shared_dir / f"{key}.lock"):
+            with file_lock(shared_dir / f"{key}.lock"):
                 if done.exists():
                     d = json.loads(done.read_text())
                     cache[key] = Result(
