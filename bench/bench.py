@@ -143,7 +143,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "model_config": fields,
         "attn_implementation": exp.model.attn_implementation,
         "seed": exp.seed,
-        "data": str(Path(built.cache_path) / "train"),
+        "data": str(Path(built.cache_path) / "train.npy"),
         "micro": exp.train.micro_batch_size,
         "grad_accum": exp.train.grad_accum,
         "steps": exp.train.max_steps,

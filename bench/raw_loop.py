@@ -15,10 +15,10 @@ import hashlib
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
-import datasets
 import deepspeed
 import numpy as np
 import torch
@@ -58,6 +58,13 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not cuda:
+        # Like bin/train, skip the shared-memory all-reduce op DeepSpeed's CPU backend JIT-compiles
+        # at init (40 s on a fresh machine): only inference tensor parallelism uses it, so the
+        # training step is the same without it, and the benchmark measures steps.
+        import deepspeed.comm.torch  # noqa: F401
+
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -80,7 +87,7 @@ def main() -> None:
 
     # The data: each epoch a seeded permutation of the packed blocks; each micro step takes the
     # next world x micro blocks, and this rank its slice.
-    train = datasets.load_from_disk(spec["data"]).with_format("numpy")
+    train = np.load(spec["data"], mmap_mode="r")  # the packed blocks bin/train's data cache holds
     micro, n = spec["micro"], len(train)
 
     class Sampler(torch.utils.data.Sampler):
@@ -105,7 +112,7 @@ def main() -> None:
         range(n),
         batch_size=micro,
         sampler=sampler,
-        collate_fn=lambda idx: torch.from_numpy(train[idx]["input_ids"].astype(np.int64)),
+        collate_fn=lambda idx: torch.from_numpy(train[np.asarray(idx)].astype(np.int64)),
         num_workers=workers,
         pin_memory=cuda and spec["pin_memory"],
         persistent_workers=workers > 0 and spec.get("persistent_workers", True),

@@ -3,6 +3,8 @@
 Tokenized and packed data is cached on disk (`data.cache_dir`), keyed by the source files (path,
 size, mtime), the tokenizer and the packing settings, so a second run does not tokenize again. The
 first process on a node to take the cache lock builds it; the others wait for it and then read it.
+The cache holds the packed blocks as `train.npy` and `eval.npy` (int32, sequences x seq_len), read
+memory-mapped: a cache hit costs neither an import of `datasets` nor a copy of the data per rank.
 
 The data order is global and independent of the world size: epoch e is a seeded permutation of
 the blocks; micro step i takes blocks [i*W*B, (i+1)*W*B) of it (W ranks, micro batch B), and rank
@@ -32,7 +34,7 @@ import numpy as np
 from trainer.config import DataSection, DataSource
 from trainer.errors import UserError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: packed blocks in .npy files (1: datasets' Arrow)
 EOS = "<|endoftext|>"
 BYTE_VOCAB, BYTE_EOS_ID = 257, 256  # the built-in byte tokenizer: 256 bytes + EOS
 
@@ -231,8 +233,8 @@ def _tokenize_and_pack(raw: Any, tok: Any, section: DataSection, text_field: str
 class Data:
     """Everything the loop needs from the data side."""
 
-    train: Any  # datasets.Dataset with an `input_ids` column of seq_len int32s
-    eval: Any | None
+    train: np.ndarray  # (sequences, seq_len) int32, memory-mapped from the cache
+    eval: np.ndarray | None
     tokenizer: Any
     seq_len: int
     cache_path: str
@@ -249,10 +251,6 @@ class Data:
 
 def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
     """Load (from cache, or tokenize and pack once per node) the train and eval sets."""
-    import datasets
-
-    if not (is_main and sys.stderr.isatty()):
-        datasets.disable_progress_bars()
     tok = load_tokenizer(section.tokenizer)
     if section.append_eos and tok.eos_token_id is None:
         raise UserError(f"data.tokenizer '{section.tokenizer}' has no EOS token; set data.append_eos: false")
@@ -272,13 +270,13 @@ def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
     built = False
     with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
         if not (final / "meta.json").exists():
-            _build_cache(section, tok, key, final)
+            _build_cache(section, tok, key, final, quiet=not (is_main and sys.stderr.isatty()))
             built = True
-    train = datasets.load_from_disk(str(final / "train"))
-    eval_ = datasets.load_from_disk(str(final / "eval")) if (final / "eval").exists() else None
+    train = np.load(final / "train.npy", mmap_mode="r")
+    eval_ = np.load(final / "eval.npy", mmap_mode="r") if (final / "eval.npy").exists() else None
     return Data(
-        train=train.with_format("numpy"),
-        eval=eval_.with_format("numpy") if eval_ is not None else None,
+        train=train,
+        eval=eval_,
         tokenizer=tok,
         seq_len=section.seq_len,
         cache_path=str(final),
@@ -297,9 +295,13 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Path) -> None:
+def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Path, quiet: bool) -> None:
+    import datasets
+
     from trainer.dist import cpu_cores
 
+    if quiet:
+        datasets.disable_progress_bars()
     num_proc = section.num_proc or min(8, cpu_cores())
     raw = load_raw(section.train, "data.train")
     if len(raw) == 0:
@@ -333,9 +335,9 @@ def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Pat
         eval_ = None
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        train.save_to_disk(str(tmp / "train"))
+        _save_blocks(train, tmp / "train.npy", section.seq_len)
         if eval_ is not None:
-            eval_.save_to_disk(str(tmp / "eval"))
+            _save_blocks(eval_, tmp / "eval.npy", section.seq_len)
         meta = {
             **key,
             "train_sequences": len(train),
@@ -349,6 +351,17 @@ def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_blocks(packed: Any, path: Path, seq_len: int, chunk: int = 65536) -> None:
+    """The packed `input_ids` column -> an int32 .npy of (sequences, seq_len), written in chunks so
+    that a corpus larger than memory never is in memory whole."""
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(len(packed), seq_len))
+    rows = packed.with_format("numpy")
+    for start in range(0, len(packed), chunk):
+        out[start : start + chunk] = rows[start : start + chunk]["input_ids"]
+    out.flush()
+    del out
 
 
 def _where(src: DataSource) -> str:
@@ -403,19 +416,19 @@ class RankSampler:
 
 
 class _Rows:
-    """Map-style dataset over the packed Arrow table; `__getitems__` fetches a batch in one take."""
+    """Map-style dataset over the memory-mapped blocks; `__getitems__` fetches a batch in one take."""
 
-    def __init__(self, ds: Any) -> None:
-        self.ds = ds
+    def __init__(self, blocks: np.ndarray) -> None:
+        self.blocks = blocks
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return len(self.blocks)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.ds[int(i)]["input_ids"]
+        return np.asarray(self.blocks[int(i)])
 
     def __getitems__(self, idx: list[int]) -> np.ndarray:
-        return self.ds[idx]["input_ids"]
+        return self.blocks[np.asarray(idx, dtype=np.int64)]
 
 
 def _collate(rows: Any) -> Any:

@@ -216,6 +216,7 @@ def setup(timeout_s: float = 600.0) -> Runtime:
 
     if device_type == "cpu":
         skip_inference_shm_op()
+    import_muon_lazily()
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,
@@ -238,6 +239,51 @@ def skip_inference_shm_op() -> None:
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     if hasattr(ds_torch, "build_shm_op"):
         ds_torch.build_shm_op = lambda: None
+
+
+def import_muon_lazily() -> None:
+    """DeepSpeed imports its Muon optimizer module at ZeRO stages >= 1 whatever the optimizer (in
+    its optimizer check, in stage 1/2's first gradient reduction, in stage 3's set-up), and that
+    module's @torch.compile decorators import all of TorchInductor: 1.3-2 s of CPU in every rank
+    at every start. Imported here first, with those decorators compiling at the first call instead
+    of at the import, it costs nothing; Muon itself works as before (compiled when first used).
+    (If DeepSpeed moves or renames these, the module is imported as before.)"""
+    import functools
+    import importlib
+
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules:
+        return
+    try:
+        compiler = importlib.import_module("deepspeed.runtime.compiler")
+    except ImportError:
+        return
+    eager_compile = getattr(compiler, "compile", None)
+    if eager_compile is None:
+        return
+
+    def compile_at_first_call() -> Any:
+        def decorate(fn: Any) -> Any:
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal compiled
+                if compiled is None:
+                    compiled = eager_compile()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = compile_at_first_call
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+    finally:
+        compiler.compile = eager_compile
 
 
 def seed_all(seed: int) -> None:

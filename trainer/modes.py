@@ -92,7 +92,7 @@ def check(
     state.step = 1
     for line in checks.after_first_step(engine, env.world_size, hosts):
         log.info(line)
-    probe = torch.from_numpy(data.train[: stream.sampler.micro]["input_ids"].astype("int64"))
+    probe = torch.from_numpy(data.train[: stream.sampler.micro].astype("int64"))
 
     def probe_loss() -> float:
         engine.train(False)
@@ -138,7 +138,7 @@ def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
     """Tests: the engine's logits on the first two training sequences (compared with an export)."""
     import torch
 
-    ids = torch.from_numpy(data.train[:2]["input_ids"].astype("int64"))
+    ids = torch.from_numpy(data.train[:2].astype("int64"))
     engine.train(False)
     with torch.no_grad():
         logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()

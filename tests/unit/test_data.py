@@ -45,9 +45,9 @@ def test_packing_and_eval_split(tmp_path):
     n = len(data.train) + len(data.eval)
     assert n == tokens // 16
     assert len(data.eval) == int(np.ceil(n * 0.1))
-    rows = data.train[:]["input_ids"]
+    rows = data.train[:]
     assert rows.shape == (len(data.train), 16)
-    flat = np.concatenate([rows.reshape(-1), data.eval[:]["input_ids"].reshape(-1)])
+    flat = np.concatenate([rows.reshape(-1), data.eval[:].reshape(-1)])
     assert (flat == 256).sum() >= 39  # EOS between documents
     assert bytes(flat[:11].astype(np.uint8)) == b"document 0 "
 
@@ -57,7 +57,7 @@ def test_second_build_reads_the_cache(tmp_path):
     first = build(s, seed=0)
     second = build(s, seed=0)
     assert first.built and not second.built and first.cache_path == second.cache_path
-    assert (second.train[:]["input_ids"] == first.train[:]["input_ids"]).all()
+    assert (second.train[:] == first.train[:]).all()
     # A change in the source (or seq_len, tokenizer...) is a new cache entry.
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "other " * 100}) + "\n")
     assert build(s, seed=0).cache_path != first.cache_path
@@ -128,3 +128,20 @@ def test_resume_from_a_position_continues_the_same_sequence():
 def test_epochs_reshuffle_deterministically():
     assert rank_order(50, 1, 5, epoch=0) != rank_order(50, 1, 5, epoch=1)
     assert rank_order(50, 1, 5, epoch=1) == rank_order(50, 1, 5, epoch=1)
+
+
+def test_a_cache_hit_reads_memory_mapped_blocks_without_importing_datasets(tmp_path):
+    """Every rank of every run reads the cache: it must not pay for `import datasets` (0.6-0.8 s of
+    CPU per process) nor copy the data."""
+    import subprocess
+    import sys
+
+    s = section(tmp_path)
+    build(s, seed=0)
+    code = (
+        "import sys; from trainer import config; from trainer.data import build; "
+        f"d = build(config.DataSection.model_validate_json({s.model_dump_json()!r}), seed=0); "
+        "print(d.built, type(d.train).__name__, d.train.dtype, d.train.shape[1], 'datasets' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "memmap", "int32", "16", "False"], out

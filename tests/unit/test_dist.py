@@ -69,3 +69,22 @@ def test_the_interpreters_ninja_comes_first(monkeypatch, tmp_path):
     assert dist.prefer_interpreter_tools() == str(bindir)
     assert os.environ["PATH"] == f"{bindir}{os.pathsep}/usr/bin"
     assert dist.prefer_interpreter_tools() is None  # already first
+
+
+def test_deepspeeds_muon_module_is_imported_without_importing_inductor():
+    """DeepSpeed imports its Muon module at ZeRO >= 1 whatever the optimizer; its @torch.compile
+    decorators would import TorchInductor (1.3-2 s per rank at every start). After
+    dist.import_muon_lazily the module is there, Inductor is not, and DeepSpeed's compile helper is
+    its own again. If a DeepSpeed upgrade defeats this, this test says so."""
+    import subprocess
+
+    code = (
+        "import sys, deepspeed, deepspeed.runtime.compiler as c; from trainer import dist; "
+        "before = c.compile; dist.import_muon_lazily(); "
+        "from deepspeed.runtime.zero.muon.original_muon import muon_update; "
+        "print('deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules, "
+        "'torch._inductor.compile_fx' in sys.modules, c.compile is before, muon_update.__name__)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    last = p.stdout.strip().splitlines()[-1]  # DeepSpeed prints its accelerator warning first
+    assert last.split() == ["True", "False", "True", "muon_update"], p.stdout + p.stderr[-2000:]

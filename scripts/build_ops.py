@@ -1,0 +1,39 @@
+"""Build DeepSpeed's CPU Adam once, ahead of the first run that offloads the optimizer.
+
+DeepSpeed compiles the op (DeepSpeedCPUAdam, which `strategy.offload: cpu` uses) with ninja/g++ the
+first time a run needs it: about two minutes of CPU, during which that run's ranks wait. `make
+setup` starts this script in the background while pip installs the rest of the dependencies (pip
+keeps one core busy), so the compile costs no wait later. The result lands in DeepSpeed's JIT cache
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), where every later run finds it. A failure
+here (no compiler, say) is reported and is not fatal: the op is then built, or its absence
+reported, when a run first needs it.
+
+    python scripts/build_ops.py
+"""
+
+import sys
+import time
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        builder = CPUAdamBuilder()
+        if not builder.is_compatible(verbose=False):
+            print("build_ops: DeepSpeed's CPU Adam is not compatible with this machine; skipped")
+            return 0
+        builder.load(verbose=False)
+    except Exception as e:  # noqa: BLE001 - any failure is reported, and the run builds it later
+        print(
+            f"build_ops: DeepSpeed's CPU Adam did not build ({type(e).__name__}: {e}); "
+            "it will be built when a run first offloads the optimizer"
+        )
+        return 1
+    print(f"build_ops: DeepSpeed's CPU Adam is ready ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
