@@ -13,10 +13,16 @@ reported, when a run first needs it.
 
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run before the package is installed
+from trainer.dist import prefer_interpreter_tools  # noqa: E402  (stdlib only)
 
 
 def main() -> int:
     t0 = time.perf_counter()
+    # The venv's ninja, as in every run: a build by another ninja looks changed to it and is redone.
+    prefer_interpreter_tools()
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
