@@ -4,11 +4,11 @@ PY     := $(VENV)/bin/python
 # On a GPU machine pick the CUDA build you want, e.g. TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 TORCH  ?= torch==2.13.0
 TEST_WORKERS ?= 3
-# DeepSpeed and ninja as pyproject.toml pins them: installed before the rest so that
-# scripts/build_ops.py can compile DeepSpeed's CPU Adam (offload) while pip installs the others.
-OPS_REQS := $(shell grep -oE "\"(deepspeed|ninja)[^\"]*\"" pyproject.toml)
+# Everything after torch goes through uv where it installs (22 s instead of pip's 61 s here), with
+# bytecode compiled (imports would otherwise compile at every start) and a constraint that keeps
+# the torch installed first; plain pip where uv cannot be installed.
 
-.PHONY: setup tiny test test-fast lint format reference clean
+.PHONY: setup ops tiny test test-fast lint format reference clean
 
 setup: $(VENV)/.installed
 
@@ -16,10 +16,15 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip     # today's pip installs faster than the venv's 23.2 (CI: 101 s vs 119 s)
 	$(PY) -m pip install -q $(TORCH)          # first, so nothing pulls a multi-GB CUDA build
-	$(PY) -m pip install -q $(OPS_REQS)       # DeepSpeed next: its CPU Adam compiles while pip installs the rest
-	$(PY) scripts/build_ops.py > $(VENV)/build_ops.log 2>&1 & ops=$$!; \
-	  $(PY) -m pip install -q -e '.[dev]' && { wait $$ops; grep '^build_ops' $(VENV)/build_ops.log; true; }
+	$(PY) -m pip install -q uv || true
+	echo "torch==$$($(PY) -c 'from importlib.metadata import version; print(version("torch"))')" > $(VENV)/keep-torch.txt
+	if [ -x $(VENV)/bin/uv ]; then \
+	  $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c $(VENV)/keep-torch.txt -e '.[dev]'; \
+	else $(PY) -m pip install -q -e '.[dev]'; fi
 	touch $@
+
+ops: setup                                   ## compile DeepSpeed's CPU Adam (offload) now, not in the first offloading run
+	$(PY) scripts/build_ops.py
 
 tiny: setup                                  ## train the embedded default experiment
 	$(PY) bin/train configs/experiments/tiny.yaml

@@ -1,12 +1,10 @@
-"""Build DeepSpeed's CPU Adam once, ahead of the first run that offloads the optimizer.
+"""Build DeepSpeed's CPU Adam now, ahead of the first run that offloads the optimizer (`make ops`).
 
 DeepSpeed compiles the op (DeepSpeedCPUAdam, which `strategy.offload: cpu` uses) with ninja/g++ the
-first time a run needs it: about two minutes of CPU, during which that run's ranks wait. `make
-setup` starts this script in the background while pip installs the rest of the dependencies (pip
-keeps one core busy), so the compile costs no wait later. The result lands in DeepSpeed's JIT cache
-(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), where every later run finds it. A failure
-here (no compiler, say) is reported and is not fatal: the op is then built, or its absence
-reported, when a run first needs it.
+first time a run needs it: about two minutes of CPU, during which that run's ranks wait. This does
+it once, beforehand, into DeepSpeed's JIT cache (~/.cache/torch_extensions, or
+$TORCH_EXTENSIONS_DIR), where every later run finds it. A failure here (no compiler, say) is
+reported; the op is then built, or its absence reported, when a run first needs it.
 
     python scripts/build_ops.py
 """

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -260,12 +261,16 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def versions() -> dict[str, str]:
+    """The versions that made a checkpoint, read from the installed distributions' metadata (an
+    import of `datasets` just for its version would cost a rank 0.7 s at every save)."""
     import platform
+    from importlib import metadata
 
     out = {"python": platform.python_version()}
-    for mod in ("torch", "deepspeed", "transformers", "datasets"):
-        with contextlib.suppress(ImportError):
-            out[mod] = __import__(mod).__version__
+    for dist in ("torch", "deepspeed", "transformers", "datasets"):
+        mod = sys.modules.get(dist)
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = getattr(mod, "__version__", None) or metadata.version(dist)
     return out
 
 

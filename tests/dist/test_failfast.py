@@ -50,7 +50,14 @@ def test_sigkill_of_rank_1_ends_the_job(tmp_path, launcher):
     print(f"{launcher}: SIGKILL of rank 1 at step 5 -> exit {r.returncode} after {took:.1f} s")
     assert r.returncode != 0 and took < 60
     if launcher == "deepspeed":
-        assert re.search(r"--local_rank=1.*exits with return code = -9", r.output), r.output[-3000:]
+        # The launcher polls its ranks once a second and reports the return code of the first failed
+        # one it finds (always under the last rank's command line): rank 1's -9, or rank 0's 1 when
+        # its collective with the dead rank failed within that second.
+        killed = re.search(r"--local_rank=1.*exits with return code = -9", r.output)
+        peer_lost = re.search(r"exits with return code = 1", r.output) and re.search(
+            r"\[rank0\].*(Connection closed by peer|Connection reset by peer)", r.output
+        )
+        assert killed or peer_lost, r.output[-3000:]
     else:
         assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", r.output) and "SIGKILL" in r.output, r.output[-3000:]
     assert first_step_logged(r) < 6

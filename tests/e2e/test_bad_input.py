@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TINY, TRAIN, env_for
+from helpers import ROOT, TINY, TRAIN, data_cache, env_for
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,9 @@ def run(args, tmp_path):
 
 
 def tiny(tmp_path, *sets):
-    args = [TINY, "--set", f"run_dir={tmp_path / 'run'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    # The session's data cache: tiny's model shape is counted once there, so the cases that fail at
+    # planning or later do not each build the model (the data cases key their own entries).
+    args = [TINY, "--set", f"run_dir={tmp_path / 'run'}", "--set", f"data.cache_dir={data_cache()}"]
     for s in sets:
         args += ["--set", s]
     return args
