@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -268,9 +267,8 @@ def versions() -> dict[str, str]:
 
     out = {"python": platform.python_version()}
     for dist in ("torch", "deepspeed", "transformers", "datasets"):
-        mod = sys.modules.get(dist)
         with contextlib.suppress(metadata.PackageNotFoundError):
-            out[dist] = getattr(mod, "__version__", None) or metadata.version(dist)
+            out[dist] = metadata.version(dist)
     return out
 
 
