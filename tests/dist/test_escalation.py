@@ -1,5 +1,6 @@
 """Run-time escalation: an out-of-memory at stage 0 ends the attempt and the supervisor continues
-from the last checkpoint one rung higher (stage 2), to the requested number of steps."""
+from the last checkpoint one rung higher (stage 2), to the requested number of steps. The
+supervisor starts the job with torchrun here (with the deepspeed launcher in test_failfast.py)."""
 
 import json
 import subprocess
@@ -15,7 +16,7 @@ def test_oom_at_stage_0_escalates_to_stage_2_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
     sets = {**FAST, "train.max_steps": 12, "checkpoint.every_steps": 3, "strategy.on_oom": "escalate",
             "strategy.justification": "", "run_dir": run_dir, "data.cache_dir": data_cache()}
-    args = [sys.executable, str(TRAIN), str(TINY), "--launcher", "deepspeed", "--nproc-per-node", "2", "--max-restarts", "2"]
+    args = [sys.executable, str(TRAIN), str(TINY), "--launcher", "torchrun", "--nproc-per-node", "2", "--max-restarts", "2"]
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
     p = subprocess.run(args, cwd=ROOT, env=env_for(2, {"TRAINER_FAULT": "oom@8:rank=1:attempt=0"}),

@@ -132,13 +132,13 @@ def test_a_nan_loss_on_rank_1_stops_every_rank_at_that_step(slow_then_nan):
 
 
 def test_check_passes_and_names_a_perturbed_rank(tmp_path):
-    ok, _ = launch(tmp_path / "ok", "deepspeed", "", extra=["--check"])
+    ok, _ = launch(tmp_path / "ok", "torchrun", "", extra=["--check"])
     assert ok.returncode == 0, ok.output[-3000:]
     for line in ("preflight: all-reduce across 2 ranks", "weights identical on all 2 ranks at start",
                  "gradient norm after the first step agrees", "checkpoint round trip ok", "check passed"):
         assert line in ok.output
     assert not (tmp_path / "ok" / "run" / ".check").exists()
-    bad, _ = launch(tmp_path / "bad", "deepspeed", "perturb@0:rank=1", extra=["--check"])
+    bad, _ = launch(tmp_path / "bad", "torchrun", "perturb@0:rank=1", extra=["--check"])
     assert bad.returncode == 1
     assert "check failed: parameters differ across ranks at start: rank 1" in bad.output
 

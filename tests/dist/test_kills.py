@@ -1,7 +1,8 @@
-"""Kills during a checkpoint save and a SIGTERM to one rank, on 2 ranks through the deepspeed
-launcher: `latest` keeps naming the previous complete checkpoint, the job that was signalled saves
-and exits 0, and a run resumed from either ends exactly like the uninterrupted run A of
-test_stages.py (ZeRO-2; conftest.runs makes it once per test session)."""
+"""Kills during a checkpoint save and a SIGTERM to one rank, on 2 ranks: `latest` keeps naming the
+previous complete checkpoint, the job that was signalled saves and exits 0, and a run resumed from
+either ends exactly like the uninterrupted run A of test_stages.py (ZeRO-2; conftest.runs makes it
+once per test session). The faults strike jobs of the deepspeed launcher (and torchrun); the
+resumed runs are torchrun jobs."""
 
 import os
 import signal
@@ -12,30 +13,37 @@ import psutil
 import pytest
 from helpers import K, ROOT, TINY, assert_same_continuation, command, data_cache, env_for
 from helpers import resume_sets as sets
-from helpers import train as _train
+from helpers import train
 
 pytestmark = pytest.mark.dist
 
 
-def train(*args, **kwargs):
-    return _train(*args, launcher="deepspeed", **kwargs)
-
-
-@pytest.mark.parametrize("fault", ["killsave@12:rank=1", "killsave@12", "killcommit@12:rank=0"])
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, small_data, runs, fault):
-    """Rank 1 killed while writing (rank 0 has finished its shards), every rank killed while
-    writing, rank 0 killed after all shards are written but before `latest` is replaced."""
+def test_kills_during_a_save_leave_the_previous_checkpoint(tmp_path, small_data, runs):
+    """One run killed three times in a row, each time during its save at step 12, and resumed from
+    step 6 after each: rank 1 killed while writing (rank 0 has finished its shards); every rank killed
+    while writing; rank 0 killed after all shards are written but before `latest` is replaced. After
+    each kill `latest` still names step 6 and the interrupted save's leftovers stay; each resume
+    starts from step 6 and saves over the previous attempt's leftovers; the last resume completes,
+    cleans up and ends exactly like run A. (The launchers alternate: the kills are the same under
+    both.)"""
     a = runs("zero2")
-    b1 = train(tmp_path, sets(small_data, 2), env={"TRAINER_FAULT": fault}, check=False)
-    assert b1.returncode != 0
-    ckpts = b1.run_dir / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_00000006"
-    assert not (ckpts / "step_00000012").exists()
-    assert (ckpts / ".tmp-step_00000012").exists(), "the interrupted save's leftovers stay until the next save"
-    b2 = train(tmp_path, sets(small_data, 2), extra_args=["--resume"])
-    assert "resumed from" in b2.output and "step_00000006" in b2.output
+    ckpts = tmp_path / "run" / "checkpoints"
+    kills = [("killsave@12:rank=1", "deepspeed"), ("killsave@12", "torchrun"), ("killcommit@12:rank=0", "deepspeed")]
+    for i, (fault, launcher) in enumerate(kills):
+        b = train(tmp_path, sets(small_data, 2), launcher=launcher, env={"TRAINER_FAULT": fault},
+                   extra_args=["--resume"] if i else [], check=False)
+        assert b.returncode != 0, f"{fault}: the job should have died\n{b.output[-3000:]}"
+        if i:
+            assert f"resumed from {ckpts / 'step_00000006'} at step 6" in b.output, (fault, b.output[-3000:])
+        assert max(b.losses) == 12, fault  # it trained to step 12 and died in that step's save
+        assert (ckpts / "latest").read_text().strip() == "step_00000006", fault
+        assert not (ckpts / "step_00000012").exists(), fault
+        assert (ckpts / ".tmp-step_00000012").exists(), f"{fault}: the interrupted save's leftovers stay until the next save"
+    done = train(tmp_path, sets(small_data, 2), launcher="torchrun", extra_args=["--resume"])
+    assert f"resumed from {ckpts / 'step_00000006'} at step 6" in done.output
+    assert (ckpts / "latest").read_text().strip() == "step_00000012"
     assert not (ckpts / ".tmp-step_00000012").exists(), "leftovers are cleaned by the next save"
-    assert_same_continuation(a, b2)
+    assert_same_continuation(a, done)
 
 
 def test_sigterm_to_one_rank_saves_and_exits_0(tmp_path, small_data, runs):
@@ -70,6 +78,6 @@ def test_sigterm_to_one_rank_saves_and_exits_0(tmp_path, small_data, runs):
     tag = (ckpts / "latest").read_text().strip()
     stopped_at = int(tag.split("_")[1])
     assert 2 <= stopped_at < 2 * K and "received SIGTERM" in out and f"stopping at step {stopped_at} on request" in out
-    b2 = train(tmp_path, s, extra_args=["--resume"])
+    b2 = train(tmp_path, s, launcher="torchrun", extra_args=["--resume"])
     assert f"resumed from {ckpts / tag} at step {stopped_at}" in b2.output
     assert_same_continuation(a, b2, k=stopped_at)

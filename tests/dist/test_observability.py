@@ -11,7 +11,7 @@ pytestmark = pytest.mark.dist
 
 def test_wandb_offline_on_two_ranks_and_a_resumed_run_keeps_its_id(tmp_path):
     sets = {**FAST, "strategy.zero_stage": 2, "logging.wandb.enabled": True, "logging.wandb.tags": ["ci"]}
-    first = train(tmp_path, sets, launcher="deepspeed", env={"TRAINER_FAULT": "term@8:rank=1"})
+    first = train(tmp_path, sets, launcher="torchrun", env={"TRAINER_FAULT": "term@8:rank=1"})
     assert "stopping at step 8 on request" in first.output
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs  # rank 0 only
@@ -24,7 +24,7 @@ def test_wandb_offline_on_two_ranks_and_a_resumed_run_keeps_its_id(tmp_path):
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
     assert state["wandb_run_id"] == a["id"]
 
-    second = train(tmp_path, sets, launcher="deepspeed", extra_args=["--resume"])
+    second = train(tmp_path, sets, launcher="torchrun", extra_args=["--resume"])
     assert f"wandb: run {a['id']} (offline, resumed)" in second.output
     runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(a["id"]) for r in runs)

@@ -1,5 +1,6 @@
-"""Resuming on another world size or ZeRO stage (2 ranks through the deepspeed launcher, or 1
-process), and exporting a ZeRO-3 checkpoint to a Hugging Face model directory."""
+"""Resuming on another world size or ZeRO stage (2 ranks through torchrun, or 1 process), and
+exporting a ZeRO-3 checkpoint to a Hugging Face model directory. (The launcher plays no part here;
+torchrun starts a job with one process fewer than the deepspeed launcher.)"""
 
 import json
 import subprocess
@@ -25,7 +26,7 @@ def sources(tmp_path_factory, small_data):
         if (ranks, stage) not in cache:
             s = sets(small_data, stage, **NODROP, **{"train.micro_batch_size": 8 // ranks})
             tmp = tmp_path_factory.mktemp(f"src{ranks}_{stage}")
-            cache[(ranks, stage)] = _train(tmp, s, launcher="deepspeed" if ranks > 1 else "none")
+            cache[(ranks, stage)] = _train(tmp, s, launcher="torchrun" if ranks > 1 else "none")
         return cache[(ranks, stage)]
 
     return get
@@ -45,7 +46,7 @@ def test_resume_on_another_world_size_or_stage(tmp_path, small_data, sources, sr
     ranks, stage = dst
     s = sets(small_data, stage, **NODROP, **{"train.micro_batch_size": 8 // ranks})
     ckpt = a.run_dir / "checkpoints" / "step_00000006"
-    b = _train(tmp_path, s, launcher="deepspeed" if ranks > 1 else "none", extra_args=["--resume", str(ckpt)])
+    b = _train(tmp_path, s, launcher="torchrun" if ranks > 1 else "none", extra_args=["--resume", str(ckpt)])
     assert f"resumed from {ckpt} at step 6" in b.output
     assert (ckpt / "universal" / "CONVERTED").exists() or src[0] == 0 or dst[1] == 0
     after = steps_after(b, K)

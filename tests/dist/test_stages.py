@@ -5,9 +5,10 @@ Run A per stage trains 2K steps straight on data small enough that epochs end in
 checkpoint every K (dropout on, gradient accumulation at stages 0 and 3). Its own checks: the loss
 falls, every rank ends with identical parameters (digests gathered across ranks), within every
 epoch the ranks consume disjoint samples, the memory held matches the plan, and torchrun gives the
-same per-step losses. Run B, a new process, resumes from A's checkpoint at K for K more steps: its
-per-step losses equal A's bit for bit (fp32 on CPU is deterministic) and the final weights are
-equal. Run A is made once per test session (conftest.runs) and shared with test_kills.py.
+same per-step losses. Run B, a new job under torchrun (a checkpoint written under one launcher
+resumes under the other), resumes from A's checkpoint at K for K more steps: its per-step losses
+equal A's bit for bit (fp32 on CPU is deterministic) and the final weights are equal. Run A is made
+once per test session (conftest.runs) and shared with test_kills.py.
 """
 
 import json
@@ -17,13 +18,9 @@ import pytest
 import yaml
 from helpers import CASES, K, assert_same_continuation, falling
 from helpers import resume_sets as sets
-from helpers import train as _train
+from helpers import train
 
 pytestmark = pytest.mark.dist
-
-
-def train(*args, **kwargs):
-    return _train(*args, launcher="deepspeed", **kwargs)
 
 
 # ----------------------------------------------------------------------------- every stage trains
@@ -96,8 +93,8 @@ def test_torchrun_gives_the_same_losses_as_deepspeed(runs):
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3"])
 def test_stop_and_resume_is_exact(tmp_path, small_data, runs, name):
-    """Run B resumes in a new process from run A's own checkpoint at step K (stopping at a signal,
-    then resuming, is test_sigterm_to_one_rank_saves_and_exits_0)."""
+    """Run B resumes in a new job, under torchrun, from run A's own checkpoint at step K (stopping at
+    a signal, then resuming, is test_sigterm_to_one_rank_saves_and_exits_0)."""
     stage, accum, _ = CASES[name]
     a = runs(name)
 
@@ -114,7 +111,7 @@ def test_stop_and_resume_is_exact(tmp_path, small_data, runs, name):
     assert {"torch", "deepspeed", "transformers"} <= set(st["versions"]) and st["plan"]["stage"] == stage
     assert all((d / f).stat().st_size == n for f, n in st["files"].items())
 
-    b = train(tmp_path, sets(small_data, stage, accum), extra_args=["--resume", str(d)])
+    b = train(tmp_path, sets(small_data, stage, accum), launcher="torchrun", extra_args=["--resume", str(d)])
     assert f"resumed from {d} at step 6" in b.output
     final = json.loads((b.run_dir / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
     assert final["data_position"]["epoch"] > st["data_position"]["epoch"], "an epoch should end after the resume"

@@ -88,3 +88,23 @@ def test_deepspeeds_muon_module_is_imported_without_importing_inductor():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     last = p.stdout.strip().splitlines()[-1]  # DeepSpeed prints its accelerator warning first
     assert last.split() == ["True", "False", "True", "muon_update"], p.stdout + p.stderr[-2000:]
+
+
+def test_deepspeed_builds_its_ops_without_debug_information():
+    """The flags DeepSpeed's JIT build passes to the compiler after dist.build_ops_without_debug_info:
+    the builder's own, less `-g` (a third of CPU Adam's compile). Captured at torch's
+    cpp_extension.load, in a child process so the patch stays there; nothing is compiled."""
+    import subprocess
+
+    code = (
+        "import torch.utils.cpp_extension as ext; from trainer import dist; "
+        "from deepspeed.ops.op_builder import CPUAdamBuilder; seen = []; "
+        "ext.load = lambda **kw: seen.append(kw['extra_cflags']) or 'module'; "
+        "dist.build_ops_without_debug_info(); dist.build_ops_without_debug_info(); b = CPUAdamBuilder(); "
+        "print(b.jit_load(verbose=False)); print(b.strip_empty_entries(b.cxx_args())); print(seen)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded, own, seen = p.stdout.strip().splitlines()[-3:]
+    own, (used,) = eval(own), eval(seen)  # noqa: S307 - our own child's repr of lists of flags
+    assert loaded == "module" and "-g" in own and "-O3" in own  # the builder itself is unchanged
+    assert "-g" not in used and used[: len(own) - 1] == [a for a in own if a != "-g"]
