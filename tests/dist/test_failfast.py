@@ -107,7 +107,8 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout(tmp_path):
     # 30 s of watchdog, then the dump of stacks, the abort and the launcher's reaction.
     after = seconds_after(r, "injected hang")
     print(f"rank 1 hung at step 5; the job exited {r.returncode} {after:.1f} s later ({took:.1f} s in all; watchdog 30 s)")
-    assert 30 <= after < 30 + 25, f"the job ended {after:.1f} s after the hang"
+    # (The watchdog counts from the last progress, a moment before the hang is logged: 2 s of slack.)
+    assert 30 - 2 <= after < 30 + 25, f"the job ended {after:.1f} s after the hang"
 
 
 @pytest.fixture(scope="session")
