@@ -93,6 +93,8 @@ class Result:
     run_dir: Path
     debug_dir: Path | None = None
     cmd: list[str] = field(default_factory=list)
+    # (seconds from the job's start, line) for each output line, where the caller read them as they came
+    lines: list[tuple[float, str]] = field(default_factory=list)
 
     @property
     def output(self) -> str:

@@ -36,30 +36,27 @@ def launch(tmp_path, launcher, fault, sets=None, extra=None, timeout=300):
     # test can time the job's reaction from the moment of the fault rather than from process start.
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
-    watchdog = threading.Timer(timeout, p.kill)
-    watchdog.start()
+    deadline = threading.Timer(timeout, p.kill)
+    deadline.start()
     try:
         for line in p.stdout:
-            lines.append((time.time(), line))
+            lines.append((time.time() - t0, line))
         p.wait()
     finally:
-        watchdog.cancel()
+        deadline.cancel()
     took = time.time() - t0
     assert took < timeout, f"the job did not end within {timeout} s"
     leftovers = [q.pid for q in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(q.info["cmdline"] or [])]
     shm = [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f]
     assert not leftovers, f"processes of the run still alive: {leftovers}"
     assert not shm, f"shared-memory buffers left behind: {shm}"
-    r = Result(p.returncode, "".join(line for _, line in lines), "", run_dir, tmp_path / "debug")
-    r.lines = lines  # type: ignore[attr-defined]
-    r.ended = time.time()  # type: ignore[attr-defined]
-    return r, took
+    output = "".join(line for _, line in lines)
+    return Result(p.returncode, output, "", run_dir, tmp_path / "debug", cmd, lines), took
 
 
-def seconds_after(r, marker: str) -> float:
-    """How long the job ran on after the first output line containing `marker`."""
-    at = next(t for t, line in r.lines if marker in line)
-    return r.ended - at
+def seconds_after(r, took: float, marker: str) -> float:
+    """How long the job ran on after the first output line containing `marker` (`took`: its duration)."""
+    return took - next(t for t, line in r.lines if marker in line)
 
 
 STEP_4 = "step      4/40"  # rank 0's log line of step 4, just before the faults at step 5
@@ -72,7 +69,7 @@ def first_step_logged(r):
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_sigkill_of_rank_1_ends_the_job(tmp_path, launcher):
     r, took = launch(tmp_path, launcher, "kill@5:rank=1")
-    after = seconds_after(r, STEP_4)
+    after = seconds_after(r, took, STEP_4)
     print(f"{launcher}: SIGKILL of rank 1 at step 5 -> exit {r.returncode} {after:.1f} s after step 4 ({took:.1f} s in all)")
     assert r.returncode != 0 and after < 30
     if launcher == "deepspeed":
@@ -92,7 +89,7 @@ def test_sigkill_of_rank_1_ends_the_job(tmp_path, launcher):
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_an_exception_on_rank_0_only_ends_the_job_and_is_shown(tmp_path, launcher):
     r, took = launch(tmp_path, launcher, "raise@5:rank=0")
-    after = seconds_after(r, STEP_4)
+    after = seconds_after(r, took, STEP_4)
     print(f"{launcher}: exception on rank 0 at step 5 -> exit {r.returncode} {after:.1f} s after step 4 ({took:.1f} s in all)")
     assert r.returncode != 0 and after < 30
     assert "RuntimeError: injected failure at rank 0 step 5 (TRAINER_FAULT)" in r.output
@@ -105,7 +102,7 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout(tmp_path):
     assert "in _inject" in r.output  # the stack shows where rank 1 is stuck
     # Timed from the hang, not from process start (start-up takes 10-40 s on a loaded 2-core machine):
     # 30 s of watchdog, then the dump of stacks, the abort and the launcher's reaction.
-    after = seconds_after(r, "injected hang")
+    after = seconds_after(r, took, "injected hang")
     print(f"rank 1 hung at step 5; the job exited {r.returncode} {after:.1f} s later ({took:.1f} s in all; watchdog 30 s)")
     # (The watchdog counts from the last progress, a moment before the hang is logged: 2 s of slack.)
     assert 30 - 2 <= after < 30 + 25, f"the job ended {after:.1f} s after the hang"
