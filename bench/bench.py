@@ -148,6 +148,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "grad_accum": exp.train.grad_accum,
         "steps": exp.train.max_steps,
         "compile": exp.train.compile,
+        "chunked_loss": exp.model.chunked_loss,
         "log_every": exp.train.log_every,
         "weight_decay": exp.optim.weight_decay,
         "num_workers": exp.data.num_workers,

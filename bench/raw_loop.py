@@ -6,7 +6,9 @@ has), no checkpoints.
     deepspeed --num_gpus N bench/raw_loop.py --spec SPEC.json
 
 SPEC.json (written by bench.py): ds_config, model_config, seed, data (a packed dataset directory),
-micro, grad_accum, steps, log_every, loader settings, out (a JSON file rank 0 writes).
+micro, grad_accum, steps, log_every, loader settings, compile, chunked_loss, out (a JSON file rank 0
+writes). With chunked_loss the model gets trainer/loss.py's forward, the one piece of ours it
+imports: the loss is part of the model being measured, not of the loop.
 """
 
 import argparse
@@ -74,6 +76,12 @@ def main() -> None:
     keep = HfDeepSpeedConfig(ds_config) if zero3 else None  # noqa: F841 (must stay alive while building)
     attn = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
+    if spec.get("chunked_loss"):
+        # model.chunked_loss is part of the model under test, not of the loop: the same loss here.
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from trainer.loss import attach
+
+        attach(model, zero3=zero3)
     decay = [q for q in model.parameters() if len(getattr(q, "ds_shape", q.shape)) >= 2]
     no_decay = [q for q in model.parameters() if len(getattr(q, "ds_shape", q.shape)) < 2]
     groups = [

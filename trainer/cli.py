@@ -308,6 +308,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             f"model: {info.params:,} parameters (largest layer {info.largest_layer:,}), "
             f"micro batch {exp.train.micro_batch_size} x seq {exp.data.seq_len}, activation checkpointing "
             f"{'on' if exp.model.activation_checkpointing else 'off'}"
+            + (", chunked loss" if exp.model.chunked_loss else "")
         )
         print(strategy.describe_plan(planned.plan))
     return 0
@@ -700,7 +701,9 @@ def banner(
         f"experiment {exp.name}: run dir {exp.run_dir}",
         f"world: {env.world_size} rank(s) on {env.nodes} node(s) via {env.launcher}; device {runtime.device_type}, "
         f"backend {runtime.backend}, {runtime.threads} CPU thread(s) per rank",
-        f"model: {planned.info.params:,} parameters; precision {plan.precision}",
+        f"model: {planned.info.params:,} parameters; precision {plan.precision}"
+        + ("; chunked loss" if exp.model.chunked_loss else "")
+        + ("; torch.compile" if t.compile else ""),
         f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",
         f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
         f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)})",

@@ -125,6 +125,44 @@ class Section(BaseModel):
 # ----------------------------------------------------------------------------- sections
 
 
+# model.chunked_loss: model types whose logits are plain lm_head(base_model(...)[0]): no logit scale
+# (cohere, granite), no soft-capping (gemma2/3), no router loss added to the LM loss (mixtral...).
+CHUNKED_LOSS_TYPES = frozenset(
+    {
+        "gpt2",
+        "gpt_neox",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "olmo",
+        "olmo2",
+        "gemma",
+        "smollm3",
+        "opt",
+    }
+)
+
+
+LOSS_CHUNK_BYTES = 1 << 30  # model.chunked_loss: fp32 logits per chunk
+
+
+def loss_chunk_rows(vocab: int) -> int:
+    """model.chunked_loss: rows (tokens) per chunk, LOSS_CHUNK_BYTES of fp32 logits."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+
+
+def chunked_loss_problem(model_type: str | None) -> str | None:
+    """Why model.chunked_loss cannot serve this model type (None: it can)."""
+    if model_type in CHUNKED_LOSS_TYPES:
+        return None
+    return (
+        f"not available for model_type '{model_type}' (it supports {', '.join(sorted(CHUNKED_LOSS_TYPES))}: "
+        "models whose logits are the LM head's output, unscaled and uncapped); set it to false"
+    )
+
+
 class ModelSection(Section):
     """What to train. Exactly one of `config`, `pretrained`, `factory`."""
 
@@ -149,6 +187,11 @@ class ModelSection(Section):
     )
     attn_implementation: choice(None, "eager", "sdpa", "flash_attention_2") = Field(
         None, description="attention kernel for transformers models; null keeps the model's default"
+    )
+    chunked_loss: bool = Field(
+        False,
+        description="LM head and cross-entropy in chunks, never the whole logits (less memory and memory "
+        "traffic; transformers causal LMs with a plain LM head, see README: Models)",
     )
 
 
@@ -694,6 +737,12 @@ def _model_source(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("model.config.model_type", "required: the transformers model type, e.g. gpt2 or llama"))
     if m.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", m.factory):
         out.append(("model.factory", f"'{m.factory}' must look like package.module:function"))
+    if m.chunked_loss and m.factory is not None:
+        out.append(("model.chunked_loss", "a factory's model computes its own loss; set it to false"))
+    if m.chunked_loss and m.config is not None and isinstance(m.config.get("model_type"), str):
+        problem = chunked_loss_problem(m.config["model_type"])
+        if problem:
+            out.append(("model.chunked_loss", problem))
     if m.config is not None:
         pos = _positions(m.config)
         if pos and exp.data.seq_len > pos[1]:

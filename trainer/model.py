@@ -269,6 +269,10 @@ def build(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
             model.config.use_cache = False
+    if section.chunked_loss:
+        from trainer import loss
+
+        loss.attach(model, zero3=zero3)
     return model
 
 

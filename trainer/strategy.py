@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TEMPLATES_DIR, Experiment, format_size
+from trainer.config import TEMPLATES_DIR, Experiment, format_size, loss_chunk_rows
 from trainer.errors import Problem, UserError, did_you_mean
 
 # ----------------------------------------------------------------------------- model facts
@@ -168,14 +168,18 @@ def host_needs(c: Candidate, p: int, largest: int, n: int, gpus_per_node: int) -
     return int(p * 4 * gpus_per_node * f)
 
 
-def activations(info: ModelInfo, micro_batch: int, seq_len: int, lp: int, checkpointing: bool) -> int:
+def activations(
+    info: ModelInfo, micro_batch: int, seq_len: int, lp: int, checkpointing: bool, chunked_loss: bool = False
+) -> int:
     """Activation bytes per rank: Korthikanti et al. (2022) per layer s*b*h*(34 + 5*a*s/h) for
     16-bit activations; the 5as/h attention-score term only with eager attention; with activation
     checkpointing the layer inputs (2sbh per layer) plus one layer's full activations. Plus the
     logits for the loss: b*s*V*3*(lp + 4) bytes, that is the logits, their fp32 copy and its
     log-softmax, then in backward their gradients (an H100 measured 17.2 bytes per logit for GPT-2
     124M in bf16 at micro batch 64, where this gives 18 and the former 2*(lp + 4) gave 12 and
-    predicted a ZeRO-2 fit that ran out of memory)."""
+    predicted a ZeRO-2 fit that ran out of memory). With `model.chunked_loss`, one chunk of rows
+    instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus the
+    saved gradients towards the hidden states (lp) and the head's weight (fp32)."""
     h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
     if not (h and layers):
         return 0
@@ -187,7 +191,10 @@ def activations(info: ModelInfo, micro_batch: int, seq_len: int, lp: int, checkp
         total = 2 * s * b * h * scale * layers + per_layer
     else:
         total = per_layer * layers
-    if v:
+    if v and chunked_loss:
+        rows = min(b * s, loss_chunk_rows(v))
+        total += 2 * rows * v * (4 + lp) + b * s * h * lp + v * h * 4
+    elif v:
         total += 3 * b * s * v * (lp + 4)
     return int(total)
 
@@ -338,7 +345,12 @@ def plan(
     lp = low_precision_bytes(precision)
     budget = int(device_memory * s.headroom)
     act = activations(
-        info, exp.train.micro_batch_size, exp.data.seq_len, lp, exp.model.activation_checkpointing
+        info,
+        exp.train.micro_batch_size,
+        exp.data.seq_len,
+        lp,
+        exp.model.activation_checkpointing,
+        exp.model.chunked_loss,
     )
     on_gpu = device_type == "cuda"
 

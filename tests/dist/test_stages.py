@@ -88,6 +88,20 @@ def test_torchrun_gives_the_same_losses_as_deepspeed(runs):
     assert tr.rank_reports()[0]["param_digest"] == ds.rank_reports()[0]["param_digest"]
 
 
+def test_chunked_loss_trains_as_the_standard_loss_at_stage_3(tmp_path, small_data, runs):
+    """model.chunked_loss at ZeRO-3 (the LM head's weight, tied to the embedding, is partitioned and
+    used outside its module: an external parameter) with gradient accumulation, under torchrun:
+    the same per-step losses as the standard loss to fp32 rounding, and identical ranks."""
+    stage, accum, _ = CASES["zero3"]
+    a = runs("zero3")
+    c = train(tmp_path, {**sets(small_data, stage, accum), "model.chunked_loss": True}, launcher="torchrun")
+    assert "chunked loss" in c.output
+    check_run(c, "zero3")
+    assert c.losses.keys() == a.losses.keys()
+    for step, loss in a.losses.items():
+        assert c.losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 

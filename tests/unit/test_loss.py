@@ -1,0 +1,116 @@
+"""model.chunked_loss: the LM head and cross-entropy in chunks give transformers' causal LM loss and
+its gradients, without the whole logits; the planner counts one chunk instead of them."""
+
+import pytest
+import torch
+from helpers import TINY
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from trainer import config, loss, strategy
+from trainer.config import ConfigError
+from trainer.errors import UserError
+
+GiB = 2**30
+
+
+def reference(hidden, weight, labels):
+    """transformers' ForCausalLMLoss on the whole logits."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(hidden @ weight.t(), labels, vocab_size=weight.shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_and_gradients_match_the_whole_logits(dtype):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 17, 32, dtype=dtype, requires_grad=True)
+    weight = (0.3 * torch.randn(101, 32, dtype=dtype)).requires_grad_()
+    labels = torch.randint(0, 101, (3, 17))
+    labels[0, 5] = labels[2, 9:] = -100  # ignored positions are not counted
+
+    want = reference(hidden, weight, labels)
+    want.backward()
+    want_h, want_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    got = loss.linear_cross_entropy(hidden, weight, labels, rows=7)  # 51 rows: 8 chunks, the last short
+    assert got.dtype == torch.float32
+    (3 * got).backward()  # backward scales the saved gradients (DeepSpeed scales by 1/grad_accum)
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
+    if dtype == torch.float32:
+        assert got.item() == pytest.approx(want.item(), rel=1e-6)
+        torch.testing.assert_close(hidden.grad, 3 * want_h, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(weight.grad, 3 * want_w, rtol=1e-5, atol=1e-7)
+    else:  # bf16 operands, fp32 softmax in both; the head's gradient is summed over chunks in fp32
+        assert got.item() == pytest.approx(want.item(), rel=1e-3)
+        torch.testing.assert_close(hidden.grad, 3 * want_h, rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(weight.grad, 3 * want_w, rtol=2e-2, atol=2e-3)
+
+    with torch.no_grad():  # eval: the loss only, no gradients computed
+        assert loss.linear_cross_entropy(hidden, weight, labels, rows=7).item() == pytest.approx(got.item())
+
+
+def tiny_gpt2(**kw):
+    cfg = AutoConfig.for_model(
+        "gpt2",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=32,
+        vocab_size=300,
+        bos_token_id=0,
+        eos_token_id=0,
+        **kw,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_attached_model_trains_as_the_standard_one():
+    standard, chunked = tiny_gpt2(), loss.attach(tiny_gpt2())
+    assert chunked.chunked_loss_rows == 2**30 // (4 * 300)
+    assert chunked.lm_head.weight is chunked.transformer.wte.weight  # still tied
+    x = torch.randint(0, 300, (2, 32))
+    for m in (standard, chunked):
+        m.eval()  # no dropout: the two forwards see the same numbers
+        m(input_ids=x, labels=x).loss.backward()
+    out = chunked(input_ids=x, labels=x)
+    assert out.logits is None and out.loss.item() == pytest.approx(
+        standard(input_ids=x, labels=x).loss.item()
+    )
+    for (name, p), q in zip(standard.named_parameters(), chunked.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # No labels: the original forward (logits for generation or evaluation by other tools).
+    assert chunked(input_ids=x).logits.shape == (2, 32, 300)
+    assert set(chunked.state_dict()) == set(standard.state_dict())
+
+
+def test_unsupported_models_are_refused_with_the_key():
+    cfg = AutoConfig.for_model(
+        "gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=64,
+    )  # fmt: skip
+    with pytest.raises(
+        UserError, match=r"model.chunked_loss: not available for model_type 'gemma2'.*set it to false"
+    ):
+        loss.attach(AutoModelForCausalLM.from_config(cfg))
+    with pytest.raises(ConfigError) as e:
+        config.load(TINY, ["model.chunked_loss=true", "model.config.model_type=gemma2"])
+    assert "model.chunked_loss: not available for model_type 'gemma2'" in e.value.render()
+    with pytest.raises(ConfigError) as e:
+        config.load(TINY, ["model.chunked_loss=true", "model.config=null", "model.factory=pkg.mod:fn"])
+    assert "model.chunked_loss: a factory's model computes its own loss" in e.value.render()
+
+
+def test_planner_counts_one_chunk_instead_of_the_logits():
+    """GPT-2 124M at micro 64 x 1024 in bf16: the whole logits are 3.3G values, 18 bytes each
+    (59 GB, measured 17.2 on an H100); chunked, 3.2 GiB."""
+    info = strategy.ModelInfo(params=124_475_904, largest_layer=50304 * 768, hidden=768, layers=12,
+                              heads=12, vocab=50304, attn_implementation="sdpa")  # fmt: skip
+    whole = strategy.activations(info, 64, 1024, 2, False)
+    chunked = strategy.activations(info, 64, 1024, 2, False, chunked_loss=True)
+    layers = strategy.activations(strategy.ModelInfo(**{**info.__dict__, "vocab": None}), 64, 1024, 2, False)
+    assert whole - layers == 3 * 64 * 1024 * 50304 * 6
+    rows = 2**30 // (4 * 50304)
+    assert chunked - layers == 2 * rows * 50304 * 6 + 64 * 1024 * 768 * 2 + 50304 * 768 * 4
+    assert chunked - layers < 3.3 * GiB < 55 * GiB < whole - layers

@@ -1,0 +1,118 @@
+"""`model.chunked_loss`: a causal LM's loss without its whole logits.
+
+A transformers causal LM computes `logits = lm_head(hidden)` for every position (batch x seq x
+vocab: 6.6 GB in bf16 for GPT-2 at micro batch 64 x 1024) and its loss upcasts them to fp32 (13 GB
+more), keeps the log-softmax for backward and writes a gradient as large: about 18 bytes per logit
+of memory and several passes over it. Here the LM head and the cross-entropy run in chunks of rows
+(`trainer.config.LOSS_CHUNK_BYTES` of fp32 logits each, 1 GiB), and each chunk's gradients (towards the hidden states and the
+head's weight) are computed right away, as Liger-Kernel's fused linear cross-entropy does: no
+extra FLOPs, the loss's memory becomes one chunk, and backward only scales the saved gradients.
+
+The loss is the same as transformers' `ForCausalLMLoss` (labels shifted left, -100 ignored, mean
+over the counted tokens, softmax in fp32); the hidden states and the weight keep their precision,
+so bf16 results differ from the unchunked loss by rounding only.
+
+It replaces the model's `forward` (an attribute of the instance: the class, the state dict and
+checkpoints are untouched) by one that runs the base model and then this loss; with no labels
+the original forward runs. Supported: transformers models whose logits are `lm_head(hidden)`
+unscaled, uncapped and without bias (`trainer.config.CHUNKED_LOSS_TYPES`). At ZeRO stage 3 the head's weight is
+registered as an external parameter of the model, so that DeepSpeed gathers it for the model's
+forward and backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import chunked_loss_problem, loss_chunk_rows
+from trainer.errors import UserError
+
+IGNORE = -100
+
+
+def _chunks(hidden: Any, weight: Any, targets: Any, rows: int, grads: bool) -> tuple[Any, Any, Any]:
+    """(mean loss, d loss / d hidden, d loss / d weight); the gradients are None without `grads`."""
+    n = hidden.shape[0]
+    valid = targets != IGNORE
+    denom = valid.sum().clamp(min=1).to(torch.float32)
+    safe = torch.where(valid, targets, 0)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if grads else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+    for start in range(0, n, rows):
+        h = hidden[start : start + rows]
+        t = safe[start : start + rows, None]
+        v = valid[start : start + rows]
+        logits = torch.mm(h, weight.t()).float()
+        lse = torch.logsumexp(logits, dim=1)
+        picked = logits.gather(1, t).squeeze(1)
+        total = total + torch.where(v, lse - picked, 0.0).sum()
+        if grads:
+            # d(sum of losses)/d logits = softmax - one_hot(target), for counted rows; then the mean
+            g = logits.sub_(lse[:, None]).exp_()
+            g.scatter_add_(1, t, -torch.ones_like(t, dtype=g.dtype))
+            g.mul_((v.to(g.dtype) / denom)[:, None])
+            g = g.to(h.dtype)
+            grad_h[start : start + rows] = torch.mm(g, weight)
+            grad_w.add_(torch.mm(g.t(), h))
+    return total / denom, grad_h, grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, rows: int) -> Any:
+        loss, grad_h, grad_w = _chunks(hidden, weight, targets, rows, grads=True)
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Any) -> tuple[Any, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype), (grad_w * grad_out).to(ctx.weight_dtype), None, None)
+
+
+def linear_cross_entropy(hidden: Any, weight: Any, labels: Any, rows: int | None = None) -> Any:
+    """Mean cross-entropy of `hidden @ weight.T` against `labels` shifted left by one (transformers'
+    causal LM loss), in chunks of `rows` tokens. hidden: (batch, seq, d); labels: (batch, seq)."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    rows = rows or loss_chunk_rows(weight.shape[0])
+    if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(flat, weight, targets, rows)
+    return _chunks(flat, weight, targets, rows, grads=False)[0]
+
+
+def attach(model: Any, zero3: bool = False) -> Any:
+    """Give `model` (a transformers causal LM) the chunked loss; returns the model."""
+    config = getattr(model, "config", None)
+    problem = chunked_loss_problem(getattr(config, "model_type", None))
+    if problem:
+        raise UserError(f"model.chunked_loss: {problem}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base = getattr(model, "base_model", None)
+    if head is None or base is None or base is model or getattr(head, "bias", None) is not None:
+        raise UserError(
+            f"model.chunked_loss: {type(model).__name__} has no bias-free LM head over a base model; set it to false"
+        )
+    rows = loss_chunk_rows(int(getattr(head.weight, "ds_shape", head.weight.shape)[0]))
+    if zero3:
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model, head.weight)
+    from transformers.modeling_outputs import CausalLMOutput
+
+    original = model.forward
+
+    def forward(input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        if labels is None:
+            return original(input_ids=input_ids, **kwargs)
+        hidden = base(input_ids=input_ids, **kwargs)[0]
+        return CausalLMOutput(loss=linear_cross_entropy(hidden, head.weight, labels, rows))
+
+    model.forward = forward
+    model.chunked_loss_rows = rows
+    return model
