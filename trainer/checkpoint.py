@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from trainer.config import CheckpointSection, Experiment
+from trainer.config import CheckpointSection, Experiment, validate
 from trainer.errors import Problem, UserError
 
 log = logging.getLogger("trainer")
@@ -187,6 +187,8 @@ HARMLESS = (
     "train.eval_every",
     "train.eval_batches",
     "train.compile",
+    "model.chunked_loss",  # the same loss, computed in chunks
+    "model.activation_checkpointing",
     "train.micro_batch_size",
     "train.grad_accum",
     "data.num_workers",
@@ -214,10 +216,15 @@ def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
 
 def check_compatible(found: Found, exp: Experiment) -> list[str]:
     """Raise if the model or data differ from the checkpoint's; return the harmless differences."""
+    path = found.path / "experiment.yaml"
     try:
-        saved = yaml.safe_load((found.path / "experiment.yaml").read_text())
+        saved = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"--resume: cannot read {found.path / 'experiment.yaml'}: {e}") from None
+        raise UserError(f"--resume: cannot read {path}: {e}") from None
+    # A key added to the schema since the save compares at its default, not as missing; if a key
+    # was removed or renamed since, the saved file does not validate and compares as written.
+    with contextlib.suppress(UserError):
+        saved = validate(saved, source=str(path)).to_dict()
     diffs = differences(saved, exp.to_dict())
     harmful = [k for k in diffs if not any(k == h or k.startswith(h + ".") for h in HARMLESS)]
     if harmful:

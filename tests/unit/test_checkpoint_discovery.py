@@ -94,10 +94,17 @@ def test_compatibility(tmp_path):
             "strategy.zero_stage=3",
             "train.micro_batch_size=8",
             "data.num_workers=0",
+            "model.chunked_loss=true",
+            "model.activation_checkpointing=true",
         ],
     )
     diffs = ck.check_compatible(found, harmless)
-    assert "train.max_steps" in diffs and "strategy.zero_stage" in diffs
+    assert "train.max_steps" in diffs and "strategy.zero_stage" in diffs and "model.chunked_loss" in diffs
+    # A checkpoint written before an option existed has no value for it: new defaults resume.
+    saved = yaml.safe_load((d / "experiment.yaml").read_text())
+    del saved["model"]["chunked_loss"]
+    (d / "experiment.yaml").write_text(yaml.safe_dump(saved))
+    assert ck.check_compatible(found, config.load(TINY)) == []
     with pytest.raises(UserError) as e:
         ck.check_compatible(found, config.load(TINY, ["model.config.n_layer=3", "data.seq_len=64", "seed=1"]))
     text = str(e.value)
