@@ -41,7 +41,7 @@ probe() {
     for kv in "$@"; do sets+=(--set "$kv"); done
     rm -rf /tmp/probe
     timeout ${PROBE_LIMIT:-300} $PY bin/train $EXP --set train.max_steps=40 --set train.log_every=5 --set strategy.headroom=$HEADROOM \
-        --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set run_dir=/tmp/probe \
+        --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set train.eval_batches=2 --set run_dir=/tmp/probe \
         --set data.cache_dir=$CACHE "${sets[@]}" > "$out/$name.log" 2>&1
     echo "$name ($*): exit $?"
     grep -E "^.{9}(model|strategy|memory per rank):" "$out/$name.log"
