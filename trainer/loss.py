@@ -35,30 +35,33 @@ IGNORE = -100
 
 
 def _chunks(hidden: Any, weight: Any, targets: Any, rows: int, grads: bool) -> tuple[Any, Any, Any]:
-    """(mean loss, d loss / d hidden, d loss / d weight); the gradients are None without `grads`."""
+    """(mean loss, d loss / d hidden, d loss / d weight); the gradients are None without `grads`.
+
+    Per chunk, four passes over its logits in eager mode: the matmul writes them, log-softmax
+    reads them and writes fp32, exp turns that into the softmax in place, and the cast to the
+    operands' precision writes the gradient for the two matmuls. The 1/count of the mean and the
+    mask of ignored rows scale the small outputs (rows x d, and the head's gradient once), not the
+    logits."""
     n = hidden.shape[0]
     valid = targets != IGNORE
     denom = valid.sum().clamp(min=1).to(torch.float32)
-    safe = torch.where(valid, targets, 0)
+    safe = torch.where(valid, targets, 0)[:, None]
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty_like(hidden) if grads else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
     for start in range(0, n, rows):
         h = hidden[start : start + rows]
-        t = safe[start : start + rows, None]
-        v = valid[start : start + rows]
-        logits = torch.mm(h, weight.t()).float()
-        lse = torch.logsumexp(logits, dim=1)
-        picked = logits.gather(1, t).squeeze(1)
-        total = total + torch.where(v, lse - picked, 0.0).sum()
+        t = safe[start : start + rows]
+        v = valid[start : start + rows, None]
+        logp = torch.log_softmax(torch.mm(h, weight.t()), dim=1, dtype=torch.float32)
+        total = total - torch.where(v, logp.gather(1, t), 0.0).sum()
         if grads:
-            # d(sum of losses)/d logits = softmax - one_hot(target), for counted rows; then the mean
-            g = logits.sub_(lse[:, None]).exp_()
-            g.scatter_add_(1, t, -torch.ones_like(t, dtype=g.dtype))
-            g.mul_((v.to(g.dtype) / denom)[:, None])
-            g = g.to(h.dtype)
-            grad_h[start : start + rows] = torch.mm(g, weight)
-            grad_w.add_(torch.mm(g.t(), h))
+            # d(loss of a row)/d logits = softmax - one_hot(target), in fp32, then in h's precision
+            g = logp.exp_().scatter_add_(1, t, torch.full_like(t, -1.0, dtype=logp.dtype)).to(h.dtype)
+            grad_h[start : start + rows] = torch.mm(g, weight).float().mul_(v / denom).to(h.dtype)
+            grad_w.add_(torch.mm(g.t(), h * v.to(h.dtype)))
+    if grads:
+        grad_w.div_(denom)
     return total / denom, grad_h, grad_w
 
 
