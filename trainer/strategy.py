@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TEMPLATES_DIR, Experiment, format_size, loss_chunk_rows
+from trainer.config import TEMPLATES_DIR, Experiment, chunked_loss_problem, format_size, loss_chunk_rows
 from trainer.errors import Problem, UserError, did_you_mean
 
 # ----------------------------------------------------------------------------- model facts
@@ -402,8 +402,15 @@ def plan(
         )
     chosen = next((c for c in options if by[c].fits), None)
 
+    hint = _chunked_loss_hint(exp, info, act, lp, budget, [by[c] for c in LADDER])
+
     def fail(msg: str) -> UserError:
-        return UserError(msg + "\n\n" + _table_for(by, budget, device_memory, s.headroom, world_size))
+        return UserError(
+            msg
+            + (f" Or {hint}." if hint else "")
+            + "\n\n"
+            + _table_for(by, budget, device_memory, s.headroom, world_size)
+        )
 
     if chosen is None:
         if is_pinned and force and options:
@@ -435,7 +442,11 @@ def plan(
             f"{c.name} needs {format_size(by[c].total)}" + (" (host)" if by[c].fits_device else "")
             for c in skipped
         )
-        reason = f"{chosen.name} is the first rung that fits ({use})" + (f"; {why}" if why else "")
+        reason = (
+            f"{chosen.name} is the first rung that fits ({use})"
+            + (f"; {why}" if why else "")
+            + (f"; {hint}" if hint else "")
+        )
     else:
         reason = f"{chosen.name} pinned by the experiment ({use})"
         if auto_choice is not None and chosen.cost > auto_choice.cost:
@@ -464,6 +475,29 @@ def plan(
         justification=s.justification.strip(),
         auto_choice=auto_choice,
     )
+
+
+def _chunked_loss_hint(
+    exp: Experiment, info: ModelInfo, act: int, lp: int, budget: int, ladder: list[Estimate]
+) -> str:
+    """When the whole logits cost a rung of the ladder (or every rung): what model.chunked_loss
+    would save, and the rung that would then fit. Empty when it would change nothing."""
+    if exp.model.chunked_loss or exp.model.factory is not None or chunked_loss_problem(info.model_type):
+        return ""
+    t = exp.train
+    chunked = activations(
+        info, t.micro_batch_size, exp.data.seq_len, lp, exp.model.activation_checkpointing, True
+    )
+    saved = act - chunked
+    for e in ladder:
+        if e.fits or e.candidate.offload == "nvme":
+            return ""  # the rungs below the chosen one would not fit even without the logits
+        if e.fits_host and e.total - saved <= budget:
+            return (
+                f"set model.chunked_loss: true (no whole logits: {format_size(saved)} less per rank) "
+                f"and {e.candidate.name} fits"
+            )
+    return ""
 
 
 def _table_for(

@@ -129,7 +129,7 @@ def expected_rung(info, ranks, micro, seq, checkpointing, device=80 * GiB, headr
     return "zero3+nvme"
 
 
-def plan_for(info, ranks, micro, seq, checkpointing, host=2048 * GiB, **sets):
+def plan_for(info, ranks, micro, seq, checkpointing, host=2048 * GiB, device=80 * GiB, **sets):
     overrides = [
         f"train.micro_batch_size={micro}",
         f"data.seq_len={seq}",
@@ -145,7 +145,7 @@ def plan_for(info, ranks, micro, seq, checkpointing, host=2048 * GiB, **sets):
         world_size=ranks,
         gpus_per_node=min(ranks, 8),
         device_type="cuda",
-        device_memory=80 * GiB,
+        device_memory=device,
         host_memory=host,
         precision="bf16",
     )
@@ -155,6 +155,23 @@ def test_gpt2_124m_on_an_80gb_device_is_stage_0(gpt2):
     p = plan_for(gpt2, 1, 8, 1024, False)
     assert expected_rung(gpt2, 1, 8, 1024, False) == "zero0"
     assert p.candidate.name == "zero0" and "first rung that fits" in p.reason
+
+
+def test_the_whole_logits_costing_a_rung_suggest_the_chunked_loss():
+    """A 2B model with a 128K vocabulary at micro 4 x 4096 on 8 x 80 GB: zero0 needs 83 GB, of which
+    the chunked loss would save 31; the plan climbs to zero2 and says that model.chunked_loss keeps
+    zero0. On one 60 GB GPU nothing fits, and the error says the same."""
+    info = strategy.ModelInfo(params=2 * 10**9, largest_layer=128256 * 2048, hidden=2048, layers=16, heads=16,
+                              vocab=128256, attn_implementation="sdpa", model_type="llama")  # fmt: skip
+    p = plan_for(info, 8, 4, 4096, False)
+    assert p.candidate.name == "zero2"
+    assert "set model.chunked_loss: true (no whole logits: " in p.reason and "and zero0 fits" in p.reason
+    assert plan_for(info, 8, 4, 4096, False, **{"model.chunked_loss": "true"}).candidate.name == "zero0"
+    with pytest.raises(UserError, match=r"nothing fits.* Or set model.chunked_loss: true .* and zero0 fits\."):
+        plan_for(info, 1, 4, 4096, False, device=60 * GiB)
+    # A factory's model or a model type it does not serve gets no such advice.
+    other = strategy.ModelInfo(**{**info.__dict__, "model_type": "gemma2"})
+    assert "chunked" not in plan_for(other, 8, 4, 4096, False).reason
 
 
 def test_7b_on_8x80gb_escalates_above_stage_0():
