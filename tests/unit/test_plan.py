@@ -167,7 +167,9 @@ def test_the_whole_logits_costing_a_rung_suggest_the_chunked_loss():
     assert p.candidate.name == "zero2"
     assert "set model.chunked_loss: true (no whole logits: " in p.reason and "and zero0 fits" in p.reason
     assert plan_for(info, 8, 4, 4096, False, **{"model.chunked_loss": "true"}).candidate.name == "zero0"
-    with pytest.raises(UserError, match=r"nothing fits.* Or set model.chunked_loss: true .* and zero0 fits\."):
+    with pytest.raises(
+        UserError, match=r"nothing fits.* Or set model.chunked_loss: true .* and zero0 fits\."
+    ):
         plan_for(info, 1, 4, 4096, False, device=60 * GiB)
     # A factory's model or a model type it does not serve gets no such advice.
     other = strategy.ModelInfo(**{**info.__dict__, "model_type": "gemma2"})
