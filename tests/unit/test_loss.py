@@ -50,34 +50,33 @@ def test_loss_and_gradients_match_the_whole_logits(dtype):
         assert loss.linear_cross_entropy(hidden, weight, labels, rows=7).item() == pytest.approx(got.item())
 
 
-def tiny_gpt2(**kw):
-    cfg = AutoConfig.for_model(
-        "gpt2",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_positions=32,
-        vocab_size=300,
-        bos_token_id=0,
-        eos_token_id=0,
-        **kw,
-    )
+TINY_MODELS = {
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, n_positions=32),  # head tied to the embedding
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=32),  # its head is `embed_out`
+}  # fmt: skip
+
+
+def tiny(model_type):
+    cfg = AutoConfig.for_model(model_type, vocab_size=300, bos_token_id=0, eos_token_id=0, **TINY_MODELS[model_type])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def test_attached_model_trains_as_the_standard_one():
-    standard, chunked = tiny_gpt2(), loss.attach(tiny_gpt2())
+@pytest.mark.parametrize("model_type", list(TINY_MODELS))
+def test_attached_model_trains_as_the_standard_one(model_type):
+    standard, chunked = tiny(model_type), loss.attach(tiny(model_type))
     assert chunked.chunked_loss_rows == 2**30 // (4 * 300)
-    assert chunked.lm_head.weight is chunked.transformer.wte.weight  # still tied
+    if model_type == "gpt2":
+        assert chunked.lm_head.weight is chunked.transformer.wte.weight  # still tied
     x = torch.randint(0, 300, (2, 32))
     for m in (standard, chunked):
         m.eval()  # no dropout: the two forwards see the same numbers
         m(input_ids=x, labels=x).loss.backward()
     out = chunked(input_ids=x, labels=x)
-    assert out.logits is None and out.loss.item() == pytest.approx(
-        standard(input_ids=x, labels=x).loss.item()
-    )
+    assert out.logits is None and out.loss.item() == pytest.approx(standard(input_ids=x, labels=x).loss.item())
     for (name, p), q in zip(standard.named_parameters(), chunked.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
     # No labels: the original forward (logits for generation or evaluation by other tools).
