@@ -60,7 +60,9 @@ TINY_MODELS = {
 
 
 def tiny(model_type):
-    cfg = AutoConfig.for_model(model_type, vocab_size=300, bos_token_id=0, eos_token_id=0, **TINY_MODELS[model_type])
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=300, bos_token_id=0, eos_token_id=0, **TINY_MODELS[model_type]
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
 
@@ -76,7 +78,9 @@ def test_attached_model_trains_as_the_standard_one(model_type):
         m.eval()  # no dropout: the two forwards see the same numbers
         m(input_ids=x, labels=x).loss.backward()
     out = chunked(input_ids=x, labels=x)
-    assert out.logits is None and out.loss.item() == pytest.approx(standard(input_ids=x, labels=x).loss.item())
+    assert out.logits is None and out.loss.item() == pytest.approx(
+        standard(input_ids=x, labels=x).loss.item()
+    )
     for (name, p), q in zip(standard.named_parameters(), chunked.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
     # No labels: the original forward (logits for generation or evaluation by other tools).
