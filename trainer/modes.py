@@ -57,7 +57,11 @@ def overfit_verdict(first: float | None, last: float | None, sequences: int) -> 
 def profile(run: Any, state: Any, *, run_dir: Path, rank: int, device: Any, warmup: int, active: int) -> Path:
     """Run `warmup` steps, then `active` steps under torch.profiler; every rank writes its Chrome
     trace (`trace_rank00000.json`, open in chrome://tracing or Perfetto); rank 0 prints the top
-    operators by self time."""
+    operators by self time, and the time by kind of work (`time_by_kind`): on a GPU, kernel time
+    against the wall time of the traced steps, so that a device waiting for the host shows."""
+    import time
+
+    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -65,17 +69,73 @@ def profile(run: Any, state: Any, *, run_dir: Path, rank: int, device: Any, warm
     cuda = getattr(device, "type", None) == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=activities, record_shapes=True) as prof:
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
         run(state.step + active)
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
     path = Path(run_dir) / f"trace_rank{rank:05d}.json"
     prof.export_chrome_trace(str(path))
     if rank == 0:
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         log.info(f"profile: steps {state.step - active + 1}-{state.step}; top operators by self time:")
         log.info(prof.key_averages().table(sort_by=sort, row_limit=15))
+        try:  # a summary of the table above: never worth losing the trace over
+            log.info(time_by_kind(prof.key_averages(), cuda, wall))
+        except Exception as e:  # noqa: BLE001 (profiler event fields differ between torch versions)
+            log.warning(f"profile: no time by kind ({type(e).__name__}: {e})")
         log.info(
             f"profile: trace written to {path} (one per rank; open in chrome://tracing or ui.perfetto.dev)"
         )
     return path
+
+
+# What a kernel or operator does, from its name: the first pattern that matches (lower case).
+KINDS = (
+    ("communication", ("nccl", "gloo", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "c10d")),
+    ("optimizer", ("adam", "multi_tensor_apply", "optimizer", "_foreach")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")),
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("copies", ("memcpy", "memset", "aten::copy_", "aten::cat", "aten::_to_copy", "aten::contiguous")),
+)  # fmt: skip
+OTHER = "elementwise and reductions"
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pats in KINDS if any(p in low for p in pats)), OTHER)
+
+
+def time_by_kind(averages: Any, cuda: bool, wall: float) -> str:
+    """One line: the share of device kernel time (CPU: operator self time) per kind of work, and on
+    a GPU how busy its kernels kept it during the traced steps (`wall` seconds)."""
+    from torch.autograd import DeviceType
+
+    spent: dict[str, float] = {}
+    for e in averages:
+        if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue  # kernels only: an operator's device time is its kernels' again
+            us = e.self_device_time_total or e.device_time_total
+        else:
+            us = e.self_cpu_time_total
+        spent[kind_of(e.key)] = spent.get(kind_of(e.key), 0.0) + us
+    total = sum(spent.values())
+    if total <= 0:
+        return "profile: no timed work recorded"
+    shares = ", ".join(
+        f"{k} {v / total:.0%}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v / total >= 0.005
+    )
+    if cuda:
+        busy = total / 1e6 / max(wall, 1e-9)
+        return (
+            f"profile: GPU kernels {total / 1e6:.3f} s in {wall:.3f} s of traced steps (busy {busy:.0%}"
+            + ("; the GPU waits for the host: launch overhead, syncs, data" if busy < 0.9 else "")
+            + f"); by kind: {shares}"
+        )
+    return f"profile: CPU operator time by kind: {shares}"
 
 
 def check(
