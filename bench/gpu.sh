@@ -74,13 +74,14 @@ if [[ $what == sweep ]]; then
     probe compiled_m128 train.micro_batch_size=128 train.compile=true
 fi
 # profile: torch.profiler over 5 steps after 3 (--profile) of the compiled experiment: the top
-# kernels by GPU time.
+# kernels by GPU time, the time by kind of work and how busy the GPU was.
 if [[ $what == profile ]]; then
     rm -rf /tmp/prof
     timeout ${PROBE_LIMIT:-300} $PY bin/train $EXP --profile --set run_dir=/tmp/prof --set data.cache_dir=$CACHE \
         --set train.micro_batch_size=${MICRO_PROFILE:-64} --set train.compile=${COMPILE:-true} > "$out/profile.log" 2>&1
     echo "profile: exit $?"
-    grep -A25 "top operators" "$out/profile.log"
+    grep -A22 "top operators" "$out/profile.log"
+    grep -E "profile: (GPU kernels|CPU operator time|no time by kind)" "$out/profile.log"
     gzip -c /tmp/prof/profile/trace_rank00000.json > "$out/trace.json.gz" 2>/dev/null
     ls -la "$out"
 fi
