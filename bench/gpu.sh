@@ -67,11 +67,12 @@ fi
 # dropout 0, tanh GELU, chunked loss), one lever at a time, then the levers together.
 if [[ $what == sweep ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-    probe eager_whole_loss train.micro_batch_size=64 model.chunked_loss=false
+    # the most telling first: a call cut short at its 10 minutes still has them
     probe eager train.micro_batch_size=64
     probe compiled train.micro_batch_size=64 train.compile=true
-    probe compiled_whole_loss train.micro_batch_size=64 train.compile=true model.chunked_loss=false
+    probe eager_whole_loss train.micro_batch_size=64 model.chunked_loss=false
     probe compiled_m128 train.micro_batch_size=128 train.compile=true
+    probe compiled_whole_loss train.micro_batch_size=64 train.compile=true model.chunked_loss=false
 fi
 # profile: torch.profiler over 5 steps after 3 (--profile) of the compiled experiment: the top
 # kernels by GPU time, the time by kind of work and how busy the GPU was.
