@@ -30,7 +30,7 @@ if [ -d .whl ] && ! $PY -c "import deepspeed, datasets, pydantic" 2>/dev/null; t
 fi
 EXP=${EXP:-configs/experiments/gpt2-124m.yaml}
 MICRO=${MICRO:-64}
-HEADROOM=${HEADROOM:-0.97}  # micro 64 peaks at 73.7 GiB of 79.2 on an H100: above the default 0.9
+HEADROOM=${HEADROOM:-0.97}  # whole loss at micro 64: 73.7 GiB of 79.2 on an H100, above the default 0.9
 CACHE=/tmp/bench-data
 
 # bin/train alone for 40 steps with the given --set overrides; its log and metrics.jsonl land in
@@ -63,8 +63,8 @@ if [[ $what == probe || $what == all ]]; then
         probe probe_m$m train.micro_batch_size=$m
     done
 fi
-# sweep: what each MFU lever is worth, bin/train alone at stage 0 (the experiment's settings:
-# dropout 0, tanh GELU, chunked loss), one lever at a time, then the levers together.
+# sweep: what each MFU lever is worth, bin/train alone at stage 0 on the experiment's settings
+# (dropout 0, tanh GELU, chunked loss), eager and compiled, with the whole loss, and at micro 128.
 if [[ $what == sweep ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     # the most telling first: a call cut short at its 10 minutes still has them
