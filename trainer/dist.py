@@ -230,8 +230,8 @@ def setup(timeout_s: float = 600.0) -> Runtime:
 def build_ops_without_debug_info() -> None:
     """DeepSpeed JIT-compiles its C++ ops (CPU Adam for `strategy.offload`, once per machine) with
     `-g`: debug information nobody reads, which costs a third of the compile (CPU Adam, built by
-    scripts/build_ops.py on 2 cores: 145 s of CPU with it, 97 s without). The ops are built the same otherwise (-O3, -march=native),
-    so they run at the same speed. Every process that may build an op calls this (each rank, and
+    scripts/build_ops.py on 2 cores: 145 s of CPU with it, 97 s without). The ops are built the
+    same otherwise (-O3, -march=native), so they run at the same speed. Every process that may build an op calls this (each rank, and
     scripts/build_ops.py), so they agree on the flags and none rebuilds what another built. (If
     DeepSpeed renames jit_load, the ops are built with its own flags, as before.)"""
     import importlib

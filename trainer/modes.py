@@ -80,10 +80,11 @@ def profile(run: Any, state: Any, *, run_dir: Path, rank: int, device: Any, warm
     prof.export_chrome_trace(str(path))
     if rank == 0:
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        averages = prof.key_averages()  # grouping every event of the trace: once
         log.info(f"profile: steps {state.step - active + 1}-{state.step}; top operators by self time:")
-        log.info(prof.key_averages().table(sort_by=sort, row_limit=15))
+        log.info(averages.table(sort_by=sort, row_limit=15))
         try:  # a summary of the table above: never worth losing the trace over
-            log.info(time_by_kind(prof.key_averages(), cuda, wall))
+            log.info(time_by_kind(averages, cuda, wall))
         except Exception as e:  # noqa: BLE001 (profiler event fields differ between torch versions)
             log.warning(f"profile: no time by kind ({type(e).__name__}: {e})")
         log.info(
@@ -121,7 +122,8 @@ def time_by_kind(averages: Any, cuda: bool, wall: float) -> str:
             us = e.self_device_time_total or e.device_time_total
         else:
             us = e.self_cpu_time_total
-        spent[kind_of(e.key)] = spent.get(kind_of(e.key), 0.0) + us
+        kind = kind_of(e.key)
+        spent[kind] = spent.get(kind, 0.0) + us
     total = sum(spent.values())
     if total <= 0:
         return "profile: no timed work recorded"

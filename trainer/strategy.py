@@ -344,14 +344,14 @@ def plan(
     s = exp.strategy
     lp = low_precision_bytes(precision)
     budget = int(device_memory * s.headroom)
-    act = activations(
-        info,
-        exp.train.micro_batch_size,
-        exp.data.seq_len,
-        lp,
-        exp.model.activation_checkpointing,
-        exp.model.chunked_loss,
-    )
+
+    def activations_with(chunked_loss: bool) -> int:
+        m = exp.model
+        return activations(
+            info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss
+        )
+
+    act = activations_with(exp.model.chunked_loss)
     on_gpu = device_type == "cuda"
 
     want_stage, want_offload, offload_params = pinned_choice(exp, template)
@@ -402,7 +402,7 @@ def plan(
         )
     chosen = next((c for c in options if by[c].fits), None)
 
-    hint = _chunked_loss_hint(exp, info, act, lp, budget, [by[c] for c in LADDER])
+    hint = _chunked_loss_hint(exp, info, act - activations_with(True), budget, [by[c] for c in LADDER])
 
     def fail(msg: str) -> UserError:
         return UserError(
@@ -478,17 +478,13 @@ def plan(
 
 
 def _chunked_loss_hint(
-    exp: Experiment, info: ModelInfo, act: int, lp: int, budget: int, ladder: list[Estimate]
+    exp: Experiment, info: ModelInfo, saved: int, budget: int, ladder: list[Estimate]
 ) -> str:
     """When the whole logits cost a rung of the ladder (or every rung): what model.chunked_loss
-    would save, and the rung that would then fit. Empty when it would change nothing."""
+    would save (`saved` bytes per rank), and the rung that would then fit. Empty when it would
+    change nothing."""
     if exp.model.chunked_loss or exp.model.factory is not None or chunked_loss_problem(info.model_type):
         return ""
-    t = exp.train
-    chunked = activations(
-        info, t.micro_batch_size, exp.data.seq_len, lp, exp.model.activation_checkpointing, True
-    )
-    saved = act - chunked
     for e in ladder:
         if e.fits or e.candidate.offload == "nvme":
             return ""  # the rungs below the chosen one would not fit even without the logits
