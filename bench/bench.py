@@ -34,6 +34,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from trainer.dist import free_port  # noqa: E402  (a rendezvous port outside the ephemeral range)
+
 TRAIN = ROOT / "bin" / "train"
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
 GPT2 = ROOT / "configs" / "experiments" / "gpt2-124m.yaml"
@@ -89,14 +91,6 @@ def launch(args: list[str], nproc: int, env: dict[str, str]) -> subprocess.Compl
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}\nexit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     return p
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median_after(intervals: list[dict[str, Any]], warmup: int, log_every: int) -> float:

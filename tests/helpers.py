@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -80,9 +79,12 @@ def assert_same_continuation(a: Result, b: Result, k: int = K) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A rendezvous port: outside the ephemeral range (gloo's own connections take ports from it),
+    from this pytest-xdist worker's own share of the rest (two workers never pick the same one)."""
+    from trainer.dist import free_port as choose
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return choose(int(worker[2:] or 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
 
 
 @dataclass

@@ -107,10 +107,44 @@ def _slurm_first_host(env: dict[str, str]) -> str | None:
         return None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(slot: int = 0, slots: int = 1) -> int:
+    """A TCP port free on this host now, for a rendezvous (MASTER_PORT).
+
+    Chosen at random outside the kernel's ephemeral range, not by bind(("", 0)): a port the kernel
+    hands out that way it hands out again to any outgoing connection (gloo opens dozens per job),
+    so in the seconds before the rendezvous binds it another job on the host can take it and the
+    launch fails with EADDRINUSE. Outside the range only an explicit bind takes a port. `slot` of
+    `slots` narrows the choice to a disjoint share, for concurrent choosers (test workers) that
+    must not pick the same port."""
+    lo_eph, hi_eph = ephemeral_ports()
+    lo, hi = max([(10000, lo_eph), (hi_eph + 1, 65536)], key=lambda r: r[1] - r[0])  # the larger side
+    slots = max(1, slots)
+    share = (hi - lo) // slots
+    if share < 64:  # a host whose ephemeral range leaves nothing: the kernel's choice
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    lo += (slot % slots) * share
+    start = random.Random().randrange(share)  # not the seeded global generator (the same every run)
+    for k in range(share):  # from a random port on, each port of the share once
+        port = lo + (start + k) % share
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))  # free on every address, as the rendezvous store binds it
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found in {lo}-{lo + share - 1}")
 
 
 def cpu_cores() -> int:

@@ -56,7 +56,9 @@ def launch(tmp_path, launcher, fault, sets=None, extra=None, timeout=300):
 
 def seconds_after(r, took: float, marker: str) -> float:
     """How long the job ran on after the first output line containing `marker` (`took`: its duration)."""
-    return took - next(t for t, line in r.lines if marker in line)
+    at = next((t for t, line in r.lines if marker in line), None)
+    assert at is not None, f"no output line contains {marker!r} (exit {r.returncode}):\n{r.output[-4000:]}"
+    return took - at
 
 
 STEP_4 = "step      4/40"  # rank 0's log line of step 4, just before the faults at step 5

@@ -108,3 +108,35 @@ def test_deepspeed_builds_its_ops_without_debug_information():
     own, (used,) = eval(own), eval(seen)  # noqa: S307 - our own child's repr of lists of flags
     assert loaded == "module" and "-g" in own and "-O3" in own  # the builder itself is unchanged
     assert "-g" not in used and used[: len(own) - 1] == [a for a in own if a != "-g"]
+
+
+def test_rendezvous_ports_come_from_outside_the_ephemeral_range_and_are_free(monkeypatch):
+    import socket
+
+    lo_eph, hi_eph = dist.ephemeral_ports()
+    ports = {dist.free_port() for _ in range(20)}
+    assert all(not lo_eph <= p <= hi_eph for p in ports) and len(ports) > 1  # random, not fixed
+    # Disjoint shares for concurrent choosers (pytest-xdist workers).
+    a = {dist.free_port(0, 3) for _ in range(30)}
+    b = {dist.free_port(1, 3) for _ in range(30)}
+    assert max(a) < min(b)
+    # A port something holds is never chosen: with a share of 64 ports and 63 of them taken, the
+    # last one is returned.
+    monkeypatch.setattr(dist, "ephemeral_ports", lambda: (10000 + 64 * 16, 65535))
+    held = []
+    try:
+        for port in range(10000 + 64, 10000 + 128):
+            s = socket.socket()
+            try:
+                s.bind(("", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        spare = held.pop()
+        port = spare.getsockname()[1]
+        spare.close()
+        assert dist.free_port(1, 16) == port
+    finally:
+        for s in held:
+            s.close()
