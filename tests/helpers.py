@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Rendezvous ports outside the ephemeral range, from this pytest-xdist worker's share (conftest).
+from trainer.dist import free_port  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "bin" / "train"
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -76,15 +79,6 @@ def assert_same_continuation(a: Result, b: Result, k: int = K) -> None:
     assert sorted(steps_after(b, k)) == list(range(k + 1, 2 * K + 1)), b.losses
     assert steps_after(b, k) == steps_after(a, k)  # bit for bit
     assert b.rank_reports()[0]["param_digest"] == a.rank_reports()[0]["param_digest"]
-
-
-def free_port() -> int:
-    """A rendezvous port: outside the ephemeral range (gloo's own connections take ports from it),
-    from this pytest-xdist worker's own share of the rest (two workers never pick the same one)."""
-    from trainer.dist import free_port as choose
-
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    return choose(int(worker[2:] or 0), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
 
 
 @dataclass

@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 ENV_FAULT = "TRAINER_FAULT"  # test hook, e.g. "oom@5:rank=1" (see Faults)
+ENV_PORTS = "TRAINER_PORTS"  # LO-HI: where rendezvous ports are chosen (see port_range)
 
 
 @dataclass(frozen=True)
@@ -117,34 +118,50 @@ def ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port(slot: int = 0, slots: int = 1) -> int:
-    """A TCP port free on this host now, for a rendezvous (MASTER_PORT).
+def port_range(env: dict[str, str] | None = None) -> tuple[int, int]:
+    """The ports rendezvous ports are chosen from, [lo, hi): `TRAINER_PORTS=LO-HI` (inclusive) where
+    set, e.g. the range a cluster's firewall leaves open; else the larger side outside the kernel's
+    ephemeral range (10000 up to it on Linux's defaults)."""
+    env = os.environ if env is None else env
+    spec = env.get(ENV_PORTS, "").strip()
+    if not spec:
+        lo_eph, hi_eph = ephemeral_ports()
+        return max([(10000, lo_eph), (hi_eph + 1, 65536)], key=lambda r: r[1] - r[0])
+    from trainer.errors import UserError
+
+    lo_s, sep, hi_s = spec.partition("-")
+    if not (sep and lo_s.strip().isdigit() and hi_s.strip().isdigit()):
+        raise UserError(f"{ENV_PORTS}={spec!r}: expected LO-HI, the first and last port, e.g. 20000-20999")
+    lo, hi = int(lo_s), int(hi_s)
+    if not 1024 <= lo <= hi <= 65535:
+        raise UserError(f"{ENV_PORTS}={spec!r}: expected 1024 <= LO <= HI <= 65535, e.g. 20000-20999")
+    return lo, hi + 1
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (MASTER_PORT), from `port_range()`.
 
     Chosen at random outside the kernel's ephemeral range, not by bind(("", 0)): a port the kernel
     hands out that way it hands out again to any outgoing connection (gloo opens dozens per job),
     so in the seconds before the rendezvous binds it another job on the host can take it and the
-    launch fails with EADDRINUSE. Outside the range only an explicit bind takes a port. `slot` of
-    `slots` narrows the choice to a disjoint share, for concurrent choosers (test workers) that
-    must not pick the same port."""
-    lo_eph, hi_eph = ephemeral_ports()
-    lo, hi = max([(10000, lo_eph), (hi_eph + 1, 65536)], key=lambda r: r[1] - r[0])  # the larger side
-    slots = max(1, slots)
-    share = (hi - lo) // slots
-    if share < 64:  # a host whose ephemeral range leaves nothing: the kernel's choice
+    launch fails with EADDRINUSE. Outside the range only an explicit bind takes a port."""
+    lo, hi = port_range()
+    if hi - lo < 64 and ENV_PORTS not in os.environ:  # no room outside the ephemeral range
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    lo += (slot % slots) * share
-    start = random.Random().randrange(share)  # not the seeded global generator (the same every run)
-    for k in range(share):  # from a random port on, each port of the share once
-        port = lo + (start + k) % share
+    start = random.Random().randrange(hi - lo)  # not the seeded global generator (the same every run)
+    for k in range(hi - lo):  # from a random port on, each port of the range once
+        port = lo + (start + k) % (hi - lo)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("", port))  # free on every address, as the rendezvous store binds it
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free TCP port found in {lo}-{lo + share - 1}")
+    from trainer.errors import UserError
+
+    raise UserError(f"no free TCP port in {lo}-{hi - 1} ({ENV_PORTS}): widen the range or free a port")
 
 
 def cpu_cores() -> int:

@@ -163,3 +163,17 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, name):
 def test_no_experiment_is_a_usage_error(tmp_path):
     code, out = run([], tmp_path)
     assert code == 2 and "no experiment file given" in out
+
+
+def test_a_malformed_port_range_exits_2_naming_the_variable(tmp_path):
+    p = subprocess.run(
+        [sys.executable, str(TRAIN), *map(str, tiny(tmp_path, "train.max_steps=1"))],
+        cwd=ROOT,
+        env=env_for(1, {"TRAINER_PORTS": "29500"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = p.stderr + p.stdout
+    assert p.returncode == 2 and "Traceback" not in out, out
+    assert "error: TRAINER_PORTS='29500': expected LO-HI, the first and last port, e.g. 20000-20999" in out

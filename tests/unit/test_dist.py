@@ -3,7 +3,10 @@
 import os
 import sys
 
+import pytest
+
 from trainer import dist
+from trainer.errors import UserError
 
 
 def test_no_launcher_is_one_rank():
@@ -113,19 +116,15 @@ def test_deepspeed_builds_its_ops_without_debug_information():
 def test_rendezvous_ports_come_from_outside_the_ephemeral_range_and_are_free(monkeypatch):
     import socket
 
+    monkeypatch.delenv(dist.ENV_PORTS, raising=False)  # (conftest gives each test worker a share)
     lo_eph, hi_eph = dist.ephemeral_ports()
     ports = {dist.free_port() for _ in range(20)}
     assert all(not lo_eph <= p <= hi_eph for p in ports) and len(ports) > 1  # random, not fixed
-    # Disjoint shares for concurrent choosers (pytest-xdist workers).
-    a = {dist.free_port(0, 3) for _ in range(30)}
-    b = {dist.free_port(1, 3) for _ in range(30)}
-    assert max(a) < min(b)
-    # A port something holds is never chosen: with a share of 64 ports and 63 of them taken, the
-    # last one is returned.
-    monkeypatch.setattr(dist, "ephemeral_ports", lambda: (10000 + 64 * 16, 65535))
+    # TRAINER_PORTS: a range of 64 with 63 ports taken gives the last one.
+    monkeypatch.setenv(dist.ENV_PORTS, "10064-10127")
     held = []
     try:
-        for port in range(10000 + 64, 10000 + 128):
+        for port in range(10064, 10128):
             s = socket.socket()
             try:
                 s.bind(("", port))
@@ -136,7 +135,17 @@ def test_rendezvous_ports_come_from_outside_the_ephemeral_range_and_are_free(mon
         spare = held.pop()
         port = spare.getsockname()[1]
         spare.close()
-        assert dist.free_port(1, 16) == port
+        assert {dist.free_port() for _ in range(5)} == {port}
+        held.append(socket.socket())
+        held[-1].bind(("", port))
+        with pytest.raises(UserError, match=r"no free TCP port in 10064-10127 \(TRAINER_PORTS\)"):
+            dist.free_port()
     finally:
         for s in held:
             s.close()
+
+
+@pytest.mark.parametrize("spec", ["20000", "a-b", "30000-20000", "80-90", "20000-70000"])
+def test_a_malformed_port_range_is_an_error_naming_the_variable(spec):
+    with pytest.raises(UserError, match=r"TRAINER_PORTS=.*expected .*e\.g\. 20000-20999"):
+        dist.port_range({dist.ENV_PORTS: spec})
