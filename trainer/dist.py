@@ -146,7 +146,7 @@ def free_port() -> int:
     so in the seconds before the rendezvous binds it another job on the host can take it and the
     launch fails with EADDRINUSE. Outside the range only an explicit bind takes a port."""
     lo, hi = port_range()
-    if hi - lo < 64 and ENV_PORTS not in os.environ:  # no room outside the ephemeral range
+    if hi <= lo:  # an ephemeral range that leaves no port outside it: the kernel's choice
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
