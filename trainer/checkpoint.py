@@ -431,6 +431,10 @@ class Checkpointer:
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "metrics": metrics,
             "wandb_run_id": getattr(self.metrics, "wandb_id", None),  # a resumed run continues it
+            # Parameter names per optimizer group and tied aliases: reading a stage-0 checkpoint's
+            # bf16/fp16 optimizer state (export) needs them; the module alone does not say.
+            "param_groups": self.layout[0],
+            "tied": self.layout[1],
             "files": files,
         }
         _write_atomic(stage_dir / STATE, json.dumps(meta, indent=2) + "\n")
@@ -467,7 +471,16 @@ class Checkpointer:
         saved = found.state
         same_world = saved["world_size"] == self.world_size
         names, aliases = self.layout
-        reshard.load(self.engine, found.path, names, aliases, self.rank, self._group)
+        wait_s = self.section.convert_timeout_minutes * 60
+        try:
+            reshard.load(self.engine, found.path, names, aliases, self.rank, self._group, wait_s=wait_s)
+        except (UserError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001  (a checkpoint that does not load will not load next time)
+            log.debug("loading the checkpoint failed", exc_info=True)
+            raise reshard.ResumeError(
+                f"resuming from {found.path} failed on rank {self.rank}: {type(e).__name__}: {e}"
+            ) from e
         state.step = int(saved["step"])
         state.samples = int(saved["samples"])
         state.tokens = int(saved["tokens"])

@@ -235,12 +235,13 @@ def make_plan(
     eos_id: int | None,
     force: bool,
     this_machine: bool = True,
+    source: str | None = None,
 ) -> Planned:
     """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed."""
     from trainer import dist, model, strategy
 
     info = model.info(exp.model, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
-    precision = strategy.resolve_precision(exp.train.precision, device_type)
+    precision = strategy.resolve_precision(exp.train.precision, device_type, source=source)
     mem = exp.strategy.device_memory or device_memory
     host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
     if mem is None:  # CPU training: the ranks of a node share its memory
@@ -296,6 +297,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         force=args.force,
         # device memory given for a machine without a GPU here: planning for another machine
         this_machine=not (exp.strategy.device_memory is not None and gpu_mem is None),
+        source=args.experiment,
     )
     if args.print_config:
         print("# experiment (resolved)")
@@ -382,6 +384,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         vocab_size=vocab,
         eos_id=eos,
         force=args.force,
+        source=args.experiment,
     )
     runtime = dist.setup(exp.dist.timeout_s)
     try:

@@ -338,6 +338,11 @@ class CheckpointSection(Section):
     resume: choice("never", "auto") = Field(
         "never", description="auto = resume from the latest complete checkpoint if there is one"
     )
+    convert_timeout_minutes: float = Field(
+        120.0,
+        gt=0,
+        description="how long every rank waits for a checkpoint's conversion to another stage or world size",
+    )
 
 
 class WandbSection(Section):

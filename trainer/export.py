@@ -3,9 +3,11 @@
     bin/export CHECKPOINT OUT_DIR [--dtype fp32|bf16]
 
 CHECKPOINT is a step_XXXXXXXX directory, a checkpoints directory or a run directory (its latest
-complete checkpoint). The weights are consolidated in fp32 (ZeRO stages 1-3: DeepSpeed's
-zero_to_fp32 from the partitioned fp32 master weights; stage 0: the saved module), loaded into the
-model the checkpoint's experiment.yaml describes, and written with save_pretrained, together with the
+complete checkpoint). The weights exported are the fp32 master weights the optimizer holds, whatever
+the training precision: ZeRO stages 1-3 through DeepSpeed's zero_to_fp32 from the partitions; stage
+0 from the module in fp32 training, from the optimizer's master copies in bf16/fp16 (the module
+holds rounded copies). They are loaded into the model the checkpoint's experiment.yaml describes and
+written with save_pretrained in fp32, or rounded to bf16 with `--dtype bf16`, together with the
 tokenizer and the checkpoint's ds_config.json, experiment.yaml and trainer_state.json (in training/).
 `AutoModelForCausalLM.from_pretrained(OUT_DIR)` then loads it. Runs on CPU, with no process group.
 """
@@ -21,16 +23,25 @@ from typing import Any
 from trainer.errors import EXIT_USER_ERROR, UserError
 
 
-def consolidated_state_dict(ckpt: Path) -> dict[str, Any]:
-    """Full fp32 weights from a checkpoint of any stage."""
+def consolidated_state_dict(
+    ckpt: Path, layout: tuple[list[list[str]], dict[str, str]] | None = None
+) -> dict[str, Any]:
+    """Full fp32 master weights from a checkpoint of any stage and precision. `layout`: parameter
+    names per optimizer group and tied aliases, needed for a mixed-precision stage-0 checkpoint;
+    default: as recorded in its trainer_state.json."""
     import torch
 
+    from trainer import stage0
+    from trainer.checkpoint import read_state
     from trainer.reshard import saved_layout
 
     stage, _ = saved_layout(ckpt)
     if stage == 0:
         sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        return {k: v.float() for k, v in sd["module"].items()}
+        if layout is None:
+            state = read_state(ckpt) or {}
+            layout = (state.get("param_groups") or [], state.get("tied") or {})
+        return stage0.master_weights(sd, *layout)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
@@ -56,7 +67,11 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
 
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(cfg)
-    state = consolidated_state_dict(ckpt)
+    from trainer.reshard import names_and_aliases
+
+    state = consolidated_state_dict(
+        ckpt, names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
+    )
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     tied = {k for k in missing if k in _tied_keys(module)}
     if set(missing) - tied or unexpected:
@@ -88,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", help="where to write the Hugging Face model directory")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights")
     args = p.parse_args(argv)
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # export runs on CPU; DeepSpeed need not guess
     try:
         from trainer.checkpoint import resolve_resume
 

@@ -2,34 +2,58 @@
 
 DeepSpeed loads a ZeRO checkpoint only into the same stage and data-parallel size. Otherwise we go
 through DeepSpeed's universal checkpoint format (one directory per parameter holding the fp32
-weight and both Adam moments), converted once by rank 0 into `<checkpoint>/universal/` while the
-other ranks wait, then loaded by every rank. Three gaps in DeepSpeed 0.19 are bridged here:
+weight and both Adam moments), made once into `<checkpoint>/universal/` and kept for later resumes.
+Three gaps in DeepSpeed 0.19 are bridged here:
 
-- stage 0 checkpoints (a plain torch optimizer state) are not covered by `ds_to_universal`: we
-  write the universal layout ourselves from the module and optimizer state;
+- stage 0 checkpoints (a plain torch optimizer state, or DeepSpeed's bf16/fp16 wrappers around it:
+  trainer/stage0.py) are not covered by `ds_to_universal`: we write the universal layout ourselves,
+  from the fp32 master weights and moments, and back into the layout of the engine that loads it;
 - a universal directory made from stage 1/2 does not load into stage 3 and vice versa (file names,
   flat vs shaped tensors, a missing `step.pt` / `optimizer_state_dict`): `_fix_for_any_target`;
 - a stage-3 universal load copies param group 0's hyperparameters (weight decay!) into every
   group: `_restore_group_hparams` puts the saved per-group values back.
 
-Loading into stage 0 turns the universal directory back into a stage-0 checkpoint. Needs a
-filesystem that every rank sees (as DeepSpeed's own checkpoints do).
+The conversion runs in a separate process that rank 0 starts (`python -m trainer.reshard`), with
+several worker processes, writing into a hidden directory renamed into place when complete. It is
+not inside a collective, so `dist.timeout_s` does not bound it: every rank waits for the completion
+marker (or rank 0's failure report) for up to `checkpoint.convert_timeout_minutes`. An interrupted
+conversion leaves only a hidden directory, which the next one removes before starting again. Needs
+a filesystem that every rank sees (as DeepSpeed's own checkpoints do).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import hashlib
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from trainer import stage0
+from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 
 DONE = "CONVERTED"
+UNIVERSAL = "universal"
+TMP_PREFIX = ".convert-tmp-"
+FAILED_PREFIX = ".convert-failed-"
+LOCK = ".convert.lock"
+
+
+class ResumeError(UserError):
+    """A checkpoint cannot be loaded into this job: a restart would fail the same way."""
 
 
 def names_and_aliases(module: Any, groups: list[dict[str, Any]]) -> tuple[list[list[str]], dict[str, str]]:
@@ -54,7 +78,7 @@ def saved_layout(ckpt: Path) -> tuple[int, int]:
     )
     if not files:
         raise FileNotFoundError(f"no DeepSpeed model states in {ckpt}")
-    sd = torch.load(files[0], map_location="cpu", weights_only=False)
+    sd = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # no tensor is read
     return int(sd["ds_config"].get("zero_optimization", {}).get("stage", 0)), int(sd["dp_world_size"])
 
 
@@ -65,8 +89,35 @@ def needs_conversion(src: tuple[int, int], dst: tuple[int, int]) -> bool:
     return not (s_dp == d_dp and (s_stage == d_stage or {s_stage, d_stage} == {1, 2}))
 
 
+def target_of(ds: Any) -> dict[str, Any]:
+    """What a converted checkpoint must look like for this engine to load it."""
+    if ds.zero_optimization_stage() != 0:
+        return {"stage0": False}
+    return {
+        "stage0": True,
+        "kind": stage0.live_kind(ds.optimizer),
+        "fields": stage0.wrapper_fields(ds.optimizer),
+        "torch_states": _uses_torch_optimizer(ds),
+    }
+
+
+def target_tag(target: dict[str, Any]) -> str:
+    """The directory (inside the checkpoint) the engine loads: `universal`, or a stage-0 checkpoint
+    per optimizer layout and loss-scaler settings (bf16 and fp16 engines need different ones)."""
+    if not target["stage0"]:
+        return UNIVERSAL
+    digest = hashlib.sha256(json.dumps(target, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"stage0-{target['kind']}-{digest}"
+
+
 def load(
-    engine: Any, ckpt: Path, names: list[list[str]], aliases: dict[str, str], rank: int, group: Any = None
+    engine: Any,
+    ckpt: Path,
+    names: list[list[str]],
+    aliases: dict[str, str],
+    rank: int,
+    group: Any = None,
+    wait_s: float = 7200.0,
 ) -> None:
     """Load `ckpt` (a step directory) into `engine`, converting when stage or world size differ."""
     ds = engine.ds
@@ -77,27 +128,19 @@ def load(
             str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint in {ckpt}")
+            raise ResumeError(f"DeepSpeed found no checkpoint in {ckpt}")
         return
-    torch_states = _uses_torch_optimizer(ds)
-    result: list[Any] = [None]
-    if rank == 0:
-        t0 = time.perf_counter()
-        try:
-            result = [_convert(ckpt, src[0], dst[0] == 0, names, aliases, torch_states)]
-            log.info(
-                f"converted {ckpt.name} (stage {src[0]}, {src[1]} ranks) for stage {dst[0]} on {dst[1]} ranks "
-                f"in {time.perf_counter() - t0:.1f} s"
-            )
-        except Exception as e:  # tell the other ranks instead of leaving them waiting
-            result = [f"{type(e).__name__}: {e}"]
-    if ds.dp_world_size > 1 or dst[1] > 1:
+    target = target_of(ds)
+    tag = target_tag(target)
+    what = f"converting {ckpt} (stage {src[0]}, {src[1]} ranks) for stage {dst[0]} on {dst[1]} ranks"
+    token = [uuid.uuid4().hex[:12]]  # this job's conversion: names its failure report
+    if dst[1] > 1:
         import torch.distributed as dist
 
-        dist.broadcast_object_list(result, src=0, group=group)
-    tag = result[0]
-    if not (isinstance(tag, str) and tag.startswith(("universal", "stage0"))):
-        raise RuntimeError(f"converting checkpoint {ckpt} failed on rank 0: {tag}")
+        dist.broadcast_object_list(token, src=0, group=group)  # quick: before the conversion starts
+    if rank == 0:
+        convert_in_subprocess(ckpt, tag, names, aliases, target, token[0], wait_s, what)
+    wait_for(ckpt, tag, token[0], wait_s, what)
     if dst[0] == 0:
         ds.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     else:
@@ -107,7 +150,86 @@ def load(
         finally:
             ds._config.load_universal_checkpoint = False
         _restore_group_hparams(ds, ckpt / tag)
-    _normalize_steps(ds, torch_states)
+    _normalize_steps(ds, target.get("torch_states", _uses_torch_optimizer(ds)))
+
+
+def wait_for(ckpt: Path, tag: str, token: str, wait_s: float, what: str, poll_s: float = 0.2) -> None:
+    """Every rank: wait until `<ckpt>/<tag>/CONVERTED` exists, or rank 0 reports this conversion
+    (`token`) failed, for at most `wait_s` seconds. No collective: nothing else bounds the wait."""
+    failed = ckpt / f"{FAILED_PREFIX}{token}"
+    deadline = time.monotonic() + wait_s
+    while not (ckpt / tag / DONE).exists():
+        if failed.exists():
+            raise ResumeError(f"{what} failed on rank 0: {failed.read_text().strip()}")
+        if time.monotonic() > deadline:
+            raise ResumeError(
+                f"{what}: no result after {wait_s / 60:.0f} min (checkpoint.convert_timeout_minutes); is "
+                f"{ckpt} on a filesystem every rank sees? Raise the bound for a very large checkpoint"
+            )
+        time.sleep(poll_s)
+
+
+def convert_in_subprocess(
+    ckpt: Path,
+    tag: str,
+    names: list[list[str]],
+    aliases: dict[str, str],
+    target: dict[str, Any],
+    token: str,
+    wait_s: float,
+    what: str,
+) -> None:
+    """Rank 0: run the conversion in its own process (dying with this one), log the outcome, and on
+    failure leave the report the other ranks wait for."""
+    from trainer.dist import cpu_cores
+
+    if (ckpt / tag / DONE).exists():
+        return
+    spec = {"names": names, "aliases": aliases, "target": target, "tag": tag, "token": token,
+            "workers": max(1, min(8, cpu_cores()))}  # fmt: skip
+    spec_path = ckpt / f".convert-spec-{token}.json"
+    log_path = ckpt / f".convert-{token}.log"
+    error = None
+    t0 = time.perf_counter()
+    try:
+        spec_path.write_text(json.dumps(spec, default=str))
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer.reshard", str(ckpt), "--spec", str(spec_path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            try:
+                rc = proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+                error = f"the conversion took more than {wait_s / 60:.0f} min (checkpoint.convert_timeout_minutes)"
+        if error is None and (rc != 0 or not (ckpt / tag / DONE).exists()):
+            tail = log_path.read_text().strip().splitlines()[-12:]
+            error = f"exit {rc}: " + "\n  ".join(tail or ["(no output)"])
+    except OSError as e:  # e.g. a read-only checkpoint directory
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        spec_path.unlink(missing_ok=True)
+    if error is not None:
+        with contextlib.suppress(OSError):
+            (ckpt / f"{FAILED_PREFIX}{token}").write_text(error + "\n")
+        return  # wait_for() raises, on every rank alike
+    log_path.unlink(missing_ok=True)
+    log.info(f"{what}: done in {time.perf_counter() - t0:.1f} s ({spec['workers']} worker processes)")
+
+
+def _die_with_parent() -> None:
+    """In the conversion process: receive SIGKILL when the rank that started it dies (Linux), so a
+    killed job leaves no conversion running; elsewhere nothing."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _normalize_steps(ds: Any, torch_states: bool) -> None:
@@ -130,42 +252,64 @@ def _uses_torch_optimizer(ds: Any) -> bool:
     return isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch.optim")
 
 
-def _convert(
-    ckpt: Path,
-    src_stage: int,
-    to_stage0: bool,
-    names: list[list[str]],
-    aliases: dict[str, str],
-    torch_states: bool,
-) -> str:
-    """Rank 0: make (once) the universal directory, and the stage-0 one if needed. Returns the tag."""
-    uni = ckpt / "universal"
-    if not (uni / DONE).exists():
-        shutil.rmtree(uni, ignore_errors=True)
-        if src_stage == 0:
-            _stage0_to_universal(ckpt, uni, names)
-        else:
-            _ds_to_universal(ckpt, uni)
-            _fix_for_any_target(uni)
-        (uni / DONE).touch()
-    if not to_stage0:
-        return "universal"
-    s0 = ckpt / "stage0"
-    if not (s0 / DONE).exists():
-        shutil.rmtree(s0, ignore_errors=True)
-        _universal_to_stage0(uni, s0, names, aliases, torch_states)
-        (s0 / DONE).touch()
-    return "stage0"
+# ----------------------------------------------------------------------------- the conversion process
 
 
-def _ds_to_universal(ckpt: Path, out: Path) -> None:
+def convert(ckpt: Path, spec: dict[str, Any]) -> None:
+    """Make (once) `<ckpt>/universal/` and, for a stage-0 target, `<ckpt>/<tag>/`. Each is built in a
+    hidden directory and renamed into place with its completion marker inside; leftovers of an
+    interrupted conversion are removed first. One conversion at a time per checkpoint (a lock)."""
+    from trainer.data import file_lock
+
+    names, aliases, target, workers = spec["names"], spec["aliases"], spec["target"], int(spec["workers"])
+    with file_lock(ckpt / LOCK):
+        for d in ckpt.iterdir():
+            if d.name.startswith((TMP_PREFIX, FAILED_PREFIX)):
+                shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+        uni = ckpt / UNIVERSAL
+
+        def make_universal(out: Path) -> None:
+            src_stage, _ = saved_layout(ckpt)
+            if src_stage == 0:
+                _stage0_to_universal(ckpt, out, names, workers)
+            else:
+                _ds_to_universal(ckpt, out, workers)
+                _fix_for_any_target(out)
+
+        _build(uni, make_universal)
+        if target["stage0"]:
+            _build(
+                ckpt / spec["tag"],
+                lambda out: _universal_to_stage0(uni, out, names, aliases, target, workers),
+            )
+
+
+def _build(final: Path, make: Callable[[Path], None]) -> None:
+    if (final / DONE).exists():
+        return
+    shutil.rmtree(final, ignore_errors=True)  # an incomplete one (older versions wrote in place)
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
+    tmp.mkdir()
+    make(tmp)
+    (tmp / DONE).touch()
+    os.rename(tmp, final)
+
+
+def _parallel(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:
+    """fn over items in threads (file reads and writes release the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(fn, items))
+
+
+def _ds_to_universal(ckpt: Path, out: Path, workers: int) -> None:
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+    shards = len(glob.glob(str(ckpt / "*_optim_states.pt")))
     args = argparse.Namespace(
         input_folder=str(ckpt),
         output_folder=str(out),
-        num_extract_workers=1,
-        num_merge_workers=1,
+        num_extract_workers=max(1, min(workers, shards)),
+        num_merge_workers=max(1, workers // 2),  # merging holds whole parameters: fewer at once
         keep_temp_folder=False,
         strict=True,
         inject_missing_state=True,  # plain HF models carry no universal_checkpoint_info
@@ -224,8 +368,9 @@ def _fix_for_any_target(out: Path) -> None:
                 _link_or_copy(f, out / f"mp_rank_{mp}_model_states.pt")
 
 
-def _stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]]) -> None:
-    """The universal layout from a stage-0 checkpoint (module + torch-style optimizer state)."""
+def _stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]], workers: int) -> None:
+    """The universal layout from a stage-0 checkpoint (any of stage0's optimizer layouts): the fp32
+    master weights, both moments and the step per parameter."""
     import deepspeed
     import torch
     from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
@@ -233,23 +378,22 @@ def _stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]]) -> None:
     zdir = out / "zero"
     zdir.mkdir(parents=True)
     sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    osd, module = sd["optimizer"], sd["module"]
-    if len(osd["param_groups"]) != len(names):
-        raise RuntimeError(f"{ckpt}: {len(osd['param_groups'])} optimizer groups saved, {len(names)} now")
-    groups = []
-    step = 0
-    for g, group_names in zip(osd["param_groups"], names, strict=True):
-        # DeepSpeed's FusedAdam counts steps on the last parameter of a group only: take the max.
-        step = max(int(float(osd["state"][i]["step"])) for i in g["params"] if i in osd["state"])
-        for i, name in zip(g["params"], group_names, strict=True):
-            st = osd["state"][i]
-            pdir = zdir / name
-            pdir.mkdir()
-            torch.save({PARAM: module[name].float().clone(), CAT_DIM: 0}, pdir / "fp32.pt")
-            torch.save({PARAM: st["exp_avg"].float().clone(), CAT_DIM: 0}, pdir / "exp_avg.pt")
-            torch.save({PARAM: st["exp_avg_sq"].float().clone(), CAT_DIM: 0}, pdir / "exp_avg_sq.pt")
-            torch.save(step, pdir / "step.pt")
-        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": []})
+    try:
+        params, hparams = stage0.read(sd["optimizer"], sd["module"], names)
+    except (ValueError, KeyError, IndexError) as e:
+        raise RuntimeError(f"{ckpt}: cannot read its stage-0 optimizer state: {type(e).__name__}: {e}") from e
+
+    def write(item: tuple[str, stage0.ParamState]) -> None:
+        name, p = item
+        pdir = zdir / name
+        pdir.mkdir()
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            torch.save({PARAM: getattr(p, key), CAT_DIM: 0}, pdir / f"{key}.pt")
+        torch.save(p.step, pdir / "step.pt")
+
+    _parallel(write, params.items(), workers)
+    step = max((p.step for p in params.values()), default=0)
+    groups = [hp | {"params": []} for hp in hparams]
     torch.save(
         {
             DS_VERSION: deepspeed.__version__,
@@ -265,9 +409,16 @@ def _stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]]) -> None:
 
 
 def _universal_to_stage0(
-    uni: Path, out: Path, names: list[list[str]], aliases: dict[str, str], torch_states: bool
+    uni: Path,
+    out: Path,
+    names: list[list[str]],
+    aliases: dict[str, str],
+    target: dict[str, Any],
+    workers: int,
 ) -> None:
-    """A stage-0 checkpoint (module + torch-style optimizer state) from a universal directory."""
+    """A stage-0 checkpoint from a universal directory, with the optimizer state in the layout of the
+    engine that will load it (`target`: see target_of). The module gets the fp32 weights; a bf16 or
+    fp16 engine rounds them on load exactly as it rounds its masters after each step."""
     import torch
     from deepspeed.checkpoint.constants import PARAM, PARAM_GROUPS
 
@@ -275,32 +426,29 @@ def _universal_to_stage0(
     ms = torch.load(
         sorted(uni.glob("*mp_rank_00_model_states.pt"))[0], map_location="cpu", weights_only=False
     )
-    saved_groups = torch.load(zdir / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
-    state, groups, module, idx = {}, [], {}, 0
-    for group_names, pg in zip(names, saved_groups, strict=True):
-        ids = []
-        for name in group_names:
+    hparams = [
+        {k: v for k, v in g.items() if k != "params"}
+        for g in torch.load(zdir / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
+    ]
 
-            def part(key: str, name: str = name) -> Any:
-                return torch.load(zdir / name / f"{key}.pt", weights_only=False)
+    def read(name: str) -> tuple[str, stage0.ParamState]:
+        def part(key: str) -> Any:
+            return torch.load(zdir / name / f"{key}.pt", weights_only=False)
 
-            module[name] = part("fp32")[PARAM]
-            step = int(part("step"))
-            state[idx] = {
-                "step": torch.tensor(float(step)) if torch_states else step,
-                "exp_avg": part("exp_avg")[PARAM],
-                "exp_avg_sq": part("exp_avg_sq")[PARAM],
-            }
-            ids.append(idx)
-            idx += 1
-        groups.append({k: v for k, v in pg.items() if k != "params"} | {"params": ids})
+        return name, stage0.ParamState(
+            part("fp32")[PARAM], part("exp_avg")[PARAM], part("exp_avg_sq")[PARAM], int(part("step"))
+        )
+
+    params = dict(_parallel(read, [n for g in names for n in g], workers))
+    osd = stage0.build(
+        target["kind"], params, names, hparams, torch_states=target["torch_states"], fields=target["fields"]
+    )
     full = dict(ms["module"])
-    full.update(module)
-    for alias, target in aliases.items():  # tied weights point at their parameter again
-        if target in module:
-            full[alias] = module[target]
-    ms["module"], ms["optimizer"], ms["param_shapes"] = full, {"state": state, "param_groups": groups}, None
-    out.mkdir(parents=True, exist_ok=True)
+    full.update({name: p.fp32 for name, p in params.items()})
+    for alias, target_name in aliases.items():  # tied weights point at their parameter again
+        if target_name in params:
+            full[alias] = params[target_name].fp32
+    ms["module"], ms["optimizer"], ms["param_shapes"] = full, osd, None
     torch.save(ms, out / "mp_rank_00_model_states.pt")
 
 
@@ -317,3 +465,18 @@ def _restore_group_hparams(ds: Any, uni: Path) -> None:
         for k, v in s.items():
             if k not in ("params", "step"):
                 g[k] = v
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.reshard CHECKPOINT --spec SPEC.json`: the conversion process rank 0 starts."""
+    p = argparse.ArgumentParser(prog="python -m trainer.reshard", description=main.__doc__)
+    p.add_argument("checkpoint")
+    p.add_argument("--spec", required=True, help="JSON: names, aliases, target, tag, workers")
+    args = p.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a conversion needs no GPU
+    convert(Path(args.checkpoint), json.loads(Path(args.spec).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import TEMPLATES_DIR, Experiment, chunked_loss_problem, format_size, loss_chunk_rows
-from trainer.errors import Problem, UserError, did_you_mean
+from trainer.errors import ConfigError, Problem, UserError, did_you_mean
 
 # ----------------------------------------------------------------------------- model facts
 
@@ -314,7 +314,24 @@ class Plan:
         }
 
 
-def resolve_precision(precision: str, device_type: str, bf16_supported: bool = True) -> str:
+def resolve_precision(
+    precision: str, device_type: str, bf16_supported: bool = True, source: str | None = None
+) -> str:
+    """train.precision for the device: auto = bf16 on a GPU that has it, else fp32. fp16 needs a
+    CUDA GPU: DeepSpeed's CPU accelerator trains fp32 and bf16 only (its loss scaler is GPU-only)."""
+    if precision == "fp16" and device_type == "cpu":
+        raise ConfigError(
+            source,
+            [
+                Problem(
+                    "train.precision",
+                    "fp16 needs a CUDA GPU, and training here runs on CPU (DeepSpeed's CPU accelerator has no "
+                    "fp16 training); set train.precision: bf16 (mixed precision that runs on CPU and on "
+                    "Ampere or newer GPUs) or auto (fp32 on CPU, bf16 on such a GPU), e.g. "
+                    "--set train.precision=bf16",
+                )
+            ],
+        )
     if precision != "auto":
         return precision
     return "bf16" if device_type == "cuda" and bf16_supported else "fp32"

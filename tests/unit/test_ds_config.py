@@ -6,7 +6,7 @@ import pytest
 from helpers import TINY
 
 from trainer import config, strategy
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 
 INFO = strategy.ModelInfo(params=1_000_000, largest_layer=40_000, hidden=128, layers=4, heads=4, vocab=257)
 
@@ -205,4 +205,14 @@ def test_optimizer_implementation():
 def test_precision_auto_resolves_by_device():
     assert strategy.resolve_precision("auto", "cuda") == "bf16"
     assert strategy.resolve_precision("auto", "cpu") == "fp32"
-    assert strategy.resolve_precision("fp16", "cpu") == "fp16"
+    assert strategy.resolve_precision("fp16", "cuda") == "fp16"
+    assert strategy.resolve_precision("bf16", "cpu") == "bf16"
+
+
+def test_fp16_on_cpu_is_a_config_error_naming_the_key_and_the_fix():
+    """DeepSpeed's CPU accelerator cannot train fp16 (its engine raises at initialize): refused
+    before anything starts, with the file, the key and the fix."""
+    with pytest.raises(ConfigError) as e:
+        strategy.resolve_precision("fp16", "cpu", source="exp.yaml")
+    text = e.value.render()
+    assert "exp.yaml: train.precision: fp16 needs a CUDA GPU" in text and "--set train.precision=bf16" in text
