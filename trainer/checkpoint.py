@@ -183,6 +183,7 @@ HARMLESS = (
     "checkpoint",
     "strategy",
     "train.max_steps",
+    "optim.schedule_steps",  # re-plans the LR schedule on purpose (see strategy.schedule)
     "train.log_every",
     "train.eval_every",
     "train.eval_batches",
@@ -319,6 +320,7 @@ class Checkpointer:
     layout: tuple[list[list[str]], dict[str, str]] = ([], {})  # parameter names per group, tied aliases
     control: Any = None
     metrics: Any = None
+    data_fingerprint: dict[str, Any] = field(default_factory=dict)  # Data.fingerprint, compared on resume
     last_saved_step: int = -1
     _last_save_time: float = field(default_factory=time.monotonic)
     _group: Any = None
@@ -393,6 +395,7 @@ class Checkpointer:
             os.rename(stage_dir, final)
             _fsync_dir(self.root)
             _write_atomic(self.root / LATEST, tag + "\n")
+            shutil.rmtree(self.root / (TRASH_PREFIX + tag), ignore_errors=True)  # the replaced one, if any
             self._prune(keep=tag)
         self._barrier()
         self.last_saved_step = state.step
@@ -411,9 +414,7 @@ class Checkpointer:
                     os.fsync(f.fileno())
                 files[str(p.relative_to(stage_dir))] = p.stat().st_size
         pos = self.stream.position
-        metrics = {}
-        if self.metrics is not None and self.metrics.history:
-            metrics = {k: v for rec in self.metrics.history[-3:] for k, v in rec.items()}
+        metrics = self.metrics.recent() if self.metrics is not None else {}
         meta = {
             "format_version": FORMAT_VERSION,
             **state.to_dict(),
@@ -423,6 +424,7 @@ class Checkpointer:
                 "sample": pos.sample,
                 "samples_per_epoch": self.stream.sampler.n,
             },
+            "data": self.data_fingerprint,
             "world_size": self.world_size,
             "zero_stage": self.engine.ds.zero_optimization_stage(),
             "offload": self.plan.get("offload", "none"),

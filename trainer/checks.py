@@ -42,6 +42,64 @@ def all_gather(obj: Any, world_size: int) -> list[Any]:
     return out
 
 
+def agree_at_start(
+    world_size: int,
+    *,
+    run_dir: str,
+    host: str,
+    lock: str | None,
+    resume: dict[str, Any] | None,
+    data_digest: str,
+) -> list[str]:
+    """What every rank must share before it builds anything, in one gather: rank 0 holds the run
+    directory (`lock`: None, or who holds it), every rank resumes from the same checkpoint
+    (`resume`: its tag and save time, as this rank found it) and sees the same training data. A
+    disagreement is an error on every rank, naming the ranks. Returns every rank's host."""
+    from trainer.errors import UserError
+
+    facts = all_gather({"host": host, "lock": lock, "resume": resume, "data": data_digest}, world_size)
+    holder = facts[0]["lock"]
+    if holder is not None and not holder.startswith("warning:"):
+        raise UserError(
+            f"run_dir {run_dir} is in use by another job: {holder}. One job per run directory (two would "
+            "delete each other's saves): wait for it to end or stop it, or choose another run_dir "
+            "(--set run_dir=...)",
+            everywhere=True,
+        )
+
+    def by_value(key: str, show: Any) -> str:
+        groups: dict[str, list[int]] = {}
+        for r, f in enumerate(facts):
+            groups.setdefault(show(f[key]), []).append(r)
+        return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}: {v}" for v, rs in groups.items())
+
+    if len({json.dumps(f["resume"], sort_keys=True) for f in facts}) > 1:
+        raise UserError(
+            "the ranks found different checkpoints to resume from ("
+            + by_value("resume", lambda r: "none" if r is None else f"{r['tag']} saved {r['saved_at']}")
+            + f"). Every rank must see the same {run_dir}: a node-local run_dir or a stale network "
+            "filesystem gives each node its own; put run_dir on a filesystem every node shares, or pass the "
+            "same --resume PATH",
+            everywhere=True,
+        )
+    if len({f["data"] for f in facts}) > 1:
+        raise UserError(
+            "the ranks see different training data (digest of the packed tokens: "
+            + by_value("data", lambda d: d[:12])
+            + "). Every node must read the same files (data.train) with the same tokenizer",
+            everywhere=True,
+        )
+    return [f["host"] for f in facts]
+
+
+def _ranks(rs: list[int]) -> str:
+    return (
+        f"{rs[0]}-{rs[-1]}"
+        if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1))
+        else ", ".join(map(str, rs))
+    )
+
+
 def row_digest(row: Any) -> str:
     return hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest()
 

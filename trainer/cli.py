@@ -18,8 +18,9 @@ from typing import Any
 
 from trainer import config as config_mod
 from trainer.checks import CheckFailed
-from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, UserError
+from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, Problem, UserError
 from trainer.modes import MODES, SUBDIR
+from trainer.supervisor import record_failure
 
 log = logging.getLogger("trainer")
 
@@ -188,8 +189,10 @@ def _main(argv: list[str] | None = None) -> int:
         return EXIT_CHECK_FAILED
     except UserError as e:
         # Errors found before the process group exists are the same on every rank: say them once.
-        if e.before_launch is False or _launcher_rank() == 0:
+        rank = _launcher_rank()
+        if e.everywhere is False or rank == 0:
             print(e.render(), file=sys.stderr)
+        record_failure(EXIT_USER_ERROR, str(e), rank)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130
@@ -222,6 +225,7 @@ class Planned:
     ds_config: dict[str, Any]
     info: Any
     template_path: str
+    schedule: Any = None  # strategy.Schedule: its notes say how a resume changed the LR schedule
 
 
 def make_plan(
@@ -236,8 +240,10 @@ def make_plan(
     force: bool,
     this_machine: bool = True,
     source: str | None = None,
+    saved_ds_config: dict[str, Any] | None = None,
 ) -> Planned:
-    """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed."""
+    """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed.
+    `saved_ds_config`: the JSON of the checkpoint a resume starts from (its LR schedule continues)."""
     from trainer import dist, model, strategy
 
     info = model.info(exp.model, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
@@ -261,8 +267,9 @@ def make_plan(
     )
     if not template:
         template_path, template = strategy.template_for(exp, plan.candidate)
-    ds = strategy.ds_config(exp, plan, info, template, template_path)
-    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path)
+    sched = strategy.schedule(exp, world_size, saved_ds_config)
+    ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
+    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched)
 
 
 def vocab_for_planning(exp: config_mod.Experiment) -> tuple[int | None, int | None]:
@@ -385,12 +392,14 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         eos_id=eos,
         force=args.force,
         source=args.experiment,
+        saved_ds_config=resume.ds_config if resume is not None else None,
     )
     runtime = dist.setup(exp.dist.timeout_s)
     try:
         return _train(exp, args, runtime, planned, resume)
     except UserError as e:
-        e.before_launch = False  # found by this rank while running: it must say it itself
+        if e.everywhere is None:
+            e.everywhere = False  # found by this rank while running: it must say it itself
         raise
     finally:
         import torch.distributed as tdist
@@ -405,6 +414,44 @@ class Resume:
     warnings: list[str]
     differences: list[str]
 
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What tells this checkpoint apart from another of the same tag (another run's)."""
+        return {"tag": self.found.tag, "saved_at": self.found.state.get("saved_at")}
+
+    def check_data(self, now: dict[str, Any], policy: str) -> list[str]:
+        """Refuse (policy 'error') or note (policy 'continue') training data that differs from the
+        data the checkpoint was trained on."""
+        from trainer.data import data_changes
+
+        saved = self.found.state.get("data")
+        changes = data_changes(saved, now) if saved else []
+        if not changes:
+            return []
+        pos = self.found.state["data_position"]
+        if policy == "error":
+            raise UserError(
+                f"--resume: the training data differs from the data {self.found.path} was trained on; its data "
+                f"position (epoch {pos['epoch']}, sample {pos['sample']}) would point into other data. Resume with "
+                "the data as it was, or continue on purpose with checkpoint.on_data_change: continue "
+                "(--set checkpoint.on_data_change=continue)",
+                [Problem("data.train", c) for c in changes],
+                everywhere=True,
+            )
+        return [
+            f"warning: the training data changed since {self.found.tag} ({'; '.join(changes)}); continuing as "
+            f"checkpoint.on_data_change asks: at epoch {pos['epoch']}, sample {pos['sample']} of the new data's "
+            "shuffled order, so in this epoch some sequences may come twice and others not at all; from the next "
+            "epoch on each comes once per epoch"
+        ]
+
+    @property
+    def ds_config(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.found.path / "ds_config.json").read_text())
+        except (OSError, ValueError):
+            return None
+
 
 def _train(
     exp: config_mod.Experiment,
@@ -415,7 +462,7 @@ def _train(
 ) -> int:
     import torch
 
-    from trainer import checks, dist, metrics, model, modes, reshard
+    from trainer import checks, dist, metrics, model, modes, reshard, rundir
     from trainer import data as data_mod
     from trainer.checkpoint import Checkpointer
     from trainer.control import Control, NonFiniteLoss
@@ -427,12 +474,24 @@ def _train(
     for warning in config_mod.warnings(exp) if runtime.is_main else ():
         log.warning(f"warning: {warning}")
     run_dir = Path(exp.run_dir)
-    if runtime.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    lock = rundir.acquire(run_dir) if runtime.is_main else None  # before anything touches run_dir
 
     data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
     if data.built:
         log.info(f"data: tokenized and cached in {data.cache_path}")
+    # One gather before anything is built: the run dir is ours, and every rank resumes from the
+    # same checkpoint and reads the same data.
+    hosts = checks.agree_at_start(
+        env.world_size,
+        run_dir=exp.run_dir,
+        host=env.hostname,
+        lock=lock,
+        resume=resume.identity if resume is not None else None,
+        data_digest=data.fingerprint["train_digest"],
+    )
+    if lock is not None and runtime.is_main:
+        log.warning(lock)  # the filesystem has no locks
+    data_notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
 
     dist.seed_all(exp.seed)  # identical initial weights on every rank
     module = model.build(
@@ -480,7 +539,7 @@ def _train(
         samples_per_step=samples_per_step,
         tokens_per_step=samples_per_step * exp.data.seq_len,
         device=engine.device,
-        hosts=checks.all_gather(env.hostname, env.world_size),
+        hosts=hosts,
         straggler_margin=exp.dist.straggler_margin,
         progress=progress_enabled(exp.logging.progress),
         flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
@@ -507,6 +566,7 @@ def _train(
         layout=layout,
         control=control,
         metrics=mets,
+        data_fingerprint=data.fingerprint,
     )
     if resume is not None:
         checkpointer.load(resume.found, state)
@@ -529,7 +589,8 @@ def _train(
         )
         if resume.differences:
             log.info(f"resumed with changed settings: {', '.join(resume.differences)}")
-    hosts = mets.hosts
+        for note in (*planned.schedule.notes, *data_notes):
+            (log.warning if note.startswith("warning:") else log.info)(note)
     control.perturb(engine.module)
     if exp.dist.preflight or args.check:
         for line in checks.preflight(engine, env.world_size, hosts):
@@ -624,6 +685,7 @@ def _train(
             log.error(f"stopped: {e}")
         state.failed = str(e)
         exit_code = EXIT_NONFINITE  # every rank stopped at the same step
+        record_failure(exit_code, str(e), env.rank)
     finally:
         mets.close(exit_code)
     if debug:

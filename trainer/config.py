@@ -275,6 +275,12 @@ class OptimSection(Section):
         "cosine", description="decay after warmup (DeepSpeed WarmupCosineLR / WarmupDecayLR / WarmupLR)"
     )
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine: final lr as a share of lr")
+    schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="steps the LR schedule spans (warmup + decay); null = train.max_steps at the run's first "
+        "start, kept on resume so a changed max_steps does not move the lr; set it to re-plan the schedule",
+    )
 
 
 class StrategySection(Section):
@@ -337,6 +343,11 @@ class CheckpointSection(Section):
     signal_exit_code: int = Field(0, ge=0, le=255, description="exit status after a save on a signal")
     resume: choice("never", "auto") = Field(
         "never", description="auto = resume from the latest complete checkpoint if there is one"
+    )
+    on_data_change: choice("error", "continue") = Field(
+        "error",
+        description="on resume, when the training data differs from the checkpoint's: error, or continue "
+        "at the saved position in the new data (see README: Checkpoints)",
     )
     convert_timeout_minutes: float = Field(
         120.0,
@@ -849,6 +860,24 @@ def _train(exp: Experiment) -> list[tuple[str, str]]:
             )
         )
     return out
+
+
+@check
+def _run_dir(exp: Experiment) -> list[tuple[str, str]]:
+    """run_dir must be (or become) a directory: no existing file on its path."""
+    path = Path(exp.run_dir).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"lies under {p}, which is a file"
+                return [
+                    (
+                        "run_dir",
+                        f"'{exp.run_dir}' {what}, not a directory; choose another run_dir (--set run_dir=...)",
+                    )
+                ]
+            break
+    return []
 
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"

@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +239,9 @@ class Data:
     seq_len: int
     cache_path: str
     built: bool  # True when this process tokenized (a cache miss)
+    # What identifies the training data: sequences, a digest of their tokens, the sources' files
+    # (path, size, mtime) and the tokenizer. Saved with every checkpoint, compared on resume.
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -272,8 +275,20 @@ def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
         if not (final / "meta.json").exists():
             _build_cache(section, tok, key, final, quiet=not (is_main and sys.stderr.isatty()))
             built = True
+        meta = json.loads((final / "meta.json").read_text())
+        if "train_digest" not in meta:  # a cache made before the digest was recorded
+            meta["train_digest"] = file_digest(final / "train.npy")
+            tmp = final / f".meta.json.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(meta, indent=2))
+            os.replace(tmp, final / "meta.json")
     train = np.load(final / "train.npy", mmap_mode="r")
     eval_ = np.load(final / "eval.npy", mmap_mode="r") if (final / "eval.npy").exists() else None
+    fingerprint = {
+        "train_sequences": int(meta["train_sequences"]),
+        "train_digest": meta["train_digest"],
+        "sources": meta["train"],
+        "tokenizer": meta["tokenizer"],
+    }
     return Data(
         train=train,
         eval=eval_,
@@ -281,7 +296,54 @@ def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
         seq_len=section.seq_len,
         cache_path=str(final),
         built=built,
+        fingerprint=fingerprint,
     )
+
+
+def file_digest(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the training data differs from the data a checkpoint was trained on (both `Data.fingerprint`),
+    each difference in words; [] when the packed sequences are the same (a file that was only touched
+    or re-tokenized to the same tokens is no change)."""
+    if (
+        saved.get("train_digest") == now["train_digest"]
+        and saved.get("train_sequences") == now["train_sequences"]
+    ):
+        return []
+    out = []
+    if saved.get("train_sequences") != now["train_sequences"]:
+        out.append(
+            f"training sequences: {saved.get('train_sequences')} at the checkpoint, {now['train_sequences']} now"
+        )
+    else:
+        out.append(f"the same number of training sequences ({now['train_sequences']}) with other tokens")
+    if saved.get("tokenizer") != now["tokenizer"]:
+        out.append(f"tokenizer: {saved.get('tokenizer')} at the checkpoint, {now['tokenizer']} now")
+    before, after = saved.get("sources") or {}, now["sources"]
+    if "files" in before and "files" in after:
+        old = {f[0]: (f[1], f[2]) for f in before["files"]}
+        new = {f[0]: (f[1], f[2]) for f in after["files"]}
+        for path in sorted(old.keys() - new.keys()):
+            out.append(f"{path}: gone")
+        for path in sorted(new.keys() - old.keys()):
+            out.append(f"{path}: new ({new[path][0]:,} bytes)")
+        for path in sorted(old.keys() & new.keys()):
+            (s0, t0), (s1, t1) = old[path], new[path]
+            if s0 != s1:
+                out.append(f"{path}: {s0:,} bytes at the checkpoint, {s1:,} now")
+            elif t0 != t1:
+                out.append(f"{path}: modified since the checkpoint (same size)")
+    elif before != after:
+        out.append(f"source: {before} at the checkpoint, {after} now")
+    return out
 
 
 @contextlib.contextmanager
@@ -342,6 +404,7 @@ def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Pat
             **key,
             "train_sequences": len(train),
             "eval_sequences": len(eval_) if eval_ is not None else 0,
+            "train_digest": file_digest(tmp / "train.npy"),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:

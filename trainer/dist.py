@@ -477,10 +477,10 @@ FORWARD_PREFIXES = (
 FORWARD_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV")
 
 
-def remote_env() -> dict[str, str]:
-    """The variables to forward to every node of a hostfile run."""
+def remote_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of `env` (default: this process's) to forward to every node of a hostfile run."""
     return {
         k: v
-        for k, v in os.environ.items()
+        for k, v in (os.environ if env is None else env).items()
         if (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)) and "\n" not in v
     }

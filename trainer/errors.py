@@ -39,10 +39,19 @@ class Problem:
 class UserError(Exception):
     """An error in the user's input. Printed without traceback; exit status 2."""
 
-    def __init__(self, message: str, problems: Iterable[Problem] = (), source: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        problems: Iterable[Problem] = (),
+        source: str | None = None,
+        everywhere: bool | None = None,
+    ):
         self.problems = list(problems)
         self.source = source
-        self.before_launch = True  # raised before the process group: identical on every rank
+        # Whether every rank raises this same error (then rank 0 alone prints it): True when it
+        # comes from facts every rank shares; None = decided by where it is raised (before the
+        # process group: from the same inputs on every rank; after it: this rank's own).
+        self.everywhere = everywhere
         super().__init__(message)
 
     def __str__(self) -> str:

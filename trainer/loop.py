@@ -104,7 +104,7 @@ def train(
         state.tokens += samples_per_step * tokens_per_sample
         state.wall_time = wall0 + time.perf_counter() - t_attempt
         metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens)
-        if evaluator.due(state.step):
+        if evaluator.due(state.step) and not stop:  # a stop's grace period is for the save
             control.heartbeat()
             with metrics.paused():  # step time and throughput count training only
                 metrics.eval(state.step, evaluator.run(engine, state.step))

@@ -13,6 +13,7 @@ the PaLM paper and nanoGPT), times tokens per second per device, over the device
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("trainer")
+
+HISTORY = 8  # records kept in memory (Metrics.history)
 
 
 def setup_logging(is_main: bool, rank: int, level: str = "info") -> None:
@@ -186,7 +189,9 @@ class Metrics:
         self._bar: Any = None
         self._redirect: Any = None
         self.interval = Interval()
-        self.history: list[dict[str, Any]] = []
+        # The last records, on rank 0 (a checkpoint's trainer_state.json shows them): bounded, as
+        # metrics.jsonl and wandb hold the whole history.
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.tokens = 0  # tokens trained so far (all ranks, resumed attempts included)
         self.last_loss: float | None = None
         self.first_loss: float | None = None
@@ -351,8 +356,13 @@ class Metrics:
         if self.is_main:
             log.info(f"eval  step {step:>6}  loss {loss:.4f}  ppl {rec['eval_ppl']:.2f}")
 
+    def recent(self) -> dict[str, Any]:
+        """The latest value of each metric among the last few records (rank 0)."""
+        return {k: v for rec in list(self.history)[-3:] for k, v in rec.items()}
+
     def record(self, rec: dict[str, Any]) -> None:
-        self.history.append(rec)
+        if self.is_main:
+            self.history.append(rec)
         if self.is_main and self._file is None and not self._closed:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)  # noqa: SIM115  (closed in close())

@@ -681,6 +681,66 @@ def optimizer_implementation(choice: str, device_type: str, offload: str) -> str
     return "deepspeed" if device_type == "cuda" or offload != "none" else "torch"
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """The peak learning rate and the steps the LR schedule spans, and why, when a resume changes them."""
+
+    lr: float
+    horizon: int
+    notes: tuple[str, ...] = ()
+
+
+def schedule(exp: Experiment, world_size: int, saved: Mapping[str, Any] | None = None) -> Schedule:
+    """The LR schedule of this run. Fresh: optim.lr scaled by optim.lr_scaling, over
+    optim.schedule_steps or train.max_steps. Resumed (`saved`: the checkpoint's DeepSpeed JSON):
+    the schedule continues as saved (DeepSpeed's scheduler state is only its step count; the peak
+    and the horizon come from the JSON, so without this a resume with another train.max_steps, or
+    another split of the same global batch under lr_scaling, would move the lr mid-schedule):
+    - the horizon stays the saved one unless optim.schedule_steps asks for another (a re-plan);
+    - under lr_scaling the saved peak lr stays while the global batch is the same (world size,
+      micro batch and accumulation may change); a new global batch is scaled anew, and said."""
+    t, o = exp.train, exp.optim
+    lr = scaled_lr(exp, world_size)
+    horizon = o.schedule_steps or t.max_steps
+    if not saved:
+        return Schedule(lr, horizon)
+    notes = []
+    saved_lr = (saved.get("optimizer") or {}).get("params", {}).get("lr")
+    saved_batch = saved.get("train_batch_size")
+    batch = t.micro_batch_size * world_size * t.grad_accum
+    if isinstance(saved_lr, int | float) and not math.isclose(saved_lr, lr, rel_tol=1e-9):
+        if saved_batch == batch:
+            notes.append(
+                f"peak lr stays {saved_lr:.4g} as saved: the global batch is the same ({batch} sequences); "
+                f"optim.lr_scaling {o.lr_scaling} depends on the batch, not on how it is split over ranks"
+            )
+            lr = float(saved_lr)
+        else:
+            notes.append(
+                f"warning: the global batch changed ({saved_batch} -> {batch} sequences): optim.lr_scaling "
+                f"{o.lr_scaling} gives peak lr {lr:.4g} instead of {saved_lr:.4g}; the lr jumps at the resume"
+            )
+    saved_horizon = ((saved.get("scheduler") or {}).get("params") or {}).get("total_num_steps")
+    if isinstance(saved_horizon, int) and o.schedule in ("cosine", "linear"):
+        if o.schedule_steps is None:
+            if saved_horizon != horizon:
+                notes.append(
+                    f"train.max_steps is {t.max_steps}; the LR schedule keeps its horizon of {saved_horizon} steps "
+                    "(set optim.schedule_steps to re-plan it)"
+                    + (
+                        f"; warning: the linear schedule reaches lr 0 at step {saved_horizon}"
+                        if o.schedule == "linear" and t.max_steps > saved_horizon
+                        else ""
+                    )
+                )
+            horizon = saved_horizon
+        elif saved_horizon != horizon:
+            notes.append(
+                f"LR schedule re-planned (optim.schedule_steps): horizon {saved_horizon} -> {horizon} steps"
+            )
+    return Schedule(lr, horizon, tuple(notes))
+
+
 def scaled_lr(exp: Experiment, world_size: int) -> float:
     """optim.lr scaled by optim.lr_scaling for world_size x grad_accum (lr is given for one rank)."""
     k = world_size * exp.train.grad_accum
@@ -694,8 +754,10 @@ def ds_config(
     info: ModelInfo,
     template: Mapping[str, Any],
     template_path: str = "",
+    sched: Schedule | None = None,
 ) -> dict[str, Any]:
-    """The exact dict for `deepspeed.initialize`. Raises UserError listing every template mismatch."""
+    """The exact dict for `deepspeed.initialize`. Raises UserError listing every template mismatch.
+    `sched`: the LR schedule (default: a fresh start's, see `schedule`)."""
     t, o = exp.train, exp.optim
     world = plan_.world_size
     d = json.loads(json.dumps(template))  # deep copy
@@ -712,7 +774,8 @@ def ds_config(
     if "bfloat16" in d:  # old alias of bf16
         f.own(d, "bfloat16.enabled", precision == "bf16", why=f"train.precision resolves to {precision}")
 
-    lr = scaled_lr(exp, world)
+    sched = sched or schedule(exp, world)
+    lr = sched.lr
     f.own(d, "optimizer.type", OPTIMIZERS[o.name], why="optim.name")
     f.own(d, "optimizer.params.lr", lr, why="optim.lr x lr_scaling")
     f.own(d, "optimizer.params.betas", list(o.betas), why="optim.betas")
@@ -721,18 +784,25 @@ def ds_config(
     impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
     f.own(d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}")
 
-    sched = SCHEDULERS[o.schedule]
+    kind = SCHEDULERS[o.schedule]
     warm = max(1, o.warmup_steps)
-    f.own(d, "scheduler.type", sched, why="optim.schedule")
-    if sched == "WarmupCosineLR":
-        f.own(d, "scheduler.params.total_num_steps", t.max_steps, why="train.max_steps")
+    f.own(d, "scheduler.type", kind, why="optim.schedule")
+    if kind == "WarmupCosineLR":
+        f.own(
+            d, "scheduler.params.total_num_steps", sched.horizon, why="train.max_steps / optim.schedule_steps"
+        )
         f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")
         f.own(d, "scheduler.params.warmup_min_ratio", 0.0, why="warmup starts at 0")
         f.own(d, "scheduler.params.cos_min_ratio", o.min_lr_ratio, why="optim.min_lr_ratio")
         f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
     else:
-        if sched == "WarmupDecayLR":
-            f.own(d, "scheduler.params.total_num_steps", t.max_steps, why="train.max_steps")
+        if kind == "WarmupDecayLR":
+            f.own(
+                d,
+                "scheduler.params.total_num_steps",
+                sched.horizon,
+                why="train.max_steps / optim.schedule_steps",
+            )
         f.own(d, "scheduler.params.warmup_min_lr", 0.0, why="warmup starts at 0")
         f.own(d, "scheduler.params.warmup_max_lr", lr, why="optim.lr x lr_scaling")
         f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")

@@ -2,8 +2,14 @@
 
     bin/train EXP.yaml --launcher deepspeed|torchrun|none [--nproc-per-node G] [--hostfile H] --max-restarts N
 
-Each attempt resumes from the latest complete checkpoint. A configuration error (exit 2) is not
-retried. After an out-of-memory with `strategy.on_oom: escalate`, the rank that hit it records the
+Each attempt resumes from the latest complete checkpoint (or, before the first one exists, from
+the `--resume PATH` the job was started with). A failure that a restart cannot fix is not retried:
+a configuration or input error (exit 2: a bad value, a checkpoint that does not load into this job,
+changed data, a run directory another job holds) and a non-finite loss (exit 4: the same weights
+and data reach it again). Launchers report their own exit code (torchrun: 1), so the rank that
+fails records why in the file `TRAINER_FAILURE_FILE` names (one per attempt) and the supervisor
+reads it. SIGTERM/SIGINT are forwarded to the running attempt; during the back-off between
+attempts they end the supervisor. After an out-of-memory with `strategy.on_oom: escalate`, the rank that hit it records the
 failed candidate in `<run_dir>/escalation.json` and the next attempt runs one rung higher on the
 ladder (0 -> 2 -> 3 -> 3+cpu -> 3+nvme), with the escalation as its justification. Every attempt is
 recorded in `<run_dir>/attempts.jsonl`. The supervisor never runs inside a launcher: it is the thing
@@ -19,17 +25,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import EXIT_USER_ERROR, UserError
+from trainer.errors import EXIT_NONFINITE, EXIT_USER_ERROR, UserError
 
 log = logging.getLogger("trainer")
 
 ESCALATION = "escalation.json"
 ATTEMPTS = "attempts.jsonl"
+ENV_FAILURE_FILE = "TRAINER_FAILURE_FILE"
+FINAL_EXITS = {
+    EXIT_USER_ERROR: "a configuration or input error",
+    EXIT_NONFINITE: "a non-finite loss (the same weights and data would reach it again)",
+}
 TRAIN = Path(__file__).resolve().parent.parent / "bin" / "train"
 LADDER = [(0, "none"), (2, "none"), (3, "none"), (3, "cpu"), (3, "nvme")]
 
@@ -100,6 +112,20 @@ def record_oom(
     os.replace(tmp, path)
 
 
+def record_failure(code: int, message: str, rank: int) -> None:
+    """Called by a rank that ends with an exit a restart cannot fix (FINAL_EXITS), when a supervisor
+    asked for it (`TRAINER_FAILURE_FILE`): what failed, for the supervisor to report."""
+    path = os.environ.get(ENV_FAILURE_FILE)
+    if not path or code not in FINAL_EXITS:
+        return
+    p = Path(path)
+    with contextlib.suppress(OSError):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{rank}.tmp")
+        tmp.write_text(json.dumps({"exit": code, "rank": rank, "message": message[:2000]}) + "\n")
+        os.replace(tmp, p)
+
+
 @dataclass
 class Supervisor:
     experiment: str
@@ -113,7 +139,8 @@ class Supervisor:
     extra_args: list[str] = field(default_factory=list)
     backoff_s: float = 2.0
     _child: subprocess.Popen | None = None
-    _stopping: bool = False
+    _stopping: int | None = None  # the signal that asked us to stop
+    _wake: threading.Event = field(default_factory=threading.Event)
 
     def hosts(self) -> list[tuple[str, int]]:
         return read_hostfile(self.hostfile) if self.hostfile else []
@@ -160,14 +187,18 @@ class Supervisor:
         while True:
             escalation_before = self._escalation_mtime()
             cmd = self.command(overrides, resume, free_port())
-            env = dict(os.environ, TRAINER_ATTEMPT=str(attempt))
+            failure_file = self.run_dir / ".supervisor" / f"attempt-{attempt}-{os.getpid()}.json"
+            failure_file.unlink(missing_ok=True)
+            env = dict(
+                os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())}
+            )
             if self.launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
                 env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
             if self.hostfile:  # the runner forwards only PYTHON*/MV2*/UCX* to the nodes
                 from trainer.dist import remote_env
 
                 env_file = self.run_dir / ".deepspeed_env"
-                env_file.write_text("".join(f"{k}={v}\n" for k, v in remote_env().items()))
+                env_file.write_text("".join(f"{k}={v}\n" for k, v in remote_env(env).items()))
                 env["DS_ENV_FILE"] = str(env_file.resolve())
             print(f"[supervisor] attempt {attempt}: {' '.join(cmd)}", flush=True)
             t0 = time.time()
@@ -175,15 +206,19 @@ class Supervisor:
             rc = self._child.wait()
             self._child = None
             escalated = self._escalation() if self._escalation_mtime() != escalation_before else None
-            self._record(attempt, cmd, rc, time.time() - t0, escalated)
+            failure = self._read_json(failure_file)
+            self._record(attempt, cmd, rc, time.time() - t0, escalated, failure)
             if rc == 0 or self._stopping:
                 return rc
-            if rc == EXIT_USER_ERROR:
+            final = failure["exit"] if failure else rc if rc in FINAL_EXITS else None
+            if final is not None:
+                what = failure["message"].splitlines()[0] if failure else FINAL_EXITS[final]
                 print(
-                    f"[supervisor] attempt {attempt} failed with a configuration error (exit 2): not retrying",
+                    f"[supervisor] attempt {attempt} failed with {FINAL_EXITS[final]} (exit {final}): {what}\n"
+                    "[supervisor] not restarting: another attempt would fail the same way",
                     flush=True,
                 )
-                return rc
+                return final
             if attempt >= self.max_restarts:
                 print(f"[supervisor] attempt {attempt} failed (exit {rc}); no restarts left", flush=True)
                 return rc
@@ -216,19 +251,24 @@ class Supervisor:
                     f"[supervisor] {why}: next attempt on zero{rung[0]}{'' if rung[1] == 'none' else '+' + rung[1]}",
                     flush=True,
                 )
+            # The newest checkpoint of this run; before there is one, what the job was started from.
             found, _ = latest(checkpoints_dir(self.run_dir))
-            resume = "latest" if found is not None else None
+            resume = "latest" if found is not None else self.resume
+            start = f"from {found.tag}" if found else f"from {self.resume}" if self.resume else "from scratch"
             delay = min(self.backoff_s * 2**attempt, 60.0)
             print(
-                f"[supervisor] attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s "
-                f"{'from ' + found.tag if found else 'from scratch'}",
+                f"[supervisor] attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s {start}",
                 flush=True,
             )
-            time.sleep(delay)
+            if self._wake.wait(delay) or self._stopping:
+                name = signal.Signals(self._stopping).name if self._stopping else "a signal"
+                print(f"[supervisor] {name} during the back-off: stopping, no further attempt", flush=True)
+                return 128 + (self._stopping or signal.SIGTERM)
             attempt += 1
 
     def _forward(self, signum: int, _frame: Any) -> None:
-        self._stopping = True
+        self._stopping = signum
+        self._wake.set()
         if self._child is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._child.pid, signum)
@@ -240,12 +280,25 @@ class Supervisor:
             return None
 
     def _escalation(self) -> dict[str, Any] | None:
+        return self._read_json(self.run_dir / ESCALATION)
+
+    @staticmethod
+    def _read_json(path: Path) -> dict[str, Any] | None:
         try:
-            return json.loads((self.run_dir / ESCALATION).read_text())
+            return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return None
 
-    def _record(self, attempt: int, cmd: list[str], rc: int, seconds: float, escalated: dict | None) -> None:
-        rec = {"attempt": attempt, "exit": rc, "seconds": round(seconds, 1), "command": cmd, "oom": escalated}
+    def _record(
+        self,
+        attempt: int,
+        cmd: list[str],
+        rc: int,
+        seconds: float,
+        escalated: dict | None,
+        failure: dict | None,
+    ) -> None:
+        rec = {"attempt": attempt, "exit": rc, "seconds": round(seconds, 1), "command": cmd, "oom": escalated,
+               "failure": failure}  # fmt: skip
         with open(self.run_dir / ATTEMPTS, "a") as f:
             f.write(json.dumps(rec) + "\n")
