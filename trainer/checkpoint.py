@@ -321,6 +321,7 @@ class Checkpointer:
     control: Any = None
     metrics: Any = None
     data_fingerprint: dict[str, Any] = field(default_factory=dict)  # Data.fingerprint, compared on resume
+    on_save: Any = None  # tests: called on every rank with the step after each save
     last_saved_step: int = -1
     _last_save_time: float = field(default_factory=time.monotonic)
     _group: Any = None
@@ -402,6 +403,8 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         if self.is_main:
             log.info(f"checkpoint {final} saved in {time.perf_counter() - t0:.1f} s")
+        if self.on_save is not None:
+            self.on_save(state.step)
         return final
 
     def _write_metadata(self, stage_dir: Path, state: Any) -> None:

@@ -122,6 +122,51 @@ def write_debug_report(
     (path / f"rank{rank}.json").write_text(json.dumps(out))
 
 
+def full_optimizer_state(engine: Any, names: list[list[str]]) -> dict[str, dict[str, Any]]:
+    """Every parameter's whole fp32 master weight and Adam moments, as the live engine holds them at
+    any ZeRO stage (gathered from the partitions: every rank must call it). Tests compare the state a
+    resumed engine holds with the state the uninterrupted one saved."""
+    from trainer import stage0
+
+    ds = engine.ds
+    if ds.zero_optimization_stage() == 0:
+        module = {k: v.detach() for k, v in ds.module.state_dict().items()}
+        params, _ = stage0.read(ds.optimizer.state_dict(), module, names)
+        return {
+            n: {"fp32": p.fp32, "exp_avg": p.exp_avg, "exp_avg_sq": p.exp_avg_sq} for n, p in params.items()
+        }
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = ds.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # ZeRO-1/2 link each parameter to its optimizer state once, after the first group's first
+        # update, before the other groups have state (DeepSpeed 0.19): link again, now that they do.
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+    out: dict[str, dict[str, Any]] = {}
+    by_name = dict(ds.module.named_parameters())
+    for name in (n for group in names for n in group):
+        p = by_name[name]
+        shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3: the parameter is a placeholder
+        full = {
+            "fp32": safe_get_full_fp32_param(p),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
+        }
+        out[name] = {k: v.detach().float().cpu().reshape(shape).clone() for k, v in full.items()}
+    return out
+
+
+def save_optimizer_state(directory: str, name: str, engine: Any, names: list[list[str]], rank: int) -> None:
+    """Tests (TRAINER_DEBUG_DIR): rank 0 writes `full_optimizer_state` to <directory>/<name>.pt."""
+    import torch
+
+    state = full_optimizer_state(engine, names)
+    if rank == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.save(state, Path(directory) / f"{name}.pt")
+
+
 # ----------------------------------------------------------------------------- memory census
 
 

@@ -568,17 +568,24 @@ def _train(
         metrics=mets,
         data_fingerprint=data.fingerprint,
     )
+    debug = dist.debug_dir()
     if resume is not None:
         checkpointer.load(resume.found, state)
+        if debug:  # what the resumed engine holds, against what the saving one held (tests)
+            checks.save_optimizer_state(
+                debug, f"optimizer_resumed_step{state.step}", engine, layout[0], env.rank
+            )
     if args.overfit_batch:
         stream = modes.FixedBatch(stream)
-    debug = dist.debug_dir()
     memory = None
     if debug:
         from trainer.checks import MemoryCensus
 
         stream.record = []
         memory = engine.on_backward = MemoryCensus()
+        checkpointer.on_save = lambda step: checks.save_optimizer_state(
+            debug, f"optimizer_saved_step{step}", engine, layout[0], env.rank
+        )
     banner(exp, runtime, planned, data, stream, samples_per_step, resume)
     if resume is not None and runtime.is_main:
         for w in resume.warnings:

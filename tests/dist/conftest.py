@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import CASES, ROOT, Result, resume_sets, train
+from helpers import CASES, PRECISIONS, ROOT, Result, resume_sets, train
 
 from trainer.data import file_lock
 
@@ -42,12 +42,14 @@ def small_data(shared_dir):
 
 @pytest.fixture(scope="session")
 def runs(shared_dir, small_data):
-    """Run A per ZeRO case (helpers.CASES) and launcher: 2K steps on small_data with a checkpoint
-    every K. Made once per test session and shared by test_stages.py and test_kills.py."""
+    """Run A per ZeRO case (helpers.CASES), launcher and precision: 2K steps on small_data with a
+    checkpoint every K. Made once per test session and shared by the test files that ask for it
+    (fp32: test_stages.py, test_kills.py; bf16: test_bf16_*.py). bf16 runs train without dropout
+    (see helpers.PRECISIONS)."""
     cache: dict[str, Result] = {}
 
-    def get(name: str, launcher: str = "deepspeed") -> Result:
-        key = f"A-{name}-{launcher}".replace("+", "_")
+    def get(name: str, launcher: str = "deepspeed", precision: str = "fp32") -> Result:
+        key = f"A-{name}-{launcher}{'' if precision == 'fp32' else '-' + precision}".replace("+", "_")
         if key not in cache:
             tmp = shared_dir / key
             done = tmp / "result.json"
@@ -60,7 +62,8 @@ def runs(shared_dir, small_data):
                 else:
                     stage, accum, offload = CASES[name]
                     extra = {"strategy.offload": offload} if offload != "none" else {}
-                    r = train(tmp, resume_sets(small_data, stage, accum, **extra), launcher=launcher)
+                    sets = resume_sets(small_data, stage, accum, **extra, **PRECISIONS[precision])
+                    r = train(tmp, sets, launcher=launcher)
                     done.write_text(json.dumps(dataclasses.asdict(r), default=str))
                     cache[key] = r
         return cache[key]

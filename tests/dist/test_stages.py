@@ -16,7 +16,7 @@ import re
 
 import pytest
 import yaml
-from helpers import CASES, K, assert_same_continuation, falling
+from helpers import CASES, K, assert_same_continuation, check_memory, check_run
 from helpers import resume_sets as sets
 from helpers import train
 
@@ -26,31 +26,6 @@ pytestmark = pytest.mark.dist
 # ----------------------------------------------------------------------------- every stage trains
 
 
-def check_run(r, name):
-    stage, accum, offload = CASES[name]
-    assert f"ZeRO stage {stage}, offload {offload}" in r.output
-    losses = r.losses
-    assert sorted(losses) == list(range(1, 2 * K + 1))
-    first, last = falling(losses)
-    assert last < first * 0.85, f"loss did not fall: {first:.3f} -> {last:.3f}"
-
-    reports = r.rank_reports()
-    assert [rep["rank"] for rep in reports] == [0, 1]
-    digests = reports[0]["all_param_digests"]
-    assert len(digests) == 2 and digests[0] == digests[1], "ranks hold different parameters"
-    assert reports[1]["param_digest"] == reports[0]["param_digest"]
-
-    # Every rank took micro x accum samples per step; within each epoch the ranks' samples are disjoint.
-    micro = 4
-    per_epoch = int(re.search(r"(\d+) micro steps per epoch", r.output).group(1)) * micro
-    seen = [rep["samples"] for rep in reports]
-    assert len(seen[0]) == len(seen[1]) == 2 * K * accum * micro
-    assert len(seen[0]) > per_epoch, "the run should cross an epoch boundary"
-    for e in range(0, len(seen[0]), per_epoch):
-        a, b = set(seen[0][e : e + per_epoch]), set(seen[1][e : e + per_epoch])
-        assert len(a) == len(seen[0][e : e + per_epoch]) and not a & b, f"epoch {e // per_epoch}: {len(a & b)} shared"
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_stage_trains_on_two_ranks(runs, name):
     check_run(runs(name), name)
@@ -58,26 +33,7 @@ def test_stage_trains_on_two_ranks(runs, name):
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3"])
 def test_measured_memory_matches_the_plan(runs, name):
-    """Bytes each rank holds in parameters, gradients and optimizer states (counted from the engine's
-    tensors after the first optimizer step) are within 10% of the planner's model-state figures. At
-    stage 3 the planner's parameters include one gathered layer, which exists only inside
-    forward/backward: the resident parameters are compared. At stages 1-2 DeepSpeed's gradient
-    partition buffer holds whole gradients of the parameters that straddle a partition boundary, one
-    parameter more than P/N (14% on this tiny model, negligible on a real one), so each category
-    gets 15%."""
-    for rep in runs(name).rank_reports():
-        measured, planned = rep["memory"], dict(rep["plan"]["estimate_bytes"])
-        planned["params"] -= planned["gathered_layer"]
-        rows = [(k, measured[k], planned[k]) for k in ("params", "grads", "optimizer")]
-        total_m, total_p = sum(r[1] for r in rows), sum(r[2] for r in rows)
-        print(
-            f"{name} rank {rep['rank']}: "
-            + ", ".join(f"{k} {m:,} vs plan {p:,}" for k, m, p in rows)
-            + f"; total {total_m:,} vs {total_p:,} ({total_m / total_p - 1:+.1%})"
-        )
-        assert abs(total_m / total_p - 1) <= 0.10
-        for key, m, p in rows:
-            assert abs(m / p - 1) <= 0.15, f"{key}: measured {m:,}, planned {p:,}"
+    check_memory(runs(name), name)
 
 
 def test_torchrun_gives_the_same_losses_as_deepspeed(runs):
