@@ -131,6 +131,12 @@ def latest(root: Path) -> tuple[Found | None, list[str]]:
     return None, warnings
 
 
+def before(found: Found) -> Found | None:
+    """The complete checkpoint before `found` in its directory, if any."""
+    older = [f for f in complete(found.path.parent) if f.step < found.step]
+    return older[-1] if older else None
+
+
 def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Found | None, list[str]]:
     """What to resume from: `--resume` (arg 'latest'), `--resume PATH`, or checkpoint.resume: auto."""
     root = checkpoints_dir(run_dir)
@@ -182,6 +188,7 @@ HARMLESS = (
     "logging",
     "checkpoint",
     "strategy",
+    "dist",  # timeouts, watchdog, consistency checks
     "train.max_steps",
     "optim.schedule_steps",  # re-plans the LR schedule on purpose (see strategy.schedule)
     "train.log_every",

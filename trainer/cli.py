@@ -18,7 +18,7 @@ from typing import Any
 
 from trainer import config as config_mod
 from trainer.checks import CheckFailed
-from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, Problem, UserError
+from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, UserError
 from trainer.modes import MODES, SUBDIR
 from trainer.supervisor import record_failure
 
@@ -368,15 +368,16 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     from trainer import checkpoint
 
     found, warnings = checkpoint.resolve_resume(args.resume, exp.checkpoint.resume, exp.run_dir)
+    rank = dist.detect().rank
+    if found is not None and any(
+        f.kind == "staleresume" and f.applies(0, rank, dist.attempt()) for f in dist.faults()
+    ):
+        found = checkpoint.before(found)  # tests: this rank sees an older run_dir
     resume = None
     if found is not None:
         diffs = checkpoint.check_compatible(found, exp)
         resume = Resume(found, warnings, diffs)
-        if found.step >= exp.train.max_steps:
-            if dist.detect().rank == 0:
-                print(
-                    f"{found.path} is at step {found.step}, train.max_steps is {exp.train.max_steps}: nothing to do"
-                )
+        if resume.done(exp) and dist.detect().world_size == 1:  # several ranks: once they agree on it
             return 0
 
     env = dist.detect()
@@ -414,6 +415,16 @@ class Resume:
     warnings: list[str]
     differences: list[str]
 
+    def done(self, exp: config_mod.Experiment) -> bool:
+        """The checkpoint is at train.max_steps already (said by rank 0)."""
+        if self.found.step < exp.train.max_steps:
+            return False
+        if _launcher_rank() == 0:
+            print(
+                f"{self.found.path} is at step {self.found.step}, train.max_steps is {exp.train.max_steps}: nothing to do"
+            )
+        return True
+
     @property
     def identity(self) -> dict[str, Any]:
         """What tells this checkpoint apart from another of the same tag (another run's)."""
@@ -434,8 +445,8 @@ class Resume:
                 f"--resume: the training data differs from the data {self.found.path} was trained on; its data "
                 f"position (epoch {pos['epoch']}, sample {pos['sample']}) would point into other data. Resume with "
                 "the data as it was, or continue on purpose with checkpoint.on_data_change: continue "
-                "(--set checkpoint.on_data_change=continue)",
-                [Problem("data.train", c) for c in changes],
+                "(--set checkpoint.on_data_change=continue). What changed in data.train:"
+                + "".join(f"\n  - {c}" for c in changes),
                 everywhere=True,
             )
         return [
@@ -491,6 +502,8 @@ def _train(
     )
     if lock is not None and runtime.is_main:
         log.warning(lock)  # the filesystem has no locks
+    if resume is not None and resume.done(exp):
+        return 0
     data_notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
 
     dist.seed_all(exp.seed)  # identical initial weights on every rank

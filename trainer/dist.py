@@ -417,7 +417,11 @@ class Fault:
     kinds: oom (raise torch.OutOfMemoryError), raise (RuntimeError), kill (SIGKILL self), sleep
     (hang), nan (NaN loss), exit (os._exit(1)), term (SIGTERM self), slow (M ms, default 100, more
     per step from `step` on: a straggler), perturb@0 (change one weight after DeepSpeed's broadcast), killsave
-    (SIGKILL while writing checkpoint shards), killcommit (SIGKILL before `latest` is replaced)."""
+    (SIGKILL while writing checkpoint shards), killcommit (SIGKILL before `latest` is replaced),
+    staleresume@0 (this rank resumes from the checkpoint before the latest, as a stale or node-local
+    run_dir would show it), and in the conversion process of a resume on another stage or world size
+    (reshard.convert): convertfail (raise), convertslow (take M ms longer), convertkill (SIGKILL the
+    rank that started it, before the result is in place)."""
 
     kind: str
     step: int

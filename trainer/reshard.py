@@ -291,8 +291,25 @@ def _build(final: Path, make: Callable[[Path], None]) -> None:
     tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
     tmp.mkdir()
     make(tmp)
+    _injected_faults()
     (tmp / DONE).touch()
     os.rename(tmp, final)
+
+
+def _injected_faults() -> None:
+    """Tests (TRAINER_FAULT): a conversion that fails, takes longer, or loses its rank midway."""
+    import signal
+
+    from trainer.dist import faults
+
+    for f in faults():
+        if f.kind == "convertfail":
+            raise RuntimeError("injected conversion failure (TRAINER_FAULT)")
+        if f.kind == "convertslow":
+            time.sleep(f.ms / 1000)
+        if f.kind == "convertkill":
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(60)  # the rank's death ends this process (PR_SET_PDEATHSIG)
 
 
 def _parallel(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:

@@ -130,6 +130,14 @@ CASES = {
         lambda t: tiny(t, f"data.tokenizer={t / 'no-tokenizer'}"),
         ["data.tokenizer", "cannot load"],
     ),
+    "fp16 on a machine without a GPU": (
+        lambda t: tiny(t, "train.precision=fp16"),
+        ["tiny.yaml", "train.precision: fp16 needs a CUDA GPU", "--set train.precision=bf16"],
+    ),
+    "run_dir is a file": (
+        lambda t: tiny(t, f"run_dir={_empty(t)}"),
+        ["run_dir", "is a file, not a directory", "choose another run_dir"],
+    ),
     "json field missing": (
         lambda t: tiny(t, "data.train.text_field=body"),
         ["data.train.text_field", "'body' is not a column", "topic, text"],

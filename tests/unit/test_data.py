@@ -145,3 +145,26 @@ def test_a_cache_hit_reads_memory_mapped_blocks_without_importing_datasets(tmp_p
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "memmap", "int32", "16", "False"], out
+
+
+def test_data_changes_name_what_differs():
+    from trainer.data import data_changes
+
+    saved = {"train_sequences": 10, "train_digest": "a", "tokenizer": "byte:257:x",
+             "sources": {"files": [["/d/a.jsonl", 100, 1], ["/d/b.jsonl", 50, 1]]}}  # fmt: skip
+    assert data_changes(saved, dict(saved)) == []
+    touched = {**saved, "sources": {"files": [["/d/a.jsonl", 100, 2], ["/d/b.jsonl", 50, 2]]}}
+    assert data_changes(saved, touched) == [], "same tokens: a touch is no change"
+    now = {"train_sequences": 12, "train_digest": "b", "tokenizer": "byte:257:x",
+           "sources": {"files": [["/d/a.jsonl", 120, 2], ["/d/c.jsonl", 5, 2]]}}  # fmt: skip
+    assert data_changes(saved, now) == [
+        "training sequences: 10 at the checkpoint, 12 now",
+        "/d/b.jsonl: gone",
+        "/d/c.jsonl: new (5 bytes)",
+        "/d/a.jsonl: 100 bytes at the checkpoint, 120 now",
+    ]
+    retok = {**saved, "train_digest": "c", "tokenizer": "other:300:y"}
+    assert data_changes(saved, retok)[:2] == [
+        "the same number of training sequences (10) with other tokens",
+        "tokenizer: byte:257:x at the checkpoint, other:300:y now",
+    ]

@@ -216,3 +216,47 @@ def test_fp16_on_cpu_is_a_config_error_naming_the_key_and_the_fix():
         strategy.resolve_precision("fp16", "cpu", source="exp.yaml")
     text = e.value.render()
     assert "exp.yaml: train.precision: fp16 needs a CUDA GPU" in text and "--set train.precision=bf16" in text
+
+
+# ----------------------------------------------------------------------------- the LR schedule on resume
+
+
+def saved_json(overrides=(), world=2):
+    ds, _ = build(overrides, world=world)
+    return ds
+
+
+def test_a_resume_with_another_max_steps_keeps_the_schedules_horizon():
+    saved = saved_json(["train.max_steps=200"])
+    s = strategy.schedule(config.load(TINY, ["train.max_steps=300"]), 2, saved)
+    assert s.horizon == 200 and "keeps its horizon of 200 steps" in s.notes[0]
+    ds, _ = build(["train.max_steps=300"])
+    assert ds["scheduler"]["params"]["total_num_steps"] == 300  # fresh: the run's own max_steps
+    replan = strategy.schedule(
+        config.load(TINY, ["train.max_steps=300", "optim.schedule_steps=300"]), 2, saved
+    )
+    assert replan.horizon == 300 and "re-planned" in replan.notes[0]
+    same = strategy.schedule(config.load(TINY, ["train.max_steps=200"]), 2, saved)
+    assert same.horizon == 200 and same.notes == ()
+
+
+def test_a_linear_schedule_kept_past_its_end_warns_that_the_lr_is_zero():
+    saved = saved_json(["train.max_steps=200", "optim.schedule=linear"])
+    s = strategy.schedule(config.load(TINY, ["train.max_steps=300", "optim.schedule=linear"]), 2, saved)
+    assert s.horizon == 200 and "reaches lr 0 at step 200" in s.notes[0]
+
+
+def test_lr_scaling_follows_the_global_batch_not_its_split_over_ranks():
+    """Saved on 2 ranks x micro 8 (global 16) with linear scaling (lr x 2); resumed on 4 ranks x micro
+    4, the same global batch: the peak lr stays (the rule alone would give x 4). A new global batch
+    is scaled anew, with a warning."""
+    saved = saved_json(["optim.lr_scaling=linear"], world=2)
+    assert saved["optimizer"]["params"]["lr"] == pytest.approx(4e-3)
+    split = strategy.schedule(
+        config.load(TINY, ["optim.lr_scaling=linear", "train.micro_batch_size=4"]), 4, saved
+    )
+    assert split.lr == pytest.approx(4e-3) and "stays" in split.notes[0]
+    bigger = strategy.schedule(config.load(TINY, ["optim.lr_scaling=linear"]), 4, saved)
+    assert bigger.lr == pytest.approx(8e-3) and bigger.notes[0].startswith(
+        "warning: the global batch changed"
+    )
