@@ -260,6 +260,20 @@ def train(
     return res
 
 
+def cli(
+    sets: dict[str, Any], *extra: Any, env: dict[str, str] | None = None, timeout: float = 300
+) -> tuple[int, str]:
+    """bin/train in one process as a user runs it: TINY with `--set KEY=VALUE` for `sets` (the data
+    cache defaults to the session's), then `extra` arguments. Returns the exit code and the output."""
+    args = [sys.executable, str(TRAIN), str(TINY)]
+    for k, v in {"data.cache_dir": data_cache(), **sets}.items():
+        args += ["--set", f"{k}={yaml_value(v)}"]
+    nproc = 2 if "--nproc-per-node" in map(str, extra) else 1
+    p = subprocess.run([*args, *map(str, extra)], cwd=ROOT, env=env_for(nproc, env), capture_output=True, text=True,
+                       timeout=timeout)  # fmt: skip
+    return p.returncode, p.stdout + p.stderr
+
+
 def yaml_value(v: Any) -> str:
     """A value as --set KEY=VALUE writes it."""
     if isinstance(v, bool):

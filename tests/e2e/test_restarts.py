@@ -13,22 +13,23 @@ import threading
 import time
 
 import pytest
-from helpers import FAST, ROOT, TINY, TRAIN, data_cache, env_for, train, yaml_value
+from helpers import FAST, ROOT, TINY, TRAIN, cli, data_cache, env_for, train, yaml_value
 
 pytestmark = pytest.mark.e2e
 
 SMALL = {**FAST, "model.config.n_layer": 1, "train.max_steps": 10, "data.eval_fraction": 0}
 
 
-def supervise(tmp_path, sets, *, launcher="none", restarts=2, fault="", extra=(), timeout=300):
-    args = [sys.executable, str(TRAIN), str(TINY), "--launcher", launcher, "--max-restarts", str(restarts)]
-    if launcher != "none":
-        args += ["--nproc-per-node", "2"]
-    for k, v in {"run_dir": tmp_path / "run", "data.cache_dir": data_cache(), **sets}.items():
-        args += ["--set", f"{k}={yaml_value(v)}"]
-    env = env_for(2 if launcher != "none" else 1, {"TRAINER_FAULT": fault})
-    p = subprocess.run([*args, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return p.returncode, p.stdout + p.stderr, attempts(tmp_path / "run")
+def supervise(tmp_path, sets, *, launcher="none", restarts=2, fault="", extra=()):
+    args = [
+        "--launcher",
+        launcher,
+        "--max-restarts",
+        restarts,
+        *(["--nproc-per-node", 2] if launcher != "none" else []),
+    ]
+    code, out = cli({"run_dir": tmp_path / "run", **sets}, *args, *extra, env={"TRAINER_FAULT": fault})
+    return code, out, attempts(tmp_path / "run")
 
 
 def attempts(run_dir):

@@ -12,12 +12,10 @@
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import FAST, ROOT, TINY, TRAIN, data_cache, env_for, train, yaml_value
+from helpers import FAST, ROOT, cli, train
 
 pytestmark = pytest.mark.e2e
 
@@ -33,13 +31,7 @@ DOCS = (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines()
 
 
 def run(tmp_path, sets, *extra, env=None):
-    args = [sys.executable, str(TRAIN), str(TINY)]
-    for k, v in {"run_dir": tmp_path / "run", "data.cache_dir": data_cache(), **sets}.items():
-        args += ["--set", f"{k}={yaml_value(v)}"]
-    p = subprocess.run(
-        [*args, *extra], cwd=ROOT, env=env_for(1, env), capture_output=True, text=True, timeout=300
-    )
-    return p.returncode, p.stdout + p.stderr
+    return cli({"run_dir": tmp_path / "run", **sets}, *extra, env=env)
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ WRAPPERS = {"fused": "FP16_Optimizer", "unfused": "FP16_UnfusedOptimizer"}
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
+    """A one-rank gloo group for the wrappers, in this process; the environment it needs (RANK,
+    MASTER_PORT...) is put back afterwards: the jobs other tests start inherit this process's."""
     import os
 
     import deepspeed
@@ -26,14 +28,20 @@ def one_rank_group():
 
     from trainer.dist import free_port, skip_inference_shm_op
 
+    saved = dict(os.environ)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     )
     skip_inference_shm_op()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    yield
-    tdist.destroy_process_group()
+    try:
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        yield
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 class Tiny(torch.nn.Module):
