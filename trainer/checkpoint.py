@@ -8,7 +8,9 @@ Layout (one directory per checkpoint, `latest` names the newest complete one):
         ds_config.json        exactly the dict given to deepspeed.initialize
         experiment.yaml       the resolved experiment
         trainer_state.json    step, samples, tokens, data position, world size, stage, plan, versions,
-                              wall time, metrics, and the manifest (every file with its size)
+                              wall time, metrics, the training data's fingerprint (compared on resume),
+                              parameter names per optimizer group, and the manifest (every file with
+                              its size)
         rng_rank00000.pt ...  per-rank RNG states (python, numpy, torch CPU and CUDA)
         ...DeepSpeed's files  mp_rank_00_model_states.pt, *_optim_states.pt
 

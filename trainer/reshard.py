@@ -50,6 +50,7 @@ UNIVERSAL = "universal"
 TMP_PREFIX = ".convert-tmp-"
 FAILED_PREFIX = ".convert-failed-"
 LOCK = ".convert.lock"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 class ResumeError(UserError):
@@ -150,7 +151,7 @@ def load(
         finally:
             ds._config.load_universal_checkpoint = False
         _restore_group_hparams(ds, ckpt / tag)
-    _normalize_steps(ds, target.get("torch_states", _uses_torch_optimizer(ds)))
+    _normalize_steps(ds, _uses_torch_optimizer(ds))
 
 
 def wait_for(ckpt: Path, tag: str, token: str, wait_s: float, what: str, poll_s: float = 0.2) -> None:
@@ -199,7 +200,14 @@ def convert_in_subprocess(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # the package importable even where it is not installed (bin/train from a checkout)
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])
+                    ),
+                },
             )
             try:
                 rc = proc.wait(timeout=wait_s)
@@ -219,7 +227,7 @@ def convert_in_subprocess(
             (ckpt / f"{FAILED_PREFIX}{token}").write_text(error + "\n")
         return  # wait_for() raises, on every rank alike
     log_path.unlink(missing_ok=True)
-    log.info(f"{what}: done in {time.perf_counter() - t0:.1f} s ({spec['workers']} worker processes)")
+    log.info(f"{what}: done in {time.perf_counter() - t0:.1f} s ({spec['workers']} workers)")
 
 
 def _die_with_parent() -> None:
