@@ -44,6 +44,8 @@ import yaml
 
 from trainer.config import CheckpointSection, Experiment, validate
 from trainer.errors import Problem, UserError
+from trainer.faults import Faults
+from trainer.files import fsync_dir, write_atomic
 
 log = logging.getLogger("trainer")
 
@@ -253,29 +255,6 @@ def check_compatible(found: Found, exp: Experiment) -> list[str]:
 # ----------------------------------------------------------------------------- saving / loading
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def versions() -> dict[str, str]:
     """The versions that made a checkpoint, read from the installed distributions' metadata (an
     import of `datasets` just for its version would cost a rank 0.7 s at every save)."""
@@ -327,7 +306,7 @@ class Checkpointer:
     world_size: int
     plan: dict[str, Any] = field(default_factory=dict)
     layout: tuple[list[list[str]], dict[str, str]] = ([], {})  # parameter names per group, tied aliases
-    control: Any = None
+    faults: Faults = field(default_factory=Faults)  # tests: kills during a save (trainer/faults.py)
     metrics: Any = None
     data_fingerprint: dict[str, Any] = field(default_factory=dict)  # Data.fingerprint, compared on resume
     on_save: Any = None  # tests: called on every rank with the step after each save
@@ -390,11 +369,10 @@ class Checkpointer:
         # Every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers before and after).
         stage_dir.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), stage_dir / f"rng_rank{self.rank:05d}.pt")
-        if self.control is not None:
-            self.control.arm_save(state.step, self.engine.ds.checkpoint_engine)
+        self.faults.arm_save(state.step, self.engine.ds.checkpoint_engine)
         self.engine.ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
         self._barrier()  # every rank has finished writing
-        self._fault("killcommit", state.step)
+        self.faults.at("killcommit", state.step)
         final = self.root / tag
         if self.is_main:
             self._write_metadata(stage_dir, state)
@@ -403,8 +381,8 @@ class Checkpointer:
                 shutil.rmtree(trash, ignore_errors=True)
                 os.rename(final, trash)
             os.rename(stage_dir, final)
-            _fsync_dir(self.root)
-            _write_atomic(self.root / LATEST, tag + "\n")
+            fsync_dir(self.root)
+            write_atomic(self.root / LATEST, tag + "\n", durable=True)
             shutil.rmtree(self.root / (TRASH_PREFIX + tag), ignore_errors=True)  # the replaced one, if any
             self._prune(keep=tag)
         self._barrier()
@@ -451,7 +429,7 @@ class Checkpointer:
             "tied": self.layout[1],
             "files": files,
         }
-        _write_atomic(stage_dir / STATE, json.dumps(meta, indent=2) + "\n")
+        write_atomic(stage_dir / STATE, json.dumps(meta, indent=2) + "\n", durable=True)
 
     def _clean_leftovers(self, keep: str) -> None:
         """Remove staging and trash directories left by crashed saves or prunes."""
@@ -469,10 +447,6 @@ class Checkpointer:
             trash = self.root / (TRASH_PREFIX + old.tag)
             os.rename(old.path, trash)  # atomic: never a half-deleted "complete" checkpoint
             shutil.rmtree(trash, ignore_errors=True)
-
-    def _fault(self, point: str, step: int) -> None:
-        if self.control is not None:
-            self.control.at(point, step)
 
     # --- load -------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 from trainer import config as config_mod
 from trainer.checks import CheckFailed
 from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, UserError
+from trainer.faults import Faults
 from trainer.modes import MODES, SUBDIR
 from trainer.supervisor import record_failure
 
@@ -368,10 +369,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     from trainer import checkpoint
 
     found, warnings = checkpoint.resolve_resume(args.resume, exp.checkpoint.resume, exp.run_dir)
-    rank = dist.detect().rank
-    if found is not None and any(
-        f.kind == "staleresume" and f.applies(0, rank, dist.attempt()) for f in dist.faults()
-    ):
+    if found is not None and Faults(dist.detect().rank, dist.attempt()).stale_resume():
         found = checkpoint.before(found)  # tests: this rank sees an older run_dir
     resume = None
     if found is not None:
@@ -558,11 +556,12 @@ def _train(
         flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
         peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
     )
+    faults = Faults(env.rank, dist.attempt())
     control = Control(
         rank=env.rank,
         world_size=env.world_size,
         attempt=dist.attempt(),
-        faults=dist.faults(),
+        faults=faults,
         handle_signals=exp.checkpoint.save_on_signal,
         watchdog_s=exp.dist.watchdog_s,
         nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
@@ -577,7 +576,7 @@ def _train(
         world_size=env.world_size,
         plan=planned.plan.summary(),
         layout=layout,
-        control=control,
+        faults=faults,
         metrics=mets,
         data_fingerprint=data.fingerprint,
     )
@@ -611,7 +610,7 @@ def _train(
             log.info(f"resumed with changed settings: {', '.join(resume.differences)}")
         for note in (*planned.schedule.notes, *data_notes):
             (log.warning if note.startswith("warning:") else log.info)(note)
-    control.perturb(engine.module)
+    faults.perturb(engine.module)  # tests
     if exp.dist.preflight or args.check:
         for line in checks.preflight(engine, env.world_size, hosts):
             log.info(line)

@@ -10,7 +10,7 @@
 - Watchdog: a rank that makes no progress (no step, eval or save) for `dist.watchdog_s` dumps
   every thread's stack and exits; faulthandler runs it from a C thread, so it fires even when
   Python is stuck in a collective or in I/O. The launcher then ends the other ranks.
-- Faults injected by the tests (TRAINER_FAULT).
+- Faults injected by the tests (trainer/faults.py) at the start of each step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from trainer.dist import Fault
+from trainer.faults import Faults
 
 log = logging.getLogger("trainer")
 
@@ -93,7 +93,7 @@ class Control:
         rank: int,
         world_size: int,
         attempt: int,
-        faults: list[Fault],
+        faults: Faults,
         handle_signals: bool,
         watchdog_s: float = 0.0,
         nan_check: bool = True,
@@ -165,40 +165,7 @@ class Control:
         if step == 2 and self.on_first_step is not None:
             self.on_first_step()
             self.on_first_step = None
-        for f in self.faults:
-            if f.applies(step, self.rank, self.attempt):
-                self._inject(f, step)
-
-    def at(self, point: str, step: int) -> None:
-        """`killcommit`: die after every rank has written its shards, before `latest` is updated."""
-        for f in self.faults:
-            if f.kind == point and f.applies(step, self.rank, self.attempt):
-                log.warning(f"injected {point} at rank {self.rank} step {step} (TRAINER_FAULT)")
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    def arm_save(self, step: int, writer: Any) -> None:
-        """`killsave`: die in the middle of this rank's shard writes (after a pause, so that the
-        other ranks finish theirs first): wraps DeepSpeed's checkpoint writer for this save."""
-        if not any(f.kind == "killsave" and f.applies(step, self.rank, self.attempt) for f in self.faults):
-            return
-        real = writer.save
-
-        def save_then_die(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(2.0)
-            real(*args, **kwargs)
-            log.warning(f"injected killsave at rank {self.rank} step {step} (TRAINER_FAULT)")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        writer.save = save_then_die
-
-    def faulty_loss(self, loss: Any, step: int) -> Any:
-        """This rank's loss, with the injected faults that act on it (tests): `nan`, `slow`."""
-        for f in self.faults:
-            if f.kind == "nan" and f.applies(step, self.rank, self.attempt):
-                loss = loss * float("nan")
-            if f.kind == "slow" and step >= f.step and f.applies(f.step, self.rank, self.attempt):
-                time.sleep(f.ms / 1000)  # a straggler: this rank's compute takes longer from step f.step on
-        return loss
+        self.faults.before_step(step)
 
     def finite(self, loss: Any, so_far: Any = None) -> Any:
         """Whether this step's micro-batch losses so far were all finite, as a device flag (no host
@@ -209,31 +176,3 @@ class Control:
 
         ok = torch.isfinite(loss).all()
         return ok if so_far is None else so_far & ok
-
-    def _inject(self, f: Fault, step: int) -> None:
-        import torch
-
-        where = f"rank {self.rank} step {step}"
-        if f.kind == "oom":
-            raise torch.OutOfMemoryError(f"injected out-of-memory at {where} (TRAINER_FAULT)")
-        if f.kind == "raise":
-            raise RuntimeError(f"injected failure at {where} (TRAINER_FAULT)")
-        if f.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if f.kind == "exit":
-            os._exit(1)
-        if f.kind == "sleep":
-            log.warning(f"injected hang at {where} (TRAINER_FAULT)")
-            while True:
-                time.sleep(3600)
-        if f.kind == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def perturb(self, module: Any) -> None:
-        """Injected desync (tests): change one weight on this rank before the preflight check."""
-        import torch
-
-        if any(f.kind == "perturb" and f.applies(0, self.rank, self.attempt) for f in self.faults):
-            with torch.no_grad():
-                next(module.parameters()).data.add_(1e-3)
-            log.warning(f"injected a parameter perturbation on rank {self.rank} (TRAINER_FAULT)")

@@ -15,7 +15,6 @@ the epoch, which carries over when a run resumes on another number of ranks.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -33,6 +32,7 @@ import numpy as np
 
 from trainer.config import DataSection, DataSource
 from trainer.errors import UserError
+from trainer.files import file_lock, write_atomic
 
 CACHE_VERSION = 2  # 2: packed blocks in .npy files (1: datasets' Arrow)
 EOS = "<|endoftext|>"
@@ -93,9 +93,7 @@ def tokenizer_shape(spec: str, cache_dir: str | Path | None = None) -> tuple[int
     if path is not None:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"vocab": shape[0], "eos": shape[1]}))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps({"vocab": shape[0], "eos": shape[1]}))
     return shape
 
 
@@ -278,9 +276,7 @@ def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
         meta = json.loads((final / "meta.json").read_text())
         if "train_digest" not in meta:  # a cache made before the digest was recorded
             meta["train_digest"] = file_digest(final / "train.npy")
-            tmp = final / f".meta.json.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(meta, indent=2))
-            os.replace(tmp, final / "meta.json")
+            write_atomic(final / "meta.json", json.dumps(meta, indent=2))
     train = np.load(final / "train.npy", mmap_mode="r")
     eval_ = np.load(final / "eval.npy", mmap_mode="r") if (final / "eval.npy").exists() else None
     fingerprint = {
@@ -344,17 +340,6 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     elif before != after:
         out.append(f"source: {before} at the checkpoint, {after} now")
     return out
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive flock on `path` (created if missing) for the duration of the block."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Path, quiet: bool) -> None:

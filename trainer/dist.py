@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-ENV_FAULT = "TRAINER_FAULT"  # test hook, e.g. "oom@5:rank=1" (see Faults)
 ENV_PORTS = "TRAINER_PORTS"  # LO-HI: where rendezvous ports are chosen (see port_range)
 
 
@@ -196,12 +195,6 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.env.rank == 0
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def prefer_interpreter_tools() -> str | None:
@@ -404,51 +397,6 @@ def host_memory() -> int:
 def gpu_present() -> bool:
     """A GPU on this machine, found without initialising CUDA."""
     return device_memory() is not None
-
-
-# ----------------------------------------------------------------------------- fault injection
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A fault the tests inject through TRAINER_FAULT: `kind@step[:rank=R][:attempt=A][:ms=M]`,
-    comma-separated.
-
-    kinds: oom (raise torch.OutOfMemoryError), raise (RuntimeError), kill (SIGKILL self), sleep
-    (hang), nan (NaN loss), exit (os._exit(1)), term (SIGTERM self), slow (M ms, default 100, more
-    per step from `step` on: a straggler), perturb@0 (change one weight after DeepSpeed's broadcast), killsave
-    (SIGKILL while writing checkpoint shards), killcommit (SIGKILL before `latest` is replaced),
-    staleresume@0 (this rank resumes from the checkpoint before the latest, as a stale or node-local
-    run_dir would show it), and in the conversion process of a resume on another stage or world size
-    (reshard.convert): convertfail (raise), convertslow (take M ms longer), convertkill (SIGKILL the
-    rank that started it, before the result is in place)."""
-
-    kind: str
-    step: int
-    rank: int | None = None
-    attempt: int | None = None
-    ms: int = 100
-
-    def applies(self, step: int, rank: int, attempt: int) -> bool:
-        return (
-            step == self.step
-            and (self.rank is None or self.rank == rank)
-            and (self.attempt is None or self.attempt == attempt)
-        )
-
-
-def faults() -> list[Fault]:
-    spec = os.environ.get(ENV_FAULT, "").strip()
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        head, *opts = item.split(":")
-        kind, _, step = head.partition("@")
-        kw: dict[str, Any] = {"kind": kind, "step": int(step or 0)}
-        for opt in opts:
-            k, _, v = opt.partition("=")
-            kw[k] = int(v)
-        out.append(Fault(**kw))
-    return out
 
 
 def debug_dir() -> str | None:

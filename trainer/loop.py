@@ -89,7 +89,7 @@ def train(
             batch = stream.next()
             wait += time.perf_counter() - t
             with metrics.forward:  # this rank's own compute, no collectives (stragglers)
-                micro_loss = control.faulty_loss(engine.forward(batch), state.step + 1)
+                micro_loss = control.faults.loss(engine.forward(batch), state.step + 1)  # tests
             micro_loss = engine.backward(micro_loss)
             finite = control.finite(micro_loss, finite)
             loss = loss + micro_loss

@@ -16,13 +16,13 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from trainer.config import ModelSection, thaw
 from trainer.errors import UserError
+from trainer.files import write_atomic
 from trainer.strategy import ModelInfo
 
 
@@ -140,9 +140,7 @@ def info(
     if path is not None:
         with contextlib.suppress(OSError):  # a read-only cache only costs speed
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(dataclasses.asdict(found), indent=1) + "\n")
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(dataclasses.asdict(found), indent=1) + "\n")
     return found
 
 

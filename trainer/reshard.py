@@ -42,6 +42,7 @@ from typing import Any
 
 from trainer import stage0
 from trainer.errors import UserError
+from trainer.faults import Faults
 
 log = logging.getLogger("trainer")
 
@@ -267,7 +268,7 @@ def convert(ckpt: Path, spec: dict[str, Any]) -> None:
     """Make (once) `<ckpt>/universal/` and, for a stage-0 target, `<ckpt>/<tag>/`. Each is built in a
     hidden directory and renamed into place with its completion marker inside; leftovers of an
     interrupted conversion are removed first. One conversion at a time per checkpoint (a lock)."""
-    from trainer.data import file_lock
+    from trainer.files import file_lock
 
     names, aliases, target, workers = spec["names"], spec["aliases"], spec["target"], int(spec["workers"])
     with file_lock(ckpt / LOCK):
@@ -299,25 +300,9 @@ def _build(final: Path, make: Callable[[Path], None]) -> None:
     tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
     tmp.mkdir()
     make(tmp)
-    _injected_faults()
+    Faults().conversion()  # tests: a conversion that fails, takes longer, or loses its rank here
     (tmp / DONE).touch()
     os.rename(tmp, final)
-
-
-def _injected_faults() -> None:
-    """Tests (TRAINER_FAULT): a conversion that fails, takes longer, or loses its rank midway."""
-    import signal
-
-    from trainer.dist import faults
-
-    for f in faults():
-        if f.kind == "convertfail":
-            raise RuntimeError("injected conversion failure (TRAINER_FAULT)")
-        if f.kind == "convertslow":
-            time.sleep(f.ms / 1000)
-        if f.kind == "convertkill":
-            os.kill(os.getppid(), signal.SIGKILL)
-            time.sleep(60)  # the rank's death ends this process (PR_SET_PDEATHSIG)
 
 
 def _parallel(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:

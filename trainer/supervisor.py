@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import EXIT_NONFINITE, EXIT_USER_ERROR, UserError
+from trainer.files import write_atomic
+from trainer.strategy.planner import next_rung
 
 log = logging.getLogger("trainer")
 
@@ -43,20 +45,6 @@ FINAL_EXITS = {
     EXIT_NONFINITE: "a non-finite loss (the same weights and data would reach it again)",
 }
 TRAIN = Path(__file__).resolve().parent.parent / "bin" / "train"
-LADDER = [(0, "none"), (2, "none"), (3, "none"), (3, "cpu"), (3, "nvme")]
-
-
-def next_rung(stage: int, offload: str) -> tuple[int, str] | None:
-    """The rung above a failed candidate (stage 1 escalates to 2, 2+cpu to 3+cpu)."""
-    key = (stage, offload)
-    if key == (1, "none"):
-        return 2, "none"
-    if key == (2, "cpu"):
-        return 3, "cpu"
-    if key not in LADDER:
-        return None
-    i = LADDER.index(key)
-    return LADDER[i + 1] if i + 1 < len(LADDER) else None
 
 
 def read_hostfile(path: str) -> list[tuple[str, int]]:
@@ -107,9 +95,7 @@ def record_oom(
         "error": error[:500],
         "time": time.time(),
     }
-    tmp = path.with_name(f".{path.name}.{rank}.tmp")
-    tmp.write_text(json.dumps(rec, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(rec, indent=2) + "\n", writer=rank)
 
 
 def record_failure(code: int, message: str, rank: int) -> None:
@@ -121,9 +107,9 @@ def record_failure(code: int, message: str, rank: int) -> None:
     p = Path(path)
     with contextlib.suppress(OSError):
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{rank}.tmp")
-        tmp.write_text(json.dumps({"exit": code, "rank": rank, "message": message[:2000]}) + "\n")
-        os.replace(tmp, p)
+        write_atomic(
+            p, json.dumps({"exit": code, "rank": rank, "message": message[:2000]}) + "\n", writer=rank
+        )
 
 
 @dataclass

@@ -35,7 +35,7 @@ def test_experiment_loads_and_plans(path: Path):
     tpl_path, tpl = strategy.template_for(exp, plan.candidate)
     ds = strategy.ds_config(exp, plan, info, tpl, tpl_path)
     assert ds["train_batch_size"] == exp.train.micro_batch_size * 8 * exp.train.grad_accum
-    assert not strategy._autos(ds)
+    assert not strategy.autos(ds)
 
 
 @pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
@@ -61,7 +61,7 @@ def test_template_loads_and_resolves(path: Path, tmp_path):
     )
     assert (plan.candidate.stage, plan.candidate.offload) == (stage, offload)
     ds = strategy.ds_config(exp, plan, info, tpl, str(path))
-    assert ds["zero_optimization"]["stage"] == stage and not strategy._autos(ds)
+    assert ds["zero_optimization"]["stage"] == stage and not strategy.autos(ds)
 
 
 def test_readme_reference_is_current():

@@ -55,7 +55,7 @@ def test_owned_values_come_from_the_experiment():
     assert ds["scheduler"]["params"]["cos_min_ratio"] == 0.1
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
-    assert not strategy._autos(ds), "no 'auto' left"
+    assert not strategy.autos(ds), "no 'auto' left"
     assert ds["zero_optimization"]["reduce_bucket_size"] == strategy.auto_bucket(128)
 
 
@@ -129,7 +129,7 @@ def test_huggingface_style_template_is_accepted(tmp_path):
     assert z["reduce_bucket_size"] == strategy.auto_bucket(128)
     assert z["stage3_param_persistence_threshold"] == 1280
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 20
-    assert not strategy._autos(ds)
+    assert not strategy.autos(ds)
 
 
 def test_template_that_contradicts_the_experiment_lists_every_mismatch(tmp_path):

@@ -10,6 +10,7 @@ from helpers import TINY
 
 from trainer import config, model, strategy
 from trainer.errors import UserError
+from trainer.strategy import planner
 
 GiB = 2**30
 
@@ -85,7 +86,7 @@ def test_model_states_agree_with_deepspeeds_estimators(gpt2, ranks):
     P, L = gpt2.params, gpt2.largest_layer
 
     def ours(stage, offload="none"):
-        return sum(strategy.model_states(strategy._c(stage, offload), P, L, ranks, lp=2))
+        return sum(strategy.model_states(planner._c(stage, offload), P, L, ranks, lp=2))
 
     _, z2 = estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=False)
     _, z2_off = estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=True)
@@ -260,7 +261,7 @@ def test_summary_for_trainer_state():
 
 
 def test_escalation_ladder():
-    from trainer.supervisor import next_rung
+    from trainer.strategy import next_rung
 
     assert next_rung(0, "none") == (2, "none")
     assert next_rung(1, "none") == (2, "none")

@@ -1,26 +1,22 @@
-"""The parallelism strategy: which ZeRO stage and offload, and the exact DeepSpeed JSON.
+"""The memory planner: which ZeRO stage and offload, and why.
 
-`plan()` estimates per-rank memory for every candidate and applies the escalation rules
-(0 -> 2 -> 3 -> 3+cpu -> 3+nvme, the first that fits `device memory x headroom`; stage 1 only
-when asked for). `ds_config()` turns a template plus the experiment plus the plan into the one
-dict handed to `deepspeed.initialize`: every value the experiment owns (batch sizes, precision,
-clipping, optimizer, scheduler, stage, offload) comes from the experiment; a template `"auto"` is
-filled; a template value that disagrees is an error listing every mismatch.
+`plan()` estimates per-rank memory (model states, activations, buffers; host memory per node for
+offload) for every candidate and applies the escalation rules: the first of 0 -> 2 -> 3 -> 3+cpu ->
+3+nvme (`LADDER`) that fits `device memory x headroom`; stage 1 only when asked for; a pinned stage
+or offload above the rules' choice needs a justification. The run-time escalation climbs the same
+ladder (`next_rung`).
 
 Nothing here imports torch or deepspeed: planning runs anywhere, in well under a second.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import TEMPLATES_DIR, Experiment, chunked_loss_problem, format_size, loss_chunk_rows
-from trainer.errors import ConfigError, Problem, UserError, did_you_mean
+from trainer.config import Experiment, chunked_loss_problem, format_size, loss_chunk_rows
+from trainer.errors import ConfigError, Problem, UserError
 
 # ----------------------------------------------------------------------------- model facts
 
@@ -545,8 +541,8 @@ def pinned_choice(exp: Experiment, template: Mapping[str, Any] | None) -> tuple[
         t_stage = zero.get("stage")
         if stage is None and isinstance(t_stage, int) and not isinstance(t_stage, bool):
             stage = t_stage
-        opt_dev = _device(zero.get("offload_optimizer"))
-        par_dev = _device(zero.get("offload_param"))
+        opt_dev = device_of(zero.get("offload_optimizer"))
+        par_dev = device_of(zero.get("offload_param"))
         if offload is None and opt_dev is not None:
             offload = opt_dev
         if par_dev in (None, "none") and opt_dev not in (None, "none"):
@@ -554,323 +550,12 @@ def pinned_choice(exp: Experiment, template: Mapping[str, Any] | None) -> tuple[
     return stage, offload, offload_params
 
 
-def _device(section: Any) -> str | None:
+def device_of(section: Any) -> str | None:
+    """The device an offload section of a DeepSpeed JSON names (None: none given, or "auto")."""
     if isinstance(section, Mapping):
         dev = section.get("device")
         return dev if isinstance(dev, str) and dev != "auto" else None
     return None
-
-
-# ----------------------------------------------------------------------------- DeepSpeed JSON
-
-# Top-level keys DeepSpeed 0.19 reads (its own parser silently ignores anything else).
-DEEPSPEED_KEYS = frozenset(
-    """
-    train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
-    fp16 bf16 bfloat16 amp torch_autocast gradient_clipping prescale_gradients gradient_predivide_factor
-    sparse_gradients zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
-    steps_per_print wall_clock_breakdown memory_breakdown dump_state flops_profiler activation_checkpointing
-    sparse_attention data_efficiency curriculum_learning tensorboard wandb csv_monitor comet elasticity aio
-    checkpoint data_types communication_data_type seq_parallel_communication_data_type pipeline
-    progressive_layer_drop eigenvalue quantize_training compression_training autotuning dataloader_drop_last
-    disable_allgather hybrid_engine compile timers weight_quantization tensor_parallel expert_parallel
-    use_data_before_expert_parallelism sequence_parallel_size graph_harvesting comms_logger nebula
-    gradient_allreduce_op managed_gradient_accumulation disable_python_gc log_level zenflow
-    vocabulary_size random_ltd datastates_ckpt
-    """.split()
-)
-# Keys the trainer owns: the experiment is their one source of truth.
-OWNED_TOP = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-)
-
-SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
-OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
-
-
-def load_template(path: str | Path, allow: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
-    """Read a DeepSpeed JSON template; reject syntax errors (with the line) and unknown top-level keys."""
-    source = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise UserError(f"strategy.deepspeed: cannot read template {source}: {e.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"strategy.deepspeed: {source}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno}); fix the syntax"
-        ) from None
-    if not isinstance(data, dict):
-        raise UserError(f"strategy.deepspeed: {source}: a DeepSpeed config must be a JSON object")
-    known = DEEPSPEED_KEYS | set(allow)
-    problems = [
-        Problem(
-            str(k),
-            f"unknown top-level DeepSpeed key (DeepSpeed would silently ignore it).{did_you_mean(str(k), known)} "
-            "If it is a real key this list does not know yet, add it to strategy.allow_deepspeed_keys",
-        )
-        for k in data
-        if k not in known
-    ]
-    if problems:
-        raise UserError(f"DeepSpeed template {source} has unknown keys", problems, source)
-    return data
-
-
-def template_for(exp: Experiment, candidate: Candidate | None = None) -> tuple[str, dict[str, Any]]:
-    """(path, template dict) for the experiment: its own template, or the shipped one for the candidate."""
-    s = exp.strategy
-    if s.deepspeed:
-        return s.deepspeed, load_template(s.deepspeed, s.allow_deepspeed_keys)
-    if candidate is None:
-        return "", {}
-    path = TEMPLATES_DIR / candidate.template
-    return str(path), load_template(path)
-
-
-@dataclass
-class _Filler:
-    """Fills one template: owned values are set, "auto" is replaced, disagreements are collected."""
-
-    source: str
-    mismatches: list[Problem] = field(default_factory=list)
-
-    def own(self, d: dict[str, Any], dotted: str, value: Any, *, why: str) -> None:
-        keys = dotted.split(".")
-        for k in keys[:-1]:
-            nxt = d.get(k)
-            if nxt == "auto" or nxt is None:
-                nxt = {}
-                d[k] = nxt
-            if not isinstance(nxt, dict):
-                self.mismatches.append(Problem(dotted, f"expected a JSON object at '{k}', found {nxt!r}"))
-                return
-            d = nxt
-        k = keys[-1]
-        if k not in d or d[k] == "auto":
-            d[k] = value
-        elif not _same(d[k], value):
-            self.mismatches.append(
-                Problem(
-                    dotted,
-                    f"template says {json.dumps(d[k])}, the experiment says {json.dumps(value)} ({why})",
-                )
-            )
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-def optimizer_implementation(choice: str, device_type: str, offload: str) -> str:
-    """auto: DeepSpeed's fused Adam on GPU and DeepSpeedCPUAdam with offload (the fast paths); torch's
-    AdamW on a CPU device, where DeepSpeed's SIMD kernel rounds differently depending on where a
-    reloaded tensor lands in memory, which would make resumed runs differ in the last bit."""
-    if choice != "auto":
-        return choice
-    return "deepspeed" if device_type == "cuda" or offload != "none" else "torch"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The peak learning rate and the steps the LR schedule spans, and why, when a resume changes them."""
-
-    lr: float
-    horizon: int
-    notes: tuple[str, ...] = ()
-
-
-def schedule(exp: Experiment, world_size: int, saved: Mapping[str, Any] | None = None) -> Schedule:
-    """The LR schedule of this run. Fresh: optim.lr scaled by optim.lr_scaling, over
-    optim.schedule_steps or train.max_steps. Resumed (`saved`: the checkpoint's DeepSpeed JSON):
-    the schedule continues as saved (DeepSpeed's scheduler state is only its step count; the peak
-    and the horizon come from the JSON, so without this a resume with another train.max_steps, or
-    another split of the same global batch under lr_scaling, would move the lr mid-schedule):
-    - the horizon stays the saved one unless optim.schedule_steps asks for another (a re-plan);
-    - under lr_scaling the saved peak lr stays while the global batch is the same (world size,
-      micro batch and accumulation may change); a new global batch is scaled anew, and said."""
-    t, o = exp.train, exp.optim
-    lr = scaled_lr(exp, world_size)
-    horizon = o.schedule_steps or t.max_steps
-    if not saved:
-        return Schedule(lr, horizon)
-    notes = []
-    saved_lr = (saved.get("optimizer") or {}).get("params", {}).get("lr")
-    saved_batch = saved.get("train_batch_size")
-    batch = t.micro_batch_size * world_size * t.grad_accum
-    if isinstance(saved_lr, int | float) and not math.isclose(saved_lr, lr, rel_tol=1e-9):
-        if saved_batch == batch:
-            notes.append(
-                f"peak lr stays {saved_lr:.4g} as saved: the global batch is the same ({batch} sequences); "
-                f"optim.lr_scaling {o.lr_scaling} depends on the batch, not on how it is split over ranks"
-            )
-            lr = float(saved_lr)
-        else:
-            notes.append(
-                f"warning: the global batch changed ({saved_batch} -> {batch} sequences): optim.lr_scaling "
-                f"{o.lr_scaling} gives peak lr {lr:.4g} instead of {saved_lr:.4g}; the lr jumps at the resume"
-            )
-    saved_horizon = ((saved.get("scheduler") or {}).get("params") or {}).get("total_num_steps")
-    if isinstance(saved_horizon, int) and o.schedule in ("cosine", "linear"):
-        if o.schedule_steps is None:
-            if saved_horizon != horizon:
-                notes.append(
-                    f"train.max_steps is {t.max_steps}; the LR schedule keeps its horizon of {saved_horizon} steps "
-                    "(set optim.schedule_steps to re-plan it)"
-                    + (
-                        f"; warning: the linear schedule reaches lr 0 at step {saved_horizon}"
-                        if o.schedule == "linear" and t.max_steps > saved_horizon
-                        else ""
-                    )
-                )
-            horizon = saved_horizon
-        elif saved_horizon != horizon:
-            notes.append(
-                f"LR schedule re-planned (optim.schedule_steps): horizon {saved_horizon} -> {horizon} steps"
-            )
-    return Schedule(lr, horizon, tuple(notes))
-
-
-def scaled_lr(exp: Experiment, world_size: int) -> float:
-    """optim.lr scaled by optim.lr_scaling for world_size x grad_accum (lr is given for one rank)."""
-    k = world_size * exp.train.grad_accum
-    factor = {"none": 1.0, "linear": float(k), "sqrt": math.sqrt(k)}[exp.optim.lr_scaling]
-    return exp.optim.lr * factor
-
-
-def ds_config(
-    exp: Experiment,
-    plan_: Plan,
-    info: ModelInfo,
-    template: Mapping[str, Any],
-    template_path: str = "",
-    sched: Schedule | None = None,
-) -> dict[str, Any]:
-    """The exact dict for `deepspeed.initialize`. Raises UserError listing every template mismatch.
-    `sched`: the LR schedule (default: a fresh start's, see `schedule`)."""
-    t, o = exp.train, exp.optim
-    world = plan_.world_size
-    d = json.loads(json.dumps(template))  # deep copy
-    f = _Filler(template_path)
-    why_batch = f"micro {t.micro_batch_size} x world {world} x grad_accum {t.grad_accum}"
-    f.own(d, "train_micro_batch_size_per_gpu", t.micro_batch_size, why="train.micro_batch_size")
-    f.own(d, "gradient_accumulation_steps", t.grad_accum, why="train.grad_accum")
-    f.own(d, "train_batch_size", t.micro_batch_size * world * t.grad_accum, why=why_batch)
-    f.own(d, "gradient_clipping", t.grad_clip, why="train.grad_clip")
-    precision = plan_.precision
-    f.own(d, "bf16.enabled", precision == "bf16", why=f"train.precision resolves to {precision}")
-    if precision == "fp16" or "fp16" in d:
-        f.own(d, "fp16.enabled", precision == "fp16", why=f"train.precision resolves to {precision}")
-    if "bfloat16" in d:  # old alias of bf16
-        f.own(d, "bfloat16.enabled", precision == "bf16", why=f"train.precision resolves to {precision}")
-
-    sched = sched or schedule(exp, world)
-    lr = sched.lr
-    f.own(d, "optimizer.type", OPTIMIZERS[o.name], why="optim.name")
-    f.own(d, "optimizer.params.lr", lr, why="optim.lr x lr_scaling")
-    f.own(d, "optimizer.params.betas", list(o.betas), why="optim.betas")
-    f.own(d, "optimizer.params.eps", o.eps, why="optim.eps")
-    f.own(d, "optimizer.params.weight_decay", o.weight_decay, why="optim.weight_decay")
-    impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
-    f.own(d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}")
-
-    kind = SCHEDULERS[o.schedule]
-    warm = max(1, o.warmup_steps)
-    f.own(d, "scheduler.type", kind, why="optim.schedule")
-    if kind == "WarmupCosineLR":
-        f.own(
-            d, "scheduler.params.total_num_steps", sched.horizon, why="train.max_steps / optim.schedule_steps"
-        )
-        f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")
-        f.own(d, "scheduler.params.warmup_min_ratio", 0.0, why="warmup starts at 0")
-        f.own(d, "scheduler.params.cos_min_ratio", o.min_lr_ratio, why="optim.min_lr_ratio")
-        f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
-    else:
-        if kind == "WarmupDecayLR":
-            f.own(
-                d,
-                "scheduler.params.total_num_steps",
-                sched.horizon,
-                why="train.max_steps / optim.schedule_steps",
-            )
-        f.own(d, "scheduler.params.warmup_min_lr", 0.0, why="warmup starts at 0")
-        f.own(d, "scheduler.params.warmup_max_lr", lr, why="optim.lr x lr_scaling")
-        f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")
-        f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
-
-    c = plan_.candidate
-    f.own(d, "zero_optimization.stage", c.stage, why="strategy.zero_stage / the plan")
-    zero = d["zero_optimization"]
-    if c.offload != "none":
-        f.own(d, "zero_optimization.offload_optimizer.device", c.offload, why="strategy.offload")
-        if c.offload == "nvme":
-            f.own(
-                d,
-                "zero_optimization.offload_optimizer.nvme_path",
-                exp.strategy.nvme_path,
-                why="strategy.nvme_path",
-            )
-        if c.stage == 3 and c.offload_params:
-            f.own(d, "zero_optimization.offload_param.device", c.offload, why="strategy.offload")
-            if c.offload == "nvme":
-                f.own(
-                    d,
-                    "zero_optimization.offload_param.nvme_path",
-                    exp.strategy.nvme_path,
-                    why="strategy.nvme_path",
-                )
-    else:
-        for k in ("offload_optimizer", "offload_param"):
-            dev = _device(zero.get(k))
-            if dev not in (None, "none"):
-                f.mismatches.append(
-                    Problem(
-                        f"zero_optimization.{k}.device",
-                        f"template offloads to {dev}, the experiment says offload none",
-                    )
-                )
-
-    # Model-dependent sizes the Hugging Face integration also calls "auto".
-    h = info.hidden or 1024
-    for key, value in (
-        ("reduce_bucket_size", auto_bucket(h)),
-        ("allgather_bucket_size", auto_bucket(h)),
-        ("stage3_prefetch_bucket_size", int(0.9 * auto_bucket(h))),
-        ("stage3_param_persistence_threshold", 10 * h),
-    ):
-        if zero.get(key) == "auto":
-            zero[key] = value
-
-    leftover = sorted(_autos(d))
-    for path in leftover:
-        f.mismatches.append(
-            Problem(path, '"auto" here is not a value the trainer fills; write the value you want')
-        )
-    if f.mismatches:
-        raise UserError(
-            f"DeepSpeed template {template_path or '(built in)'} disagrees with the experiment; the experiment is "
-            'the one source of truth for these values: change the template to "auto" (or the same value), or '
-            "change the experiment",
-            f.mismatches,
-            template_path or None,
-        )
-    return d
-
-
-def _autos(d: Any, prefix: str = "") -> list[str]:
-    if isinstance(d, dict):
-        return [p for k, v in d.items() for p in _autos(v, f"{prefix}{k}.")]
-    return [prefix[:-1]] if d == "auto" else []
 
 
 def describe_plan(plan_: Plan) -> str:
@@ -886,7 +571,14 @@ def describe_plan(plan_: Plan) -> str:
     )
 
 
-def plan_dict(plan_: Plan) -> dict[str, Any]:
-    out = asdict(plan_)
-    out["candidate"] = plan_.candidate.name
-    return out
+def next_rung(stage: int, offload: str) -> tuple[int, str] | None:
+    """(stage, offload) of the rung above a failed candidate, for the run-time escalation (stage 1,
+    not a rung, escalates to 2; 2+cpu to 3+cpu). None on the last rung."""
+    off_ladder = {(1, "none"): (2, "none"), (2, "cpu"): (3, "cpu")}
+    if (stage, offload) in off_ladder:
+        return off_ladder[(stage, offload)]
+    rungs = [(c.stage, c.offload) for c in LADDER]
+    if (stage, offload) not in rungs:
+        return None
+    i = rungs.index((stage, offload)) + 1
+    return rungs[i] if i < len(rungs) else None

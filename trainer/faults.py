@@ -1,0 +1,146 @@
+"""Faults the tests inject, in one place: `TRAINER_FAULT=kind@step[:rank=R][:attempt=A][:ms=M],...`.
+
+Production code calls a `Faults` object (bound to this rank and attempt) at named points; with
+`TRAINER_FAULT` unset every call does nothing. The points and what the kinds do there:
+
+- `before_step(step)`, at the start of each step (trainer/loop.py, through Control): oom (raise
+  torch.OutOfMemoryError), raise (RuntimeError), kill (SIGKILL self), exit (os._exit(1)), sleep
+  (hang), term (SIGTERM self);
+- `loss(loss, step)`, on each micro batch's loss: nan (a NaN loss), slow (M ms more per step from
+  `step` on, default 100: a straggler);
+- `perturb(module)`, after DeepSpeed's initial broadcast: perturb@0 (change one weight);
+- `arm_save(step, writer)` and `at("killcommit", step)`, in a checkpoint save: killsave (SIGKILL
+  while writing this rank's shards, after a pause so that the other ranks finish theirs),
+  killcommit (SIGKILL after every rank wrote its shards, before `latest` is replaced);
+- `stale_resume()`, when choosing the checkpoint to resume: staleresume@0 (this rank takes the one
+  before the latest, as a node-local or stale run_dir would show it);
+- `conversion()`, in the process converting a checkpoint for another stage or world size, before
+  the result is put in place: convertfail (raise), convertslow (M ms longer), convertkill (SIGKILL
+  the rank that started it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("trainer")
+
+ENV_FAULT = "TRAINER_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    attempt: int | None = None
+    ms: int = 100
+
+    def applies(self, step: int, rank: int, attempt: int) -> bool:
+        return (
+            step == self.step
+            and (self.rank is None or self.rank == rank)
+            and (self.attempt is None or self.attempt == attempt)
+        )
+
+
+def parse(spec: str) -> list[Fault]:
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        head, *opts = item.split(":")
+        kind, _, step = head.partition("@")
+        kw: dict[str, Any] = {"kind": kind, "step": int(step or 0)}
+        for opt in opts:
+            k, _, v = opt.partition("=")
+            kw[k] = int(v)
+        out.append(Fault(**kw))
+    return out
+
+
+class Faults:
+    """The faults `TRAINER_FAULT` asks of this rank and attempt, at the points named above."""
+
+    def __init__(self, rank: int = 0, attempt: int = 0, spec: str | None = None) -> None:
+        self.rank, self.attempt = rank, attempt
+        self.faults = parse(os.environ.get(ENV_FAULT, "") if spec is None else spec)
+
+    def _due(self, kind: str, step: int = 0) -> Fault | None:
+        return next(
+            (f for f in self.faults if f.kind == kind and f.applies(step, self.rank, self.attempt)), None
+        )
+
+    def before_step(self, step: int) -> None:
+        import torch
+
+        where = f"rank {self.rank} step {step}"
+        for f in self.faults:
+            if not f.applies(step, self.rank, self.attempt):
+                continue
+            if f.kind == "oom":
+                raise torch.OutOfMemoryError(f"injected out-of-memory at {where} (TRAINER_FAULT)")
+            if f.kind == "raise":
+                raise RuntimeError(f"injected failure at {where} (TRAINER_FAULT)")
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f.kind == "exit":
+                os._exit(1)
+            if f.kind == "sleep":
+                log.warning(f"injected hang at {where} (TRAINER_FAULT)")
+                while True:
+                    time.sleep(3600)
+            if f.kind == "term":
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def loss(self, loss: Any, step: int) -> Any:
+        for f in self.faults:
+            if f.kind == "nan" and f.applies(step, self.rank, self.attempt):
+                loss = loss * float("nan")
+            if f.kind == "slow" and step >= f.step and f.applies(f.step, self.rank, self.attempt):
+                time.sleep(f.ms / 1000)  # a straggler: this rank's compute takes longer from step f.step on
+        return loss
+
+    def perturb(self, module: Any) -> None:
+        import torch
+
+        if self._due("perturb"):
+            with torch.no_grad():
+                next(module.parameters()).data.add_(1e-3)
+            log.warning(f"injected a parameter perturbation on rank {self.rank} (TRAINER_FAULT)")
+
+    def at(self, point: str, step: int) -> None:
+        """killcommit: die here."""
+        if self._due(point, step):
+            log.warning(f"injected {point} at rank {self.rank} step {step} (TRAINER_FAULT)")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def arm_save(self, step: int, writer: Any) -> None:
+        """killsave: wrap DeepSpeed's checkpoint writer for this save so that it dies after writing."""
+        if not self._due("killsave", step):
+            return
+        real = writer.save
+
+        def save_then_die(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(2.0)
+            real(*args, **kwargs)
+            log.warning(f"injected killsave at rank {self.rank} step {step} (TRAINER_FAULT)")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        writer.save = save_then_die
+
+    def stale_resume(self) -> bool:
+        return self._due("staleresume") is not None
+
+    def conversion(self) -> None:
+        for f in self.faults:
+            if f.kind == "convertfail":
+                raise RuntimeError("injected conversion failure (TRAINER_FAULT)")
+            if f.kind == "convertslow":
+                time.sleep(f.ms / 1000)
+            if f.kind == "convertkill":
+                os.kill(os.getppid(), signal.SIGKILL)
+                time.sleep(60)  # the rank's death ends this process (PR_SET_PDEATHSIG)
