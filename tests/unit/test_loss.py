@@ -7,8 +7,7 @@ from helpers import TINY
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer import config, loss, strategy
-from trainer.config import ConfigError
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 
 GiB = 2**30
 

@@ -1,0 +1,63 @@
+"""Experiment configuration: one YAML file -> a typed, immutable `Experiment`.
+
+- `schema.py`: the sections a user reads (one pydantic model each; descriptions = the reference);
+- `rules.py`: contradictions between fields, and warnings;
+- `loading.py`: YAML with line numbers, `--set` overrides, validation, every problem at once;
+- `fields.py`: the field types (choices, sizes, globs, read-only mappings).
+
+Precedence is defaults < YAML < `--set section.key=value`.
+"""
+
+from trainer.config.fields import thaw
+from trainer.config.loading import apply_override, load, parse_yaml, validate
+from trainer.config.rules import warnings
+from trainer.config.schema import (
+    CHUNKED_LOSS_TYPES,
+    LOSS_CHUNK_BYTES,
+    SECTIONS,
+    TEMPLATES_DIR,
+    CheckpointSection,
+    DataSection,
+    DataSource,
+    DistSection,
+    Experiment,
+    LoggingSection,
+    ModelSection,
+    OptimSection,
+    StrategySection,
+    TrainSection,
+    WandbSection,
+    chunked_loss_problem,
+    describe,
+    loss_chunk_rows,
+)
+from trainer.units import format_size, parse_size
+
+__all__ = [
+    "CHUNKED_LOSS_TYPES",
+    "LOSS_CHUNK_BYTES",
+    "SECTIONS",
+    "TEMPLATES_DIR",
+    "CheckpointSection",
+    "DataSection",
+    "DataSource",
+    "DistSection",
+    "Experiment",
+    "LoggingSection",
+    "ModelSection",
+    "OptimSection",
+    "StrategySection",
+    "TrainSection",
+    "WandbSection",
+    "apply_override",
+    "chunked_loss_problem",
+    "describe",
+    "format_size",
+    "load",
+    "loss_chunk_rows",
+    "parse_size",
+    "parse_yaml",
+    "thaw",
+    "validate",
+    "warnings",
+]

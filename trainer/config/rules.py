@@ -1,0 +1,191 @@
+"""Rules between fields of an experiment: contradictions (each names the key to change and how)
+and legal but probably unintended settings (`warnings`, logged at start). A rule is a function
+decorated with `@contradiction` that returns (key, message) pairs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from trainer.config.schema import TEMPLATES_DIR, Experiment, chunked_loss_problem
+from trainer.errors import Problem
+
+
+def _positions(config: Mapping[str, Any]) -> tuple[str, int] | None:
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "max_seq_len", "seq_length"):
+        if isinstance(config.get(key), int):
+            return key, config[key]
+    return None
+
+
+Rule = Callable[[Experiment], list[tuple[str, str]]]
+CONTRADICTIONS: list[Rule] = []
+
+
+def contradiction(fn: Rule) -> Rule:
+    """Register a rule between fields (run by `contradictions`, after each section validated)."""
+    CONTRADICTIONS.append(fn)
+    return fn
+
+
+def contradictions(exp: Experiment, lines: dict[tuple, int | str] | None = None) -> list[Problem]:
+    """Problems that involve more than one field; each names the key to change."""
+    lines = lines or {}
+    out = []
+    for fn in CONTRADICTIONS:
+        try:
+            found = fn(exp)
+        except AttributeError:  # a section this check needs did not validate
+            continue
+        for key, msg in found:
+            out.append(Problem(key, msg, line_for(tuple(key.split(".")), lines)))
+    return out
+
+
+@contradiction
+def _model_source(exp: Experiment) -> list[tuple[str, str]]:
+    m = exp.model
+    given = [k for k in ("config", "pretrained", "factory") if getattr(m, k) is not None]
+    if len(given) != 1:
+        what = "none of them" if not given else " and ".join(given)
+        return [("model", f"give exactly one of model.config, model.pretrained, model.factory; found {what}")]
+    out = []
+    if m.config is not None and not isinstance(m.config.get("model_type"), str):
+        out.append(("model.config.model_type", "required: the transformers model type, e.g. gpt2 or llama"))
+    if m.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", m.factory):
+        out.append(("model.factory", f"'{m.factory}' must look like package.module:function"))
+    if m.chunked_loss and m.factory is not None:
+        out.append(("model.chunked_loss", "a factory's model computes its own loss; set it to false"))
+    if m.chunked_loss and m.config is not None and isinstance(m.config.get("model_type"), str):
+        problem = chunked_loss_problem(m.config["model_type"])
+        if problem:
+            out.append(("model.chunked_loss", problem))
+    if m.config is not None:
+        pos = _positions(m.config)
+        if pos and exp.data.seq_len > pos[1]:
+            out.append(
+                (
+                    "data.seq_len",
+                    f"{exp.data.seq_len} is longer than the model's {pos[0]}={pos[1]}; lower data.seq_len "
+                    f"or raise model.config.{pos[0]}",
+                )
+            )
+    return out
+
+
+@contradiction
+def _data_sources(exp: Experiment) -> list[tuple[str, str]]:
+    out = []
+    for key, src in (("data.train", exp.data.train), ("data.eval", exp.data.eval)):
+        if src is None:
+            continue
+        n = (src.files is not None) + (src.hub is not None)
+        if n != 1:
+            out.append((key, "give exactly one of files (local globs) or hub (a dataset id)"))
+        elif src.files is not None and not src.files:
+            out.append((f"{key}.files", "the list of file globs is empty"))
+    if (
+        exp.data.eval is not None
+        and "eval_fraction" in exp.data.model_fields_set
+        and exp.data.eval_fraction > 0
+    ):
+        out.append(
+            ("data.eval_fraction", "data.eval is given, so no training data is held out; remove one of them")
+        )
+    return out
+
+
+@contradiction
+def _betas(exp: Experiment) -> list[tuple[str, str]]:
+    return [
+        (f"optim.betas.{i}", f"{b} must be in [0, 1)")
+        for i, b in enumerate(exp.optim.betas)
+        if not 0.0 <= b < 1.0
+    ]
+
+
+def warnings(exp: Experiment) -> list[str]:
+    """Legal but probably unintended settings, logged at start."""
+    out = []
+    if exp.optim.warmup_steps >= exp.train.max_steps:
+        out.append(
+            f"optim.warmup_steps ({exp.optim.warmup_steps}) >= train.max_steps ({exp.train.max_steps}): "
+            "the learning rate never reaches its peak"
+        )
+    c = exp.checkpoint
+    if exp.strategy.on_oom == "escalate" and not (c.every_steps or c.every_minutes):
+        out.append(
+            "strategy.on_oom is escalate but no checkpoint cadence is set (checkpoint.every_steps / every_minutes): "
+            "an escalated attempt would start from scratch"
+        )
+    return out
+
+
+@contradiction
+def _strategy(exp: Experiment) -> list[tuple[str, str]]:
+    s = exp.strategy
+    out = []
+    if s.offload in ("cpu", "nvme") and s.zero_stage == 0:
+        out.append(
+            (
+                "strategy.offload",
+                f"offload {s.offload} needs a ZeRO optimizer (stage 1, 2 or 3), but zero_stage is 0; "
+                "set zero_stage to 2, 3 or auto",
+            )
+        )
+    if s.offload == "nvme":
+        if s.zero_stage in (0, 1, 2):
+            out.append(("strategy.offload", "nvme offload needs zero_stage 3 (or auto)"))
+        if not s.nvme_path:
+            out.append(("strategy.nvme_path", "offload nvme needs a directory on a fast local disk"))
+    if s.deepspeed is not None and not Path(s.deepspeed).is_file():
+        shipped = sorted(p.name for p in TEMPLATES_DIR.glob("*.json"))
+        out.append(
+            (
+                "strategy.deepspeed",
+                f"template '{s.deepspeed}' does not exist (resolved against {Path.cwd()}); "
+                f"shipped templates: {', '.join('configs/deepspeed/' + n for n in shipped)}",
+            )
+        )
+    return out
+
+
+@contradiction
+def _train(exp: Experiment) -> list[tuple[str, str]]:
+    out = []
+    if exp.train.eval_every and exp.data.eval is None and exp.data.eval_fraction == 0:
+        out.append(
+            (
+                "train.eval_every",
+                "evaluation is asked for but there is no eval data: set data.eval or data.eval_fraction > 0, or eval_every: 0",
+            )
+        )
+    return out
+
+
+@contradiction
+def _run_dir(exp: Experiment) -> list[tuple[str, str]]:
+    """run_dir must be (or become) a directory: no existing file on its path."""
+    path = Path(exp.run_dir).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"lies under {p}, which is a file"
+                return [
+                    (
+                        "run_dir",
+                        f"'{exp.run_dir}' {what}, not a directory; choose another run_dir (--set run_dir=...)",
+                    )
+                ]
+            break
+    return []
+
+
+def line_for(loc: tuple, lines: dict[tuple, int | str]) -> int | None:
+    while loc:
+        if loc in lines:
+            return lines[loc]
+        loc = loc[:-1]
+    return None

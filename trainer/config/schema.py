@@ -1,0 +1,352 @@
+"""The experiment schema: one pydantic model per section, the YAML mirrors it one to one. Every
+field has a one-line description, which is also the config reference (`bin/train
+--describe-config`, `describe`). Rules between fields are in `rules.py`, loading in `loading.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field
+
+from trainer.config.fields import (
+    AutoBool,
+    FrozenMapping,
+    Globs,
+    Section,
+    Size,
+    _model_of,
+    _show,
+    _unwrap,
+    choice,
+    thaw,
+)
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "deepspeed"
+
+# model.chunked_loss: model types whose logits are plain lm_head(base_model(...)[0]): no logit scale
+# (cohere, granite), no soft-capping (gemma2/3), no router loss added to the LM loss (mixtral...).
+CHUNKED_LOSS_TYPES = frozenset(
+    {
+        "gpt2",
+        "gpt_neox",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "olmo",
+        "olmo2",
+        "gemma",
+        "smollm3",
+        "opt",
+    }
+)
+
+
+LOSS_CHUNK_BYTES = 1 << 30  # model.chunked_loss: fp32 logits per chunk
+
+
+def loss_chunk_rows(vocab: int) -> int:
+    """model.chunked_loss: rows (tokens) per chunk, LOSS_CHUNK_BYTES of fp32 logits."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+
+
+def chunked_loss_problem(model_type: str | None) -> str | None:
+    """Why model.chunked_loss cannot serve this model type (None: it can)."""
+    if model_type in CHUNKED_LOSS_TYPES:
+        return None
+    return (
+        f"not available for model_type '{model_type}' (it supports {', '.join(sorted(CHUNKED_LOSS_TYPES))}: "
+        "models whose logits are the LM head's output, unscaled and uncapped); set it to false"
+    )
+
+
+class ModelSection(Section):
+    """What to train. Exactly one of `config`, `pretrained`, `factory`."""
+
+    config: FrozenMapping | None = Field(
+        None,
+        description="transformers config for a randomly initialised model: `model_type` plus its "
+        "fields (e.g. {model_type: gpt2, n_layer: 4}); vocab_size defaults to the tokenizer's",
+    )
+    pretrained: str | None = Field(
+        None, description="local directory or hub id, loaded with AutoModelForCausalLM.from_pretrained"
+    )
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) for `pretrained`")
+    factory: str | None = Field(
+        None, description="'package.module:function' returning a torch.nn.Module (see README: Models)"
+    )
+    factory_args: FrozenMapping = Field(
+        default_factory=dict, description="keyword arguments passed to `factory`"
+    )
+    trust_remote_code: bool = Field(False, description="allow model code from the hub (pretrained only)")
+    activation_checkpointing: bool = Field(
+        False, description="recompute activations in backward (less memory, about 30% more compute)"
+    )
+    attn_implementation: choice(None, "eager", "sdpa", "flash_attention_2") = Field(
+        None, description="attention kernel for transformers models; null keeps the model's default"
+    )
+    chunked_loss: bool = Field(
+        False,
+        description="LM head and cross-entropy in chunks, never the whole logits (less memory and memory "
+        "traffic; transformers causal LMs with a plain LM head, see README: Models)",
+    )
+
+
+class DataSource(Section):
+    """One dataset: local files (globs) or a hub dataset."""
+
+    files: Globs | None = Field(
+        None, description="file globs (text, json/jsonl, parquet), relative to the current directory"
+    )
+    hub: str | None = Field(None, description="hub dataset id, loaded with datasets.load_dataset")
+    name: str | None = Field(None, description="hub dataset configuration name")
+    split: str = Field("train", description="split to read")
+    format: choice("auto", "text", "json", "parquet") = Field(
+        "auto", description="file format; auto = from the file extension"
+    )
+    text_field: str = Field("text", description="column holding the text (json/parquet/hub)")
+    sample_by: choice("document", "paragraph", "line") = Field(
+        "document", description="for text files: one sample per file, paragraph or line"
+    )
+
+
+class DataSection(Section):
+    """Tokenized, packed, per-rank data."""
+
+    train: DataSource = Field(description="training data")
+    eval: DataSource | None = Field(None, description="held-out data; default: `eval_fraction` of train")
+    eval_fraction: float = Field(
+        0.01, ge=0.0, lt=0.5, description="share of training documents held out for eval (0 = none)"
+    )
+    tokenizer: str = Field(
+        "byte", description="'byte' (built in, 256 bytes + EOS, no files), a local path or a hub id"
+    )
+    seq_len: int = Field(256, ge=8, description="tokens per packed training sequence")
+    append_eos: bool = Field(True, description="append the EOS token after every document")
+    num_workers: int = Field(4, ge=0, description="DataLoader worker processes per rank")
+    pin_memory: bool = Field(True, description="page-locked host batches (used on GPU only)")
+    persistent_workers: bool = Field(True, description="keep workers across epochs (when num_workers > 0)")
+    num_proc: int | None = Field(None, ge=1, description="tokenizer processes; null = min(8, CPU cores)")
+    shuffle: bool = Field(True, description="reshuffle every epoch (seeded; same order for the same seed)")
+    cache_dir: str = Field(
+        "~/.cache/trainer/data", description="where tokenized, packed data is cached between runs"
+    )
+
+
+class TrainSection(Section):
+    """Batch, length and precision of training."""
+
+    micro_batch_size: int = Field(8, ge=1, description="sequences per rank per forward/backward")
+    grad_accum: int = Field(1, ge=1, description="micro batches accumulated per optimizer step")
+    max_steps: int = Field(description="optimizer steps to train", ge=1)
+    precision: choice("auto", "fp32", "bf16", "fp16") = Field(
+        "auto", description="auto = bf16 on GPUs that support it, else fp32"
+    )
+    grad_clip: float = Field(1.0, ge=0.0, description="clip the global gradient norm to this (0 = off)")
+    log_every: int = Field(10, ge=1, description="log metrics every N steps")
+    eval_every: int = Field(0, ge=0, description="evaluate every N steps (0 = only at the end)")
+    eval_batches: int = Field(50, ge=1, description="at most this many micro batches per rank per eval")
+    compile: bool = Field(
+        False,
+        description="torch.compile the model through DeepSpeed's engine.compile() (first steps compile)",
+    )
+
+
+class OptimSection(Section):
+    """Optimizer and learning-rate schedule (passed to DeepSpeed, which owns the update)."""
+
+    name: choice("adamw", "adam") = Field("adamw", description="optimizer")
+    implementation: choice("auto", "deepspeed", "torch") = Field(
+        "auto",
+        description="auto = DeepSpeed's fused Adam on GPU / CPUAdam with offload, torch AdamW on CPU (bitwise resume)",
+    )
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate (before lr_scaling)")
+    lr_scaling: choice("none", "linear", "sqrt") = Field(
+        "none", description="scale lr with world size x grad_accum relative to one rank (Goyal et al.)"
+    )
+    weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay (not on biases and norms)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    schedule: choice("cosine", "linear", "constant") = Field(
+        "cosine", description="decay after warmup (DeepSpeed WarmupCosineLR / WarmupDecayLR / WarmupLR)"
+    )
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine: final lr as a share of lr")
+    schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="steps the LR schedule spans (warmup + decay); null = train.max_steps at the run's first "
+        "start, kept on resume so a changed max_steps does not move the lr; set it to re-plan the schedule",
+    )
+
+
+class StrategySection(Section):
+    """How the model is spread over ranks: the ZeRO stage and offload (see README: Escalation)."""
+
+    zero_stage: choice("auto", 0, 1, 2, 3) = Field(
+        "auto", description="auto = first of 0 -> 2 -> 3 that fits; 1 only when asked for"
+    )
+    offload: choice("auto", "none", "cpu", "nvme") = Field(
+        "auto", description="auto = none unless nothing fits on the device, then cpu, then nvme"
+    )
+    nvme_path: str | None = Field(None, description="directory for NVMe offload (offload: nvme)")
+    justification: str = Field(
+        "", description="why a stage/offload above the one the rules pick is pinned (required then)"
+    )
+    deepspeed: str | None = Field(
+        None, description="explicit DeepSpeed JSON template (e.g. configs/deepspeed/zero2.json)"
+    )
+    allow_deepspeed_keys: list[str] = Field(
+        default_factory=list, description="extra top-level DeepSpeed keys to accept in a template"
+    )
+    on_oom: choice("fail", "escalate") = Field(
+        "fail", description="escalate = on out-of-memory, restart from the last checkpoint one rung up"
+    )
+    device_memory: Size = Field(None, description="memory per device, e.g. 80GB; null = read the GPU")
+    host_memory: Size = Field(None, description="host memory per node for offload; null = read it")
+    headroom: float = Field(0.9, gt=0.0, le=1.0, description="share of device memory the plan may use")
+
+
+class DistSection(Section):
+    """How ranks talk, and how a job that stops making progress ends (see README: Multi-node)."""
+
+    timeout_s: float = Field(
+        600.0, gt=0, description="timeout of every collective (all process groups, DeepSpeed's too)"
+    )
+    watchdog_s: float = Field(
+        1800.0,
+        ge=0,
+        description="end the job when a rank makes no progress (step, eval, save) this long; 0 = off",
+    )
+    preflight: bool = Field(
+        True, description="check at start: all-reduce works, every rank holds the same weights"
+    )
+    nan_check: bool = Field(
+        True, description="stop every rank at the same step on a NaN/inf loss (before the update)"
+    )
+    straggler_margin: float = Field(
+        0.2, ge=0, description="report a rank whose step time exceeds the median by this share"
+    )
+
+
+class CheckpointSection(Section):
+    """When and how checkpoints are written and resumed (see README: Checkpoints)."""
+
+    every_steps: int = Field(0, ge=0, description="save every N steps (0 = off)")
+    every_minutes: float = Field(0.0, ge=0.0, description="save every N minutes (0 = off)")
+    keep_last: int = Field(3, ge=0, description="keep the newest N complete checkpoints (0 = all)")
+    save_final: bool = Field(True, description="save at the end of training")
+    save_on_signal: bool = Field(True, description="on SIGTERM/SIGUSR1: finish the step, save, exit")
+    signal_exit_code: int = Field(0, ge=0, le=255, description="exit status after a save on a signal")
+    resume: choice("never", "auto") = Field(
+        "never", description="auto = resume from the latest complete checkpoint if there is one"
+    )
+    on_data_change: choice("error", "continue") = Field(
+        "error",
+        description="on resume, when the training data differs from the checkpoint's: error, or continue "
+        "at the saved position in the new data (see README: Checkpoints)",
+    )
+    convert_timeout_minutes: float = Field(
+        120.0,
+        gt=0,
+        description="how long every rank waits for a checkpoint's conversion to another stage or world size",
+    )
+
+
+class WandbSection(Section):
+    """Weights & Biases logging, rank 0 only."""
+
+    enabled: AutoBool = Field(
+        False,
+        description="true, false, or auto (on when wandb is installed and logged in, or WANDB_MODE is set)",
+    )
+    project: str | None = Field(None, description="project; null = the experiment name")
+    entity: str | None = Field(None, description="team or user")
+    run_name: str | None = Field(None, description="display name; null = the experiment name")
+    tags: list[str] = Field(default_factory=list, description="tags")
+    mode: choice("online", "offline") = Field("offline", description="offline writes to the run directory")
+
+
+class LoggingSection(Section):
+    """What rank 0 prints and records."""
+
+    progress: AutoBool = Field("auto", description="progress bar; auto = only when stdout is a terminal")
+    level: choice("debug", "info", "warning") = Field("info", description="log level of rank 0")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="dense bf16 peak of one GPU in TFLOP/s, for MFU; null = from the GPU's name"
+    )
+    wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases")
+
+
+class Experiment(Section):
+    """One experiment: everything `bin/train` needs."""
+
+    name: str = Field("experiment", pattern=r"^[A-Za-z0-9._-]+$", description="experiment name")
+    seed: int = Field(1234, ge=0, description="seed for model init (same on every rank) and data order")
+    run_dir: str = Field("", description="metrics and checkpoints go here; default runs/<name>")
+    model: ModelSection = Field(description="the model")
+    data: DataSection = Field(description="the data")
+    train: TrainSection = Field(description="training length, batch and precision")
+    optim: OptimSection = Field(default_factory=OptimSection, description="optimizer and LR schedule")
+    strategy: StrategySection = Field(default_factory=StrategySection, description="ZeRO stage, offload")
+    dist: DistSection = Field(
+        default_factory=DistSection, description="timeouts, watchdog, consistency checks"
+    )
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="checkpoints")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="logging")
+
+    def to_dict(self) -> dict[str, Any]:
+        return thaw(self.model_dump(mode="python"))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False, default_flow_style=False)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+SECTIONS = ("model", "data", "train", "optim", "strategy", "dist", "checkpoint", "logging")
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def describe(model: type[BaseModel] = Experiment, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every field: the config reference."""
+    rows = []
+    for name, info in model.model_fields.items():
+        key = f"{prefix}{name}"
+        sub = _model_of(info.annotation)
+        if sub is not None and _model_of(info.annotation) is not None and name != "config":
+            rows.append((key, "section", "", info.description or ""))
+            rows += describe(sub, key + ".")
+            continue
+        if info.is_required():
+            default = "required"
+        elif info.default_factory is not None:
+            default = _show(thaw(info.default_factory()))
+        else:
+            default = _show(info.default)
+        rows.append((key, _type_name(info), default, info.description or ""))
+    return rows
+
+
+def _type_name(info: Any) -> str:
+    for meta in info.metadata:
+        allowed = getattr(getattr(meta, "func", None), "allowed", None)
+        if allowed:
+            return allowed
+    annotation = info.annotation
+    members = [m for m in _unwrap(annotation) if m is not type(None)]
+    names = []
+    for m in members:
+        names.append(getattr(m, "__name__", str(m)).replace("typing.", ""))
+    return " | ".join(names) + (" | null" if type(None) in _unwrap(annotation) else "")
