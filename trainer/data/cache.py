@@ -1,0 +1,218 @@
+"""The tokenized data cache: sources tokenized and packed once per node, kept as `train.npy` and
+`eval.npy` (int32, sequences x seq_len) read memory-mapped, keyed by the source files (path, size,
+mtime), the tokenizer and the packing settings. The first process on a node to take the cache lock
+builds it; the others wait and read it. A cache hit costs neither an import of `datasets` nor a copy
+of the data per rank.
+
+Each cache records the training data's fingerprint (sequences, a digest of the packed tokens, the
+sources and the tokenizer), which every checkpoint saves and a resume compares (`data_changes`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.config import DataSection
+from trainer.data.pack import _tokenize_and_pack
+from trainer.data.sources import _where, load_raw, source_key
+from trainer.data.tokenizer import load_tokenizer, tokenizer_id
+from trainer.errors import UserError
+from trainer.files import file_lock, write_atomic
+
+CACHE_VERSION = 2  # 2: packed blocks in .npy files (1: datasets' Arrow)
+
+
+@dataclass
+class Data:
+    """Everything the loop needs from the data side."""
+
+    train: np.ndarray  # (sequences, seq_len) int32, memory-mapped from the cache
+    eval: np.ndarray | None
+    tokenizer: Any
+    seq_len: int
+    cache_path: str
+    built: bool  # True when this process tokenized (a cache miss)
+    # What identifies the training data: sequences, a digest of their tokens, the sources' files
+    # (path, size, mtime) and the tokenizer. Saved with every checkpoint, compared on resume.
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+
+def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
+    """Load (from cache, or tokenize and pack once per node) the train and eval sets."""
+    tok = load_tokenizer(section.tokenizer)
+    if section.append_eos and tok.eos_token_id is None:
+        raise UserError(f"data.tokenizer '{section.tokenizer}' has no EOS token; set data.append_eos: false")
+    key = {
+        "version": CACHE_VERSION,
+        "train": source_key(section.train, "data.train"),
+        "eval": source_key(section.eval, "data.eval") if section.eval is not None else None,
+        "eval_fraction": section.eval_fraction if section.eval is None else 0.0,
+        "tokenizer": tokenizer_id(tok, section.tokenizer),
+        "seq_len": section.seq_len,
+        "append_eos": section.append_eos,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    root = Path(os.path.expanduser(section.cache_dir))
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / digest
+    built = False
+    with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
+        if not (final / "meta.json").exists():
+            _build_cache(section, tok, key, final, quiet=not (is_main and sys.stderr.isatty()))
+            built = True
+        meta = json.loads((final / "meta.json").read_text())
+        if "train_digest" not in meta:  # a cache made before the digest was recorded
+            meta["train_digest"] = file_digest(final / "train.npy")
+            write_atomic(final / "meta.json", json.dumps(meta, indent=2))
+    train = np.load(final / "train.npy", mmap_mode="r")
+    eval_ = np.load(final / "eval.npy", mmap_mode="r") if (final / "eval.npy").exists() else None
+    fingerprint = {
+        "train_sequences": int(meta["train_sequences"]),
+        "train_digest": meta["train_digest"],
+        "sources": meta["train"],
+        "tokenizer": meta["tokenizer"],
+    }
+    return Data(
+        train=train,
+        eval=eval_,
+        tokenizer=tok,
+        seq_len=section.seq_len,
+        cache_path=str(final),
+        built=built,
+        fingerprint=fingerprint,
+    )
+
+
+def file_digest(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the training data differs from the data a checkpoint was trained on (both `Data.fingerprint`),
+    each difference in words; [] when the packed sequences are the same (a file that was only touched
+    or re-tokenized to the same tokens is no change)."""
+    if (
+        saved.get("train_digest") == now["train_digest"]
+        and saved.get("train_sequences") == now["train_sequences"]
+    ):
+        return []
+    out = []
+    if saved.get("train_sequences") != now["train_sequences"]:
+        out.append(
+            f"training sequences: {saved.get('train_sequences')} at the checkpoint, {now['train_sequences']} now"
+        )
+    else:
+        out.append(f"the same number of training sequences ({now['train_sequences']}) with other tokens")
+    if saved.get("tokenizer") != now["tokenizer"]:
+        out.append(f"tokenizer: {saved.get('tokenizer')} at the checkpoint, {now['tokenizer']} now")
+    before, after = saved.get("sources") or {}, now["sources"]
+    if "files" in before and "files" in after:
+        old = {f[0]: (f[1], f[2]) for f in before["files"]}
+        new = {f[0]: (f[1], f[2]) for f in after["files"]}
+        for path in sorted(old.keys() - new.keys()):
+            out.append(f"{path}: gone")
+        for path in sorted(new.keys() - old.keys()):
+            out.append(f"{path}: new ({new[path][0]:,} bytes)")
+        for path in sorted(old.keys() & new.keys()):
+            (s0, t0), (s1, t1) = old[path], new[path]
+            if s0 != s1:
+                out.append(f"{path}: {s0:,} bytes at the checkpoint, {s1:,} now")
+            elif t0 != t1:
+                out.append(f"{path}: modified since the checkpoint (same size)")
+    elif before != after:
+        out.append(f"source: {before} at the checkpoint, {after} now")
+    return out
+
+
+def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Path, quiet: bool) -> None:
+    import datasets
+
+    from trainer.dist import cpu_cores
+
+    if quiet:
+        datasets.disable_progress_bars()
+    num_proc = section.num_proc or min(8, cpu_cores())
+    raw = load_raw(section.train, "data.train")
+    if len(raw) == 0:
+        raise UserError(
+            f"data.train: the dataset is empty (0 rows in {_where(section.train)}); point it at data"
+        )
+    train, tokens = _tokenize_and_pack(raw, tok, section, section.train.text_field, num_proc)
+    if len(train) == 0:
+        raise UserError(
+            f"data.train: {len(raw)} document(s) with {tokens} tokens make no full sequence of data.seq_len "
+            f"{section.seq_len}; lower data.seq_len or add data"
+        )
+    if section.eval is not None:
+        raw_eval = load_raw(section.eval, "data.eval")
+        eval_, _ = _tokenize_and_pack(raw_eval, tok, section, section.eval.text_field, num_proc)
+        if len(eval_) == 0:
+            raise UserError(
+                f"data.eval: no full sequence of data.seq_len {section.seq_len}; lower it or add data"
+            )
+    elif section.eval_fraction > 0:
+        # Hold out the tail: packing keeps document order, so these are the last documents.
+        n_eval = max(1, math.ceil(len(train) * section.eval_fraction))
+        if n_eval >= len(train):
+            raise UserError(
+                f"data.eval_fraction: {len(train)} sequences are too few to hold out {section.eval_fraction:.0%}; "
+                "set eval_fraction: 0 or add data"
+            )
+        eval_ = train.select(range(len(train) - n_eval, len(train)))
+        train = train.select(range(len(train) - n_eval))
+    else:
+        eval_ = None
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        _save_blocks(train, tmp / "train.npy", section.seq_len)
+        if eval_ is not None:
+            _save_blocks(eval_, tmp / "eval.npy", section.seq_len)
+        meta = {
+            **key,
+            "train_sequences": len(train),
+            "eval_sequences": len(eval_) if eval_ is not None else 0,
+            "train_digest": file_digest(tmp / "train.npy"),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another node on a shared filesystem finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_blocks(packed: Any, path: Path, seq_len: int, chunk: int = 65536) -> None:
+    """The packed `input_ids` column -> an int32 .npy of (sequences, seq_len), written in chunks so
+    that a corpus larger than memory never is in memory whole."""
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(len(packed), seq_len))
+    rows = packed.with_format("numpy")
+    for start in range(0, len(packed), chunk):
+        out[start : start + chunk] = rows[start : start + chunk]["input_ids"]
+    out.flush()
+    del out

@@ -1,0 +1,204 @@
+"""Per-rank, resumable batches. The data order is global and independent of the world size: epoch e
+is a seeded permutation of the blocks; micro step i takes blocks [i*W*B, (i+1)*W*B) of it (W ranks,
+micro batch B), and rank r takes its B-slice. The position in the data is therefore one number,
+global samples consumed in the epoch, which carries over when a run resumes on another number of
+ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer.config import DataSection
+from trainer.data.cache import Data
+from trainer.errors import UserError
+
+
+class RankSampler:
+    """Yields this rank's sample indices for one epoch, from global sample `start` on.
+
+    The global order of an epoch is a permutation seeded by (seed, epoch); each micro step takes
+    the next world*micro samples of it and rank r takes its micro-slice. Incomplete global batches
+    at the end of an epoch are dropped, so every rank takes the same number of steps."""
+
+    def __init__(self, n: int, rank: int, world: int, micro: int, seed: int, shuffle: bool) -> None:
+        self.n, self.rank, self.world, self.micro, self.seed, self.shuffle = (
+            n,
+            rank,
+            world,
+            micro,
+            seed,
+            shuffle,
+        )
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.micro
+
+    def steps_per_epoch(self) -> int:
+        return self.n // self.global_batch
+
+    def __iter__(self) -> Iterator[int]:
+        rest = self.order(self.epoch)[self.start :]
+        steps = len(rest) // self.global_batch
+        mine = rest[: steps * self.global_batch].reshape(steps, self.world, self.micro)[:, self.rank, :]
+        return iter(mine.reshape(-1).tolist())
+
+    def __len__(self) -> int:
+        return ((self.n - self.start) // self.global_batch) * self.micro
+
+
+class _Rows:
+    """Map-style dataset over the memory-mapped blocks; `__getitems__` fetches a batch in one take."""
+
+    def __init__(self, blocks: np.ndarray) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.asarray(self.blocks[int(i)])
+
+    def __getitems__(self, idx: list[int]) -> np.ndarray:
+        return self.blocks[np.asarray(idx, dtype=np.int64)]
+
+
+def _collate(rows: Any) -> Any:
+    import torch
+
+    arr = np.asarray(rows) if not isinstance(rows, np.ndarray) else rows
+    return torch.from_numpy(arr.astype(np.int64, copy=False))
+
+
+def make_loader(ds: Any, sampler: RankSampler, section: DataSection, device_type: str) -> Any:
+    import torch
+    from torch.utils.data import DataLoader
+
+    workers = section.num_workers
+    return DataLoader(
+        _Rows(ds),
+        batch_size=sampler.micro,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=section.pin_memory and device_type == "cuda",
+        persistent_workers=section.persistent_workers and workers > 0,
+        collate_fn=_collate,
+        # Own generator: creating an iterator must not draw from the global RNG (exact resume).
+        generator=torch.Generator().manual_seed(0),
+        multiprocessing_context="fork" if workers > 0 else None,
+    )
+
+
+@dataclass
+class Position:
+    """Where training is in the data: the epoch and global samples consumed in it."""
+
+    epoch: int = 0
+    sample: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "sample": self.sample}
+
+
+class TrainStream:
+    """Endless micro batches for this rank, across epochs; knows its position for checkpoints."""
+
+    def __init__(
+        self,
+        data: Data,
+        section: DataSection,
+        *,
+        rank: int,
+        world: int,
+        micro: int,
+        seed: int,
+        device_type: str,
+    ) -> None:
+        self.sampler = RankSampler(len(data.train), rank, world, micro, seed, section.shuffle)
+        if self.sampler.steps_per_epoch() == 0:
+            raise UserError(
+                f"data.train: {len(data.train)} sequences are fewer than one global micro batch ({world} ranks x "
+                f"train.micro_batch_size {micro}); lower the micro batch or add data"
+            )
+        self.loader = make_loader(data.train, self.sampler, section, device_type)
+        self.position = Position()
+        self._it: Iterator[Any] | None = None
+        self.record: list[str] | None = None  # digests of consumed rows, when a test asks for them
+
+    def seek(self, position: Position) -> None:
+        """Continue from `position` (global samples in the epoch; any world size)."""
+        gb = self.sampler.global_batch
+        if position.sample + gb > self.sampler.n:  # the saved epoch was finished
+            position = Position(position.epoch + 1, 0)
+        self.position = Position(position.epoch, position.sample)
+        self._it = None
+
+    def next(self) -> Any:
+        if self._it is None:
+            self.sampler.set_epoch(self.position.epoch, self.position.sample)
+            self._it = iter(self.loader)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.position = Position(self.position.epoch + 1, 0)
+            self.sampler.set_epoch(self.position.epoch, 0)
+            self._it = iter(self.loader)
+            batch = next(self._it)
+        self.position.sample += self.sampler.global_batch
+        if self.record is not None:
+            from trainer.checks import row_digest
+
+            self.record += [row_digest(row) for row in batch]
+        return batch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch()
+
+
+def eval_batches(
+    data: Data, section: DataSection, *, rank: int, world: int, micro: int, limit: int, device_type: str
+) -> Any:
+    """A fixed, unshuffled loader over the eval set, sharded like training; at most `limit` batches."""
+    if data.eval is None:
+        return None
+    sampler = RankSampler(len(data.eval), rank, world, micro, 0, shuffle=False)
+    if sampler.steps_per_epoch() == 0:
+        # Fewer eval sequences than one global batch: evaluate one smaller batch per rank instead.
+        micro = max(1, len(data.eval) // world)
+        sampler = RankSampler(len(data.eval), rank, world, micro, 0, shuffle=False)
+        if sampler.steps_per_epoch() == 0:
+            return None
+    loader = make_loader(
+        data.eval,
+        sampler,
+        section.model_copy(update={"persistent_workers": False, "num_workers": 0}),
+        device_type,
+    )
+    return _Limited(loader, limit)
+
+
+class _Limited:
+    def __init__(self, loader: Any, limit: int) -> None:
+        self.loader, self.limit = loader, limit
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, batch in enumerate(self.loader):
+            if i >= self.limit:
+                return
+            yield batch

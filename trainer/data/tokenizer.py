@@ -1,0 +1,80 @@
+"""Tokenizers: the built-in byte tokenizer (no files), or any transformers tokenizer by path or hub id;
+their shape (vocabulary, EOS) for planning without loading them twice, and their identity for the
+data cache's key."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError
+from trainer.files import write_atomic
+
+EOS = "<|endoftext|>"
+BYTE_VOCAB, BYTE_EOS_ID = 257, 256  # the built-in byte tokenizer: 256 bytes + EOS
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer that needs no files: ids 0..255 are the UTF-8 bytes, 256 is EOS.
+    It is a real transformers tokenizer, so it saves with a checkpoint export."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    vocab = {b2u[i]: i for i in range(256)}
+    vocab[EOS] = BYTE_EOS_ID
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, model_max_length=1 << 30)
+
+
+def load_tokenizer(spec: str) -> Any:
+    if spec == "byte":
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"data.tokenizer: cannot load '{spec}': {str(e).splitlines()[0]}. Use 'byte', a local tokenizer "
+            "directory, or a hub id on a machine with network access"
+        ) from None
+
+
+def tokenizer_shape(spec: str, cache_dir: str | Path | None = None) -> tuple[int, int | None]:
+    """(vocabulary size, EOS id) of a tokenizer, for planning. The byte tokenizer's are constants; a
+    local tokenizer directory's are cached by its files' names, sizes and times, so that planning a
+    model seen before does not import transformers."""
+    if spec == "byte":
+        return BYTE_VOCAB, BYTE_EOS_ID
+    path = None
+    local = Path(spec).expanduser()
+    if cache_dir and local.is_dir():
+        stamp = sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in local.iterdir() if f.is_file()
+        )
+        key = hashlib.sha256(json.dumps([str(local.resolve()), stamp]).encode()).hexdigest()[:24]
+        path = Path(cache_dir).expanduser() / "model-info" / f"tokenizer-{key}.json"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            d = json.loads(path.read_text())
+            return d["vocab"], d["eos"]
+    tok = load_tokenizer(spec)
+    shape = len(tok), tok.eos_token_id
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({"vocab": shape[0], "eos": shape[1]}))
+    return shape
+
+
+def tokenizer_id(tok: Any, spec: str) -> str:
+    """A stable identity for the cache key: the spec plus a hash of the vocabulary."""
+    vocab = tok.get_vocab()
+    h = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+    return f"{spec}:{len(vocab)}:{h}"
