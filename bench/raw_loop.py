@@ -79,7 +79,7 @@ def main() -> None:
     if spec.get("chunked_loss"):
         # model.chunked_loss is part of the model under test, not of the loop: the same loss here.
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from trainer.loss import attach
+        from trainer.model.loss import attach
 
         attach(model, zero3=zero3)
     decay = [q for q in model.parameters() if len(getattr(q, "ds_shape", q.shape)) >= 2]

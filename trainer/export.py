@@ -62,7 +62,7 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
             "export; load consolidated weights with trainer.export.consolidated_state_dict instead"
         )
     tok = data.load_tokenizer(exp.data.tokenizer)
-    cfg = model._config(exp.model, len(tok), tok.eos_token_id)
+    cfg = model.hf_config(exp.model, len(tok), tok.eos_token_id)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

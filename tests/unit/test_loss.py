@@ -6,8 +6,9 @@ import torch
 from helpers import TINY
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer import config, loss, strategy
+from trainer import config, strategy
 from trainer.errors import ConfigError, UserError
+from trainer.model import loss
 
 GiB = 2**30
 

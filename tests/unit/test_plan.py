@@ -10,6 +10,7 @@ from helpers import TINY
 
 from trainer import config, model, strategy
 from trainer.errors import UserError
+from trainer.model import create
 from trainer.strategy import planner
 
 GiB = 2**30
@@ -67,7 +68,9 @@ def test_model_shapes_are_cached_for_planning(gpt2, tmp_path, monkeypatch):
     a change to the model section or the vocabulary is a new key."""
     section = config.ModelSection.model_validate({"config": GPT2, "attn_implementation": "sdpa"})
     assert model.info(section, cache_dir=tmp_path) == gpt2
-    monkeypatch.setattr(model, "_count", lambda *a: pytest.fail("counted again instead of reading the cache"))
+    monkeypatch.setattr(
+        create, "_count", lambda *a: pytest.fail("counted again instead of reading the cache")
+    )
     assert model.info(section, cache_dir=tmp_path) == gpt2
     assert len(list((tmp_path / "model-info").glob("*.json"))) == 1
     with pytest.raises(pytest.fail.Exception):
@@ -75,7 +78,7 @@ def test_model_shapes_are_cached_for_planning(gpt2, tmp_path, monkeypatch):
     factory = config.ModelSection.model_validate(
         {"factory": "torch.nn:Linear", "factory_args": {"in_features": 2, "out_features": 3}}
     )
-    assert model._info_key(factory, None, None) is None  # user code can change under the same name
+    assert create._info_key(factory, None, None) is None  # user code can change under the same name
 
 
 @pytest.mark.parametrize("ranks", [1, 8])

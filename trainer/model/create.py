@@ -26,7 +26,7 @@ from trainer.files import write_atomic
 from trainer.strategy import ModelInfo
 
 
-def _config(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> Any:
+def hf_config(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> Any:
     """The transformers config for `config:` or `pretrained:` models."""
     from transformers import AutoConfig
 
@@ -184,7 +184,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         return ModelInfo(params=params, largest_layer=largest, **shape)
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(section, vocab_size, eos_id)
+    cfg = hf_config(section, vocab_size, eos_id)
     kwargs = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
     with torch.device("meta"), _quiet_transformers():
         module = AutoModelForCausalLM.from_config(cfg, **kwargs)
@@ -231,7 +231,7 @@ def build(
         else:
             from transformers import AutoModelForCausalLM
 
-            cfg = _config(section, vocab_size, eos_id)
+            cfg = hf_config(section, vocab_size, eos_id)
             check_seq_len(cfg, seq_len)
             kwargs: dict[str, Any] = {}
             if section.attn_implementation:
@@ -268,7 +268,7 @@ def build(
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
             model.config.use_cache = False
     if section.chunked_loss:
-        from trainer import loss
+        from trainer.model import loss
 
         loss.attach(model, zero3=zero3)
     return model

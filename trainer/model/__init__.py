@@ -1,0 +1,25 @@
+"""The model: `create.py` makes it (from a transformers config, a local path or hub id, or a factory)
+and counts it for the planner without allocating weights; `loss.py` is `model.chunked_loss` (imported
+on its own: it needs torch, which planning does not import)."""
+
+from trainer.model.create import (
+    build,
+    check_seq_len,
+    count,
+    hf_config,
+    info,
+    loss_of,
+    param_groups,
+    positions,
+)
+
+__all__ = [
+    "build",
+    "check_seq_len",
+    "count",
+    "hf_config",
+    "info",
+    "loss_of",
+    "param_groups",
+    "positions",
+]
