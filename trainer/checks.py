@@ -126,7 +126,7 @@ def full_optimizer_state(engine: Any, names: list[list[str]]) -> dict[str, dict[
     """Every parameter's whole fp32 master weight and Adam moments, as the live engine holds them at
     any ZeRO stage (gathered from the partitions: every rank must call it). Tests compare the state a
     resumed engine holds with the state the uninterrupted one saved."""
-    from trainer import stage0
+    from trainer.checkpoint import stage0
 
     ds = engine.ds
     if ds.zero_optimization_stage() == 0:

@@ -374,8 +374,10 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     resume = None
     if found is not None:
         diffs = checkpoint.check_compatible(found, exp)
-        resume = Resume(found, warnings, diffs)
-        if resume.done(exp) and dist.detect().world_size == 1:  # several ranks: once they agree on it
+        resume = checkpoint.Resume(found, warnings, diffs)
+        if (
+            resume.done(exp, dist.detect().rank) and dist.detect().world_size == 1
+        ):  # several ranks: once they agree on it
             return 0
 
     env = dist.detect()
@@ -407,73 +409,19 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             tdist.destroy_process_group()
 
 
-@dataclass
-class Resume:
-    found: Any  # checkpoint.Found
-    warnings: list[str]
-    differences: list[str]
-
-    def done(self, exp: config_mod.Experiment) -> bool:
-        """The checkpoint is at train.max_steps already (said by rank 0)."""
-        if self.found.step < exp.train.max_steps:
-            return False
-        if _launcher_rank() == 0:
-            print(
-                f"{self.found.path} is at step {self.found.step}, train.max_steps is {exp.train.max_steps}: nothing to do"
-            )
-        return True
-
-    @property
-    def identity(self) -> dict[str, Any]:
-        """What tells this checkpoint apart from another of the same tag (another run's)."""
-        return {"tag": self.found.tag, "saved_at": self.found.state.get("saved_at")}
-
-    def check_data(self, now: dict[str, Any], policy: str) -> list[str]:
-        """Refuse (policy 'error') or note (policy 'continue') training data that differs from the
-        data the checkpoint was trained on."""
-        from trainer.data import data_changes
-
-        saved = self.found.state.get("data")
-        changes = data_changes(saved, now) if saved else []
-        if not changes:
-            return []
-        pos = self.found.state["data_position"]
-        if policy == "error":
-            raise UserError(
-                f"--resume: the training data differs from the data {self.found.path} was trained on; its data "
-                f"position (epoch {pos['epoch']}, sample {pos['sample']}) would point into other data. Resume with "
-                "the data as it was, or continue on purpose with checkpoint.on_data_change: continue "
-                "(--set checkpoint.on_data_change=continue). What changed in data.train:"
-                + "".join(f"\n  - {c}" for c in changes),
-                everywhere=True,
-            )
-        return [
-            f"warning: the training data changed since {self.found.tag} ({'; '.join(changes)}); continuing as "
-            f"checkpoint.on_data_change asks: at epoch {pos['epoch']}, sample {pos['sample']} of the new data's "
-            "shuffled order, so in this epoch some sequences may come twice and others not at all; from the next "
-            "epoch on each comes once per epoch"
-        ]
-
-    @property
-    def ds_config(self) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.found.path / "ds_config.json").read_text())
-        except (OSError, ValueError):
-            return None
-
-
 def _train(
     exp: config_mod.Experiment,
     args: argparse.Namespace,
     runtime: Any,
     planned: Planned,
-    resume: Resume | None,
+    resume: Any,  # checkpoint.Resume | None
 ) -> int:
     import torch
 
-    from trainer import checks, dist, metrics, model, modes, reshard, rundir
+    from trainer import checks, dist, metrics, model, modes, rundir
     from trainer import data as data_mod
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint import Checkpointer, Store, checkpoints_dir
+    from trainer.checkpoint.reshard import names_and_aliases
     from trainer.control import Control, NonFiniteLoss
     from trainer.engine import Engine
     from trainer.loop import Evaluator, TrainState, train
@@ -500,7 +448,7 @@ def _train(
     )
     if lock is not None and runtime.is_main:
         log.warning(lock)  # the filesystem has no locks
-    if resume is not None and resume.done(exp):
+    if resume is not None and resume.done(exp, env.rank):
         return 0
     data_notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
 
@@ -513,7 +461,7 @@ def _train(
         ds_config=planned.ds_config,
     )
     groups = model.param_groups(module, exp.optim.weight_decay)
-    layout = reshard.names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
+    layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     engine = Engine(module, planned.ds_config, groups, compile=exp.train.compile)
     dist.seed_all(exp.seed + 1 + env.rank)  # dropout differs per rank
 
@@ -566,9 +514,8 @@ def _train(
         watchdog_s=exp.dist.watchdog_s,
         nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
     )
-    checkpointer = Checkpointer(
-        exp.checkpoint,
-        run_dir,
+    store = Store(
+        checkpoints_dir(run_dir),
         engine=engine,
         stream=stream,
         exp=exp,
@@ -577,9 +524,10 @@ def _train(
         plan=planned.plan.summary(),
         layout=layout,
         faults=faults,
-        metrics=mets,
         data_fingerprint=data.fingerprint,
+        recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
     )
+    checkpointer = Checkpointer(exp.checkpoint, store)
     debug = dist.debug_dir()
     if resume is not None:
         checkpointer.load(resume.found, state)
@@ -595,7 +543,7 @@ def _train(
 
         stream.record = []
         memory = engine.on_backward = MemoryCensus()
-        checkpointer.on_save = lambda step: checks.save_optimizer_state(
+        store.on_save = lambda step: checks.save_optimizer_state(
             debug, f"optimizer_saved_step{step}", engine, layout[0], env.rank
         )
     banner(exp, runtime, planned, data, stream, samples_per_step, resume)
@@ -760,7 +708,7 @@ def banner(
     data: Any,
     stream: Any,
     samples_per_step: int,
-    resume: Resume | None = None,
+    resume: Any = None,  # checkpoint.Resume | None
 ) -> None:
     """What this run is, on rank 0: where it runs, what it trains, how, and from where."""
     if not runtime.is_main:

@@ -148,7 +148,7 @@ def check(
     import torch
 
     from trainer import checks
-    from trainer.checkpoint import Checkpointer, Found, read_state
+    from trainer.checkpoint import Found, Store, read_state
 
     engine.backward_step(engine.forward(stream.next()))
     state.step = 1
@@ -163,23 +163,17 @@ def check(
         return loss
 
     scratch = Path(exp.run_dir) / ".check"
-    ck = Checkpointer(
-        exp.checkpoint,
-        scratch,
-        engine=engine,
-        stream=stream,
-        exp=exp,
-        rank=env.rank,
-        world_size=env.world_size,
-        layout=layout,
-    )
-    saved = ck.save(state)
+    store = Store(
+        scratch / "checkpoints", engine=engine, stream=stream, exp=exp, rank=env.rank,
+        world_size=env.world_size, layout=layout,
+    )  # fmt: skip
+    saved = store.save(state)
     before = probe_loss()
     engine.backward_step(engine.forward(stream.next()))  # move the weights away
     moved = probe_loss()
-    ck.load(Found(saved, read_state(saved)), state)
+    store.load(Found(saved, read_state(saved)), state)
     after = probe_loss()
-    ck._barrier()
+    store.barrier()
     if env.rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
     if after != before:

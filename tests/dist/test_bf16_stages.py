@@ -73,7 +73,7 @@ def test_bf16_export_from_every_stage_gives_the_fp32_master_weights(tmp_path, ru
     and that model's logits equal the engine's."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.export import export
+    from trainer.checkpoint.export import export
 
     for name in ("zero0", "zero1", "zero2", "zero3"):
         a = runs(name, precision="bf16")

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from trainer import reshard, stage0
+from trainer.checkpoint import reshard, stage0
 
 WRAPPERS = {"fused": "FP16_Optimizer", "unfused": "FP16_UnfusedOptimizer"}
 

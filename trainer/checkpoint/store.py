@@ -34,16 +34,14 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from trainer.config import CheckpointSection, Experiment, validate
-from trainer.errors import Problem, UserError
+from trainer.config import Experiment
+from trainer.errors import UserError
 from trainer.faults import Faults
 from trainer.files import fsync_dir, write_atomic
 
@@ -183,75 +181,6 @@ def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Fou
     )
 
 
-# ----------------------------------------------------------------------------- compatibility
-
-# Changing these between save and resume is fine: they do not change what was learned.
-HARMLESS = (
-    "name",
-    "run_dir",
-    "logging",
-    "checkpoint",
-    "strategy",
-    "dist",  # timeouts, watchdog, consistency checks
-    "train.max_steps",
-    "optim.schedule_steps",  # re-plans the LR schedule on purpose (see strategy.schedule)
-    "train.log_every",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.compile",
-    "model.chunked_loss",  # the same loss, computed in chunks
-    "model.activation_checkpointing",
-    "train.micro_batch_size",
-    "train.grad_accum",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.persistent_workers",
-    "data.num_proc",
-    "data.cache_dir",
-)
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
-def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Keys whose values differ between two experiments (dotted paths)."""
-    a, b = _flatten(saved), _flatten(current)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-
-
-def check_compatible(found: Found, exp: Experiment) -> list[str]:
-    """Raise if the model or data differ from the checkpoint's; return the harmless differences."""
-    path = found.path / "experiment.yaml"
-    try:
-        saved = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"--resume: cannot read {path}: {e}") from None
-    # A key added to the schema since the save compares at its default, not as missing; if a key
-    # was removed or renamed since, the saved file does not validate and compares as written.
-    with contextlib.suppress(UserError):
-        saved = validate(saved, source=str(path)).to_dict()
-    diffs = differences(saved, exp.to_dict())
-    harmful = [k for k in diffs if not any(k == h or k.startswith(h + ".") for h in HARMLESS)]
-    if harmful:
-        a, b = _flatten(saved), _flatten(exp.to_dict())
-        raise UserError(
-            f"--resume: the experiment differs from the one that wrote {found.path} in what the model learned "
-            "from; resume with the same model and data, or start a new run_dir",
-            [
-                Problem(k, f"checkpoint has {a.get(k)!r}, the experiment now has {b.get(k)!r}")
-                for k in harmful
-            ],
-        )
-    return diffs
-
-
 # ----------------------------------------------------------------------------- saving / loading
 
 
@@ -294,11 +223,11 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 @dataclass
-class Checkpointer:
-    """Decides when to save (its own cadence), saves atomically, prunes, and restores."""
+class Store:
+    """The checkpoints of one run: save one atomically (every rank its shards, rank 0 the metadata
+    and the commit), prune the old ones, load one (converting for another stage or world size)."""
 
-    section: CheckpointSection
-    run_dir: Path
+    root: Path  # <run_dir>/checkpoints
     engine: Any
     stream: Any
     exp: Experiment
@@ -307,15 +236,12 @@ class Checkpointer:
     plan: dict[str, Any] = field(default_factory=dict)
     layout: tuple[list[list[str]], dict[str, str]] = ([], {})  # parameter names per group, tied aliases
     faults: Faults = field(default_factory=Faults)  # tests: kills during a save (trainer/faults.py)
-    metrics: Any = None
     data_fingerprint: dict[str, Any] = field(default_factory=dict)  # Data.fingerprint, compared on resume
-    on_save: Any = None  # tests: called on every rank with the step after each save
-    last_saved_step: int = -1
-    _last_save_time: float = field(default_factory=time.monotonic)
+    recent: Callable[[], dict[str, Any]] | None = None  # what trainer_state.json shows of the run so far
+    on_save: Callable[[int], None] | None = None  # tests: called on every rank with the step after each save
     _group: Any = None
 
     def __post_init__(self) -> None:
-        self.root = checkpoints_dir(self.run_dir)
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -325,29 +251,7 @@ class Checkpointer:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def minutes_due(self) -> bool:
-        """This rank's clock says a timed save is due (agreed across ranks by the caller)."""
-        m = self.section.every_minutes
-        return m > 0 and time.monotonic() - self._last_save_time >= m * 60
-
-    def offer(self, state: Any, *, force: bool = False, final: bool = False, time_due: bool = False) -> bool:
-        """Called by the loop after every step; saves when the cadence says so."""
-        if state.step == self.last_saved_step:
-            return False
-        every = self.section.every_steps
-        due = (
-            force
-            or time_due
-            or (final and self.section.save_final)
-            or (every > 0 and state.step % every == 0)
-        )
-        if due:
-            self.save(state)
-        return due
-
-    # --- save -------------------------------------------------------------------------------
-
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         if self._group is not None:
             import torch.distributed as dist
 
@@ -365,13 +269,13 @@ class Checkpointer:
             self._clean_leftovers(keep=staging)
             if stage_dir.exists():
                 shutil.rmtree(stage_dir)
-        self._barrier()
+        self.barrier()
         # Every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers before and after).
         stage_dir.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), stage_dir / f"rng_rank{self.rank:05d}.pt")
         self.faults.arm_save(state.step, self.engine.ds.checkpoint_engine)
         self.engine.ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
-        self._barrier()  # every rank has finished writing
+        self.barrier()  # every rank has finished writing
         self.faults.at("killcommit", state.step)
         final = self.root / tag
         if self.is_main:
@@ -384,10 +288,7 @@ class Checkpointer:
             fsync_dir(self.root)
             write_atomic(self.root / LATEST, tag + "\n", durable=True)
             shutil.rmtree(self.root / (TRASH_PREFIX + tag), ignore_errors=True)  # the replaced one, if any
-            self._prune(keep=tag)
-        self._barrier()
-        self.last_saved_step = state.step
-        self._last_save_time = time.monotonic()
+        self.barrier()
         if self.is_main:
             log.info(f"checkpoint {final} saved in {time.perf_counter() - t0:.1f} s")
         if self.on_save is not None:
@@ -404,7 +305,6 @@ class Checkpointer:
                     os.fsync(f.fileno())
                 files[str(p.relative_to(stage_dir))] = p.stat().st_size
         pos = self.stream.position
-        metrics = self.metrics.recent() if self.metrics is not None else {}
         meta = {
             "format_version": FORMAT_VERSION,
             **state.to_dict(),
@@ -421,8 +321,9 @@ class Checkpointer:
             "plan": self.plan,
             "versions": versions(),
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "metrics": metrics,
-            "wandb_run_id": getattr(self.metrics, "wandb_id", None),  # a resumed run continues it
+            "metrics": {},  # the last metrics and the wandb run id (a resumed run continues it)
+            "wandb_run_id": None,
+            **(self.recent() if self.recent is not None else {}),
             # Parameter names per optimizer group and tied aliases: reading a stage-0 checkpoint's
             # bf16/fp16 optimizer state (export) needs them; the module alone does not say.
             "param_groups": self.layout[0],
@@ -438,8 +339,9 @@ class Checkpointer:
                 log.info(f"removing {d} (left by an interrupted save)")
                 shutil.rmtree(d, ignore_errors=True)
 
-    def _prune(self, keep: str) -> None:
-        n = self.section.keep_last
+    def prune(self, keep_last: int, keep: str) -> None:
+        """Keep the newest `keep_last` complete checkpoints (`keep` among them; 0 = all), after the commit."""
+        n = keep_last
         if n <= 0:
             return
         done = [f for f in complete(self.root) if f.tag != keep]
@@ -448,18 +350,16 @@ class Checkpointer:
             os.rename(old.path, trash)  # atomic: never a half-deleted "complete" checkpoint
             shutil.rmtree(trash, ignore_errors=True)
 
-    # --- load -------------------------------------------------------------------------------
-
-    def load(self, found: Found, state: Any) -> None:
-        """Restore weights, optimizer, scheduler, step, data position and this rank's RNG."""
+    def load(self, found: Found, state: Any, wait_s: float = 7200.0) -> None:
+        """Restore weights, optimizer, scheduler, step, data position and this rank's RNG. `wait_s`:
+        how long every rank waits for a conversion to another stage or world size."""
         import torch
 
-        from trainer import reshard
+        from trainer.checkpoint import reshard
 
         saved = found.state
         same_world = saved["world_size"] == self.world_size
         names, aliases = self.layout
-        wait_s = self.section.convert_timeout_minutes * 60
         try:
             reshard.load(self.engine, found.path, names, aliases, self.rank, self._group, wait_s=wait_s)
         except (UserError, torch.OutOfMemoryError):
@@ -484,5 +384,3 @@ class Checkpointer:
             from trainer.dist import seed_all
 
             seed_all(self.exp.seed + 1 + self.rank + 1_000_003 * state.step)
-        self.last_saved_step = state.step
-        self._last_save_time = time.monotonic()

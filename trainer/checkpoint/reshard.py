@@ -13,7 +13,7 @@ Three gaps in DeepSpeed 0.19 are bridged here:
 - a stage-3 universal load copies param group 0's hyperparameters (weight decay!) into every
   group: `_restore_group_hparams` puts the saved per-group values back.
 
-The conversion runs in a separate process that rank 0 starts (`python -m trainer.reshard`), with
+The conversion runs in a separate process that rank 0 starts (`python -m trainer.checkpoint.reshard`), with
 several worker processes, writing into a hidden directory renamed into place when complete. It is
 not inside a collective, so `dist.timeout_s` does not bound it: every rank waits for the completion
 marker (or rank 0's failure report) for up to `checkpoint.convert_timeout_minutes`. An interrupted
@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer import stage0
+from trainer.checkpoint import stage0
 from trainer.errors import UserError
 from trainer.faults import Faults
 
@@ -197,7 +197,7 @@ def convert_in_subprocess(
         spec_path.write_text(json.dumps(spec, default=str))
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.reshard", str(ckpt), "--spec", str(spec_path)],
+                [sys.executable, "-m", "trainer.checkpoint.reshard", str(ckpt), "--spec", str(spec_path)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
@@ -479,7 +479,7 @@ def _restore_group_hparams(ds: Any, uni: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m trainer.reshard CHECKPOINT --spec SPEC.json`: the conversion process rank 0 starts."""
-    p = argparse.ArgumentParser(prog="python -m trainer.reshard", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m trainer.checkpoint.reshard", description=main.__doc__)
     p.add_argument("checkpoint")
     p.add_argument("--spec", required=True, help="JSON: names, aliases, target, tag, workers")
     args = p.parse_args(argv)

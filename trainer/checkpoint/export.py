@@ -31,9 +31,8 @@ def consolidated_state_dict(
     default: as recorded in its trainer_state.json."""
     import torch
 
-    from trainer import stage0
-    from trainer.checkpoint import read_state
-    from trainer.reshard import saved_layout
+    from trainer.checkpoint import read_state, stage0
+    from trainer.checkpoint.reshard import saved_layout
 
     stage, _ = saved_layout(ckpt)
     if stage == 0:
@@ -67,7 +66,7 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
 
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(cfg)
-    from trainer.reshard import names_and_aliases
+    from trainer.checkpoint.reshard import names_and_aliases
 
     state = consolidated_state_dict(
         ckpt, names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
