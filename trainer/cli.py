@@ -573,21 +573,23 @@ def _train(
         )
         return 0
     if runtime.is_main and wandb_enabled(exp.logging.wandb):
-        from trainer.tracking import WandbRun
+        from trainer.metrics.wandb_run import WandbRun
 
-        mets.wandb = WandbRun(
-            exp.logging.wandb,
-            name=exp.name,
-            run_dir=run_dir,
-            config={
-                "experiment": exp.to_dict(),
-                "deepspeed": planned.ds_config,
-                "plan": planned.plan.summary(),
-                "world_size": env.world_size,
-                "nodes": env.nodes,
-                "parameters": info.params,
-            },
-            run_id=resume.found.state.get("wandb_run_id") if resume is not None else None,
+        mets.add_sink(
+            WandbRun(
+                exp.logging.wandb,
+                name=exp.name,
+                run_dir=run_dir,
+                config={
+                    "experiment": exp.to_dict(),
+                    "deepspeed": planned.ds_config,
+                    "plan": planned.plan.summary(),
+                    "world_size": env.world_size,
+                    "nodes": env.nodes,
+                    "parameters": info.params,
+                },
+                run_id=resume.found.state.get("wandb_run_id") if resume is not None else None,
+            )
         )
 
     def run(until: int) -> TrainState:

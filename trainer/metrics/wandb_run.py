@@ -1,4 +1,4 @@
-"""Weights & Biases, on rank 0 only.
+"""Weights & Biases, a metrics sink on rank 0.
 
 The run logs the resolved experiment, the exact DeepSpeed JSON and the plan as its config, and
 every metrics line as history. Its id is stored in each checkpoint's trainer_state.json, so a
@@ -30,7 +30,7 @@ def new_run_id() -> str:
 
 
 class WandbRun:
-    """A started wandb run: `log` a metrics record, `finish` at the end. Never raises from `log`."""
+    """A started wandb run: `write` a metrics record, `close` at the end. Never raises from `write`."""
 
     def __init__(
         self,
@@ -68,7 +68,7 @@ class WandbRun:
             f"wandb: run {self.id} ({section.mode}{', resumed' if run_id else ''}) in {run_dir / 'wandb'}"
         )
 
-    def log(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         """A metrics.jsonl record: scalars under train/ (or eval/), lists and dicts left out."""
         step = record.get("step")
         prefix = "eval/" if any(k.startswith("eval_") for k in record) else "train/"
@@ -80,6 +80,6 @@ class WandbRun:
         with contextlib.suppress(Exception):  # a tracking hiccup must never stop training
             self._wandb.log(data, step=step)
 
-    def finish(self, exit_code: int = 0) -> None:
+    def close(self, exit_code: int = 0) -> None:
         with contextlib.suppress(Exception):
             self.run.finish(exit_code=exit_code)

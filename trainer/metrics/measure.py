@@ -1,0 +1,95 @@
+"""Measurements: FLOPs per token and the device's peak (for MFU), peak memory, the sums of one log
+interval, and which ranks straggle.
+
+Model FLOPs utilisation (GPU only): FLOPs per token = 6 N + 12 L H Q T (N parameters, L layers, H
+heads of size Q, T tokens per sequence: the matmuls of forward and backward plus attention, as in
+the PaLM paper and nanoGPT), times tokens per second per device, over the device's dense bf16 peak
+(989 TFLOP/s on an H100 SXM; `logging.peak_tflops` overrides it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# Dense bf16 peak per device, by a substring of torch.cuda.get_device_name() (first match wins).
+PEAK_BF16_TFLOPS = (
+    ("H200", 989.4),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),
+    ("GH200", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("A10G", 125.0),
+    ("A10", 125.0),
+    ("L4", 121.0),
+    ("RTX 4090", 165.2),
+    ("RTX 3090", 71.0),
+    ("V100", 125.0),  # fp16: V100 has no bf16
+)
+
+
+def flops_per_token(params: int, layers: int | None, hidden: int | None, seq_len: int) -> float:
+    """6 N + 12 L H Q T, with H Q = hidden size (forward and backward, attention included)."""
+    return 6.0 * params + 12.0 * (layers or 0) * (hidden or 0) * seq_len
+
+
+def peak_flops(device: Any, override_tflops: float | None = None) -> float | None:
+    """The device's dense bf16 peak in FLOP/s; None on CPU or for an unknown GPU (no MFU then)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def peak_memory(device: Any) -> int:
+    """Peak bytes this rank has held: allocated device memory on GPU, the process's peak RSS on CPU
+    (a host counter either way: no synchronisation)."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def duration(seconds: float) -> str:
+    s = int(max(0, seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+@dataclass
+class Interval:
+    """Sums over the steps since the last log line."""
+
+    steps: int = 0
+    loss: Any = 0.0  # device tensor sum
+    data_wait: float = 0.0
+    forward: float = 0.0  # host seconds in forward (the rank's own compute, no collectives)
+    paused: float = 0.0  # seconds in eval and checkpoint saves: not training, not counted in step time
+    started: float = field(default_factory=time.perf_counter)
+
+
+def stragglers(busy: list[float], hosts: list[str], margin: float) -> list[dict[str, Any]]:
+    """Ranks whose own time per step (`busy`: data wait + forward, no collectives) exceeds the
+    median by more than `margin` (and by at least 2 ms, so timer noise on tiny steps is not
+    reported)."""
+    if len(busy) < 2:
+        return []
+    ordered = sorted(busy)
+    n = len(busy)
+    median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return [
+        {"rank": r, "host": hosts[r], "busy_ms": b * 1000, "median_ms": median * 1000,
+         "slower_by": b / max(median, 1e-9) - 1}
+        for r, b in enumerate(busy)
+        if b > median * (1 + margin) and b - median > 0.002
+    ]  # fmt: skip

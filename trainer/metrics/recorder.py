@@ -1,0 +1,195 @@
+"""`Metrics`: collects per-step values cheaply, and every `log_every` steps reduces them across ranks
+and hands one record to the sinks (rank 0: console, metrics.jsonl, wandb).
+
+Per step the loop hands over the loss as a device tensor; it is summed on the device and only
+gathered across ranks (one all-gather, one host sync) at each log interval. Throughput is counted
+over the interval's wall time, so no per-step synchronisation is added.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer.metrics.measure import Interval, peak_memory, stragglers
+from trainer.metrics.sinks import ConsoleSink, JsonlSink
+
+HISTORY = 8  # records kept in memory (Metrics.history)
+
+
+class ForwardTimer:
+    """`with metrics.forward:` around forward and the loss check, per micro step."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._t = 0.0
+
+    def __enter__(self) -> None:
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.metrics.interval.forward += time.perf_counter() - self._t
+
+
+class Metrics:
+    """Collects per-step values cheaply; reduces them and records a line every `log_every` steps."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        is_main: bool,
+        world_size: int,
+        log_every: int,
+        max_steps: int,
+        samples_per_step: int,
+        tokens_per_step: int,
+        device: Any,
+        hosts: list[str] | None = None,
+        straggler_margin: float = 0.2,
+        progress: bool = False,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ) -> None:
+        self.is_main = is_main
+        self.hosts = hosts or ["?"] * world_size
+        self.straggler_margin = straggler_margin
+        self.forward = ForwardTimer(self)
+        self.world_size = world_size
+        self.log_every = log_every
+        self.max_steps = max_steps
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.console = ConsoleSink(max_steps, progress) if is_main else None
+        self.sinks: list[Any] = [self.console, JsonlSink(run_dir)] if is_main else []  # rank 0 writes
+        self.interval = Interval()
+        # The last records, on rank 0 (a checkpoint's trainer_state.json shows them): bounded, as
+        # metrics.jsonl and wandb hold the whole history.
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
+        self.tokens = 0  # tokens trained so far (all ranks, resumed attempts included)
+        self.last_loss: float | None = None
+        self.first_loss: float | None = None
+        self._t_start = time.perf_counter()
+
+    def add_sink(self, sink: Any) -> None:
+        """Another destination for the records (rank 0), e.g. a started wandb run."""
+        if self.is_main:
+            self.sinks.append(sink)
+
+    @property
+    def wandb_id(self) -> str | None:
+        """Stored in checkpoints, so that a resumed run continues the same wandb run."""
+        return next((s.id for s in self.sinks if hasattr(s, "id")), None)
+
+    def step(
+        self, step: int, loss: Any, data_wait: float, engine: Any, tokens: int = 0
+    ) -> dict[str, Any] | None:
+        """Account one optimizer step; at a log step, reduce across ranks and record a line."""
+        self.tokens = tokens
+        iv = self.interval
+        iv.steps += 1
+        iv.loss = iv.loss + loss
+        iv.data_wait += data_wait
+        if self.console is not None:
+            self.console.advance(step)
+        if step % self.log_every != 0 and step != self.max_steps:
+            return None
+        return self._flush(step, engine)
+
+    def _flush(self, step: int, engine: Any) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        iv = self.interval
+        elapsed = max(time.perf_counter() - iv.started - iv.paused, 1e-9)
+        mine = torch.stack(
+            [
+                torch.as_tensor(iv.loss, dtype=torch.float64, device=self.device).reshape(()),
+                torch.tensor(iv.data_wait, dtype=torch.float64, device=self.device),
+                torch.tensor(iv.forward, dtype=torch.float64, device=self.device),
+                torch.tensor(float(peak_memory(self.device)), dtype=torch.float64, device=self.device),
+            ]
+        )
+        cols = mine.numel()
+        if dist.is_initialized() and self.world_size > 1:  # one collective per log line, none per step
+            everyone = torch.zeros(self.world_size, cols, dtype=torch.float64, device=self.device)
+            dist.all_gather_into_tensor(everyone, mine.reshape(1, cols))
+        else:
+            everyone = mine.reshape(1, cols)
+        rows = everyone.tolist()
+        loss = sum(r[0] for r in rows) / self.world_size / iv.steps
+        wait_share = sum(r[1] for r in rows) / self.world_size / elapsed
+        busy = [(r[1] + r[2]) / iv.steps for r in rows]  # per rank: data wait + forward, per step
+        tokens_per_s = self.tokens_per_step * iv.steps / elapsed
+        step_time = elapsed / iv.steps
+        rec = {
+            "step": step,
+            "tokens": self.tokens,
+            "loss": loss,
+            "lr": engine.lr,
+            "grad_norm": engine.grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.samples_per_step * iv.steps / elapsed,
+            "tokens_per_s_per_rank": tokens_per_s / self.world_size,
+            "samples_per_s_per_rank": self.samples_per_step * iv.steps / elapsed / self.world_size,
+            "step_time_s": step_time,
+            "data_wait_share": min(1.0, max(0.0, wait_share)),
+            "mfu": (
+                tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops
+                if self.flops_per_token and self.peak_flops
+                else None
+            ),
+            "peak_memory_bytes": int(max(r[3] for r in rows)),
+            "memory_kind": "device" if getattr(self.device, "type", None) == "cuda" else "host_rss",
+            "skipped_steps": engine.skipped_steps,
+            "elapsed_s": time.perf_counter() - self._t_start,
+            "eta_s": (self.max_steps - step) * step_time,
+            "rank_busy_s": busy,
+            "rank_tokens_per_s": [self.tokens_per_step / self.world_size / max(b, 1e-9) for b in busy],
+        }
+        slow = stragglers(busy, self.hosts, self.straggler_margin)
+        if slow:
+            rec["stragglers"] = slow
+        self.last_loss = loss
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.interval = Interval()
+        self.record(rec)
+        return rec
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """`with metrics.paused():` around eval and checkpointing: step time and throughput measure
+        training steps only."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.interval.paused += time.perf_counter() - t
+
+    def eval(self, step: int, loss: float) -> None:
+        self.record({"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
+
+    def recent(self) -> dict[str, Any]:
+        """The latest value of each metric among the last few records (rank 0)."""
+        return {k: v for rec in list(self.history)[-3:] for k, v in rec.items()}
+
+    def record(self, rec: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        self.history.append(rec)
+        for sink in self.sinks:
+            sink.write(rec)
+
+    def close(self, exit_code: int = 0) -> None:
+        for sink in self.sinks:
+            sink.close(exit_code)
+        self.sinks = []
