@@ -1,8 +1,12 @@
-"""`bin/train`: parse arguments, build everything, run the loop.
+"""`bin/train`: parse the arguments and dispatch.
 
-Construction happens here, in order, before the loop: config -> plan -> DeepSpeed JSON -> process
-group -> data -> model -> engine -> checkpoints -> loop. User errors (bad config, bad paths, an
-unjustified pinned stage...) print one message and exit 2, with no traceback.
+- `--plan` / `--print-config`: plan only (no process group, no torch);
+- `--launcher` / `--max-restarts`: start the launcher and supervise it (trainer/supervisor.py);
+- otherwise (under any launcher, or none): resolve the checkpoint to resume, plan, set up the
+  process group, build the Run (trainer/build.py) and run the mode (trainer/modes.py).
+
+User errors (bad config, bad paths, an unjustified pinned stage...) print one message and exit 2,
+with no traceback.
 """
 
 from __future__ import annotations
@@ -12,20 +16,19 @@ import json
 import logging
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.checks import CheckFailed
-from trainer.errors import EXIT_CHECK_FAILED, EXIT_NONFINITE, EXIT_OOM, EXIT_USER_ERROR, UserError
+from trainer.build import Planned, build
+from trainer.consistency import CheckFailed
+from trainer.errors import EXIT_CHECK_FAILED, EXIT_USER_ERROR, UserError
 from trainer.faults import Faults
-from trainer.modes import MODES, SUBDIR
+from trainer.modes import MODES, PROFILE_ACTIVE, PROFILE_WARMUP, RUN, SUBDIR
 from trainer.supervisor import record_failure
 
 log = logging.getLogger("trainer")
 
-PROFILE_WARMUP, PROFILE_ACTIVE = 3, 5  # --profile: steps before the trace, steps traced
 
 EPILOG = """\
 examples:
@@ -220,15 +223,6 @@ def describe_config() -> str:
 # ----------------------------------------------------------------------------- planning
 
 
-@dataclass
-class Planned:
-    plan: Any
-    ds_config: dict[str, Any]
-    info: Any
-    template_path: str
-    schedule: Any = None  # strategy.Schedule: its notes say how a resume changed the LR schedule
-
-
 def make_plan(
     exp: config_mod.Experiment,
     *,
@@ -397,7 +391,16 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     )
     runtime = dist.setup(exp.dist.timeout_s)
     try:
-        return _train(exp, args, runtime, planned, resume)
+        mode = next((m for m in MODES if getattr(args, m)), "train")
+        run = build(
+            exp,
+            runtime,
+            planned,
+            resume,
+            one_off=mode in SUBDIR,  # no eval (see trainer/modes.py)
+            max_steps=PROFILE_WARMUP + PROFILE_ACTIVE if mode == "profile" else None,
+        )
+        return 0 if run is None else RUN[mode](run)
     except UserError as e:
         if e.everywhere is None:
             e.everywhere = False  # found by this rank while running: it must say it itself
@@ -407,345 +410,3 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 
         if tdist.is_initialized():
             tdist.destroy_process_group()
-
-
-def _train(
-    exp: config_mod.Experiment,
-    args: argparse.Namespace,
-    runtime: Any,
-    planned: Planned,
-    resume: Any,  # checkpoint.Resume | None
-) -> int:
-    import torch
-
-    from trainer import checks, dist, metrics, model, modes, rundir
-    from trainer import data as data_mod
-    from trainer.checkpoint import Checkpointer, Store, checkpoints_dir
-    from trainer.checkpoint.reshard import names_and_aliases
-    from trainer.control import Control, NonFiniteLoss
-    from trainer.engine import Engine
-    from trainer.loop import Evaluator, TrainState, train
-
-    env = runtime.env
-    metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
-    for warning in config_mod.warnings(exp) if runtime.is_main else ():
-        log.warning(f"warning: {warning}")
-    run_dir = Path(exp.run_dir)
-    lock = rundir.acquire(run_dir) if runtime.is_main else None  # before anything touches run_dir
-
-    data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
-    if data.built:
-        log.info(f"data: tokenized and cached in {data.cache_path}")
-    # One gather before anything is built: the run dir is ours, and every rank resumes from the
-    # same checkpoint and reads the same data.
-    hosts = checks.agree_at_start(
-        env.world_size,
-        run_dir=exp.run_dir,
-        host=env.hostname,
-        lock=lock,
-        resume=resume.identity if resume is not None else None,
-        data_digest=data.fingerprint["train_digest"],
-    )
-    if lock is not None and runtime.is_main:
-        log.warning(lock)  # the filesystem has no locks
-    if resume is not None and resume.done(exp, env.rank):
-        return 0
-    data_notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
-
-    dist.seed_all(exp.seed)  # identical initial weights on every rank
-    module = model.build(
-        exp.model,
-        vocab_size=data.vocab_size,
-        eos_id=data.eos_id,
-        seq_len=exp.data.seq_len,
-        ds_config=planned.ds_config,
-    )
-    groups = model.param_groups(module, exp.optim.weight_decay)
-    layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
-    engine = Engine(module, planned.ds_config, groups, compile=exp.train.compile)
-    dist.seed_all(exp.seed + 1 + env.rank)  # dropout differs per rank
-
-    t = exp.train
-    stream = data_mod.TrainStream(
-        data,
-        exp.data,
-        rank=env.rank,
-        world=env.world_size,
-        micro=t.micro_batch_size,
-        seed=exp.seed,
-        device_type=runtime.device_type,
-    )
-    eval_loader = data_mod.eval_batches(
-        data,
-        exp.data,
-        rank=env.rank,
-        world=env.world_size,
-        micro=t.micro_batch_size,
-        limit=t.eval_batches,
-        device_type=runtime.device_type,
-    )
-    one_off = args.overfit_batch or args.profile  # no eval, no checkpoints (see trainer/modes.py)
-    evaluator = Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size)
-    state = TrainState()
-    samples_per_step = t.micro_batch_size * env.world_size * t.grad_accum
-    info = planned.info
-    mets = metrics.Metrics(
-        run_dir,
-        is_main=runtime.is_main,
-        world_size=env.world_size,
-        log_every=t.log_every,
-        max_steps=state.step + PROFILE_WARMUP + PROFILE_ACTIVE if args.profile else t.max_steps,
-        samples_per_step=samples_per_step,
-        tokens_per_step=samples_per_step * exp.data.seq_len,
-        device=engine.device,
-        hosts=hosts,
-        straggler_margin=exp.dist.straggler_margin,
-        progress=progress_enabled(exp.logging.progress),
-        flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
-        peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
-    )
-    faults = Faults(env.rank, dist.attempt())
-    control = Control(
-        rank=env.rank,
-        world_size=env.world_size,
-        attempt=dist.attempt(),
-        faults=faults,
-        handle_signals=exp.checkpoint.save_on_signal,
-        watchdog_s=exp.dist.watchdog_s,
-        nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
-    )
-    store = Store(
-        checkpoints_dir(run_dir),
-        engine=engine,
-        stream=stream,
-        exp=exp,
-        rank=env.rank,
-        world_size=env.world_size,
-        plan=planned.plan.summary(),
-        layout=layout,
-        faults=faults,
-        data_fingerprint=data.fingerprint,
-        recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
-    )
-    checkpointer = Checkpointer(exp.checkpoint, store)
-    debug = dist.debug_dir()
-    if resume is not None:
-        checkpointer.load(resume.found, state)
-        if debug:  # what the resumed engine holds, against what the saving one held (tests)
-            checks.save_optimizer_state(
-                debug, f"optimizer_resumed_step{state.step}", engine, layout[0], env.rank
-            )
-    if args.overfit_batch:
-        stream = modes.FixedBatch(stream)
-    memory = None
-    if debug:
-        from trainer.checks import MemoryCensus
-
-        stream.record = []
-        memory = engine.on_backward = MemoryCensus()
-        store.on_save = lambda step: checks.save_optimizer_state(
-            debug, f"optimizer_saved_step{step}", engine, layout[0], env.rank
-        )
-    banner(exp, runtime, planned, data, stream, samples_per_step, resume)
-    if resume is not None and runtime.is_main:
-        for w in resume.warnings:
-            log.warning(f"warning: {w}")
-        log.info(
-            f"resumed from {resume.found.path} at step {state.step} (epoch {stream.position.epoch}, "
-            f"sample {stream.position.sample} of the epoch)"
-        )
-        if resume.differences:
-            log.info(f"resumed with changed settings: {', '.join(resume.differences)}")
-        for note in (*planned.schedule.notes, *data_notes):
-            (log.warning if note.startswith("warning:") else log.info)(note)
-    faults.perturb(engine.module)  # tests
-    if exp.dist.preflight or args.check:
-        for line in checks.preflight(engine, env.world_size, hosts):
-            log.info(line)
-        control.on_first_step = lambda: [
-            log.info(x) for x in checks.after_first_step(engine, env.world_size, hosts)
-        ]
-    if args.check:
-        return modes.check(exp, engine, stream, data, state, env, hosts, layout)
-    if args.dry_run:
-        log.info(
-            f"dry run: everything is built{' and the checkpoint loaded' if resume else ''}; no step taken"
-        )
-        return 0
-    if runtime.is_main and wandb_enabled(exp.logging.wandb):
-        from trainer.metrics.wandb_run import WandbRun
-
-        mets.add_sink(
-            WandbRun(
-                exp.logging.wandb,
-                name=exp.name,
-                run_dir=run_dir,
-                config={
-                    "experiment": exp.to_dict(),
-                    "deepspeed": planned.ds_config,
-                    "plan": planned.plan.summary(),
-                    "world_size": env.world_size,
-                    "nodes": env.nodes,
-                    "parameters": info.params,
-                },
-                run_id=resume.found.state.get("wandb_run_id") if resume is not None else None,
-            )
-        )
-
-    def run(until: int) -> TrainState:
-        return train(
-            max_steps=until,
-            grad_accum=t.grad_accum,
-            tokens_per_sample=exp.data.seq_len,
-            engine=engine,
-            stream=stream,
-            evaluator=evaluator,
-            checkpointer=checkpointer,
-            metrics=mets,
-            state=state,
-            control=control,
-        )
-
-    exit_code = 1
-    try:
-        if args.profile:
-            modes.profile(
-                run,
-                state,
-                run_dir=run_dir,
-                rank=env.rank,
-                device=engine.device,
-                warmup=PROFILE_WARMUP,
-                active=PROFILE_ACTIVE,
-            )
-        else:
-            state = run(t.max_steps)
-        exit_code = exp.checkpoint.signal_exit_code if state.stopped else 0
-    except torch.OutOfMemoryError as e:
-        c = planned.plan.candidate
-        where = f"{c.name} at step {state.step + 1} on rank {env.rank}"
-        if exp.strategy.on_oom != "escalate":
-            log.error(
-                f"out of memory on {where}. Lower train.micro_batch_size or data.seq_len, set "
-                "model.activation_checkpointing: true, or let the supervisor climb the ladder: "
-                "strategy.on_oom: escalate with --max-restarts N"
-            )
-            raise
-        from trainer.supervisor import record_oom
-
-        record_oom(
-            run_dir,
-            stage=c.stage,
-            offload=c.offload,
-            step=state.step + 1,
-            rank=env.rank,
-            attempt=dist.attempt(),
-            error=str(e),
-        )
-        print(
-            f"[rank {env.rank}] out of memory on {where}; recorded for escalation, ending this attempt",
-            file=sys.stderr,
-            flush=True,
-        )
-        exit_code = EXIT_OOM
-        return exit_code
-    except NonFiniteLoss as e:
-        if runtime.is_main:
-            log.error(f"stopped: {e}")
-        state.failed = str(e)
-        exit_code = EXIT_NONFINITE  # every rank stopped at the same step
-        record_failure(exit_code, str(e), env.rank)
-    finally:
-        mets.close(exit_code)
-    if debug:
-        from trainer.checks import write_debug_report
-
-        extra = {
-            "step": state.step,
-            "ds_config": engine.ds._config._param_dict,
-            "memory": memory.result if memory else {},
-            "plan": planned.plan.summary(),
-        }
-        write_debug_report(debug, env.rank, env.world_size, engine.module, stream.record or [], extra)
-        modes.probe_logits(debug, engine, data, env.rank)
-    if runtime.is_main and mets.first_loss is not None and not state.failed:
-        first, last = mets.first_loss, mets.last_loss
-        log.info(
-            f"done: {state.step} steps, {state.tokens:,} tokens in {state.wall_time:.1f} s; loss {first:.4f} -> {last:.4f}"
-        )
-        if args.overfit_batch:
-            log.info(modes.overfit_verdict(first, last, samples_per_step))
-    return exit_code
-
-
-def progress_enabled(setting: Any) -> bool:
-    """logging.progress: true, false, or auto = a bar only when stdout is a terminal (plain log lines
-    in CI and log files)."""
-    return sys.stdout.isatty() if setting == "auto" else bool(setting)
-
-
-def wandb_enabled(section: Any) -> bool:
-    """logging.wandb.enabled: true, false, or auto = on when wandb is installed and configured (an API
-    key in WANDB_API_KEY or ~/.netrc, or WANDB_MODE set)."""
-    if section.enabled != "auto":
-        return bool(section.enabled)
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("wandb") is None:
-        return False
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    try:
-        return "api.wandb.ai" in netrc.read_text()
-    except OSError:
-        return False
-
-
-def banner(
-    exp: config_mod.Experiment,
-    runtime: Any,
-    planned: Planned,
-    data: Any,
-    stream: Any,
-    samples_per_step: int,
-    resume: Any = None,  # checkpoint.Resume | None
-) -> None:
-    """What this run is, on rank 0: where it runs, what it trains, how, and from where."""
-    if not runtime.is_main:
-        return
-    from trainer.checkpoint import checkpoints_dir
-    from trainer.config import format_size
-
-    env, t, plan = runtime.env, exp.train, planned.plan
-    est = plan.estimate
-    c = exp.checkpoint
-    cadence = ", ".join(
-        x
-        for x in (
-            f"every {c.every_steps} steps" if c.every_steps else "",
-            f"every {c.every_minutes:g} min" if c.every_minutes else "",
-            "at the end" if c.save_final else "",
-        )
-        if x
-    )
-    start = f"resuming from {resume.found.tag}" if resume is not None else "fresh start"
-    lines = [
-        f"experiment {exp.name}: run dir {exp.run_dir}",
-        f"world: {env.world_size} rank(s) on {env.nodes} node(s) via {env.launcher}; device {runtime.device_type}, "
-        f"backend {runtime.backend}, {runtime.threads} CPU thread(s) per rank",
-        f"model: {planned.info.params:,} parameters; precision {plan.precision}"
-        + ("; chunked loss" if exp.model.chunked_loss else "")
-        + ("; torch.compile" if t.compile else ""),
-        f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",
-        f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
-        f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)})",
-        f"batch: micro {t.micro_batch_size} x world {env.world_size} x grad_accum {t.grad_accum} = {samples_per_step} "
-        f"sequences = {samples_per_step * exp.data.seq_len:,} tokens per step",
-        f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "
-        f"{data.seq_len} tokens; {stream.steps_per_epoch:,} micro steps per epoch",
-        f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}); {start}",
-    ]
-    for line in lines:
-        log.info(line)

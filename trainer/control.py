@@ -92,13 +92,12 @@ class Control:
         *,
         rank: int,
         world_size: int,
-        attempt: int,
         faults: Faults,
         handle_signals: bool,
         watchdog_s: float = 0.0,
         nan_check: bool = True,
     ) -> None:
-        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.rank, self.world_size = rank, world_size
         self.faults = faults
         self.watchdog_s = watchdog_s
         self._watchdog: Watchdog | None = None

@@ -64,6 +64,7 @@ def train(
     *,
     max_steps: int,
     grad_accum: int,
+    samples_per_step: int,
     tokens_per_sample: int,
     engine: Any,
     stream: Any,
@@ -74,7 +75,6 @@ def train(
     control: Any,
 ) -> TrainState:
     """Run optimizer steps until max_steps (or a stop request); evaluate and save on cadence."""
-    samples_per_step = stream.sampler.global_batch * grad_accum
     # Everything built so far (config, data, model, engine) lives to the end: keep it out of the
     # garbage collector's full passes, which a ZeRO-3 step's many short-lived objects trigger.
     gc.collect()

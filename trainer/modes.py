@@ -1,5 +1,7 @@
-"""The one-off modes of bin/train, each run after everything is built:
+"""What bin/train does with a built Run (trainer/build.py): train, or one of the one-off modes.
 
+- train (the default): the loop to train.max_steps, with evaluation, checkpoints, wandb; an
+  out-of-memory or a non-finite loss ends it through a small handler each;
 - `--check`: the consistency checks, one training step and a checkpoint round trip (multi-node
   bring-up);
 - `--overfit-batch`: train on one fixed batch, a quick proof that the pipeline learns (the loss
@@ -16,12 +18,18 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from trainer.build import Run, announce
+from trainer.errors import EXIT_NONFINITE, EXIT_OOM
+
 log = logging.getLogger("trainer")
 
-MODES = ("check", "overfit_batch", "profile", "dry_run")
+MODES = ("check", "overfit_batch", "profile", "dry_run")  # the one-off modes, as argparse names them
+PROFILE_WARMUP, PROFILE_ACTIVE = 3, 5  # --profile: steps before the trace, steps traced
 SUBDIR = {"overfit_batch": "overfit-batch", "profile": "profile"}  # modes that get their own run dir
 
 
@@ -37,7 +45,7 @@ class FixedBatch:
 
     def next(self) -> Any:
         if self.record is not None:
-            from trainer.checks import row_digest
+            from trainer.consistency import row_digest
 
             self.record += [row_digest(row) for row in self.batch]
         return self.batch
@@ -52,45 +60,6 @@ def overfit_verdict(first: float | None, last: float | None, sequences: int) -> 
         if ok
         else "; it should approach zero: check optim.lr, the labels and the data before a long run"
     )
-
-
-def profile(run: Any, state: Any, *, run_dir: Path, rank: int, device: Any, warmup: int, active: int) -> Path:
-    """Run `warmup` steps, then `active` steps under torch.profiler; every rank writes its Chrome
-    trace (`trace_rank00000.json`, open in chrome://tracing or Perfetto); rank 0 prints the top
-    operators by self time, and the time by kind of work (`time_by_kind`): on a GPU, kernel time
-    against the wall time of the traced steps, so that a device waiting for the host shows."""
-    import time
-
-    import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    run(state.step + warmup)
-    cuda = getattr(device, "type", None) == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=activities, record_shapes=True) as prof:
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        run(state.step + active)
-        if cuda:
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
-    path = Path(run_dir) / f"trace_rank{rank:05d}.json"
-    prof.export_chrome_trace(str(path))
-    if rank == 0:
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        averages = prof.key_averages()  # grouping every event of the trace: once
-        log.info(f"profile: steps {state.step - active + 1}-{state.step}; top operators by self time:")
-        log.info(averages.table(sort_by=sort, row_limit=15))
-        try:  # a summary of the table above: never worth losing the trace over
-            log.info(time_by_kind(averages, cuda, wall))
-        except Exception as e:  # noqa: BLE001 (profiler event fields differ between torch versions)
-            log.warning(f"profile: no time by kind ({type(e).__name__}: {e})")
-        log.info(
-            f"profile: trace written to {path} (one per rank; open in chrome://tracing or ui.perfetto.dev)"
-        )
-    return path
 
 
 # What a kernel or operator does, from its name: the first pattern that matches (lower case).
@@ -140,21 +109,280 @@ def time_by_kind(averages: Any, cuda: bool, wall: float) -> str:
     return f"profile: CPU operator time by kind: {shares}"
 
 
-def check(
-    exp: Any, engine: Any, stream: Any, data: Any, state: Any, env: Any, hosts: list[str], layout: Any
-) -> int:
-    """--check: the preflight passed; now one training step, the post-step checks, and a checkpoint
-    round trip (save, take another step, load: the loss on a fixed batch must come back exactly)."""
+def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
+    """Tests: the engine's logits on the first two training sequences (compared with an export)."""
     import torch
 
-    from trainer import checks
+    ids = torch.from_numpy(data.train[:2].astype("int64"))
+    engine.train(False)
+    with torch.no_grad():
+        logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()
+    engine.train(True)
+    if rank == 0:
+        torch.save({"input_ids": ids, "logits": logits}, Path(directory) / "probe.pt")
+
+
+# ----------------------------------------------------------------------------- every mode
+
+
+def start(run: Run, checks: bool) -> None:
+    """Before the first step of any mode: say what runs; the preflight (every rank can all-reduce
+    and holds the same weights) and, after the first step, the same again with the gradient norm."""
+    from trainer import consistency
+
+    announce(run)
+    run.faults.perturb(run.engine.module)  # tests: a rank that starts out of step
+    if run.exp.dist.preflight or checks:
+        for line in consistency.preflight(run.engine, run.env.world_size, run.hosts):
+            log.info(line)
+        run.control.on_first_step = lambda: [
+            log.info(x) for x in consistency.after_first_step(run.engine, run.env.world_size, run.hosts)
+        ]
+
+
+def steps(run: Run, until: int) -> Any:
+    """The loop (trainer/loop.py) from the run's state to step `until`."""
+    from trainer.loop import train as loop
+
+    t = run.exp.train
+    return loop(
+        max_steps=until,
+        grad_accum=t.grad_accum,
+        samples_per_step=run.samples_per_step,
+        tokens_per_sample=run.exp.data.seq_len,
+        engine=run.engine,
+        stream=run.stream,
+        evaluator=run.evaluator,
+        checkpointer=run.checkpointer,
+        metrics=run.metrics,
+        state=run.state,
+        control=run.control,
+    )
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def train(run: Run) -> int:
+    """The default mode: train to train.max_steps (or a stop request), then report."""
+    start(run, checks=False)
+    start_wandb(run)
+    return _training(run, lambda: steps(run, run.exp.train.max_steps))
+
+
+def _training(run: Run, body: Any, verdict: Any = None) -> int:
+    """Run `body` (steps of the loop); end an out-of-memory or a non-finite loss through its
+    handler; close the metrics; write the tests' reports; say how it went."""
+    import torch
+
+    from trainer.control import NonFiniteLoss
+
+    exit_code = 1
+    try:
+        body()
+        exit_code = run.exp.checkpoint.signal_exit_code if run.state.stopped else 0
+    except torch.OutOfMemoryError as e:
+        exit_code = on_out_of_memory(run, e)
+        return exit_code
+    except NonFiniteLoss as e:
+        exit_code = on_nonfinite(run, e)
+    finally:
+        run.metrics.close(exit_code)
+    debug_report(run)
+    mets, state = run.metrics, run.state
+    if run.runtime.is_main and mets.first_loss is not None and not state.failed:
+        first, last = mets.first_loss, mets.last_loss
+        log.info(
+            f"done: {state.step} steps, {state.tokens:,} tokens in {state.wall_time:.1f} s; loss {first:.4f} -> {last:.4f}"
+        )
+        if verdict is not None:
+            log.info(verdict(first, last))
+    return exit_code
+
+
+def on_out_of_memory(run: Run, e: BaseException) -> int:
+    """With strategy.on_oom: escalate, record the failed rung for the supervisor and end this
+    attempt (exit 3); otherwise advise and re-raise."""
+    from trainer import dist
+    from trainer.supervisor import record_oom
+
+    c = run.planned.plan.candidate
+    env, step = run.env, run.state.step + 1
+    where = f"{c.name} at step {step} on rank {env.rank}"
+    if run.exp.strategy.on_oom != "escalate":
+        log.error(
+            f"out of memory on {where}. Lower train.micro_batch_size or data.seq_len, set "
+            "model.activation_checkpointing: true, or let the supervisor climb the ladder: "
+            "strategy.on_oom: escalate with --max-restarts N"
+        )
+        raise e
+    record_oom(run.exp.run_dir, stage=c.stage, offload=c.offload, step=step, rank=env.rank,
+               attempt=dist.attempt(), error=str(e))  # fmt: skip
+    print(f"[rank {env.rank}] out of memory on {where}; recorded for escalation, ending this attempt",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return EXIT_OOM
+
+
+def on_nonfinite(run: Run, e: BaseException) -> int:
+    """Every rank stopped at the same step, before the update: say so, and tell a supervisor that a
+    restart would reach it again (exit 4)."""
+    from trainer.supervisor import record_failure
+
+    if run.runtime.is_main:
+        log.error(f"stopped: {e}")
+    run.state.failed = str(e)
+    record_failure(EXIT_NONFINITE, str(e), run.env.rank)
+    return EXIT_NONFINITE
+
+
+def start_wandb(run: Run) -> None:
+    """logging.wandb on rank 0: the run (continued from the checkpoint's id on a resume) becomes a
+    metrics sink."""
+    if not (run.runtime.is_main and wandb_enabled(run.exp.logging.wandb)):
+        return
+    from trainer.metrics.wandb_run import WandbRun
+
+    exp, planned, env = run.exp, run.planned, run.env
+    run.metrics.add_sink(
+        WandbRun(
+            exp.logging.wandb,
+            name=exp.name,
+            run_dir=exp.run_dir,
+            config={
+                "experiment": exp.to_dict(),
+                "deepspeed": planned.ds_config,
+                "plan": planned.plan.summary(),
+                "world_size": env.world_size,
+                "nodes": env.nodes,
+                "parameters": planned.info.params,
+            },
+            run_id=run.resume.found.state.get("wandb_run_id") if run.resume is not None else None,
+        )
+    )
+
+
+def wandb_enabled(section: Any) -> bool:
+    """logging.wandb.enabled: true, false, or auto = on when wandb is installed and configured (an API
+    key in WANDB_API_KEY or ~/.netrc, or WANDB_MODE set)."""
+    if section.enabled != "auto":
+        return bool(section.enabled)
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("wandb") is None:
+        return False
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def debug_report(run: Run) -> None:
+    """Tests (TRAINER_DEBUG_DIR): each rank's parameter digest, consumed samples and memory census,
+    and rank 0's logits on two training sequences (compared with an export)."""
+    if run.debug is None:
+        return
+    from trainer.consistency import write_debug_report
+
+    extra = {
+        "step": run.state.step,
+        "ds_config": run.engine.ds._config._param_dict,
+        "memory": run.debug.memory.result if run.debug.memory else {},
+        "plan": run.planned.plan.summary(),
+    }
+    env = run.env
+    write_debug_report(
+        run.debug.directory, env.rank, env.world_size, run.engine.module, run.stream.record or [], extra
+    )
+    probe_logits(run.debug.directory, run.engine, run.data, env.rank)
+
+
+# ----------------------------------------------------------------------------- the one-off modes
+
+
+def overfit_batch(run: Run) -> int:
+    """--overfit-batch: train.max_steps steps on this rank's first micro batch."""
+    run.stream = FixedBatch(run.stream)
+    start(run, checks=False)
+    return _training(
+        run,
+        lambda: steps(run, run.exp.train.max_steps),
+        verdict=lambda first, last: overfit_verdict(first, last, run.samples_per_step),
+    )
+
+
+def profile(run: Run) -> int:
+    """--profile: PROFILE_WARMUP steps, then PROFILE_ACTIVE steps under torch.profiler; every rank
+    writes its Chrome trace (`trace_rank00000.json`, open in chrome://tracing or Perfetto); rank 0
+    prints the top operators by self time, and the time by kind of work (`time_by_kind`): on a
+    GPU, kernel time against the wall time of the traced steps, so that a device waiting for the
+    host shows."""
+    start(run, checks=False)
+    return _training(run, lambda: _profiled(run))
+
+
+def _profiled(run: Run) -> Path:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    state, device, rank = run.state, run.engine.device, run.env.rank
+    steps(run, state.step + PROFILE_WARMUP)
+    cuda = getattr(device, "type", None) == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities, record_shapes=True) as prof:
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        steps(run, state.step + PROFILE_ACTIVE)
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    path = Path(run.exp.run_dir) / f"trace_rank{rank:05d}.json"
+    prof.export_chrome_trace(str(path))
+    if rank == 0:
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        averages = prof.key_averages()  # grouping every event of the trace: once
+        log.info(
+            f"profile: steps {state.step - PROFILE_ACTIVE + 1}-{state.step}; top operators by self time:"
+        )
+        log.info(averages.table(sort_by=sort, row_limit=15))
+        try:  # a summary of the table above: never worth losing the trace over
+            log.info(time_by_kind(averages, cuda, wall))
+        except Exception as e:  # noqa: BLE001 (profiler event fields differ between torch versions)
+            log.warning(f"profile: no time by kind ({type(e).__name__}: {e})")
+        log.info(
+            f"profile: trace written to {path} (one per rank; open in chrome://tracing or ui.perfetto.dev)"
+        )
+    return path
+
+
+def dry_run(run: Run) -> int:
+    start(run, checks=False)
+    log.info(
+        f"dry run: everything is built{' and the checkpoint loaded' if run.resume else ''}; no step taken"
+    )
+    return 0
+
+
+def check_run(run: Run) -> int:
+    """--check: the preflight; one training step and the post-step checks; a checkpoint round trip
+    (save, take another step, load: the loss on a fixed batch must come back exactly)."""
+    import torch
+
+    from trainer import consistency
     from trainer.checkpoint import Found, Store, read_state
 
+    start(run, checks=True)
+    engine, stream, state, env = run.engine, run.stream, run.state, run.env
     engine.backward_step(engine.forward(stream.next()))
     state.step = 1
-    for line in checks.after_first_step(engine, env.world_size, hosts):
+    for line in consistency.after_first_step(engine, env.world_size, run.hosts):
         log.info(line)
-    probe = torch.from_numpy(data.train[: stream.sampler.micro].astype("int64"))
+    probe = torch.from_numpy(run.data.train[: stream.sampler.micro].astype("int64"))
 
     def probe_loss() -> float:
         engine.train(False)
@@ -162,10 +390,10 @@ def check(
         engine.train(True)
         return loss
 
-    scratch = Path(exp.run_dir) / ".check"
+    scratch = Path(run.exp.run_dir) / ".check"
     store = Store(
-        scratch / "checkpoints", engine=engine, stream=stream, exp=exp, rank=env.rank,
-        world_size=env.world_size, layout=layout,
+        scratch / "checkpoints", engine=engine, stream=stream, exp=run.exp, rank=env.rank,
+        world_size=env.world_size, layout=run.layout, faults=run.faults,
     )  # fmt: skip
     saved = store.save(state)
     before = probe_loss()
@@ -177,7 +405,7 @@ def check(
     if env.rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
     if after != before:
-        raise checks.CheckFailed(
+        raise consistency.CheckFailed(
             f"checkpoint round trip changed the loss on a fixed batch: {before!r} before saving, {after!r} after "
             f"loading (and {moved!r} in between)"
         )
@@ -190,14 +418,10 @@ def check(
     return 0
 
 
-def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
-    """Tests: the engine's logits on the first two training sequences (compared with an export)."""
-    import torch
-
-    ids = torch.from_numpy(data.train[:2].astype("int64"))
-    engine.train(False)
-    with torch.no_grad():
-        logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()
-    engine.train(True)
-    if rank == 0:
-        torch.save({"input_ids": ids, "logits": logits}, Path(directory) / "probe.pt")
+RUN = {
+    "train": train,
+    "check": check_run,
+    "overfit_batch": overfit_batch,
+    "profile": profile,
+    "dry_run": dry_run,
+}

@@ -154,6 +154,10 @@ class TrainSection(Section):
         description="torch.compile the model through DeepSpeed's engine.compile() (first steps compile)",
     )
 
+    def sequences_per_step(self, world_size: int) -> int:
+        """The global batch: micro_batch_size x world size x grad_accum, the one DeepSpeed sees."""
+        return self.micro_batch_size * world_size * self.grad_accum
+
 
 class OptimSection(Section):
     """Optimizer and learning-rate schedule (passed to DeepSpeed, which owns the update)."""

@@ -161,7 +161,7 @@ class TrainStream:
             batch = next(self._it)
         self.position.sample += self.sampler.global_batch
         if self.record is not None:
-            from trainer.checks import row_digest
+            from trainer.consistency import row_digest
 
             self.record += [row_digest(row) for row in batch]
         return batch

@@ -166,7 +166,7 @@ def schedule(exp: Experiment, world_size: int, saved: Mapping[str, Any] | None =
     notes = []
     saved_lr = (saved.get("optimizer") or {}).get("params", {}).get("lr")
     saved_batch = saved.get("train_batch_size")
-    batch = t.micro_batch_size * world_size * t.grad_accum
+    batch = t.sequences_per_step(world_size)
     if isinstance(saved_lr, int | float) and not math.isclose(saved_lr, lr, rel_tol=1e-9):
         if saved_batch == batch:
             notes.append(
@@ -224,7 +224,7 @@ def ds_config(
     why_batch = f"micro {t.micro_batch_size} x world {world} x grad_accum {t.grad_accum}"
     f.own(d, "train_micro_batch_size_per_gpu", t.micro_batch_size, why="train.micro_batch_size")
     f.own(d, "gradient_accumulation_steps", t.grad_accum, why="train.grad_accum")
-    f.own(d, "train_batch_size", t.micro_batch_size * world * t.grad_accum, why=why_batch)
+    f.own(d, "train_batch_size", t.sequences_per_step(world), why=why_batch)
     f.own(d, "gradient_clipping", t.grad_clip, why="train.grad_clip")
     precision = plan_.precision
     f.own(d, "bf16.enabled", precision == "bf16", why=f"train.precision resolves to {precision}")

@@ -1,4 +1,6 @@
-"""Correctness checks across ranks: parameter digests and consumed-sample records.
+"""Consistency across ranks: the agreement at start, parameter digests, the preflight and
+first-step checks, consumed-sample records, and the memory census and optimizer-state dumps the
+tests ask for.
 
 Used by `--check` and the preflight (identical weights on every rank), and by the tests (which
 ask, through TRAINER_DEBUG_DIR, for every rank's digest and the samples it consumed).

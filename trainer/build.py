@@ -1,0 +1,279 @@
+"""Everything built before the loop, in one `Run` the modes share (trainer/modes.py).
+
+`build()` turns (experiment, plan, environment, resume) into a Run, in this order: the run
+directory claimed (rank 0), the data, one agreement across ranks (the run directory is ours, every
+rank resumes from the same checkpoint and reads the same data), the model and the engine, the
+data stream and the evaluator, metrics, run control, the checkpointer (and the resume loaded).
+Each component receives only its own section of the experiment. Nothing here trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.config import Experiment
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class Planned:
+    """The decision made before the process group exists: plan, DeepSpeed JSON, model facts."""
+
+    plan: Any  # strategy.Plan
+    ds_config: dict[str, Any]
+    info: Any  # strategy.ModelInfo
+    template_path: str
+    schedule: Any = None  # strategy.Schedule: its notes say how a resume changed the LR schedule
+
+
+@dataclass
+class Debug:
+    """What tests ask for through TRAINER_DEBUG_DIR: consumed samples, the memory census, the
+    optimizer state at each save and after a resume, a report per rank at the end."""
+
+    directory: str
+    memory: Any = None  # consistency.MemoryCensus
+
+
+@dataclass
+class Run:
+    exp: Experiment
+    runtime: Any  # dist.Runtime
+    planned: Planned
+    resume: Any  # checkpoint.Resume | None
+    data: Any  # data.Data
+    engine: Any  # engine.Engine
+    layout: tuple[list[list[str]], dict[str, str]]  # parameter names per optimizer group, tied aliases
+    stream: Any  # data.TrainStream
+    evaluator: Any  # loop.Evaluator
+    state: Any  # loop.TrainState
+    metrics: Any  # metrics.Metrics
+    control: Any  # control.Control
+    faults: Any  # faults.Faults
+    checkpointer: Any  # checkpoint.Checkpointer
+    hosts: list[str]
+    notes: list[str] = field(default_factory=list)  # what the resume changed (logged at start)
+    debug: Debug | None = None
+
+    @property
+    def env(self) -> Any:
+        return self.runtime.env
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.exp.train.sequences_per_step(self.env.world_size)
+
+
+def build(
+    exp: Experiment,
+    runtime: Any,
+    planned: Planned,
+    resume: Any,
+    *,
+    one_off: bool = False,
+    max_steps: int | None = None,
+) -> Run | None:
+    """The Run, or None when a resume finds the checkpoint already at train.max_steps. `one_off`:
+    --overfit-batch and --profile (no eval); `max_steps`: the steps the metrics count to."""
+    from trainer import consistency, dist, metrics, model, rundir
+    from trainer import data as data_mod
+    from trainer.checkpoint import Checkpointer, Store, checkpoints_dir
+    from trainer.checkpoint.reshard import names_and_aliases
+    from trainer.control import Control
+    from trainer.engine import Engine
+    from trainer.faults import Faults
+    from trainer.loop import Evaluator, TrainState
+
+    env = runtime.env
+    metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
+    for warning in _config_warnings(exp) if runtime.is_main else ():
+        log.warning(f"warning: {warning}")
+
+    # The run directory (rank 0 holds it), the data, then one gather: every rank agrees.
+    run_dir = Path(exp.run_dir)
+    lock = rundir.acquire(run_dir) if runtime.is_main else None  # before anything touches run_dir
+    data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
+    if data.built:
+        log.info(f"data: tokenized and cached in {data.cache_path}")
+    hosts = consistency.agree_at_start(
+        env.world_size,
+        run_dir=exp.run_dir,
+        host=env.hostname,
+        lock=lock,
+        resume=resume.identity if resume is not None else None,
+        data_digest=data.fingerprint["train_digest"],
+    )
+    if lock is not None and runtime.is_main:
+        log.warning(lock)  # the filesystem has no locks
+    if resume is not None and resume.done(exp, env.rank):
+        return None
+    notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
+
+    # The model and the engine: identical initial weights on every rank, then dropout per rank.
+    dist.seed_all(exp.seed)
+    module = model.build(
+        exp.model,
+        vocab_size=data.vocab_size,
+        eos_id=data.eos_id,
+        seq_len=exp.data.seq_len,
+        ds_config=planned.ds_config,
+    )
+    groups = model.param_groups(module, exp.optim.weight_decay)
+    layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
+    engine = Engine(module, planned.ds_config, groups, compile=exp.train.compile)
+    dist.seed_all(exp.seed + 1 + env.rank)
+
+    # The data each rank trains and evaluates on.
+    t = exp.train
+    stream = data_mod.TrainStream(
+        data, exp.data, rank=env.rank, world=env.world_size, micro=t.micro_batch_size, seed=exp.seed,
+        device_type=runtime.device_type,
+    )  # fmt: skip
+    eval_loader = data_mod.eval_batches(
+        data, exp.data, rank=env.rank, world=env.world_size, micro=t.micro_batch_size, limit=t.eval_batches,
+        device_type=runtime.device_type,
+    )  # fmt: skip
+    evaluator = Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size)
+
+    # Metrics, run control, checkpoints.
+    state = TrainState()
+    samples = t.sequences_per_step(env.world_size)
+    info = planned.info
+    mets = metrics.Metrics(
+        run_dir,
+        is_main=runtime.is_main,
+        world_size=env.world_size,
+        log_every=t.log_every,
+        max_steps=max_steps or t.max_steps,
+        samples_per_step=samples,
+        tokens_per_step=samples * exp.data.seq_len,
+        device=engine.device,
+        hosts=hosts,
+        straggler_margin=exp.dist.straggler_margin,
+        progress=progress_enabled(exp.logging.progress),
+        flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
+        peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
+    )
+    faults = Faults(env.rank, dist.attempt())
+    control = Control(
+        rank=env.rank,
+        world_size=env.world_size,
+        faults=faults,
+        handle_signals=exp.checkpoint.save_on_signal,
+        watchdog_s=exp.dist.watchdog_s,
+        nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
+    )
+    store = Store(
+        checkpoints_dir(run_dir),
+        engine=engine,
+        stream=stream,
+        exp=exp,
+        rank=env.rank,
+        world_size=env.world_size,
+        plan=planned.plan.summary(),
+        layout=layout,
+        faults=faults,
+        data_fingerprint=data.fingerprint,
+        recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
+    )
+    checkpointer = Checkpointer(exp.checkpoint, store)
+    run = Run(
+        exp=exp, runtime=runtime, planned=planned, resume=resume, data=data, engine=engine, layout=layout,
+        stream=stream, evaluator=evaluator, state=state, metrics=mets, control=control, faults=faults,
+        checkpointer=checkpointer, hosts=hosts, notes=[*(planned.schedule.notes if planned.schedule else ()), *notes],
+    )  # fmt: skip
+    if resume is not None:
+        checkpointer.load(resume.found, state)
+    attach_debug(run, dist.debug_dir())
+    return run
+
+
+def attach_debug(run: Run, directory: str | None) -> None:
+    """Tests (TRAINER_DEBUG_DIR): record consumed samples, take the memory census, dump the optimizer
+    state after a resume and at every save (compared across runs)."""
+    if not directory:
+        return
+    from trainer import consistency
+
+    def dump(name: str) -> None:
+        consistency.save_optimizer_state(directory, name, run.engine, run.layout[0], run.env.rank)
+
+    run.debug = Debug(directory)
+    if run.resume is not None:
+        dump(f"optimizer_resumed_step{run.state.step}")
+    run.stream.record = []
+    run.debug.memory = run.engine.on_backward = consistency.MemoryCensus()
+    run.checkpointer.store.on_save = lambda step: dump(f"optimizer_saved_step{step}")
+
+
+def _config_warnings(exp: Experiment) -> list[str]:
+    from trainer.config import warnings
+
+    return warnings(exp)
+
+
+def progress_enabled(setting: Any) -> bool:
+    """logging.progress: true, false, or auto = a bar only when stdout is a terminal (plain log lines
+    in CI and log files)."""
+    return sys.stdout.isatty() if setting == "auto" else bool(setting)
+
+
+def announce(run: Run) -> None:
+    """What this run is, on rank 0: where it runs, what it trains, how, and from where; and what a
+    resume brought and changed."""
+    if not run.runtime.is_main:
+        return
+    from trainer.checkpoint import checkpoints_dir
+    from trainer.units import format_size
+
+    exp, runtime, planned, resume = run.exp, run.runtime, run.planned, run.resume
+    env, t, plan = runtime.env, exp.train, planned.plan
+    est = plan.estimate
+    c = exp.checkpoint
+    samples = run.samples_per_step
+    cadence = ", ".join(
+        x
+        for x in (
+            f"every {c.every_steps} steps" if c.every_steps else "",
+            f"every {c.every_minutes:g} min" if c.every_minutes else "",
+            "at the end" if c.save_final else "",
+        )
+        if x
+    )
+    start = f"resuming from {resume.found.tag}" if resume is not None else "fresh start"
+    data = run.data
+    lines = [
+        f"experiment {exp.name}: run dir {exp.run_dir}",
+        f"world: {env.world_size} rank(s) on {env.nodes} node(s) via {env.launcher}; device {runtime.device_type}, "
+        f"backend {runtime.backend}, {runtime.threads} CPU thread(s) per rank",
+        f"model: {planned.info.params:,} parameters; precision {plan.precision}"
+        + ("; chunked loss" if exp.model.chunked_loss else "")
+        + ("; torch.compile" if t.compile else ""),
+        f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",
+        f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
+        f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)})",
+        f"batch: micro {t.micro_batch_size} x world {env.world_size} x grad_accum {t.grad_accum} = {samples} "
+        f"sequences = {samples * exp.data.seq_len:,} tokens per step",
+        f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "
+        f"{data.seq_len} tokens; {run.stream.steps_per_epoch:,} micro steps per epoch",
+        f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}); {start}",
+    ]
+    for line in lines:
+        log.info(line)
+    if resume is None:
+        return
+    for w in resume.warnings:
+        log.warning(f"warning: {w}")
+    pos = run.stream.position
+    log.info(
+        f"resumed from {resume.found.path} at step {run.state.step} (epoch {pos.epoch}, sample {pos.sample} of the epoch)"
+    )
+    if resume.differences:
+        log.info(f"resumed with changed settings: {', '.join(resume.differences)}")
+    for note in run.notes:
+        (log.warning if note.startswith("warning:") else log.info)(note)
