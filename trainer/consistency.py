@@ -125,7 +125,7 @@ def write_debug_report(
 
 
 def full_optimizer_state(engine: Any, names: list[list[str]]) -> dict[str, dict[str, Any]]:
-    """Every parameter's whole fp32 master weight and Adam moments, as the live engine holds them at
+    """Every parameter's whole fp32 master weight and optimizer state, as the live engine holds them at
     any ZeRO stage (gathered from the partitions: every rank must call it). Tests compare the state a
     resumed engine holds with the state the uninterrupted one saved."""
     from trainer.checkpoint import stage0
@@ -134,9 +134,7 @@ def full_optimizer_state(engine: Any, names: list[list[str]]) -> dict[str, dict[
     if ds.zero_optimization_stage() == 0:
         module = {k: v.detach() for k, v in ds.module.state_dict().items()}
         params, _ = stage0.read(ds.optimizer.state_dict(), module, names)
-        return {
-            n: {"fp32": p.fp32, "exp_avg": p.exp_avg, "exp_avg_sq": p.exp_avg_sq} for n, p in params.items()
-        }
+        return {n: {"fp32": p.fp32, **p.state} for n, p in params.items()}
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     opt = ds.optimizer
@@ -145,16 +143,17 @@ def full_optimizer_state(engine: Any, names: list[list[str]]) -> dict[str, dict[
         # update, before the other groups have state (DeepSpeed 0.19): link again, now that they do.
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
+    base = getattr(ds, "basic_optimizer", None) or opt
+    first = next(iter(base.state.values()), {})
+    # Sorted: every rank asks for them in the same order (each call is a collective).
+    keys = sorted(k for k, v in first.items() if k != "step" and hasattr(v, "dim") and v.dim() > 0)
     out: dict[str, dict[str, Any]] = {}
     by_name = dict(ds.module.named_parameters())
     for name in (n for group in names for n in group):
         p = by_name[name]
         shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3: the parameter is a placeholder
-        full = {
-            "fp32": safe_get_full_fp32_param(p),
-            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
-            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
-        }
+        full = {"fp32": safe_get_full_fp32_param(p)}
+        full.update({k: safe_get_full_optimizer_state(p, k) for k in keys})
         out[name] = {k: v.detach().float().cpu().reshape(shape).clone() for k, v in full.items()}
     return out
 

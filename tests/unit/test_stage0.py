@@ -99,7 +99,7 @@ def masters(model, opt, layout):
     sd = copy.deepcopy(opt.state_dict())
     module = {k: v.detach().clone() for k, v in model.state_dict().items()}
     params, _ = stage0.read(sd, module, names)
-    return {n: (p.fp32, p.exp_avg, p.exp_avg_sq, p.step) for n, p in params.items()}
+    return {n: (p.fp32, p.state["exp_avg"], p.state["exp_avg_sq"], p.step) for n, p in params.items()}
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [("fused", torch.float16), ("unfused", torch.float16),
@@ -194,7 +194,8 @@ def test_the_universal_round_trip_on_disk(tmp_path):
         assert [h["weight_decay"] for h in hparams] == [0.1, 0.0]
         for name, (fp32, m, v, step) in saved.items():
             p = params[name]
-            assert torch.equal(p.fp32, fp32) and torch.equal(p.exp_avg, m) and torch.equal(p.exp_avg_sq, v)
+            assert torch.equal(p.fp32, fp32) and torch.equal(p.state["exp_avg"], m)
+            assert torch.equal(p.state["exp_avg_sq"], v)
             assert p.step == step and torch.equal(sd["module"][name], fp32)
         assert torch.equal(sd["module"]["out.weight"], saved["emb.weight"][0])
     assert reshard.target_tag({"stage0": True, "kind": "unfused", "fields": {"cur_scale": 1.0}, "torch_states": True}) != \

@@ -2,7 +2,8 @@
 
 DeepSpeed loads a ZeRO checkpoint only into the same stage and data-parallel size. Otherwise we go
 through DeepSpeed's universal checkpoint format (one directory per parameter holding the fp32
-weight and both Adam moments), made once into `<checkpoint>/universal/` and kept for later resumes.
+weight and the optimizer's state, e.g. both Adam moments), made once into `<checkpoint>/universal/`
+and kept for later resumes.
 Three gaps in DeepSpeed 0.19 are bridged here:
 
 - stage 0 checkpoints (a plain torch optimizer state, or DeepSpeed's bf16/fp16 wrappers around it:
@@ -356,8 +357,9 @@ def _fix_for_any_target(out: Path) -> None:
         step = torch.load(steps[0], weights_only=False) if steps else None
     for name, shape in shapes.items():
         pdir = zdir / name
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            f = pdir / f"{key}.pt"
+        for f in sorted(pdir.glob("*.pt")):  # the fp32 weight and the optimizer's tensors
+            if f.name == "step.pt":
+                continue
             d = torch.load(f, weights_only=False)
             if torch.is_tensor(d):  # ZeRO-3 output: flat tensors; ZeRO-1/2 loaders want shaped ones
                 torch.save({PARAM: d.view(shape), CAT_DIM: 0}, f)
@@ -380,7 +382,7 @@ def _fix_for_any_target(out: Path) -> None:
 
 def _stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]], workers: int) -> None:
     """The universal layout from a stage-0 checkpoint (any of stage0's optimizer layouts): the fp32
-    master weights, both moments and the step per parameter."""
+    master weights, the optimizer's tensors and the step per parameter."""
     import deepspeed
     import torch
     from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
@@ -397,8 +399,8 @@ def _stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]], workers:
         name, p = item
         pdir = zdir / name
         pdir.mkdir()
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            torch.save({PARAM: getattr(p, key), CAT_DIM: 0}, pdir / f"{key}.pt")
+        for key, t in {"fp32": p.fp32, **p.state}.items():
+            torch.save({PARAM: t, CAT_DIM: 0}, pdir / f"{key}.pt")
         torch.save(p.step, pdir / "step.pt")
 
     _parallel(write, params.items(), workers)
@@ -442,12 +444,10 @@ def _universal_to_stage0(
     ]
 
     def read(name: str) -> tuple[str, stage0.ParamState]:
-        def part(key: str) -> Any:
-            return torch.load(zdir / name / f"{key}.pt", weights_only=False)
-
-        return name, stage0.ParamState(
-            part("fp32")[PARAM], part("exp_avg")[PARAM], part("exp_avg_sq")[PARAM], int(part("step"))
-        )
+        parts = {f.stem: torch.load(f, weights_only=False) for f in sorted((zdir / name).glob("*.pt"))}
+        step = int(parts.pop("step"))
+        fp32 = parts.pop("fp32")[PARAM]
+        return name, stage0.ParamState(fp32, {k: v[PARAM] for k, v in parts.items()}, step)
 
     params = dict(_parallel(read, [n for g in names for n in g], workers))
     osd = stage0.build(

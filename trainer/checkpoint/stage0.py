@@ -34,9 +34,15 @@ class ParamState:
     """One parameter's full optimizer state in fp32."""
 
     fp32: Any  # master weight
-    exp_avg: Any
-    exp_avg_sq: Any
+    state: dict[str, Any]  # the optimizer's tensors for it, by name (Adam: exp_avg, exp_avg_sq)
     step: int
+
+
+def _tensors(st: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-parameter tensors of an optimizer's state entry (its step counter aside)."""
+    import torch
+
+    return {k: v for k, v in st.items() if k != "step" and torch.is_tensor(v) and v.dim() > 0}
 
 
 def kind_of(osd: Mapping[str, Any]) -> str:
@@ -89,19 +95,15 @@ def read(
     out: dict[str, ParamState] = {}
     for gi, (group, group_names) in enumerate(zip(groups, names, strict=True)):
         if kind == "fused":
-            st = inner["state"][group["params"][0]]
-            step = _step(st["step"]) if "step" in st else _step(group.get("step", 0))
-            flats = (osd["fp32_groups_flat"][gi], st["exp_avg"], st["exp_avg_sq"])
-            offset = 0
-            for name in group_names:
-                n = module[name].numel()
-                fp32, m, v = (f[offset : offset + n].view(module[name].shape).float().clone() for f in flats)
-                out[name] = ParamState(fp32, m, v, step)
-                offset += n
-            if offset != flats[0].numel():
-                raise ValueError(
-                    f"group {gi}: {flats[0].numel()} flat elements saved, {offset} in the model now"
+            out.update(
+                _read_flat(
+                    osd["fp32_groups_flat"][gi],
+                    inner["state"][group["params"][0]],
+                    group,
+                    group_names,
+                    module,
                 )
+            )
             continue
         ids = group["params"]
         if len(ids) != len(group_names):
@@ -109,12 +111,31 @@ def read(
         # DeepSpeed's FusedAdam counts steps on the last parameter of a group only: take the max.
         step = max((_step(inner["state"][i]["step"]) for i in ids if i in inner["state"]), default=0)
         for j, (i, name) in enumerate(zip(ids, group_names, strict=True)):
-            st = inner["state"][i]
             master = module[name] if kind == "torch" else osd["fp32_groups"][gi][j]
-            out[name] = ParamState(
-                master.float().clone(), st["exp_avg"].float().clone(), st["exp_avg_sq"].float().clone(), step
-            )
+            state = {k: v.float().clone() for k, v in _tensors(inner["state"][i]).items()}
+            out[name] = ParamState(master.float().clone(), state, step)
     return out, [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _read_flat(
+    master: Any, st: Mapping[str, Any], group: Mapping[str, Any], names: list[str], module: Mapping[str, Any]
+) -> dict[str, ParamState]:
+    """One group of FP16_Optimizer's layout: the master weights and every state tensor flat, the
+    parameters one after the other in the group's order."""
+    step = _step(st["step"]) if "step" in st else _step(group.get("step", 0))
+    flats = _tensors(st)
+    out, offset = {}, 0
+    for name in names:
+        n, shape = module[name].numel(), module[name].shape
+
+        def part(flat: Any, offset: int = offset, n: int = n, shape: Any = shape) -> Any:
+            return flat[offset : offset + n].view(shape).float().clone()
+
+        out[name] = ParamState(part(master), {k: part(f) for k, f in flats.items()}, step)
+        offset += n
+    if offset != master.numel():
+        raise ValueError(f"a group of {master.numel()} flat elements saved, {offset} in the model now")
+    return out
 
 
 def build(
@@ -126,7 +147,7 @@ def build(
     torch_states: bool,
     fields: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A stage-0 optimizer state in layout `kind` (see the module docstring). `torch_states`: Adam's
+    """A stage-0 optimizer state in layout `kind` (see the module docstring). `torch_states`: the
     step as torch's optimizers keep it (a tensor) rather than an int; `fields`: the wrapper's own
     fields (loss scaler, clip_grad) taken from the live engine (`wrapper_fields`)."""
     import torch
@@ -141,25 +162,21 @@ def build(
         for gi, (group_names, hp) in enumerate(zip(names, hparams, strict=True)):
             ps = [params[n] for n in group_names]
             step = max((p.step for p in ps), default=0)
-            state[gi] = {
-                "step": step_value(step),
-                "exp_avg": torch.cat([p.exp_avg.reshape(-1) for p in ps]),
-                "exp_avg_sq": torch.cat([p.exp_avg_sq.reshape(-1) for p in ps]),
+            keys = ps[0].state if ps else {}
+            state[gi] = {"step": step_value(step)} | {
+                k: torch.cat([p.state[k].reshape(-1) for p in ps]) for k in keys
             }
             flat_masters.append(torch.cat([p.fp32.reshape(-1) for p in ps]))
             groups.append({**hp, "params": [gi]} | ({"step": step} if "step" in hp else {}))
-        return {
-            **(fields or {}),
-            OPTIMIZER_STATE_DICT: {"state": state, "param_groups": groups},
-            "fp32_groups_flat": flat_masters,
-        }
+        inner = {"state": state, "param_groups": groups}
+        return {**(fields or {}), OPTIMIZER_STATE_DICT: inner, "fp32_groups_flat": flat_masters}
     idx = 0
     masters: list[list[Any]] = []
     for group_names, hp in zip(names, hparams, strict=True):
         ids, group_masters = [], []
         for name in group_names:
             p = params[name]
-            state[idx] = {"step": step_value(p.step), "exp_avg": p.exp_avg, "exp_avg_sq": p.exp_avg_sq}
+            state[idx] = {"step": step_value(p.step), **p.state}
             group_masters.append(p.fp32)
             ids.append(idx)
             idx += 1

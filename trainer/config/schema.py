@@ -22,6 +22,7 @@ from trainer.config.fields import (
     choice,
     thaw,
 )
+from trainer.optimizers import OPTIMIZERS
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "deepspeed"
 
@@ -162,7 +163,7 @@ class TrainSection(Section):
 class OptimSection(Section):
     """Optimizer and learning-rate schedule (passed to DeepSpeed, which owns the update)."""
 
-    name: choice("adamw", "adam") = Field("adamw", description="optimizer")
+    name: choice(*OPTIMIZERS) = Field("adamw", description="optimizer (trainer/optimizers.py)")
     implementation: choice("auto", "deepspeed", "torch") = Field(
         "auto",
         description="auto = DeepSpeed's fused Adam on GPU / CPUAdam with offload, torch AdamW on CPU (bitwise resume)",

@@ -3,7 +3,6 @@
 
 from trainer.strategy.ds_config import (
     DEEPSPEED_KEYS,
-    OPTIMIZERS,
     SCHEDULERS,
     Schedule,
     autos,
@@ -36,7 +35,6 @@ from trainer.strategy.planner import (
 __all__ = [
     "DEEPSPEED_KEYS",
     "LADDER",
-    "OPTIMIZERS",
     "SCHEDULERS",
     "TABLE",
     "Candidate",

@@ -20,6 +20,7 @@ from typing import Any
 
 from trainer.config import TEMPLATES_DIR, Experiment
 from trainer.errors import Problem, UserError, did_you_mean
+from trainer.optimizers import OPTIMIZERS
 from trainer.strategy.planner import Candidate, ModelInfo, Plan, auto_bucket, device_of
 
 # Top-level keys DeepSpeed 0.19 reads (its own parser silently ignores anything else).
@@ -47,7 +48,6 @@ OWNED_TOP = (
 )
 
 SCHEDULERS = {"cosine": "WarmupCosineLR", "linear": "WarmupDecayLR", "constant": "WarmupLR"}
-OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam"}
 
 
 def load_template(path: str | Path, allow: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
@@ -235,13 +235,20 @@ def ds_config(
 
     sched = sched or schedule(exp, world)
     lr = sched.lr
-    f.own(d, "optimizer.type", OPTIMIZERS[o.name], why="optim.name")
-    f.own(d, "optimizer.params.lr", lr, why="optim.lr x lr_scaling")
-    f.own(d, "optimizer.params.betas", list(o.betas), why="optim.betas")
-    f.own(d, "optimizer.params.eps", o.eps, why="optim.eps")
-    f.own(d, "optimizer.params.weight_decay", o.weight_decay, why="optim.weight_decay")
-    impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
-    f.own(d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}")
+    opt = OPTIMIZERS[o.name]
+    f.own(d, "optimizer.type", opt.deepspeed_type, why="optim.name")
+    for key, value in opt.params(o, lr).items():
+        f.own(
+            d,
+            f"optimizer.params.{key}",
+            value,
+            why="optim.lr x lr_scaling" if key == "lr" else f"optim.{key}",
+        )
+    if opt.adam:
+        impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
+        f.own(
+            d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}"
+        )
 
     kind = SCHEDULERS[o.schedule]
     warm = max(1, o.warmup_steps)

@@ -17,6 +17,7 @@ from typing import Any
 
 from trainer.config import Experiment, chunked_loss_problem, format_size, loss_chunk_rows
 from trainer.errors import ConfigError, Problem, UserError
+from trainer.optimizers import OPTIMIZERS
 
 # ----------------------------------------------------------------------------- model facts
 
@@ -111,12 +112,13 @@ class Estimate:
 
 
 def model_states(
-    c: Candidate, p: int, largest: int, n: int, lp: int, grad_accum: int = 1
+    c: Candidate, p: int, largest: int, n: int, lp: int, grad_accum: int = 1, state_bytes: int = 8
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for Adam, following DeepSpeed's estimators.
 
     p parameters, n data-parallel ranks, lp bytes per low-precision value (2 for bf16/fp16, 4 for
-    fp32). Mixed precision keeps an fp32 master copy (4), Adam keeps two fp32 moments (8) and ZeRO
+    fp32). Mixed precision keeps an fp32 master copy (4), the optimizer its state (`state_bytes`: Adam's
+    two fp32 moments, 8; see trainer/optimizers.py) and ZeRO
     keeps fp32 gradient partitions (4). With lp=2 this gives DeepSpeed's figures: stage 0: 16P,
     stage 2: 2P + 18P/N, stage 3: 18P/N + 4 x largest layer (a gathered layer, counted with the
     parameters as DeepSpeed does); offload moves the optimizer (and at stage 3 the parameters) off
@@ -124,7 +126,7 @@ def model_states(
     accumulation boundary DeepSpeed reduces them into partitions during backward, as stage 2 does.
     """
     master = 4  # fp32 master weights (a separate fp32 copy in DeepSpeed's ZeRO even for fp32 models)
-    moments = 8
+    moments = state_bytes
     fp32_grads = 4 if lp < 4 else 0
     if c.stage == 0:
         params, grads, optim = lp * p, lp * p, (master if lp < 4 else 0) * p + moments * p
@@ -357,125 +359,29 @@ def plan(
     s = exp.strategy
     lp = low_precision_bytes(precision)
     budget = int(device_memory * s.headroom)
-
-    def activations_with(chunked_loss: bool) -> int:
-        m = exp.model
-        return activations(
-            info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss
-        )
-
-    act = activations_with(exp.model.chunked_loss)
-    on_gpu = device_type == "cuda"
-
-    want_stage, want_offload, offload_params = pinned_choice(exp, template)
-    table = list(TABLE)
-    if want_stage == 3 and want_offload not in (None, "none") and not offload_params:
-        table.insert(table.index(_c(3, want_offload)), Candidate(3, want_offload, False))
-
-    estimates = []
-    for c in table:
-        par, grad, opt = model_states(
-            c, info.params, info.largest_layer, world_size, lp, exp.train.grad_accum
-        )
-        buf = buffers(c, info, lp, on_gpu, template)
-        host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node)
-        total = par + grad + opt + act + buf
-        nvme_ok = c.offload != "nvme" or bool(s.nvme_path) or want_offload == "nvme"
-        estimates.append(
-            Estimate(
-                c,
-                par,
-                grad,
-                opt,
-                act,
-                buf,
-                host,
-                fits_device=total <= budget and nvme_ok,
-                fits_host=host_memory is None or host <= host_memory,  # None: a target machine, not known
-                gather=4 * info.largest_layer if c.stage == 3 else 0,
-            )
-        )
+    pinned = pinned_choice(exp, template)
+    act = activations_for(exp, info, lp, exp.model.chunked_loss)
+    estimates = estimate_all(
+        exp, info, pinned, act=act, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
+        on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory, template=template,
+    )  # fmt: skip
     by = {e.candidate: e for e in estimates}
     auto_choice = next((c for c in LADDER if by[c].fits), None)
-
-    is_pinned = want_stage is not None or want_offload is not None
-    if not is_pinned:
-        options = list(LADDER)
-    else:  # the pinned part is fixed; the free part escalates by cost (stage 1 only when named)
-        options = sorted(
-            (
-                c
-                for c in by
-                if (want_stage is None or c.stage == want_stage)
-                and (want_offload is None or c.offload == want_offload)
-                and (c.stage != 1 or want_stage == 1)
-                and (c.stage < 3 or c.offload == "none" or c.offload_params == offload_params)
-            ),
-            key=lambda c: c.cost,
-        )
+    is_pinned = pinned[0] is not None or pinned[1] is not None
+    options = _options(by, pinned)
     chosen = next((c for c in options if by[c].fits), None)
-
-    hint = _chunked_loss_hint(exp, info, act - activations_with(True), budget, [by[c] for c in LADDER])
-
-    def fail(msg: str) -> UserError:
-        return UserError(
-            msg
-            + (f" Or {hint}." if hint else "")
-            + "\n\n"
-            + _table_for(by, budget, device_memory, s.headroom, world_size)
-        )
-
+    hint = _chunked_loss_hint(
+        exp, info, act - activations_for(exp, info, lp, True), budget, [by[c] for c in LADDER]
+    )
     if chosen is None:
-        if is_pinned and force and options:
-            chosen = options[0]
-        elif is_pinned and options:
-            e = by[options[0]]
-            raise fail(
-                f"strategy: the pinned {options[0].name} is predicted not to fit: {format_size(e.total)} per rank "
-                f"(host {format_size(e.host)}) against {format_size(budget)} usable of {format_size(device_memory)}. "
-                + (
-                    f"The rules would pick {auto_choice.name}; set strategy.zero_stage/offload: auto. "
-                    if auto_choice
-                    else ""
-                )
-                + "Pass --force to run anyway."
+        if not (is_pinned and force and options):
+            raise _no_fit(
+                exp, by, options if is_pinned else [], auto_choice, hint, budget, device_memory, world_size
             )
-        else:
-            raise fail(
-                f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
-                f"{s.headroom}) on {world_size} rank(s): lower train.micro_batch_size or data.seq_len, set "
-                "model.activation_checkpointing: true, add ranks, or give strategy.nvme_path for NVMe offload."
-            )
-
-    e = by[chosen]
-    use = f"{format_size(e.total)} of {format_size(budget)} per rank"
-    if not is_pinned:
-        skipped = LADDER[: LADDER.index(chosen)]
-        why = "; ".join(
-            f"{c.name} needs {format_size(by[c].total)}" + (" (host)" if by[c].fits_device else "")
-            for c in skipped
-        )
-        reason = (
-            f"{chosen.name} is the first rung that fits ({use})"
-            + (f"; {why}" if why else "")
-            + (f"; {hint}" if hint else "")
-        )
-    else:
-        reason = f"{chosen.name} pinned by the experiment ({use})"
-        if auto_choice is not None and chosen.cost > auto_choice.cost:
-            if not s.justification.strip():
-                raise UserError(
-                    f"strategy: {chosen.name} is pinned, but the cheaper {auto_choice.name} fits "
-                    f"({format_size(by[auto_choice].total)} of {format_size(budget)} per rank). Set "
-                    f"strategy.zero_stage/offload to auto to use {auto_choice.name}, or say why in "
-                    "strategy.justification."
-                )
-            reason += f"; the rules would pick {auto_choice.name}; justification: {s.justification.strip()}"
-        if not e.fits:
-            reason += "; predicted NOT to fit (--force)"
+        chosen = options[0]
     return Plan(
         candidate=chosen,
-        reason=reason,
+        reason=_reason(exp, by, chosen, auto_choice, is_pinned, hint, budget),
         estimates=tuple(estimates),
         budget=budget,
         device_memory=device_memory,
@@ -488,6 +394,150 @@ def plan(
         justification=s.justification.strip(),
         auto_choice=auto_choice,
     )
+
+
+def activations_for(exp: Experiment, info: ModelInfo, lp: int, chunked_loss: bool) -> int:
+    m = exp.model
+    return activations(
+        info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss
+    )
+
+
+def estimate_all(
+    exp: Experiment,
+    info: ModelInfo,
+    pinned: tuple[int | None, str | None, bool],
+    *,
+    act: int,
+    lp: int,
+    world_size: int,
+    gpus_per_node: int,
+    on_gpu: bool,
+    budget: int,
+    host_memory: int | None,
+    template: Mapping[str, Any] | None,
+) -> list[Estimate]:
+    """An estimate per candidate of the table (plus stage 3 with only the optimizer offloaded, when
+    the experiment pins that)."""
+    want_stage, want_offload, offload_params = pinned
+    state_bytes = OPTIMIZERS[exp.optim.name].state_bytes
+    table = list(TABLE)
+    if want_stage == 3 and want_offload not in (None, "none") and not offload_params:
+        table.insert(table.index(_c(3, want_offload)), Candidate(3, want_offload, False))
+    out = []
+    for c in table:
+        par, grad, opt = model_states(
+            c, info.params, info.largest_layer, world_size, lp, exp.train.grad_accum, state_bytes
+        )
+        buf = buffers(c, info, lp, on_gpu, template)
+        host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node)
+        nvme_ok = c.offload != "nvme" or bool(exp.strategy.nvme_path) or want_offload == "nvme"
+        out.append(
+            Estimate(
+                c, par, grad, opt, act, buf, host,
+                fits_device=par + grad + opt + act + buf <= budget and nvme_ok,
+                fits_host=host_memory is None or host <= host_memory,  # None: a target machine, not known
+                gather=4 * info.largest_layer if c.stage == 3 else 0,
+            )
+        )  # fmt: skip
+    return out
+
+
+def _options(by: dict[Candidate, Estimate], pinned: tuple[int | None, str | None, bool]) -> list[Candidate]:
+    """The candidates to choose from, cheapest first: the ladder; or, when the experiment pins a
+    stage or an offload, the candidates with that part fixed (stage 1 only when named)."""
+    want_stage, want_offload, offload_params = pinned
+    if want_stage is None and want_offload is None:
+        return list(LADDER)
+    return sorted(
+        (
+            c
+            for c in by
+            if (want_stage is None or c.stage == want_stage)
+            and (want_offload is None or c.offload == want_offload)
+            and (c.stage != 1 or want_stage == 1)
+            and (c.stage < 3 or c.offload == "none" or c.offload_params == offload_params)
+        ),
+        key=lambda c: c.cost,
+    )
+
+
+def _no_fit(
+    exp: Experiment,
+    by: dict[Candidate, Estimate],
+    pinned_options: list[Candidate],
+    auto_choice: Candidate | None,
+    hint: str,
+    budget: int,
+    device_memory: int,
+    world_size: int,
+) -> UserError:
+    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit."""
+    headroom = exp.strategy.headroom
+    if pinned_options:
+        c, e = pinned_options[0], by[pinned_options[0]]
+        msg = (
+            f"strategy: the pinned {c.name} is predicted not to fit: {format_size(e.total)} per rank "
+            f"(host {format_size(e.host)}) against {format_size(budget)} usable of {format_size(device_memory)}. "
+            + (
+                f"The rules would pick {auto_choice.name}; set strategy.zero_stage/offload: auto. "
+                if auto_choice
+                else ""
+            )
+            + "Pass --force to run anyway."
+        )
+    else:
+        msg = (
+            f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
+            f"{headroom}) on {world_size} rank(s): lower train.micro_batch_size or data.seq_len, set "
+            "model.activation_checkpointing: true, add ranks, or give strategy.nvme_path for NVMe offload."
+        )
+    return UserError(
+        msg
+        + (f" Or {hint}." if hint else "")
+        + "\n\n"
+        + _table_for(by, budget, device_memory, headroom, world_size)
+    )
+
+
+def _reason(
+    exp: Experiment,
+    by: dict[Candidate, Estimate],
+    chosen: Candidate,
+    auto_choice: Candidate | None,
+    is_pinned: bool,
+    hint: str,
+    budget: int,
+) -> str:
+    """Why `chosen`: the first rung that fits (and what the rungs below need), or pinned (and, above
+    the rules' choice, the justification it requires)."""
+    s = exp.strategy
+    e = by[chosen]
+    use = f"{format_size(e.total)} of {format_size(budget)} per rank"
+    if not is_pinned:
+        skipped = LADDER[: LADDER.index(chosen)]
+        why = "; ".join(
+            f"{c.name} needs {format_size(by[c].total)}" + (" (host)" if by[c].fits_device else "")
+            for c in skipped
+        )
+        return (
+            f"{chosen.name} is the first rung that fits ({use})"
+            + (f"; {why}" if why else "")
+            + (f"; {hint}" if hint else "")
+        )
+    reason = f"{chosen.name} pinned by the experiment ({use})"
+    if auto_choice is not None and chosen.cost > auto_choice.cost:
+        if not s.justification.strip():
+            raise UserError(
+                f"strategy: {chosen.name} is pinned, but the cheaper {auto_choice.name} fits "
+                f"({format_size(by[auto_choice].total)} of {format_size(budget)} per rank). Set "
+                f"strategy.zero_stage/offload to auto to use {auto_choice.name}, or say why in "
+                "strategy.justification."
+            )
+        reason += f"; the rules would pick {auto_choice.name}; justification: {s.justification.strip()}"
+    if not e.fits:
+        reason += "; predicted NOT to fit (--force)"
+    return reason
 
 
 def _chunked_loss_hint(
