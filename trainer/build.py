@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from trainer.config import Experiment
@@ -80,23 +79,59 @@ def build(
 ) -> Run | None:
     """The Run, or None when a resume finds the checkpoint already at train.max_steps. `one_off`:
     --overfit-batch and --profile (no eval); `max_steps`: the steps the metrics count to."""
-    from trainer import consistency, dist, metrics, model, rundir
-    from trainer import data as data_mod
+    from trainer import dist, metrics
     from trainer.checkpoint import Checkpointer, Store, checkpoints_dir
-    from trainer.checkpoint.reshard import names_and_aliases
     from trainer.control import Control
-    from trainer.engine import Engine
     from trainer.faults import Faults
-    from trainer.loop import Evaluator, TrainState
+    from trainer.loop import TrainState
 
     env = runtime.env
     metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
     for warning in _config_warnings(exp) if runtime.is_main else ():
         log.warning(f"warning: {warning}")
+    agreed = claim_and_agree(exp, runtime, resume)
+    if agreed is None:
+        return None
+    data, hosts, notes = agreed
+    engine, layout = model_and_engine(exp, env, planned, data)
+    stream, evaluator = data_for_rank(exp, runtime, data, one_off)
+    state = TrainState()
+    mets = make_metrics(exp, runtime, planned, engine, hosts, max_steps or exp.train.max_steps)
+    faults = Faults(env.rank, dist.attempt())
+    control = Control(
+        rank=env.rank,
+        world_size=env.world_size,
+        faults=faults,
+        handle_signals=exp.checkpoint.save_on_signal,
+        watchdog_s=exp.dist.watchdog_s,
+        nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
+    )
+    store = Store(
+        checkpoints_dir(exp.run_dir), engine=engine, stream=stream, exp=exp, rank=env.rank,
+        world_size=env.world_size, plan=planned.plan.summary(), layout=layout, faults=faults,
+        data_fingerprint=data.fingerprint, recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
+    )  # fmt: skip
+    checkpointer = Checkpointer(exp.checkpoint, store)
+    run = Run(
+        exp=exp, runtime=runtime, planned=planned, resume=resume, data=data, engine=engine, layout=layout,
+        stream=stream, evaluator=evaluator, state=state, metrics=mets, control=control, faults=faults,
+        checkpointer=checkpointer, hosts=hosts, notes=[*(planned.schedule.notes if planned.schedule else ()), *notes],
+    )  # fmt: skip
+    if resume is not None:
+        checkpointer.load(resume.found, state)
+    attach_debug(run, dist.debug_dir())
+    return run
 
-    # The run directory (rank 0 holds it), the data, then one gather: every rank agrees.
-    run_dir = Path(exp.run_dir)
-    lock = rundir.acquire(run_dir) if runtime.is_main else None  # before anything touches run_dir
+
+def claim_and_agree(exp: Experiment, runtime: Any, resume: Any) -> tuple[Any, list[str], list[str]] | None:
+    """The run directory (rank 0 holds it), the data, then one gather before anything else is built:
+    the run directory is ours, every rank resumes from the same checkpoint and reads the same data.
+    Returns (data, every rank's host, notes on changed data), or None: nothing left to train."""
+    from trainer import consistency, rundir
+    from trainer import data as data_mod
+
+    env = runtime.env
+    lock = rundir.acquire(exp.run_dir) if runtime.is_main else None  # before anything touches run_dir
     data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
     if data.built:
         log.info(f"data: tokenized and cached in {data.cache_path}")
@@ -113,8 +148,16 @@ def build(
     if resume is not None and resume.done(exp, env.rank):
         return None
     notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
+    return data, hosts, notes
 
-    # The model and the engine: identical initial weights on every rank, then dropout per rank.
+
+def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> tuple[Any, Any]:
+    """The model (identical initial weights on every rank; at ZeRO-3 never whole on one) and the
+    DeepSpeed engine around it; then the RNG per rank (dropout differs between ranks)."""
+    from trainer import dist, model
+    from trainer.checkpoint.reshard import names_and_aliases
+    from trainer.engine import Engine
+
     dist.seed_all(exp.seed)
     module = model.build(
         exp.model,
@@ -127,29 +170,39 @@ def build(
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     engine = Engine(module, planned.ds_config, groups, compile=exp.train.compile)
     dist.seed_all(exp.seed + 1 + env.rank)
+    return engine, layout
 
-    # The data each rank trains and evaluates on.
-    t = exp.train
-    stream = data_mod.TrainStream(
-        data, exp.data, rank=env.rank, world=env.world_size, micro=t.micro_batch_size, seed=exp.seed,
-        device_type=runtime.device_type,
-    )  # fmt: skip
-    eval_loader = data_mod.eval_batches(
-        data, exp.data, rank=env.rank, world=env.world_size, micro=t.micro_batch_size, limit=t.eval_batches,
-        device_type=runtime.device_type,
-    )  # fmt: skip
-    evaluator = Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size)
 
-    # Metrics, run control, checkpoints.
-    state = TrainState()
+def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tuple[Any, Any]:
+    """This rank's training stream and the evaluator over its share of the eval set."""
+    from trainer import data as data_mod
+    from trainer.loop import Evaluator
+
+    env, t = runtime.env, exp.train
+    where = {
+        "rank": env.rank,
+        "world": env.world_size,
+        "micro": t.micro_batch_size,
+        "device_type": runtime.device_type,
+    }
+    stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, **where)
+    eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
+    return stream, Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size)
+
+
+def make_metrics(
+    exp: Experiment, runtime: Any, planned: Planned, engine: Any, hosts: list[str], max_steps: int
+) -> Any:
+    from trainer import metrics
+
+    env, t, info = runtime.env, exp.train, planned.info
     samples = t.sequences_per_step(env.world_size)
-    info = planned.info
-    mets = metrics.Metrics(
-        run_dir,
+    return metrics.Metrics(
+        exp.run_dir,
         is_main=runtime.is_main,
         world_size=env.world_size,
         log_every=t.log_every,
-        max_steps=max_steps or t.max_steps,
+        max_steps=max_steps,
         samples_per_step=samples,
         tokens_per_step=samples * exp.data.seq_len,
         device=engine.device,
@@ -159,38 +212,6 @@ def build(
         flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
         peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
     )
-    faults = Faults(env.rank, dist.attempt())
-    control = Control(
-        rank=env.rank,
-        world_size=env.world_size,
-        faults=faults,
-        handle_signals=exp.checkpoint.save_on_signal,
-        watchdog_s=exp.dist.watchdog_s,
-        nan_check=exp.dist.nan_check and planned.plan.precision != "fp16",  # fp16: DeepSpeed skips the step
-    )
-    store = Store(
-        checkpoints_dir(run_dir),
-        engine=engine,
-        stream=stream,
-        exp=exp,
-        rank=env.rank,
-        world_size=env.world_size,
-        plan=planned.plan.summary(),
-        layout=layout,
-        faults=faults,
-        data_fingerprint=data.fingerprint,
-        recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
-    )
-    checkpointer = Checkpointer(exp.checkpoint, store)
-    run = Run(
-        exp=exp, runtime=runtime, planned=planned, resume=resume, data=data, engine=engine, layout=layout,
-        stream=stream, evaluator=evaluator, state=state, metrics=mets, control=control, faults=faults,
-        checkpointer=checkpointer, hosts=hosts, notes=[*(planned.schedule.notes if planned.schedule else ()), *notes],
-    )  # fmt: skip
-    if resume is not None:
-        checkpointer.load(resume.found, state)
-    attach_debug(run, dist.debug_dir())
-    return run
 
 
 def attach_debug(run: Run, directory: str | None) -> None:

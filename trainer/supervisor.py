@@ -161,7 +161,6 @@ class Supervisor:
 
     def run(self) -> int:
         from trainer.checkpoint import checkpoints_dir, latest
-        from trainer.dist import free_port
 
         self.hosts()  # a missing or malformed hostfile is an error before anything starts
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,86 +170,88 @@ class Supervisor:
         resume = self.resume
         attempt = 0
         while True:
-            escalation_before = self._escalation_mtime()
-            cmd = self.command(overrides, resume, free_port())
-            failure_file = self.run_dir / ".supervisor" / f"attempt-{attempt}-{os.getpid()}.json"
-            failure_file.unlink(missing_ok=True)
-            env = dict(
-                os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())}
-            )
-            if self.launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
-                env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-            if self.hostfile:  # the runner forwards only PYTHON*/MV2*/UCX* to the nodes
-                from trainer.dist import remote_env
-
-                env_file = self.run_dir / ".deepspeed_env"
-                env_file.write_text("".join(f"{k}={v}\n" for k, v in remote_env(env).items()))
-                env["DS_ENV_FILE"] = str(env_file.resolve())
-            print(f"[supervisor] attempt {attempt}: {' '.join(cmd)}", flush=True)
-            t0 = time.time()
-            self._child = subprocess.Popen(cmd, env=env, start_new_session=True)
-            rc = self._child.wait()
-            self._child = None
-            escalated = self._escalation() if self._escalation_mtime() != escalation_before else None
-            failure = self._read_json(failure_file)
-            self._record(attempt, cmd, rc, time.time() - t0, escalated, failure)
+            rc, escalated, failure = self._attempt(attempt, overrides, resume)
             if rc == 0 or self._stopping:
                 return rc
             final = failure["exit"] if failure else rc if rc in FINAL_EXITS else None
             if final is not None:
                 what = failure["message"].splitlines()[0] if failure else FINAL_EXITS[final]
-                print(
-                    f"[supervisor] attempt {attempt} failed with {FINAL_EXITS[final]} (exit {final}): {what}\n"
-                    "[supervisor] not restarting: another attempt would fail the same way",
-                    flush=True,
+                self._say(
+                    f"attempt {attempt} failed with {FINAL_EXITS[final]} (exit {final}): {what}\n"
+                    "[supervisor] not restarting: another attempt would fail the same way"
                 )
                 return final
             if attempt >= self.max_restarts:
-                print(f"[supervisor] attempt {attempt} failed (exit {rc}); no restarts left", flush=True)
+                self._say(f"attempt {attempt} failed (exit {rc}); no restarts left")
                 return rc
             if escalated is not None:
-                rung = next_rung(escalated["stage"], escalated["offload"])
-                if rung is None:
-                    print(
-                        "[supervisor] out of memory on the last rung of the ladder: nothing to escalate to",
-                        flush=True,
-                    )
+                overrides = self._escalate(escalated, overrides, attempt)
+                if overrides is None:
                     return rc
-                why = (
-                    f"escalated after out-of-memory on zero{escalated['stage']}"
-                    f"{'' if escalated['offload'] == 'none' else '+' + escalated['offload']} at step {escalated['step']} "
-                    f"(attempt {attempt})"
-                )
-                overrides = [
-                    o
-                    for o in overrides
-                    if not o.startswith(
-                        ("strategy.zero_stage=", "strategy.offload=", "strategy.justification=")
-                    )
-                ]
-                overrides += [
-                    f"strategy.zero_stage={rung[0]}",
-                    f"strategy.offload={rung[1]}",
-                    f"strategy.justification={why}",
-                ]
-                print(
-                    f"[supervisor] {why}: next attempt on zero{rung[0]}{'' if rung[1] == 'none' else '+' + rung[1]}",
-                    flush=True,
-                )
             # The newest checkpoint of this run; before there is one, what the job was started from.
             found, _ = latest(checkpoints_dir(self.run_dir))
             resume = "latest" if found is not None else self.resume
             start = f"from {found.tag}" if found else f"from {self.resume}" if self.resume else "from scratch"
             delay = min(self.backoff_s * 2**attempt, 60.0)
-            print(
-                f"[supervisor] attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s {start}",
-                flush=True,
-            )
+            self._say(f"attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s {start}")
             if self._wake.wait(delay) or self._stopping:
                 name = signal.Signals(self._stopping).name if self._stopping else "a signal"
-                print(f"[supervisor] {name} during the back-off: stopping, no further attempt", flush=True)
+                self._say(f"{name} during the back-off: stopping, no further attempt")
                 return 128 + (self._stopping or signal.SIGTERM)
             attempt += 1
+
+    def _attempt(
+        self, attempt: int, overrides: list[str], resume: str | None
+    ) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None]:
+        """Run one attempt to its end: (exit status, the out-of-memory record it left, the failure a
+        rank recorded). Recorded in attempts.jsonl."""
+        from trainer.dist import free_port
+
+        escalation_before = self._escalation_mtime()
+        cmd = self.command(overrides, resume, free_port())
+        failure_file = self.run_dir / ".supervisor" / f"attempt-{attempt}-{os.getpid()}.json"
+        failure_file.unlink(missing_ok=True)
+        env = dict(
+            os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())}
+        )
+        if self.launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        if self.hostfile:  # the runner forwards only PYTHON*/MV2*/UCX* to the nodes
+            from trainer.dist import remote_env
+
+            env_file = self.run_dir / ".deepspeed_env"
+            env_file.write_text("".join(f"{k}={v}\n" for k, v in remote_env(env).items()))
+            env["DS_ENV_FILE"] = str(env_file.resolve())
+        self._say(f"attempt {attempt}: {' '.join(cmd)}")
+        t0 = time.time()
+        self._child = subprocess.Popen(cmd, env=env, start_new_session=True)
+        rc = self._child.wait()
+        self._child = None
+        escalated = self._escalation() if self._escalation_mtime() != escalation_before else None
+        failure = self._read_json(failure_file)
+        self._record(attempt, cmd, rc, time.time() - t0, escalated, failure)
+        return rc, escalated, failure
+
+    def _escalate(self, escalated: dict[str, Any], overrides: list[str], attempt: int) -> list[str] | None:
+        """The overrides of the next attempt, one rung above the one that ran out of memory (None:
+        it was the last rung)."""
+        rung = next_rung(escalated["stage"], escalated["offload"])
+        if rung is None:
+            self._say("out of memory on the last rung of the ladder: nothing to escalate to")
+            return None
+        offload = "" if escalated["offload"] == "none" else "+" + escalated["offload"]
+        why = f"escalated after out-of-memory on zero{escalated['stage']}{offload} at step {escalated['step']} (attempt {attempt})"
+        pinned = ("strategy.zero_stage=", "strategy.offload=", "strategy.justification=")
+        self._say(f"{why}: next attempt on zero{rung[0]}{'' if rung[1] == 'none' else '+' + rung[1]}")
+        return [o for o in overrides if not o.startswith(pinned)] + [
+            f"strategy.zero_stage={rung[0]}",
+            f"strategy.offload={rung[1]}",
+            f"strategy.justification={why}",
+        ]
+
+    @staticmethod
+    def _say(line: str) -> None:
+        print(f"[supervisor] {line}", flush=True)
 
     def _forward(self, signum: int, _frame: Any) -> None:
         self._stopping = signum

@@ -217,108 +217,14 @@ def ds_config(
 ) -> dict[str, Any]:
     """The exact dict for `deepspeed.initialize`. Raises UserError listing every template mismatch.
     `sched`: the LR schedule (default: a fresh start's, see `schedule`)."""
-    t, o = exp.train, exp.optim
-    world = plan_.world_size
     d = json.loads(json.dumps(template))  # deep copy
     f = _Filler(template_path)
-    why_batch = f"micro {t.micro_batch_size} x world {world} x grad_accum {t.grad_accum}"
-    f.own(d, "train_micro_batch_size_per_gpu", t.micro_batch_size, why="train.micro_batch_size")
-    f.own(d, "gradient_accumulation_steps", t.grad_accum, why="train.grad_accum")
-    f.own(d, "train_batch_size", t.sequences_per_step(world), why=why_batch)
-    f.own(d, "gradient_clipping", t.grad_clip, why="train.grad_clip")
-    precision = plan_.precision
-    f.own(d, "bf16.enabled", precision == "bf16", why=f"train.precision resolves to {precision}")
-    if precision == "fp16" or "fp16" in d:
-        f.own(d, "fp16.enabled", precision == "fp16", why=f"train.precision resolves to {precision}")
-    if "bfloat16" in d:  # old alias of bf16
-        f.own(d, "bfloat16.enabled", precision == "bf16", why=f"train.precision resolves to {precision}")
-
-    sched = sched or schedule(exp, world)
-    lr = sched.lr
-    opt = OPTIMIZERS[o.name]
-    f.own(d, "optimizer.type", opt.deepspeed_type, why="optim.name")
-    for key, value in opt.params(o, lr).items():
-        f.own(
-            d,
-            f"optimizer.params.{key}",
-            value,
-            why="optim.lr x lr_scaling" if key == "lr" else f"optim.{key}",
-        )
-    if opt.adam:
-        impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
-        f.own(
-            d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}"
-        )
-
-    kind = SCHEDULERS[o.schedule]
-    warm = max(1, o.warmup_steps)
-    f.own(d, "scheduler.type", kind, why="optim.schedule")
-    if kind == "WarmupCosineLR":
-        f.own(
-            d, "scheduler.params.total_num_steps", sched.horizon, why="train.max_steps / optim.schedule_steps"
-        )
-        f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")
-        f.own(d, "scheduler.params.warmup_min_ratio", 0.0, why="warmup starts at 0")
-        f.own(d, "scheduler.params.cos_min_ratio", o.min_lr_ratio, why="optim.min_lr_ratio")
-        f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
-    else:
-        if kind == "WarmupDecayLR":
-            f.own(
-                d,
-                "scheduler.params.total_num_steps",
-                sched.horizon,
-                why="train.max_steps / optim.schedule_steps",
-            )
-        f.own(d, "scheduler.params.warmup_min_lr", 0.0, why="warmup starts at 0")
-        f.own(d, "scheduler.params.warmup_max_lr", lr, why="optim.lr x lr_scaling")
-        f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")
-        f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
-
-    c = plan_.candidate
-    f.own(d, "zero_optimization.stage", c.stage, why="strategy.zero_stage / the plan")
-    zero = d["zero_optimization"]
-    if c.offload != "none":
-        f.own(d, "zero_optimization.offload_optimizer.device", c.offload, why="strategy.offload")
-        if c.offload == "nvme":
-            f.own(
-                d,
-                "zero_optimization.offload_optimizer.nvme_path",
-                exp.strategy.nvme_path,
-                why="strategy.nvme_path",
-            )
-        if c.stage == 3 and c.offload_params:
-            f.own(d, "zero_optimization.offload_param.device", c.offload, why="strategy.offload")
-            if c.offload == "nvme":
-                f.own(
-                    d,
-                    "zero_optimization.offload_param.nvme_path",
-                    exp.strategy.nvme_path,
-                    why="strategy.nvme_path",
-                )
-    else:
-        for k in ("offload_optimizer", "offload_param"):
-            dev = device_of(zero.get(k))
-            if dev not in (None, "none"):
-                f.mismatches.append(
-                    Problem(
-                        f"zero_optimization.{k}.device",
-                        f"template offloads to {dev}, the experiment says offload none",
-                    )
-                )
-
-    # Model-dependent sizes the Hugging Face integration also calls "auto".
-    h = info.hidden or 1024
-    for key, value in (
-        ("reduce_bucket_size", auto_bucket(h)),
-        ("allgather_bucket_size", auto_bucket(h)),
-        ("stage3_prefetch_bucket_size", int(0.9 * auto_bucket(h))),
-        ("stage3_param_persistence_threshold", 10 * h),
-    ):
-        if zero.get(key) == "auto":
-            zero[key] = value
-
-    leftover = sorted(autos(d))
-    for path in leftover:
+    sched = sched or schedule(exp, plan_.world_size)
+    _batch_and_precision(f, d, exp, plan_)
+    _optimizer(f, d, exp, plan_, sched)
+    _scheduler(f, d, exp, sched)
+    _zero(f, d, exp, plan_, info)
+    for path in sorted(autos(d)):
         f.mismatches.append(
             Problem(path, '"auto" here is not a value the trainer fills; write the value you want')
         )
@@ -331,6 +237,93 @@ def ds_config(
             template_path or None,
         )
     return d
+
+
+def _batch_and_precision(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan) -> None:
+    t, world = exp.train, plan_.world_size
+    why_batch = f"micro {t.micro_batch_size} x world {world} x grad_accum {t.grad_accum}"
+    f.own(d, "train_micro_batch_size_per_gpu", t.micro_batch_size, why="train.micro_batch_size")
+    f.own(d, "gradient_accumulation_steps", t.grad_accum, why="train.grad_accum")
+    f.own(d, "train_batch_size", t.sequences_per_step(world), why=why_batch)
+    f.own(d, "gradient_clipping", t.grad_clip, why="train.grad_clip")
+    precision = plan_.precision
+    why = f"train.precision resolves to {precision}"
+    f.own(d, "bf16.enabled", precision == "bf16", why=why)
+    if precision == "fp16" or "fp16" in d:
+        f.own(d, "fp16.enabled", precision == "fp16", why=why)
+    if "bfloat16" in d:  # old alias of bf16
+        f.own(d, "bfloat16.enabled", precision == "bf16", why=why)
+
+
+def _optimizer(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, sched: Schedule) -> None:
+    o = exp.optim
+    opt = OPTIMIZERS[o.name]
+    f.own(d, "optimizer.type", opt.deepspeed_type, why="optim.name")
+    for key, value in opt.params(o, sched.lr).items():
+        f.own(
+            d,
+            f"optimizer.params.{key}",
+            value,
+            why="optim.lr x lr_scaling" if key == "lr" else f"optim.{key}",
+        )
+    if opt.adam:
+        impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
+        f.own(
+            d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}"
+        )
+
+
+def _scheduler(f: _Filler, d: dict[str, Any], exp: Experiment, sched: Schedule) -> None:
+    o = exp.optim
+    kind = SCHEDULERS[o.schedule]
+    warm = max(1, o.warmup_steps)
+    horizon = "train.max_steps / optim.schedule_steps"
+    f.own(d, "scheduler.type", kind, why="optim.schedule")
+    f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")
+    f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
+    if kind == "WarmupCosineLR":
+        f.own(d, "scheduler.params.total_num_steps", sched.horizon, why=horizon)
+        f.own(d, "scheduler.params.warmup_min_ratio", 0.0, why="warmup starts at 0")
+        f.own(d, "scheduler.params.cos_min_ratio", o.min_lr_ratio, why="optim.min_lr_ratio")
+        return
+    if kind == "WarmupDecayLR":
+        f.own(d, "scheduler.params.total_num_steps", sched.horizon, why=horizon)
+    f.own(d, "scheduler.params.warmup_min_lr", 0.0, why="warmup starts at 0")
+    f.own(d, "scheduler.params.warmup_max_lr", sched.lr, why="optim.lr x lr_scaling")
+
+
+def _zero(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, info: ModelInfo) -> None:
+    c = plan_.candidate
+    f.own(d, "zero_optimization.stage", c.stage, why="strategy.zero_stage / the plan")
+    zero = d["zero_optimization"]
+    if c.offload == "none":
+        for k in ("offload_optimizer", "offload_param"):
+            dev = device_of(zero.get(k))
+            if dev not in (None, "none"):
+                f.mismatches.append(
+                    Problem(
+                        f"zero_optimization.{k}.device",
+                        f"template offloads to {dev}, the experiment says offload none",
+                    )
+                )
+    else:
+        parts = ["offload_optimizer"] + (["offload_param"] if c.stage == 3 and c.offload_params else [])
+        for part in parts:
+            f.own(d, f"zero_optimization.{part}.device", c.offload, why="strategy.offload")
+            if c.offload == "nvme":
+                f.own(
+                    d, f"zero_optimization.{part}.nvme_path", exp.strategy.nvme_path, why="strategy.nvme_path"
+                )
+    # Model-dependent sizes the Hugging Face integration also calls "auto".
+    h = info.hidden or 1024
+    for key, value in (
+        ("reduce_bucket_size", auto_bucket(h)),
+        ("allgather_bucket_size", auto_bucket(h)),
+        ("stage3_prefetch_bucket_size", int(0.9 * auto_bucket(h))),
+        ("stage3_param_persistence_threshold", 10 * h),
+    ):
+        if zero.get(key) == "auto":
+            zero[key] = value
 
 
 def autos(d: Any, prefix: str = "") -> list[str]:
