@@ -260,17 +260,30 @@ def train(
     return res
 
 
+def bin_train(
+    *args: Any, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`bin/train ARGS` in one process, as a user runs it (a supervisor of 2 ranks with
+    --nproc-per-node 2)."""
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *map(str, args)],
+        cwd=ROOT,
+        env=env_for(2 if "--nproc-per-node" in map(str, args) else 1, env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def cli(
     sets: dict[str, Any], *extra: Any, env: dict[str, str] | None = None, timeout: float = 300
 ) -> tuple[int, str]:
-    """bin/train in one process as a user runs it: TINY with `--set KEY=VALUE` for `sets` (the data
-    cache defaults to the session's), then `extra` arguments. Returns the exit code and the output."""
-    args = [sys.executable, str(TRAIN), str(TINY)]
+    """bin/train on TINY with `--set KEY=VALUE` for `sets` (the data cache defaults to the session's),
+    then `extra` arguments. Returns the exit code and the output."""
+    args: list[Any] = [TINY]
     for k, v in {"data.cache_dir": data_cache(), **sets}.items():
         args += ["--set", f"{k}={yaml_value(v)}"]
-    nproc = 2 if "--nproc-per-node" in map(str, extra) else 1
-    p = subprocess.run([*args, *map(str, extra)], cwd=ROOT, env=env_for(nproc, env), capture_output=True, text=True,
-                       timeout=timeout)  # fmt: skip
+    p = bin_train(*args, *extra, env=env, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
 

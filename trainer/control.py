@@ -52,8 +52,8 @@ class Watchdog:
         with self._cond:
             self._deadline = now + self.timeout_s
         # The backstop is re-armed at most every BACKSTOP_S / 2, so it fires 30-60 s after the
-        # watchdog would have: each re-arm joins faulthandler's thread and starts a new one, and at
-        # every pet (twice a step) that made a 400-600 ms CPU step 4-6% slower on 2 busy cores.
+        # watchdog would have: each re-arm joins faulthandler's thread and starts a new one, too
+        # costly to do at every pet (twice a step).
         if now - self._armed >= self.BACKSTOP_S / 2:
             self._armed = now
             faulthandler.dump_traceback_later(self.timeout_s + self.BACKSTOP_S, exit=True, file=sys.stderr)

@@ -201,8 +201,8 @@ def prefer_interpreter_tools() -> str | None:
     """Put the interpreter's own scripts directory (the venv's bin) first on PATH when it holds
     `ninja`, so DeepSpeed's JIT-built ops always build with the same ninja. Two ninjas (pip's 1.13 in
     the venv, a distribution's 1.11 in /usr/bin) write incompatible build logs, and a run under
-    either one rebuilds what the other built: 40 s and more at every start that alternates between
-    `make tiny` (no venv on PATH) and `deepspeed ...` (venv activated). Returns the directory added."""
+    either one rebuilds what the other built, at every start that alternates between `make tiny`
+    (no venv on PATH) and `deepspeed ...` (venv activated). Returns the directory added."""
     bindir = os.path.dirname(sys.executable)
     if not os.path.isfile(os.path.join(bindir, "ninja")):
         return None
@@ -273,11 +273,11 @@ def setup(timeout_s: float = 600.0) -> Runtime:
 
 def build_ops_without_debug_info() -> None:
     """DeepSpeed JIT-compiles its C++ ops (CPU Adam for `strategy.offload`, once per machine) with
-    `-g`: debug information nobody reads, which costs a third of the compile (CPU Adam, built by
-    scripts/build_ops.py on 2 cores: 145 s of CPU with it, 97 s without). The ops are built the
-    same otherwise (-O3, -march=native), so they run at the same speed. Every process that may build an op calls this (each rank, and
-    scripts/build_ops.py), so they agree on the flags and none rebuilds what another built. (If
-    DeepSpeed renames jit_load, the ops are built with its own flags, as before.)"""
+    `-g`: debug information nobody reads, which costs about a third of the compile. The ops are
+    built the same otherwise (-O3, -march=native), so they run at the same speed. Every process
+    that may build an op calls this (each rank, and scripts/build_ops.py), so they agree on the
+    flags and none rebuilds what another built. (If DeepSpeed renames jit_load, the ops are built
+    with its own flags, as before.)"""
     import importlib
 
     builder = importlib.import_module("deepspeed.ops.op_builder.builder")
@@ -316,8 +316,8 @@ def skip_inference_shm_op() -> None:
 def import_muon_lazily() -> None:
     """DeepSpeed imports its Muon optimizer module at ZeRO stages >= 1 whatever the optimizer (in
     its optimizer check, in stage 1/2's first gradient reduction, in stage 3's set-up), and that
-    module's @torch.compile decorators import all of TorchInductor: 1.3-2 s of CPU in every rank
-    at every start. Imported here first, with those decorators compiling at the first call instead
+    module's @torch.compile decorators import all of TorchInductor: seconds of CPU in every rank at
+    every start. Imported here first, with those decorators compiling at the first call instead
     of at the import, it costs nothing; Muon itself works as before (compiled when first used).
     (If DeepSpeed moves or renames these, the module is imported as before.)"""
     import functools

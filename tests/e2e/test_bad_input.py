@@ -1,24 +1,15 @@
 """Bad input through the real CLI: exit code 2, no traceback, a message naming the key and the fix."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT, TINY, TRAIN, data_cache, env_for
+from helpers import TINY, bin_train, data_cache
 
 pytestmark = pytest.mark.e2e
 
 
 def run(args, tmp_path):
-    p = subprocess.run(
-        [sys.executable, str(TRAIN), *map(str, args)],
-        cwd=ROOT,
-        env=env_for(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = bin_train(*args)
     return p.returncode, p.stderr + p.stdout
 
 
@@ -174,14 +165,7 @@ def test_no_experiment_is_a_usage_error(tmp_path):
 
 
 def test_a_malformed_port_range_exits_2_naming_the_variable(tmp_path):
-    p = subprocess.run(
-        [sys.executable, str(TRAIN), *map(str, tiny(tmp_path, "train.max_steps=1"))],
-        cwd=ROOT,
-        env=env_for(1, {"TRAINER_PORTS": "29500"}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = bin_train(*tiny(tmp_path, "train.max_steps=1"), env={"TRAINER_PORTS": "29500"})
     out = p.stderr + p.stdout
     assert p.returncode == 2 and "Traceback" not in out, out
     assert "error: TRAINER_PORTS='29500': expected LO-HI, the first and last port, e.g. 20000-20999" in out

@@ -5,24 +5,13 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, TINY, TRAIN, env_for, train
+from helpers import ROOT, TINY, TRAIN, bin_train, env_for, train
 
 pytestmark = pytest.mark.e2e
 
 
-def run(*args):
-    return subprocess.run(
-        [sys.executable, str(TRAIN), *map(str, args)],
-        cwd=ROOT,
-        env=env_for(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_pinned_stage_3_without_justification_names_stage_0(tmp_path):
-    p = run(
+    p = bin_train(
         TINY,
         "--set",
         "strategy.zero_stage=3",
@@ -114,19 +103,17 @@ def test_plan_prints_the_table_and_decision_without_heavy_imports(experiment, tm
 
 
 def test_max_restarts_cannot_run_inside_a_launcher(tmp_path):
-    p = subprocess.run(
-        [sys.executable, str(TRAIN), str(TINY), "--max-restarts", "1"],
-        cwd=ROOT,
-        env=env_for(1, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "CROSS_RANK": "0"}),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    p = bin_train(
+        TINY,
+        "--max-restarts",
+        "1",
+        env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "CROSS_RANK": "0"},
     )
     assert p.returncode == 2 and "cannot run under one" in p.stderr
 
 
 def test_a_missing_hostfile_stops_before_anything_starts(tmp_path):
-    p = run(
+    p = bin_train(
         TINY,
         "--launcher",
         "deepspeed",

@@ -1,10 +1,7 @@
 """Resume mistakes exit 2 with a message that says what was wrong and where it looked."""
 
-import subprocess
-import sys
-
 import pytest
-from helpers import ROOT, TINY, TRAIN, env_for, train
+from helpers import TINY, bin_train, train
 
 pytestmark = pytest.mark.e2e
 
@@ -18,14 +15,7 @@ SMALL = {
 
 
 def run(*args):
-    p = subprocess.run(
-        [sys.executable, str(TRAIN), *map(str, args)],
-        cwd=ROOT,
-        env=env_for(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = bin_train(*args)
     return p.returncode, p.stderr + p.stdout
 
 

@@ -185,8 +185,8 @@ def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Fou
 
 
 def versions() -> dict[str, str]:
-    """The versions that made a checkpoint, read from the installed distributions' metadata (an
-    import of `datasets` just for its version would cost a rank 0.7 s at every save)."""
+    """The versions that made a checkpoint, read from the installed distributions' metadata (not by
+    importing them: `datasets`, imported just for its version, would slow every save)."""
     import platform
     from importlib import metadata
 

@@ -4,7 +4,7 @@ A transformers causal LM computes `logits = lm_head(hidden)` for every position 
 vocab: 6.6 GB in bf16 for GPT-2 at micro batch 64 x 1024) and its loss upcasts them to fp32 (13 GB
 more), keeps the log-softmax for backward and writes a gradient as large: about 18 bytes per logit
 of memory and several passes over it. Here the LM head and the cross-entropy run in chunks of rows
-(1 GiB of fp32 logits each, `trainer.config.LOSS_CHUNK_BYTES`), and each chunk's gradients
+(1 GiB of fp32 logits each, `trainer.config.schema.LOSS_CHUNK_BYTES`), and each chunk's gradients
 (towards the hidden states and the head's weight) are computed right away, as Liger-Kernel's fused
 linear cross-entropy does: no extra FLOPs, the loss's memory becomes one chunk, and backward only
 scales the saved gradients.
@@ -16,7 +16,7 @@ so bf16 results differ from the unchunked loss by rounding only.
 It replaces the model's `forward` (an attribute of the instance: the class, the state dict and
 checkpoints are untouched) by one that runs the base model and then this loss; with no labels
 the original forward runs. Supported: transformers models whose logits are `lm_head(hidden)`
-unscaled, uncapped and without bias (`trainer.config.CHUNKED_LOSS_TYPES`). At ZeRO stage 3 the
+unscaled, uncapped and without bias (`trainer.config.schema.CHUNKED_LOSS_TYPES`). At ZeRO stage 3 the
 head's weight is registered as an external parameter of the model, so that DeepSpeed gathers it
 for the model's forward and backward.
 """

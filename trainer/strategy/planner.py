@@ -173,9 +173,8 @@ def activations(
     16-bit activations; the 5as/h attention-score term only with eager attention; with activation
     checkpointing the layer inputs (2sbh per layer) plus one layer's full activations. Plus the
     logits for the loss: b*s*V*3*(lp + 4) bytes, that is the logits, their fp32 copy and its
-    log-softmax, then in backward their gradients (an H100 measured 17.2 bytes per logit for GPT-2
-    124M in bf16 at micro batch 64, where this gives 18 and the former 2*(lp + 4) gave 12 and
-    predicted a ZeRO-2 fit that ran out of memory). With `model.chunked_loss`, one chunk of rows
+    log-softmax, then in backward their gradients (18 bytes per logit in bf16; measured on a GPU in
+    BENCHMARKS.md). With `model.chunked_loss`, one chunk of rows
     instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus the
     saved gradients towards the hidden states (lp) and the head's weight (fp32)."""
     h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
