@@ -1,10 +1,13 @@
-"""Everything built before the loop, in one `Run` the modes share (trainer/modes.py).
+"""Everything built before the loop.
 
-`build()` turns (experiment, plan, environment, resume) into a Run, in this order: the run
-directory claimed (rank 0), the data, one agreement across ranks (the run directory is ours, every
-rank resumes from the same checkpoint and reads the same data), the model and the engine, the
-data stream and the evaluator, metrics, run control, the checkpointer (and the resume loaded).
-Each component receives only its own section of the experiment. Nothing here trains.
+- `make_plan`: before the process group exists: model facts (meta device), the memory plan, the
+  exact DeepSpeed JSON (`Planned`); also what `--plan` prints.
+- `build`: (experiment, plan, environment, resume) -> one `Run` the modes share
+  (trainer/modes.py), in this order: the run directory claimed (rank 0), the data, one agreement
+  across ranks (the run directory is ours, every rank resumes from the same checkpoint and reads
+  the same data), the model and the engine, the data stream and the evaluator, metrics, run
+  control, the checkpointer (and the resume loaded). Each component receives only its own section
+  of the experiment. Nothing here trains.
 """
 
 from __future__ import annotations
@@ -28,6 +31,61 @@ class Planned:
     info: Any  # strategy.ModelInfo
     template_path: str
     schedule: Any = None  # strategy.Schedule: its notes say how a resume changed the LR schedule
+
+
+def make_plan(
+    exp: Experiment,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    device_type: str,
+    device_memory: int | None,
+    vocab_size: int | None,
+    eos_id: int | None,
+    force: bool,
+    this_machine: bool = True,
+    source: str | None = None,
+    saved_ds_config: dict[str, Any] | None = None,
+) -> Planned:
+    """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed.
+    `saved_ds_config`: the JSON of the checkpoint a resume starts from (its LR schedule continues)."""
+    from trainer import dist, model, strategy
+
+    info = model.info(exp.model, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
+    precision = strategy.resolve_precision(exp.train.precision, device_type, source=source)
+    mem = exp.strategy.device_memory or device_memory
+    host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
+    if mem is None:  # CPU training: the ranks of a node share its memory
+        mem = dist.host_memory() // max(1, gpus_per_node)
+    template_path, template = strategy.template_for(exp)
+    plan = strategy.plan(
+        exp,
+        info,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        device_type=device_type,
+        device_memory=mem,
+        host_memory=host,
+        precision=precision,
+        template=template or None,
+        force=force,
+    )
+    if not template:
+        template_path, template = strategy.template_for(exp, plan.candidate)
+    sched = strategy.schedule(exp, world_size, saved_ds_config)
+    ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
+    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched)
+
+
+def vocab_for_planning(exp: Experiment) -> tuple[int | None, int | None]:
+    """The vocabulary size the model will get: given in model.config, else the tokenizer's."""
+    if exp.model.config is not None and isinstance(exp.model.config.get("vocab_size"), int):
+        return exp.model.config["vocab_size"], None
+    if exp.model.config is None:
+        return None, None
+    from trainer.data import tokenizer_shape
+
+    return tokenizer_shape(exp.data.tokenizer, exp.data.cache_dir)
 
 
 @dataclass

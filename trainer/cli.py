@@ -17,10 +17,9 @@ import logging
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 from trainer import config as config_mod
-from trainer.build import Planned, build
+from trainer.build import build, make_plan, vocab_for_planning
 from trainer.consistency import CheckFailed
 from trainer.errors import EXIT_CHECK_FAILED, EXIT_USER_ERROR, UserError
 from trainer.faults import Faults
@@ -221,61 +220,6 @@ def describe_config() -> str:
 
 
 # ----------------------------------------------------------------------------- planning
-
-
-def make_plan(
-    exp: config_mod.Experiment,
-    *,
-    world_size: int,
-    gpus_per_node: int,
-    device_type: str,
-    device_memory: int | None,
-    vocab_size: int | None,
-    eos_id: int | None,
-    force: bool,
-    this_machine: bool = True,
-    source: str | None = None,
-    saved_ds_config: dict[str, Any] | None = None,
-) -> Planned:
-    """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed.
-    `saved_ds_config`: the JSON of the checkpoint a resume starts from (its LR schedule continues)."""
-    from trainer import dist, model, strategy
-
-    info = model.info(exp.model, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
-    precision = strategy.resolve_precision(exp.train.precision, device_type, source=source)
-    mem = exp.strategy.device_memory or device_memory
-    host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
-    if mem is None:  # CPU training: the ranks of a node share its memory
-        mem = dist.host_memory() // max(1, gpus_per_node)
-    template_path, template = strategy.template_for(exp)
-    plan = strategy.plan(
-        exp,
-        info,
-        world_size=world_size,
-        gpus_per_node=gpus_per_node,
-        device_type=device_type,
-        device_memory=mem,
-        host_memory=host,
-        precision=precision,
-        template=template or None,
-        force=force,
-    )
-    if not template:
-        template_path, template = strategy.template_for(exp, plan.candidate)
-    sched = strategy.schedule(exp, world_size, saved_ds_config)
-    ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
-    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched)
-
-
-def vocab_for_planning(exp: config_mod.Experiment) -> tuple[int | None, int | None]:
-    """The vocabulary size the model will get: given in model.config, else the tokenizer's."""
-    if exp.model.config is not None and isinstance(exp.model.config.get("vocab_size"), int):
-        return exp.model.config["vocab_size"], None
-    if exp.model.config is None:
-        return None, None
-    from trainer.data import tokenizer_shape
-
-    return tokenizer_shape(exp.data.tokenizer, exp.data.cache_dir)
 
 
 def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:

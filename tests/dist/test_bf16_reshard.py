@@ -26,19 +26,7 @@ import sys
 
 import pytest
 import torch
-from helpers import (
-    CASES,
-    K,
-    PRECISIONS,
-    ROOT,
-    TINY,
-    TRAIN,
-    data_cache,
-    env_for,
-    steps_after,
-    train,
-    yaml_value,
-)
+from helpers import CASES, PRECISIONS, K, cli, steps_after, train
 from helpers import resume_sets as sets
 from test_bf16_stages import assert_same_state
 
@@ -119,25 +107,11 @@ def test_bf16_oom_escalation_climbs_0_2_3_and_finishes(tmp_path, small_data, run
     a = runs("zero0", precision="bf16")
     run_dir = tmp_path / "run"
     s = {**sets(small_data, 0, CASES["zero0"][1], **BF16), "checkpoint.every_steps": 3, "strategy.on_oom": "escalate",
-         "run_dir": run_dir, "data.cache_dir": data_cache()}  # fmt: skip
-    args = [
-        sys.executable,
-        str(TRAIN),
-        str(TINY),
-        "--launcher",
-        "torchrun",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "2",
-    ]
-    for k, v in s.items():
-        args += ["--set", f"{k}={yaml_value(v)}"]
+         "run_dir": run_dir}  # fmt: skip
     fault = "oom@8:rank=1:attempt=0,oom@11:rank=0:attempt=1"
-    p = subprocess.run(args, cwd=ROOT, env=env_for(2, {"TRAINER_FAULT": fault}), capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
+    code, out = cli(s, "--launcher", "torchrun", "--nproc-per-node", 2, "--max-restarts", 2, env={"TRAINER_FAULT": fault},
+                    timeout=600)  # fmt: skip
+    assert code == 0, out[-4000:]
     attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [x["exit"] != 0 for x in attempts] == [True, True, False]
     assert [(x["oom"] or {}).get("stage") for x in attempts] == [0, 2, None]

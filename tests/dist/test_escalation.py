@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import FAST, ROOT, TINY, TRAIN, data_cache, env_for
+from helpers import FAST, cli
 
 pytestmark = pytest.mark.dist
 
@@ -15,14 +15,10 @@ pytestmark = pytest.mark.dist
 def test_oom_at_stage_0_escalates_to_stage_2_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
     sets = {**FAST, "train.max_steps": 12, "checkpoint.every_steps": 3, "strategy.on_oom": "escalate",
-            "strategy.justification": "", "run_dir": run_dir, "data.cache_dir": data_cache()}
-    args = [sys.executable, str(TRAIN), str(TINY), "--launcher", "torchrun", "--nproc-per-node", "2", "--max-restarts", "2"]
-    for k, v in sets.items():
-        args += ["--set", f"{k}={v}"]
-    p = subprocess.run(args, cwd=ROOT, env=env_for(2, {"TRAINER_FAULT": "oom@8:rank=1:attempt=0"}),
-                       capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
+            "strategy.justification": "", "run_dir": run_dir}
+    code, out = cli(sets, "--launcher", "torchrun", "--nproc-per-node", "2", "--max-restarts", "2",
+                    env={"TRAINER_FAULT": "oom@8:rank=1:attempt=0"}, timeout=600)
+    assert code == 0, out[-4000:]
 
     attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     # The rank that ran out of memory exits 3, but the launcher reports whichever rank it sees fail

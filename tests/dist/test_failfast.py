@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from helpers import BIN, FAST, ROOT, TINY, TRAIN, Result, data_cache, env_for, free_port
+from helpers import BIN, FAST, ROOT, TINY, TRAIN, Result, cli, data_cache, env_for, free_port
 
 pytestmark = pytest.mark.dist
 
@@ -145,15 +145,10 @@ def test_check_passes_and_names_a_perturbed_rank(tmp_path):
 
 def test_supervised_restart_after_a_crash_resumes_and_completes(tmp_path):
     run_dir = tmp_path / "run"
-    args = [sys.executable, str(TRAIN), str(TINY), "--launcher", "deepspeed", "--nproc-per-node", "2",
-            "--max-restarts", "2"]
-    for k, v in {**FAST, "train.max_steps": 12, "checkpoint.every_steps": 4, "run_dir": run_dir,
-                 "data.cache_dir": data_cache()}.items():
-        args += ["--set", f"{k}={v}"]
-    p = subprocess.run(args, cwd=ROOT, env=env_for(2, {"TRAINER_FAULT": "raise@7:rank=1:attempt=0"}),
-                       capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
+    code, out = cli({**FAST, "train.max_steps": 12, "checkpoint.every_steps": 4, "run_dir": run_dir},
+                    "--launcher", "deepspeed", "--nproc-per-node", "2", "--max-restarts", "2",
+                    env={"TRAINER_FAULT": "raise@7:rank=1:attempt=0"}, timeout=600)  # fmt: skip
+    assert code == 0, out[-4000:]
     attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [a["exit"] != 0 for a in attempts] == [True, False]
     assert "restarting in 2 s from step_00000004" in out and "resumed from" in out
