@@ -17,6 +17,7 @@ class Optimizer:
     deepspeed_type: str  # "optimizer.type" in the DeepSpeed JSON
     state: tuple[str, ...]  # fp32 tensors kept per parameter (besides the master weight), by name
     adam: bool = False  # takes betas and eps, and DeepSpeed's torch_adam switch (optim.implementation)
+    fixed: tuple[tuple[str, Any], ...] = ()  # further parameters, the same for every experiment
 
     @property
     def state_bytes(self) -> int:
@@ -28,7 +29,7 @@ class Optimizer:
         out: dict[str, Any] = {"lr": lr, "weight_decay": optim.weight_decay}
         if self.adam:
             out.update(betas=list(optim.betas), eps=optim.eps)
-        return out
+        return out | dict(self.fixed)
 
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
