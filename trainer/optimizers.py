@@ -18,6 +18,7 @@ class Optimizer:
     state: tuple[str, ...]  # fp32 tensors kept per parameter (besides the master weight), by name
     adam: bool = False  # takes betas and eps, and DeepSpeed's torch_adam switch (optim.implementation)
     fixed: tuple[tuple[str, Any], ...] = ()  # further parameters, the same for every experiment
+    zero_tested: bool = True  # DeepSpeed's ZeRO knows it; else the JSON allows it explicitly
 
     @property
     def state_bytes(self) -> int:

@@ -266,6 +266,13 @@ def _optimizer(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, sche
             value,
             why="optim.lr x lr_scaling" if key == "lr" else f"optim.{key}",
         )
+    if not opt.zero_tested and plan_.candidate.stage > 0:
+        f.own(
+            d,
+            "zero_allow_untested_optimizer",
+            True,
+            why=f"optim.name {o.name} is not one DeepSpeed tested with ZeRO",
+        )
     if opt.adam:
         impl = optimizer_implementation(o.implementation, plan_.device_type, plan_.candidate.offload)
         f.own(
