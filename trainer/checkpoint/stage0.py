@@ -109,10 +109,10 @@ def read(
         if len(ids) != len(group_names):
             raise ValueError(f"group {gi}: {len(ids)} parameters saved, {len(group_names)} in the model now")
         # DeepSpeed's FusedAdam counts steps on the last parameter of a group only: take the max.
-        step = max((_step(inner["state"][i]["step"]) for i in ids if i in inner["state"]), default=0)
+        step = max((_step(inner["state"][i].get("step", 0)) for i in ids if i in inner["state"]), default=0)
         for j, (i, name) in enumerate(zip(ids, group_names, strict=True)):
             master = module[name] if kind == "torch" else osd["fp32_groups"][gi][j]
-            state = {k: v.float().clone() for k, v in _tensors(inner["state"][i]).items()}
+            state = {k: v.float().clone() for k, v in _tensors(inner["state"].get(i, {})).items()}
             out[name] = ParamState(master.float().clone(), state, step)
     return out, [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
@@ -122,7 +122,7 @@ def _read_flat(
 ) -> dict[str, ParamState]:
     """One group of FP16_Optimizer's layout: the master weights and every state tensor flat, the
     parameters one after the other in the group's order."""
-    step = _step(st["step"]) if "step" in st else _step(group.get("step", 0))
+    step = _step(st.get("step", group.get("step", 0)))  # an optimizer may count none (SGD)
     flats = _tensors(st)
     out, offset = {}, 0
     for name in names:
