@@ -7,7 +7,7 @@ has), no checkpoints.
 
 SPEC.json (written by bench.py): ds_config, model_config, seed, data (a packed dataset directory),
 micro, grad_accum, steps, log_every, loader settings, compile, chunked_loss, out (a JSON file rank 0
-writes). With chunked_loss the model gets trainer/loss.py's forward, the one piece of ours it
+writes). With chunked_loss the model gets trainer/model/loss.py's forward, the one piece of ours it
 imports: the loss is part of the model being measured, not of the loop.
 """
 

@@ -1,5 +1,5 @@
 """Stage-0 optimizer state in every layout DeepSpeed writes, converted to the universal format and
-back into any other layout (trainer/stage0.py, trainer/reshard.py).
+back into any other layout (trainer/checkpoint/stage0.py, trainer/checkpoint/reshard.py).
 
 The fp16/bf16 states come from DeepSpeed's own wrappers, FP16_Optimizer (flat fp32 masters, the GPU
 layout with FusedAdam) and FP16_UnfusedOptimizer (per-parameter masters), run for a few steps on CPU

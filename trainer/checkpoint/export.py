@@ -58,7 +58,7 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
     if exp.model.factory is not None:
         raise UserError(
             f"{ckpt}: the model comes from a factory ({exp.model.factory}), which has no Hugging Face config to "
-            "export; load consolidated weights with trainer.export.consolidated_state_dict instead"
+            "export; load consolidated weights with trainer.checkpoint.export.consolidated_state_dict instead"
         )
     tok = data.load_tokenizer(exp.data.tokenizer)
     cfg = model.hf_config(exp.model, len(tok), tok.eos_token_id)

@@ -7,7 +7,7 @@ and kept for later resumes.
 Three gaps in DeepSpeed 0.19 are bridged here:
 
 - stage 0 checkpoints (a plain torch optimizer state, or DeepSpeed's bf16/fp16 wrappers around it:
-  trainer/stage0.py) are not covered by `ds_to_universal`: we write the universal layout ourselves,
+  trainer/checkpoint/stage0.py) are not covered by `ds_to_universal`: we write the universal layout ourselves,
   from the fp32 master weights and moments, and back into the layout of the engine that loads it;
 - a universal directory made from stage 1/2 does not load into stage 3 and vice versa (file names,
   flat vs shaped tensors, a missing `step.pt` / `optimizer_state_dict`): `_fix_for_any_target`;
@@ -478,7 +478,7 @@ def _restore_group_hparams(ds: Any, uni: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.reshard CHECKPOINT --spec SPEC.json`: the conversion process rank 0 starts."""
+    """`python -m trainer.checkpoint.reshard CHECKPOINT --spec SPEC.json`: the conversion process rank 0 starts."""
     p = argparse.ArgumentParser(prog="python -m trainer.checkpoint.reshard", description=main.__doc__)
     p.add_argument("checkpoint")
     p.add_argument("--spec", required=True, help="JSON: names, aliases, target, tag, workers")
