@@ -140,6 +140,20 @@ def check_memory(r: Result, name: str, grads_bound: bool = False) -> None:
             assert abs(m / p - 1) <= 0.15, f"{key}: measured {m:,}, planned {p:,}"
 
 
+def saves(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The checkpoint records of a run's metrics.jsonl: tag -> record ("step": when it was committed,
+    "saved_step", "async", "blocked_s", "write_s")."""
+    recs = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["checkpoint"]: r for r in recs if "checkpoint" in r}
+
+
+def assert_written_in_background(run_dir: Path, step: int = K) -> None:
+    """The checkpoint at `step` was written by the background writer while training went on (it was
+    committed at a later step)."""
+    rec = saves(run_dir)[f"step_{step:08d}"]
+    assert rec["async"] and rec["step"] > step, rec
+
+
 def assert_same_continuation(a: Result, b: Result, k: int = K) -> None:
     """Run b, resumed at step k, logged the same losses as run a after k, bit for bit, and ended
     with the same weights."""

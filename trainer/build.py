@@ -169,7 +169,10 @@ def build(
         world_size=env.world_size, plan=planned.plan.summary(), layout=layout, faults=faults,
         data_fingerprint=data.fingerprint, recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
     )  # fmt: skip
-    checkpointer = Checkpointer(exp.checkpoint, store)
+    background, _ = planned.plan.checkpoint_async(exp.checkpoint.async_)
+    checkpointer = Checkpointer(
+        exp.checkpoint, store, background=background, record=mets.record, heartbeat=control.heartbeat
+    )
     run = Run(
         exp=exp, runtime=runtime, planned=planned, resume=resume, data=data, engine=engine, layout=layout,
         stream=stream, evaluator=evaluator, state=state, metrics=mets, control=control, faults=faults,
@@ -302,6 +305,11 @@ def progress_enabled(setting: Any) -> bool:
     return sys.stdout.isatty() if setting == "auto" else bool(setting)
 
 
+def _save_mode(run: Run) -> str:
+    on, why = run.planned.plan.checkpoint_async(run.exp.checkpoint.async_)
+    return f"written in the background, {why}" if on else f"written synchronously ({why})"
+
+
 def announce(run: Run) -> None:
     """What this run is, on rank 0: where it runs, what it trains, how, and from where; and what a
     resume brought and changed."""
@@ -340,7 +348,8 @@ def announce(run: Run) -> None:
         f"sequences = {samples * exp.data.seq_len:,} tokens per step",
         f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "
         f"{data.seq_len} tokens; {run.stream.steps_per_epoch:,} micro steps per epoch",
-        f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}); {start}",
+        f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}; "
+        f"{_save_mode(run)}); {start}",
     ]
     for line in lines:
         log.info(line)

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from trainer.faults import Faults
@@ -82,6 +83,17 @@ class Watchdog:
         os._exit(1)
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """Control.agree's answer, the same on every rank."""
+
+    stop: bool = False  # some rank was asked to stop: save and stop after this step
+    timed: bool = False  # some rank's clock says a timed checkpoint is due
+    written: bool = True  # every rank has written its part of the checkpoint in flight (or none is)
+    write_failed: tuple[int, ...] = ()  # ranks whose background checkpoint write failed
+    write_s: float = 0.0  # the longest background write time so far
+
+
 class NonFiniteLoss(Exception):
     """The loss was NaN or infinite on some rank; every rank raises it at the same step."""
 
@@ -121,20 +133,25 @@ class Control:
     def signalled(self) -> int | None:
         return self._signalled
 
-    def agree(self, time_due: bool, finite: Any = None, step: int = 0) -> tuple[bool, bool]:
-        """(stop, timed save due), the same on every rank: any rank signalled / any rank's clock says
-        a timed checkpoint is due. Raises NonFiniteLoss on every rank if any rank's loss was not
-        finite (`finite`: the flag from `finite()`, read here once). One tiny all-gather per step on a
-        CPU group, after the step's backward and before its optimizer update."""
+    def agree(
+        self, time_due: bool, finite: Any = None, step: int = 0, write: tuple[int, float] = (0, 0.0)
+    ) -> Agreed:
+        """What every rank does next, the same on every rank: stop (any rank signalled), a timed
+        checkpoint (any rank's clock says it is due), and the state of a checkpoint being written in
+        the background (`write`: this rank's writer status, 0 done / 1 writing / 2 failed, and its
+        write time so far). Raises NonFiniteLoss on every rank if any rank's loss was not finite
+        (`finite`: the flag from `finite()`, read here once). One tiny all-gather per step on a CPU
+        group, after the step's backward and before its optimizer update."""
         bad = 0 if finite is None else int(not bool(finite))
-        flags = [[int(self._signalled is not None), int(time_due), bad]]
+        cols = 5
+        flags = [[int(self._signalled is not None), int(time_due), bad, int(write[0]), int(write[1] * 1000)]]
         if self._group is not None:
             import torch
             import torch.distributed as dist
 
-            t = torch.zeros(self.world_size * 3, dtype=torch.int32)
+            t = torch.zeros(self.world_size * cols, dtype=torch.int32)
             dist.all_gather_into_tensor(t, torch.tensor(flags[0], dtype=torch.int32), group=self._group)
-            flags = t.view(self.world_size, 3).tolist()
+            flags = t.view(self.world_size, cols).tolist()
         nonfinite = [r for r, f in enumerate(flags) if f[2]]
         if nonfinite:
             raise NonFiniteLoss(
@@ -143,7 +160,13 @@ class Control:
                 "learning rate too high (optim.lr, optim.warmup_steps), fp16 overflow (use train.precision: bf16), "
                 "bad data"
             )
-        return any(f[0] for f in flags), any(f[1] for f in flags)
+        return Agreed(
+            stop=any(f[0] for f in flags),
+            timed=any(f[1] for f in flags),
+            written=all(f[3] == 0 for f in flags),
+            write_failed=tuple(r for r, f in enumerate(flags) if f[3] == 2),
+            write_s=max(f[4] for f in flags) / 1000,
+        )
 
     def heartbeat(self) -> None:
         """Progress: (re)arm the watchdog for another `watchdog_s` (started at the first call)."""

@@ -9,9 +9,12 @@ Production code calls a `Faults` object (bound to this rank and attempt) at name
 - `loss(loss, step)`, on each micro batch's loss: nan (a NaN loss), slow (M ms more per step from
   `step` on, default 100: a straggler);
 - `perturb(module)`, after DeepSpeed's initial broadcast: perturb@0 (change one weight);
-- `arm_save(step, writer)` and `at("killcommit", step)`, in a checkpoint save: killsave (SIGKILL
-  while writing this rank's shards, after a pause so that the other ranks finish theirs),
-  killcommit (SIGKILL after every rank wrote its shards, before `latest` is replaced);
+- `before_write(step)`/`after_write(step)` around the writing of this rank's files of a save (in
+  the writer thread of an asynchronous save; through `arm_save` in a synchronous one) and
+  `at("killcommit", step)`: killsave (SIGKILL once this rank's files are written, after a 2 s pause
+  so that the other ranks finish theirs), slowsave (M ms longer), failsave (an OSError "no space
+  left on device"), killcommit (SIGKILL after every rank wrote its files, before `latest` is
+  replaced);
 - `stale_resume()`, when choosing the checkpoint to resume: staleresume@0 (this rank takes the one
   before the latest, as a node-local or stale run_dir would show it);
 - `conversion()`, in the process converting a checkpoint for another stage or world size, before
@@ -119,18 +122,41 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def arm_save(self, step: int, writer: Any) -> None:
-        """killsave: wrap DeepSpeed's checkpoint writer for this save so that it dies after writing."""
-        if not self._due("killsave", step):
+        """A synchronous save: wrap DeepSpeed's checkpoint writer for this save with `before_write`
+        and `after_write` (an asynchronous save's writer thread calls them itself)."""
+        if not any(self._due(kind, step) for kind in ("killsave", "slowsave", "failsave")):
             return
         real = writer.save
 
-        def save_then_die(*args: Any, **kwargs: Any) -> Any:
+        def save_with_faults(*args: Any, **kwargs: Any) -> Any:
+            self.before_write(step)
+            out = real(*args, **kwargs)
+            self.after_write(step)
+            return out
+
+        writer.save = save_with_faults
+
+    def before_write(self, step: int) -> None:
+        """Before this rank writes the files of the save at `step`: killsave waits 2 s (the other
+        ranks finish theirs), slowsave M ms; failsave fails as a full disk would."""
+        if self._due("killsave", step):
             time.sleep(2.0)
-            real(*args, **kwargs)
+        f = self._due("slowsave", step)
+        if f:
+            time.sleep(f.ms / 1000)
+        if self._due("failsave", step):
+            import errno
+
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device (injected failsave at rank {self.rank} step {step}, TRAINER_FAULT)",
+            )
+
+    def after_write(self, step: int) -> None:
+        """killsave: die once this rank's files are written (before the checkpoint is committed)."""
+        if self._due("killsave", step):
             log.warning(f"injected killsave at rank {self.rank} step {step} (TRAINER_FAULT)")
             os.kill(os.getpid(), signal.SIGKILL)
-
-        writer.save = save_then_die
 
     def stale_resume(self) -> bool:
         return self._due("staleresume") is not None

@@ -96,8 +96,12 @@ def train(
             if i < grad_accum - 1:
                 engine.step()  # between micro batches DeepSpeed only counts; the update is below
         # One collective per step, on every rank: a non-finite loss on any rank raises here, before
-        # the optimizer update (the weights stay as after the previous step); and stop / timed save.
-        stop, timed = control.agree(checkpointer.minutes_due(), finite, state.step + 1)
+        # the optimizer update (the weights stay as after the previous step); stop, a timed save, and
+        # whether every rank has written its part of a checkpoint in flight (then it is committed).
+        agreed = control.agree(
+            checkpointer.minutes_due(), finite, state.step + 1, checkpointer.write_status()
+        )
+        stop = agreed.stop
         engine.step()
         state.step += 1
         state.samples += samples_per_step
@@ -110,7 +114,7 @@ def train(
                 metrics.eval(state.step, evaluator.run(engine, state.step))
         control.heartbeat()
         with metrics.paused():
-            checkpointer.offer(state, force=stop, time_due=timed)
+            checkpointer.offer(state, force=stop, time_due=agreed.timed, agreed=agreed)
         if stop:
             control.disarm()
             log.info(f"stopping at step {state.step} on request; checkpoint saved")

@@ -175,6 +175,7 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
     handler; close the metrics; write the tests' reports; say how it went."""
     import torch
 
+    from trainer.checkpoint import CheckpointWriteError
     from trainer.control import NonFiniteLoss
 
     exit_code = 1
@@ -186,6 +187,9 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
         return exit_code
     except NonFiniteLoss as e:
         exit_code = on_nonfinite(run, e)
+    except CheckpointWriteError as e:  # every rank, at the same step: loud, and no traceback
+        print(f"[rank {run.env.rank}] error: {e}", file=sys.stderr, flush=True)
+        return exit_code
     finally:
         run.metrics.close(exit_code)
     debug_report(run)

@@ -11,7 +11,7 @@ once per test session and shared with test_bf16_reshard.py.
 
 import pytest
 import torch
-from helpers import CASES, K, PRECISIONS, assert_same_continuation, check_memory, check_run, train
+from helpers import CASES, K, PRECISIONS, assert_same_continuation, assert_written_in_background, check_memory, check_run, train
 from helpers import resume_sets as sets
 
 pytestmark = pytest.mark.dist
@@ -52,6 +52,7 @@ def test_bf16_stop_and_resume_is_exact(tmp_path, small_data, runs, name):
     stage, accum, offload = CASES[name]
     a = runs(name, precision="bf16")
     d = a.run_dir / "checkpoints" / "step_00000006"
+    assert_written_in_background(a.run_dir, K)  # checkpoint.async (auto): the copy, not the live state
     extra = {"strategy.offload": offload} if offload != "none" else {}
     b = train(tmp_path, sets(small_data, stage, accum, **extra, **BF16), launcher="torchrun",
               extra_args=["--resume", str(d)])  # fmt: skip

@@ -19,18 +19,19 @@ pytestmark = pytest.mark.dist
 
 
 def test_kills_during_a_save_leave_the_previous_checkpoint(tmp_path, small_data, runs):
-    """One run killed three times in a row, each time during its save at step 12, and resumed from
-    step 6 after each: rank 1 killed while writing (rank 0 has finished its shards); every rank killed
-    while writing; rank 0 killed after all shards are written but before `latest` is replaced. After
-    each kill `latest` still names step 6 and the interrupted save's leftovers stay; each resume
-    starts from step 6 and saves over the previous attempt's leftovers; the last resume completes,
-    cleans up and ends exactly like run A. (The launchers alternate: the kills are the same under
-    both.)"""
+    """Synchronous saves (checkpoint.async: false). One run killed three times in a row, each time
+    during its save at step 12, and resumed from step 6 after each: rank 1 killed while writing
+    (rank 0 has finished its shards); every rank killed while writing; rank 0 killed after all
+    shards are written but before `latest` is replaced. After each kill `latest` still names step 6
+    and the interrupted save's leftovers stay; each resume starts from step 6 and saves over the
+    previous attempt's leftovers; the last resume completes, cleans up and ends exactly like run A.
+    (The launchers alternate: the kills are the same under both.)"""
     a = runs("zero2")
     ckpts = tmp_path / "run" / "checkpoints"
+    s = sets(small_data, 2, **{"checkpoint.async": False})
     kills = [("killsave@12:rank=1", "deepspeed"), ("killsave@12", "torchrun"), ("killcommit@12:rank=0", "deepspeed")]
     for i, (fault, launcher) in enumerate(kills):
-        b = train(tmp_path, sets(small_data, 2), launcher=launcher, env={"TRAINER_FAULT": fault},
+        b = train(tmp_path, s, launcher=launcher, env={"TRAINER_FAULT": fault},
                    extra_args=["--resume"] if i else [], check=False)
         assert b.returncode != 0, f"{fault}: the job should have died\n{b.output[-3000:]}"
         if i:
@@ -39,8 +40,9 @@ def test_kills_during_a_save_leave_the_previous_checkpoint(tmp_path, small_data,
         assert (ckpts / "latest").read_text().strip() == "step_00000006", fault
         assert not (ckpts / "step_00000012").exists(), fault
         assert (ckpts / ".tmp-step_00000012").exists(), f"{fault}: the interrupted save's leftovers stay until the next save"
-    done = train(tmp_path, sets(small_data, 2), launcher="torchrun", extra_args=["--resume"])
+    done = train(tmp_path, s, launcher="torchrun", extra_args=["--resume"])
     assert f"resumed from {ckpts / 'step_00000006'} at step 6" in done.output
+    assert "written synchronously" in done.output
     assert (ckpts / "latest").read_text().strip() == "step_00000012"
     assert not (ckpts / ".tmp-step_00000012").exists(), "leftovers are cleaned by the next save"
     assert_same_continuation(a, done)

@@ -16,7 +16,7 @@ import re
 
 import pytest
 import yaml
-from helpers import CASES, K, assert_same_continuation, check_memory, check_run
+from helpers import CASES, K, assert_same_continuation, assert_written_in_background, check_memory, check_run
 from helpers import resume_sets as sets
 from helpers import train
 
@@ -81,6 +81,7 @@ def test_stop_and_resume_is_exact(tmp_path, small_data, runs, name):
     assert {"torch", "deepspeed", "transformers"} <= set(st["versions"]) and st["plan"]["stage"] == stage
     assert all((d / f).stat().st_size == n for f, n in st["files"].items())
 
+    assert_written_in_background(a.run_dir, K)  # checkpoint.async (auto): the copy, not the live state
     b = train(tmp_path, sets(small_data, stage, accum), launcher="torchrun", extra_args=["--resume", str(d)])
     assert f"resumed from {d} at step 6" in b.output
     final = json.loads((b.run_dir / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())

@@ -1,16 +1,34 @@
-"""When to save: the checkpointer keeps its own cadence (`checkpoint.every_steps`, `every_minutes`
-whichever comes first, a final save, a save on a stop request) and hands each save to the store,
-then prunes to `keep_last` (only after the new checkpoint is complete)."""
+"""When to save, and the life of a save: the checkpointer keeps its own cadence
+(`checkpoint.every_steps`, `every_minutes` whichever comes first, a final save, a save on a stop
+request), hands each save to the store and prunes to `keep_last` only after the new checkpoint is
+committed.
+
+Asynchronous saves (`checkpoint.async`): a save takes the host copy and returns; the loop's one
+collective per step tells every rank when every rank's writer is done (then rank 0 commits) or has
+failed (then every rank stops with the error). At most one save is in flight: a save that comes due
+while the previous one is still being written waits for it (training blocks until it is committed;
+no save is skipped). A stop request and the end of training wait for the write in flight, then save
+the current step and wait for that too.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.store import Found, Store
+from trainer.checkpoint.store import Found, Pending, Store, tag_for
 from trainer.config import CheckpointSection
+from trainer.control import Agreed
+from trainer.units import format_size
+
+log = logging.getLogger("trainer")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background checkpoint write failed on some rank; every rank raises it at the same step."""
 
 
 @dataclass
@@ -19,7 +37,12 @@ class Checkpointer:
 
     section: CheckpointSection
     store: Store
+    background: bool = False  # checkpoint.async as resolved for this run (build.py)
+    record: Any = None  # metrics.record (rank 0): one record per committed save
+    heartbeat: Any = None  # Control.heartbeat: waiting on a write is progress
     last_saved_step: int = -1
+    inflight: Pending | None = None
+    _step: int = 0  # the step training is at (a background save is committed steps after its own)
     _last_save_time: float = field(default_factory=time.monotonic)
 
     def minutes_due(self) -> bool:
@@ -27,9 +50,31 @@ class Checkpointer:
         m = self.section.every_minutes
         return m > 0 and time.monotonic() - self._last_save_time >= m * 60
 
-    def offer(self, state: Any, *, force: bool = False, final: bool = False, time_due: bool = False) -> bool:
-        """Called by the loop after every step; saves when the cadence says so."""
+    def write_status(self) -> tuple[int, float]:
+        """This rank's part of the save in flight, for Control.agree: (0 done / 1 writing / 2 failed,
+        seconds written so far)."""
+        w = self.inflight.writer if self.inflight is not None else None
+        if w is None:
+            return 0, 0.0
+        return w.status, w.seconds or time.perf_counter() - self.inflight.started
+
+    def offer(
+        self,
+        state: Any,
+        *,
+        force: bool = False,
+        final: bool = False,
+        time_due: bool = False,
+        agreed: Agreed | None = None,
+    ) -> bool:
+        """Called by the loop after every step (`agreed`: that step's Control.agree); commits the save
+        in flight once every rank wrote its part, and saves when the cadence says so."""
+        self._step = state.step
+        if self.inflight is not None and agreed is not None:
+            self._settle(agreed.written, agreed.write_failed, agreed.write_s)
         if state.step == self.last_saved_step:
+            if final or force:
+                self.finish()
             return False
         every = self.section.every_steps
         due = (
@@ -39,14 +84,81 @@ class Checkpointer:
             or (every > 0 and state.step % every == 0)
         )
         if due:
-            self.save(state)
+            self.save(state, wait=force or final)
+        elif final:
+            self.finish()
         return due
 
-    def save(self, state: Any) -> Path:
-        path = self.store.save(state)
+    def save(self, state: Any, wait: bool = True) -> Path | None:
+        """Save `state`; in the background unless `wait` (or checkpoint.async is off)."""
+        self._step = state.step
+        self.finish()  # at most one save in flight: the one before is committed first
+        if not self.background:
+            pending = self.store.start(state, background=False)
+            self.store.barrier()
+            path = self._commit(pending, pending.blocked_s)
+        else:
+            self.inflight = self.store.start(state, background=True)
+            path = None
+            if wait:
+                self.finish()
+                path = self.store.root / tag_for(state.step)
+        self._saved(state.step)
+        return path
+
+    def finish(self) -> None:
+        """Wait until the save in flight is written on every rank, then commit it (every rank calls
+        this at the same point: one all-gather of each rank's writer status)."""
+        if self.inflight is None:
+            return
+        w = self.inflight.writer
+        t0 = time.perf_counter()
+        w.wait(self.heartbeat)
+        self.inflight.blocked_s += time.perf_counter() - t0
+        status = self.store.gather([w.status, int(w.seconds * 1000)])
+        self._settle(
+            all(s[0] == 0 for s in status),
+            tuple(r for r, s in enumerate(status) if s[0] == 2),
+            max(s[1] for s in status) / 1000,
+        )
+
+    def _settle(self, written: bool, failed: tuple[int, ...], write_s: float) -> None:
+        pending = self.inflight
+        if failed:
+            self.inflight = None
+            w = pending.writer
+            mine = f" here: {w.describe_error()}" if w.error is not None else ""
+            raise CheckpointWriteError(
+                f"checkpoint {pending.tag}: writing it failed on rank(s) {', '.join(map(str, failed))}{mine}. "
+                f"It was not committed; `latest` still names the checkpoint before it. Check the space and "
+                f"permissions of {self.store.root}"
+            )
+        if written:
+            self.inflight = None
+            self._commit(pending, write_s)
+
+    def _commit(self, pending: Pending, write_s: float) -> Path:
+        path = self.store.commit(pending)
         if self.store.is_main:
             self.store.prune(self.section.keep_last, keep=path.name)
-        self._saved(state.step)
+            if pending.writer is None:
+                log.info(f"checkpoint {path} saved in {pending.blocked_s:.1f} s")
+            else:
+                log.info(
+                    f"checkpoint {path} saved: training blocked {pending.blocked_s:.2f} s (host copy "
+                    f"{format_size(pending.snapshot_bytes)} on rank 0), written in the background in {write_s:.1f} s"
+                )
+            if self.record is not None:
+                self.record(
+                    {
+                        "step": self._step,
+                        "checkpoint": pending.tag,
+                        "saved_step": pending.step,
+                        "async": pending.writer is not None,
+                        "blocked_s": pending.blocked_s,
+                        "write_s": write_s if pending.writer is not None else pending.blocked_s,
+                    }
+                )
         return path
 
     def load(self, found: Found, state: Any) -> None:

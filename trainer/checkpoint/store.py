@@ -14,11 +14,15 @@ Layout (one directory per checkpoint, `latest` names the newest complete one):
         rng_rank00000.pt ...  per-rank RNG states (python, numpy, torch CPU and CUDA)
         ...DeepSpeed's files  mp_rank_00_model_states.pt, *_optim_states.pt
 
-Saving: every rank writes into a hidden staging directory (`.tmp-step_00000500`); after a barrier,
-rank 0 writes the metadata and the manifest, renames the directory to its final name and replaces
-`latest` (write, fsync, rename). A crash at any point leaves the previous checkpoint as `latest`;
-staging leftovers are ignored on resume and removed by the next save. DeepSpeed's own `latest`
-(written by rank 0 before the other ranks finish) is never used.
+Saving: every rank writes into a hidden staging directory (`.tmp-step_00000500`); once every rank
+has written its files, rank 0 writes the metadata and the manifest, renames the directory to its
+final name and replaces `latest` (write, fsync, rename). In a synchronous save (`Store.save`) every
+rank writes at once and a barrier says "all written"; in an asynchronous one (`checkpoint.async`,
+`Store.start`, then `Store.commit` from the Checkpointer) each rank's writer thread writes a host
+copy of the state while training goes on, and the ranks learn "all written" from the collective the
+loop runs each step. A crash at any point leaves the previous checkpoint as `latest`; staging
+leftovers are ignored on resume and removed by the next save. DeepSpeed's own `latest` (written by
+rank 0 before the other ranks finish) is never used.
 
 Resuming checks the manifest first (every file present with its size) on every rank: a truncated or
 missing shard is reported by name before any rank loads anything; `--resume`/auto then fall back to
@@ -223,6 +227,20 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 @dataclass
+class Pending:
+    """A save that has started and is not yet visible (Store.start -> Store.commit)."""
+
+    step: int
+    tag: str
+    stage_dir: Path
+    meta: dict[str, Any]  # trainer_state.json as of the save's step (rank 0)
+    started: float  # perf_counter at the start
+    blocked_s: float = 0.0  # how long training waited for this save
+    snapshot_bytes: int = 0  # the host copy (background)
+    writer: Any = None  # writer.Writer of a background save; None: written in the foreground
+
+
+@dataclass
 class Store:
     """The checkpoints of one run: save one atomically (every rank its shards, rank 0 the metadata
     and the commit), prune the old ones, load one (converting for another stage or world size)."""
@@ -240,8 +258,12 @@ class Store:
     recent: Callable[[], dict[str, Any]] | None = None  # what trainer_state.json shows of the run so far
     on_save: Callable[[int], None] | None = None  # tests: called on every rank with the step after each save
     _group: Any = None
+    copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
 
     def __post_init__(self) -> None:
+        from trainer.checkpoint.writer import HostCopier
+
+        self.copier = HostCopier()
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -257,7 +279,28 @@ class Store:
 
             dist.barrier(group=self._group)
 
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (a few ints), on every rank."""
+        if self._group is None:
+            return [list(values)]
+        import torch
+        import torch.distributed as dist
+
+        n = len(values)
+        t = torch.zeros(self.world_size * n, dtype=torch.int64)
+        dist.all_gather_into_tensor(t, torch.tensor(values, dtype=torch.int64), group=self._group)
+        return t.view(self.world_size, n).tolist()
+
     def save(self, state: Any) -> Path:
+        """A synchronous save: every rank writes its files, then rank 0 commits; returns the path."""
+        pending = self.start(state, background=False)
+        self.barrier()  # every rank has finished writing
+        return self.commit(pending)
+
+    def start(self, state: Any, *, background: bool) -> Pending:
+        """Begin a save of `state` (every rank, at the same step). In the foreground DeepSpeed writes
+        the files now; in the `background` a host copy is taken now and a Writer thread writes it
+        (trainer/checkpoint/writer.py). Either way nothing is visible until `commit`."""
         import torch
 
         t0 = time.perf_counter()
@@ -270,42 +313,63 @@ class Store:
             if stage_dir.exists():
                 shutil.rmtree(stage_dir)
         self.barrier()
-        # Every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers before and after).
         stage_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), stage_dir / f"rng_rank{self.rank:05d}.pt")
-        self.faults.arm_save(state.step, self.engine.ds.checkpoint_engine)
-        self.engine.ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
-        self.barrier()  # every rank has finished writing
-        self.faults.at("killcommit", state.step)
-        final = self.root / tag
-        if self.is_main:
-            self._write_metadata(stage_dir, state)
-            if final.exists():  # an older run reached this step too: replace it
-                trash = self.root / (TRASH_PREFIX + tag)
-                shutil.rmtree(trash, ignore_errors=True)
-                os.rename(final, trash)
-            os.rename(stage_dir, final)
-            fsync_dir(self.root)
-            write_atomic(self.root / LATEST, tag + "\n", durable=True)
-            shutil.rmtree(self.root / (TRASH_PREFIX + tag), ignore_errors=True)  # the replaced one, if any
-        self.barrier()
-        if self.is_main:
-            log.info(f"checkpoint {final} saved in {time.perf_counter() - t0:.1f} s")
+        # What trainer_state.json will say, taken now: the commit may come steps later.
+        meta = self._metadata(state) if self.is_main else {}
+        rng = (stage_dir / f"rng_rank{self.rank:05d}.pt", rng_state())
+        ds = self.engine.ds
+        pending = Pending(step=state.step, tag=tag, stage_dir=stage_dir, meta=meta, started=t0)
+        if not background:  # every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers around)
+            torch.save(rng[1], rng[0])
+            self.faults.arm_save(state.step, ds.checkpoint_engine)
+            ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
+        else:
+            from trainer.checkpoint.writer import Writer, snapshot_engine
+
+            real = ds.checkpoint_engine
+            snap = ds.checkpoint_engine = snapshot_engine(real, self.copier)
+            try:
+                ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
+            finally:
+                ds.checkpoint_engine = real
+            self.copier.mark()
+            pending.snapshot_bytes = self.copier.bytes
+            pending.writer = Writer(
+                [rng, *snap.queued], copier=self.copier, faults=self.faults, step=state.step,
+                zipfile=snap.zipfile_serialization,
+            )  # fmt: skip
+        pending.blocked_s = time.perf_counter() - t0
         if self.on_save is not None:
             self.on_save(state.step)
+        return pending
+
+    def commit(self, pending: Pending) -> Path:
+        """Every rank, once every rank has written its files: rank 0 writes the metadata and the
+        manifest, renames the staging directory to its final name and replaces `latest`."""
+        self.faults.at("killcommit", pending.step)
+        t0 = time.perf_counter()
+        final = self.root / pending.tag
+        if self.is_main:
+            # A synchronous save's files are made durable here; a background writer fsyncs its own.
+            self._write_metadata(pending.stage_dir, pending.meta, fsync=pending.writer is None)
+            if final.exists():  # an older run reached this step too: replace it
+                trash = self.root / (TRASH_PREFIX + pending.tag)
+                shutil.rmtree(trash, ignore_errors=True)
+                os.rename(final, trash)
+            os.rename(pending.stage_dir, final)
+            fsync_dir(self.root)
+            write_atomic(self.root / LATEST, pending.tag + "\n", durable=True)
+            shutil.rmtree(self.root / (TRASH_PREFIX + pending.tag), ignore_errors=True)  # the replaced one
+        if pending.writer is None:
+            self.barrier()
+            pending.blocked_s = time.perf_counter() - pending.started
+        else:
+            pending.blocked_s += time.perf_counter() - t0
         return final
 
-    def _write_metadata(self, stage_dir: Path, state: Any) -> None:
-        (stage_dir / "ds_config.json").write_text(json.dumps(self.engine.ds_config, indent=2) + "\n")
-        (stage_dir / "experiment.yaml").write_text(self.exp.to_yaml())
-        files = {}
-        for p in sorted(stage_dir.rglob("*")):
-            if p.is_file() and p.name != STATE:
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-                files[str(p.relative_to(stage_dir))] = p.stat().st_size
+    def _metadata(self, state: Any) -> dict[str, Any]:
         pos = self.stream.position
-        meta = {
+        return {
             "format_version": FORMAT_VERSION,
             **state.to_dict(),
             "epoch": pos.epoch,
@@ -328,9 +392,19 @@ class Store:
             # bf16/fp16 optimizer state (export) needs them; the module alone does not say.
             "param_groups": self.layout[0],
             "tied": self.layout[1],
-            "files": files,
         }
-        write_atomic(stage_dir / STATE, json.dumps(meta, indent=2) + "\n", durable=True)
+
+    def _write_metadata(self, stage_dir: Path, meta: dict[str, Any], fsync: bool = True) -> None:
+        (stage_dir / "ds_config.json").write_text(json.dumps(self.engine.ds_config, indent=2) + "\n")
+        (stage_dir / "experiment.yaml").write_text(self.exp.to_yaml())
+        files = {}
+        for p in sorted(stage_dir.rglob("*")):
+            if p.is_file() and p.name != STATE:
+                if fsync or p.name in ("ds_config.json", "experiment.yaml") or p.suffix == ".py":
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
+                files[str(p.relative_to(stage_dir))] = p.stat().st_size
+        write_atomic(stage_dir / STATE, json.dumps({**meta, "files": files}, indent=2) + "\n", durable=True)
 
     def _clean_leftovers(self, keep: str) -> None:
         """Remove staging and trash directories left by crashed saves or prunes."""

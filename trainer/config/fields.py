@@ -72,7 +72,13 @@ AutoBool = choice("auto", True, False)
 class Section(BaseModel):
     """Base of every section: unknown keys are errors and the tree is immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, validate_by_name=True)
+
+
+def keys(model: type[BaseModel]) -> dict[str, Any]:
+    """A section's YAML keys and their fields: the field's alias where it has one (a key that is a
+    Python keyword, `checkpoint.async`, is the field `async_`), else its name."""
+    return {info.alias or name: info for name, info in model.model_fields.items()}
 
 
 # ----------------------------------------------------------------------------- annotations

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer.config.fields import _is_mapping, _is_str, _model_of
+from trainer.config.fields import _is_mapping, _is_str, _model_of, keys
 from trainer.config.rules import contradictions, line_for
 from trainer.config.schema import Experiment
 from trainer.errors import ConfigError, Problem, UserError, did_you_mean
@@ -115,18 +115,19 @@ def apply_override(
             return [
                 Problem(key, f"--set: '{where}' is a value, not a section; it has no key '{part}'", "--set")
             ]
-        if part not in model.model_fields:
+        fields = keys(model)
+        if part not in fields:
             prefix = ".".join(parts[:i])
-            known = ", ".join(model.model_fields)
+            known = ", ".join(fields)
             return [
                 Problem(
                     key,
                     f"--set: no such key '{part}' in {prefix or 'the experiment'}."
-                    f"{did_you_mean(part, model.model_fields)} Known keys: {known}",
+                    f"{did_you_mean(part, fields)} Known keys: {known}",
                     "--set",
                 )
             ]
-        annotation = model.model_fields[part].annotation
+        annotation = fields[part].annotation
     value: Any
     if _is_str(annotation):
         value = text
@@ -224,7 +225,7 @@ def _problems_from(error: ValidationError, lines: dict[tuple, int | str]) -> lis
         kind = e["type"]
         if kind == "extra_forbidden":
             parent = _model_at(loc[:-1])
-            allowed = list(parent.model_fields) if parent else []
+            allowed = list(keys(parent)) if parent else []
             msg = f"unknown key.{did_you_mean(str(loc[-1]), allowed)} Allowed here: {', '.join(allowed)}"
         elif kind == "missing":
             desc = _description_at(loc)
@@ -251,17 +252,17 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     annotation: Any = Experiment
     for part in loc:
         model = _model_of(annotation)
-        if model is None or part not in model.model_fields:
+        if model is None or part not in keys(model):
             return None
-        annotation = model.model_fields[part].annotation
+        annotation = keys(model)[part].annotation
     return _model_of(annotation)
 
 
 def _description_at(loc: tuple) -> str | None:
     parent = _model_at(loc[:-1]) if loc else None
-    if parent is None or not loc or loc[-1] not in parent.model_fields:
+    if parent is None or not loc or loc[-1] not in keys(parent):
         return None
-    return parent.model_fields[loc[-1]].description
+    return keys(parent)[loc[-1]].description
 
 
 def _sorted(problems: list[Problem]) -> list[Problem]:

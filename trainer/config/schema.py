@@ -20,6 +20,7 @@ from trainer.config.fields import (
     _show,
     _unwrap,
     choice,
+    keys,
     thaw,
 )
 from trainer.optimizers import OPTIMIZERS
@@ -254,6 +255,13 @@ class CheckpointSection(Section):
         description="on resume, when the training data differs from the checkpoint's: error, or continue "
         "at the saved position in the new data (see README: Checkpoints)",
     )
+    async_: AutoBool = Field(
+        "auto",
+        alias="async",
+        description="write checkpoints in the background: a save copies the state to host memory at a step "
+        "boundary and training goes on while it is written; true, false (every rank waits until its files are "
+        "written), or auto = true unless the copy does not fit in host memory (the plan's host/node column)",
+    )
     convert_timeout_minutes: float = Field(
         120.0,
         gt=0,
@@ -304,7 +312,7 @@ class Experiment(Section):
     logging: LoggingSection = Field(default_factory=LoggingSection, description="logging")
 
     def to_dict(self) -> dict[str, Any]:
-        return thaw(self.model_dump(mode="python"))
+        return thaw(self.model_dump(mode="python", by_alias=True))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False, default_flow_style=False)
@@ -327,7 +335,7 @@ SECTIONS = ("model", "data", "train", "optim", "strategy", "dist", "checkpoint",
 def describe(model: type[BaseModel] = Experiment, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) for every field: the config reference."""
     rows = []
-    for name, info in model.model_fields.items():
+    for name, info in keys(model).items():
         key = f"{prefix}{name}"
         sub = _model_of(info.annotation)
         if sub is not None and _model_of(info.annotation) is not None and name != "config":

@@ -72,6 +72,8 @@ class WandbRun:
         """A metrics.jsonl record: scalars under train/ (or eval/), lists and dicts left out."""
         step = record.get("step")
         prefix = "eval/" if any(k.startswith("eval_") for k in record) else "train/"
+        if "checkpoint" in record:
+            prefix = "checkpoint/"
         data = {
             prefix + k.removeprefix("eval_"): v
             for k, v in record.items()

@@ -97,6 +97,7 @@ class Estimate:
     fits_host: bool = True
 
     gather: int = 0  # stage 3: the gathered layer inside `params` (transient, 4 x largest layer)
+    snapshot: int = 0  # checkpoint.async: the host copy of a save, per node (counted in `host`)
 
     @property
     def model_states(self) -> int:
@@ -164,6 +165,18 @@ def host_needs(c: Candidate, p: int, largest: int, n: int, gpus_per_node: int) -
     if c.offload != "none":
         return int(p * max(4 * n, 16) * f / nodes)
     return int(p * 4 * gpus_per_node * f)
+
+
+def snapshot_bytes(c: Candidate, p: int, n: int, gpus_per_node: int, lp: int, state_bytes: int = 8) -> int:
+    """Host bytes per node for the copy an asynchronous save takes (checkpoint.async): what the
+    node's ranks write. Rank 0 writes the module (low-precision values) at stages 0-2, every rank
+    its shard at stage 3; the optimizer (fp32 masters and moments) goes whole in rank 0's file at
+    stage 0, a partition per rank at stages 1-3 (offloaded or not: the copy is taken either way)."""
+    g = max(1, min(gpus_per_node, n))
+    master = 4 if (lp < 4 or c.stage > 0) else 0  # fp32 at stage 0 has no separate master copy
+    module = lp * p if c.stage < 3 else lp * p * g / n
+    optim = (master + state_bytes) * p * (1 if c.stage == 0 else g / n)
+    return int(module + optim)
 
 
 def activations(
@@ -244,6 +257,22 @@ class Plan:
     def estimate(self) -> Estimate:
         return next(e for e in self.estimates if e.candidate == self.candidate)
 
+    def checkpoint_async(self, setting: Any) -> tuple[bool, str]:
+        """checkpoint.async for the chosen candidate: (on, why). auto is on unless the host copy does
+        not fit in host memory beside what the candidate needs there."""
+        e = self.estimate
+        copy = f"a host copy of {format_size(e.snapshot)} per node"
+        if setting is False:
+            return False, "checkpoint.async: false"
+        if setting is True:
+            return True, copy
+        if self.host_memory is not None and e.host > self.host_memory:
+            return False, (
+                f"checkpoint.async: auto: {copy} does not fit beside the rest in host memory "
+                f"({format_size(e.host)} of {format_size(self.host_memory)}); saving synchronously"
+            )
+        return True, copy
+
     def table(self) -> str:
         head = (
             "candidate",
@@ -302,6 +331,7 @@ class Plan:
                 "buffers": e.buffers,
                 "total": e.total,
                 "host_per_node": e.host,
+                "checkpoint_snapshot_per_node": e.snapshot,
                 "gathered_layer": e.gather,
             },
             "budget_bytes": self.budget,
@@ -430,13 +460,19 @@ def estimate_all(
         )
         buf = buffers(c, info, lp, on_gpu, template)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node)
+        snap = 0
+        if exp.checkpoint.async_ is not False:
+            snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes)
+        # checkpoint.async: true needs the copy's room; auto goes synchronous where it would not fit
+        need = host + snap if exp.checkpoint.async_ is True else host
         nvme_ok = c.offload != "nvme" or bool(exp.strategy.nvme_path) or want_offload == "nvme"
         out.append(
             Estimate(
-                c, par, grad, opt, act, buf, host,
+                c, par, grad, opt, act, buf, host + snap,
                 fits_device=par + grad + opt + act + buf <= budget and nvme_ok,
-                fits_host=host_memory is None or host <= host_memory,  # None: a target machine, not known
+                fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
                 gather=4 * info.largest_layer if c.stage == 3 else 0,
+                snapshot=snap,
             )
         )  # fmt: skip
     return out
@@ -614,6 +650,11 @@ def describe_plan(plan_: Plan) -> str:
         if plan_.host_memory is not None
         else "host memory not checked (set strategy.host_memory for the target machine)"
     )
+    snap = plan_.estimate.snapshot
+    if snap:
+        host += (
+            f" (host/node counts the copy an asynchronous save takes, checkpoint.async: {format_size(snap)})"
+        )
     return (
         f"{plan_.table()}\n\n{mem}; {host}; world size {plan_.world_size} ({plan_.gpus_per_node} per node); "
         f"precision {plan_.precision}\ndecision: {plan_.candidate.name}: {plan_.reason}"

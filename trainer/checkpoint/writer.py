@@ -1,0 +1,200 @@
+"""Asynchronous checkpoint writes (`checkpoint.async`): the state is copied to host memory at a step
+boundary, and a background thread writes the copy while training goes on.
+
+DeepSpeed writes a checkpoint through its "checkpoint engine" (`engine.checkpoint_engine.save(
+state_dict, path)` for every file). During an asynchronous save the Store puts a `SnapshotEngine`
+there: its `save` copies the state dict's tensors (the live parameters, fp32 masters, optimizer
+moments, scheduler) into host memory and queues (path, copy); nothing is written. When
+`save_checkpoint` returns, a `Writer` thread writes the queued files (each with `torch.save`, then
+fsync) and reports done or the error. The copy is taken before the next optimizer step can change
+anything, so the files hold exactly the state at the step boundary.
+
+DeepSpeed 0.19's own background engines do not fit here: the decoupled engine makes the next
+optimizer step wait until the write is done (at most one forward/backward of overlap) and, like the
+fast-persist engine, needs DeepSpeed's async I/O op (libaio, GPU builds); see README: Checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trainer")
+
+WRITING, DONE, FAILED = 1, 0, 2  # a Writer's status, as the ranks exchange it each step
+
+
+class HostCopier:
+    """Copies a state dict's tensors to host memory. On a GPU the copies go into pinned buffers that
+    are kept for the next save (one allocation per tensor shape for the whole run) and run on the
+    current stream, so they finish before any later kernel changes the tensors; `ready()` waits for
+    them (the writer thread, before it reads the buffers)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[Any]] = {}
+        self._used: list[tuple[tuple[Any, ...], Any]] = []
+        self._event: Any = None
+        self.bytes = 0
+
+    def copy(self, obj: Any, memo: dict[Any, Any] | None = None) -> Any:
+        """`obj` with every tensor replaced by a host copy (tensors that share storage, offset, shape
+        and strides stay shared); containers are rebuilt, other values deep-copied."""
+        import torch
+
+        memo = {} if memo is None else memo
+        if torch.is_tensor(obj):
+            t = obj.detach()
+            key = (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                t.stride(),
+                t.dtype,
+                t.device,
+            )
+            if key not in memo:
+                memo[key] = self._tensor(t)
+            return memo[key]
+        if isinstance(obj, dict):
+            out = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict)
+            for k, v in obj.items():
+                out[k] = self.copy(v, memo)
+            return out
+        if isinstance(obj, list):
+            return [self.copy(v, memo) for v in obj]
+        if isinstance(obj, tuple):
+            items = [self.copy(v, memo) for v in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        try:
+            return copy.deepcopy(obj)
+        except Exception:  # noqa: BLE001  (an object that cannot be copied is saved as it is then)
+            return obj
+
+    def _tensor(self, t: Any) -> Any:
+        import torch
+
+        self.bytes += t.numel() * t.element_size()
+        if t.device.type == "cpu":
+            return t.clone()
+        key = (tuple(t.shape), t.dtype)
+        pool = self._free.get(key)
+        buf = pool.pop() if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._used.append((key, buf))
+        buf.copy_(t, non_blocking=True)
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        return buf
+
+    def mark(self) -> None:
+        """After the last copy of a save: what `ready()` waits for."""
+        if self._event is not None:
+            self._event.record()
+
+    def ready(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def release(self) -> None:
+        """The write is done: the pinned buffers serve the next save."""
+        for key, buf in self._used:
+            self._free.setdefault(key, []).append(buf)
+        self._used = []
+        self.bytes = 0
+
+
+def snapshot_engine(base: Any, copier: HostCopier) -> Any:
+    """A DeepSpeed checkpoint engine whose `save` copies and queues instead of writing; loading and
+    the rest are DeepSpeed's torch engine's."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SnapshotEngine(TorchCheckpointEngine):
+        def __init__(self) -> None:  # noqa: D107  (no config to read: the serialization is `base`'s)
+            self.name = "SnapshotEngine"
+            self.zipfile_serialization = getattr(base, "zipfile_serialization", True)
+            self.queued: list[tuple[Path, Any]] = []
+
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            self.queued.append((Path(path), copier.copy(state_dict)))
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+    return SnapshotEngine()
+
+
+def write_file(path: Path, obj: Any, zipfile: bool = True) -> int:
+    """torch.save, then fsync: the bytes are on disk before the checkpoint can be committed."""
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+class Writer:
+    """Writes one save's files on a background thread; `status` is WRITING, DONE or FAILED."""
+
+    def __init__(
+        self,
+        files: list[tuple[Path, Any]],
+        *,
+        copier: HostCopier,
+        faults: Any,
+        step: int,
+        zipfile: bool = True,
+    ) -> None:
+        self.files, self.copier, self.faults, self.step, self.zipfile = files, copier, faults, step, zipfile
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.bytes = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.copier.ready()
+            self.faults.before_write(self.step)
+            dirs = set()
+            for path, obj in self.files:
+                self.bytes += write_file(path, obj, self.zipfile)
+                dirs.add(path.parent)
+            for d in dirs:
+                from trainer.files import fsync_dir
+
+                fsync_dir(d)
+            self.faults.after_write(self.step)
+        except BaseException as e:  # noqa: BLE001  (reported to every rank by the next step's collective)
+            self.error = e
+        finally:
+            self.files = []  # the host copy goes as soon as it is written
+            self.copier.release()
+            self.seconds = time.perf_counter() - t0
+            self._done.set()
+
+    @property
+    def status(self) -> int:
+        if not self._done.is_set():
+            return WRITING
+        return FAILED if self.error is not None else DONE
+
+    def wait(self, heartbeat: Any = None, poll_s: float = 1.0) -> None:
+        """Until the write is done (calling `heartbeat` while it goes on: a long write is progress)."""
+        while not self._done.wait(poll_s):
+            if heartbeat is not None:
+                heartbeat()
+
+    def describe_error(self) -> str:
+        e = self.error
+        return f"{type(e).__name__}: {e}" if e is not None else ""
