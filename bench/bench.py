@@ -5,6 +5,7 @@
     bench/bench.py startup  [--rounds 3]
     bench/bench.py threads  [--rounds 2]
     bench/bench.py datawait
+    bench/bench.py checkpoint [--rounds 2] [--steps 21] [--every 4] [--stage 2]
 
 compare: the same model, data, seed and DeepSpeed JSON (a) through bin/train and (b) through a
 minimal hand-written DeepSpeed loop (bench/raw_loop.py), interleaved A B A B under the deepspeed
@@ -15,6 +16,8 @@ startup: seconds from starting bin/train to its first completed step, against be
 (import deepspeed, build the same model, deepspeed.initialize, one step); and `--help`, `--plan`.
 threads: 2 ranks on this machine with the automatic threads per rank against torch's default.
 datawait: the share of step time spent waiting for data on tiny with its default loader.
+checkpoint: synchronous against asynchronous saves (checkpoint.async) of a ~100M-parameter model,
+interleaved: training blocked per save, the background write time, step times around saves.
 """
 
 from __future__ import annotations
@@ -389,6 +392,71 @@ def datawait(a: argparse.Namespace) -> dict[str, Any]:
     return {"data_wait_share": shares}
 
 
+# ----------------------------------------------------------------------------- checkpoint
+
+# CPU: a GPT-2 shape of about 100M parameters (8 layers x 1024), one sequence per rank, so that a
+# synchronous save at ZeRO-2 on 2 ranks writes about 1 GB on rank 0 (2-3 s here).
+CKPT_SETS = {
+    "model.config.n_layer": 8,
+    "model.config.n_embd": 1024,
+    "model.config.n_head": 16,
+    "train.micro_batch_size": 1,
+}
+
+
+def checkpoint(a: argparse.Namespace) -> dict[str, Any]:
+    """Synchronous against asynchronous saves (checkpoint.async), interleaved: training blocked per
+    save, the background write time, and the step time while a write is in flight against the
+    step time with none."""
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
+    results: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
+    for r in range(a.rounds):
+        for mode in ("sync", "async"):
+            run_dir = work / f"{mode}-{r}"
+            sets = {
+                **run_sets(a.steps, 1, run_dir, cache),
+                **CKPT_SETS,
+                "strategy.zero_stage": a.stage,
+                "checkpoint.every_steps": a.every,
+                "checkpoint.keep_last": 2,
+                "checkpoint.async": mode == "async",
+            }
+            launch([str(TRAIN), str(TINY), *overrides(sets)], a.nproc, env_for(a.nproc))
+            recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            saves = [x for x in recs if "checkpoint" in x]
+            steps = {x["step"]: x["step_time_s"] for x in recs if "step_time_s" in x}
+            in_flight = {s for x in saves if x["async"] for s in range(x["saved_step"] + 1, x["step"] + 1)}
+            steady = [s for s in steps if s > a.every]  # after the first save (warm-up, first copy)
+            results[mode].append(
+                {
+                    "blocked_s": [x["blocked_s"] for x in saves],
+                    "write_s": [x["write_s"] for x in saves],
+                    "step_s_writing": [steps[s] for s in steady if s in in_flight],
+                    "step_s_idle": [steps[s] for s in steady if s not in in_flight],
+                }
+            )
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"round {r + 1} {mode}: blocked per save {results[mode][-1]['blocked_s']}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+    def med(mode: str, key: str, skip_first: bool = False) -> float:
+        vals = [v for run in results[mode] for v in (run[key][1:] if skip_first else run[key])]
+        return statistics.median(vals) if vals else float("nan")
+
+    sync_b, async_b = med("sync", "blocked_s"), med("async", "blocked_s", skip_first=True)
+    print(
+        f"\n# checkpoint: ZeRO-{a.stage}, {a.nproc} ranks, a save every {a.every} steps, {a.rounds} rounds:\n"
+        f"  synchronous:  blocked {sync_b:.2f} s per save (median), steps {med('sync', 'step_s_idle') * 1000:.0f} ms\n"
+        f"  asynchronous: blocked {async_b:.2f} s per save (median after the first, which allocates the "
+        f"host copy: {med('async', 'blocked_s'):.2f} s over all), written in {med('async', 'write_s'):.1f} s; "
+        f"steps {med('async', 'step_s_idle') * 1000:.0f} ms, {med('async', 'step_s_writing') * 1000:.0f} ms "
+        f"while a write is in flight\n"
+        f"  stall async/sync: {async_b / sync_b:.3f}"
+    )
+    return {"checkpoint": results, "stall_ratio": async_b / sync_b}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -411,11 +479,23 @@ def main() -> int:
     t.add_argument("--steps", type=int, default=40)
     d = sub.add_parser("datawait", help="data-wait share on tiny with its default loader")
     d.add_argument("--steps", type=int, default=60)
-    for q in (c, s, t, d):
+    k = sub.add_parser("checkpoint", help="synchronous against asynchronous checkpoint saves")
+    k.add_argument("--rounds", type=int, default=2)
+    k.add_argument("--steps", type=int, default=21)
+    k.add_argument("--every", type=int, default=4)
+    k.add_argument("--stage", type=int, default=2)
+    k.add_argument("--nproc", type=int, default=2)
+    for q in (c, s, t, d, k):
         q.add_argument("--cache-dir", default=None, help="tokenized-data cache (default .cache/bench-data)")
         q.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
-    res = {"compare": compare, "startup": startup, "threads": threads, "datawait": datawait}[a.what](a)
+    res = {
+        "compare": compare,
+        "startup": startup,
+        "threads": threads,
+        "datawait": datawait,
+        "checkpoint": checkpoint,
+    }[a.what](a)
     if a.json:
         Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **res}, indent=2) + "\n")
     return 0

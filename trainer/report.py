@@ -1,7 +1,8 @@
 """`bin/report RUN_DIR`: a PNG of a run's curves and a short summary, from its metrics.jsonl.
 
 Four panels against the step: loss (train, and eval where evaluated), learning rate, throughput
-(tokens/s, and MFU on GPU), and peak memory per rank. A resumed run logs some steps twice (those
+(tokens/s, and MFU on GPU; each checkpoint save shaded from its step to its commit, labelled with
+the seconds training was blocked), and peak memory per rank. A resumed run logs some steps twice (those
 after the checkpoint it resumed from); the later attempt's values are the ones that count, so the
 last record of each step is kept.
 """
@@ -15,6 +16,21 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import EXIT_USER_ERROR, UserError
+
+
+def saves(run_dir: Path) -> list[dict[str, Any]]:
+    """The checkpoint records of metrics.jsonl (one per committed save), in order."""
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if '"checkpoint"' in line:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "checkpoint" in rec:
+                out.append(rec)
+    return out
 
 
 def load(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
@@ -74,6 +90,18 @@ def summary(
     stragglers = sum(1 for r in train if r.get("stragglers"))
     if stragglers:
         rows.append(("log intervals with a straggler", f"{stragglers}"))
+    saved = saves(run_dir)
+    if saved:
+        blocked = sorted(r["blocked_s"] for r in saved)
+        write = sorted(r["write_s"] for r in saved)
+        kind = "in the background" if any(r.get("async") for r in saved) else "synchronously"
+        rows.append(
+            (
+                "checkpoint saves",
+                f"{len(saved)} written {kind}: training blocked {blocked[len(blocked) // 2]:.2f} s per save "
+                f"(median; max {blocked[-1]:.2f} s), write {write[len(write) // 2]:.1f} s",
+            )
+        )
     found = complete(checkpoints_dir(run_dir))
     newest, _ = latest(checkpoints_dir(run_dir))
     rows.append(
@@ -124,6 +152,11 @@ def plot(run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]
         twin = ax.twinx()
         twin.plot([s for s, _ in mfu], [100 * m for _, m in mfu], color="tab:gray", label="MFU %")
         twin.set_ylabel("MFU %")
+    for i, rec in enumerate(saves(run_dir)):  # each save: from its step to its commit, and the stall
+        start, end = rec.get("saved_step", rec["step"]), rec["step"]
+        label = "checkpoint saves (blocked s)" if i == 0 else None
+        ax.axvspan(start, max(end, start + 0.5), color="tab:orange", alpha=0.25, label=label, lw=0)
+        ax.annotate(f"{rec['blocked_s']:.2f}", (start, 0), fontsize=7, color="tab:orange", va="bottom")
     ax.legend(loc="lower right")
 
     ax = axes[1][1]

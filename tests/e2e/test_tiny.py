@@ -29,8 +29,10 @@ def test_tiny_trains_and_the_loss_falls(tiny):
     assert "ZeRO stage 0, offload none -- zero0 is the first rung that fits" in tiny.output
     assert "batch: micro 8 x world 1 x grad_accum 1 = 8 sequences = 1,024 tokens per step" in tiny.output
     assert (
-        "checkpoints: " in tiny.output and "(every 100 steps, at the end; keep 2); fresh start" in tiny.output
+        "checkpoints: " in tiny.output
+        and "(every 100 steps, at the end; keep 2; written in the background, a host copy of " in tiny.output
     )
+    assert "); fresh start" in tiny.output
 
 
 def test_metrics_lines_carry_every_field_that_applies_on_cpu(tiny):
@@ -89,6 +91,7 @@ def test_report_plots_the_run_and_prints_a_summary(tiny, tmp_path):
         "peak memory per rank (host RSS)",
         "step_00000100, step_00000200",
         "latest step_00000200",
+        "2 written in the background: training blocked",
     ):
         assert row in p.stdout, row
     import matplotlib.image

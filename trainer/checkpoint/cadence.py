@@ -72,6 +72,14 @@ class Checkpointer:
         self._step = state.step
         if self.inflight is not None and agreed is not None:
             self._settle(agreed.written, agreed.write_failed, agreed.write_s)
+        if not (final or force):
+            return self._offer(state, force=False, final=False, time_due=time_due)
+        try:  # the job ends after this: every write and deletion finished
+            return self._offer(state, force=force, final=final, time_due=time_due)
+        finally:
+            self.store.wait_deletes()
+
+    def _offer(self, state: Any, *, force: bool, final: bool, time_due: bool) -> bool:
         if state.step == self.last_saved_step:
             if final or force:
                 self.finish()
@@ -140,7 +148,10 @@ class Checkpointer:
     def _commit(self, pending: Pending, write_s: float) -> Path:
         path = self.store.commit(pending)
         if self.store.is_main:
+            t0 = time.perf_counter()
             self.store.prune(self.section.keep_last, keep=path.name)
+            pending.commit_s += time.perf_counter() - t0
+            pending.blocked_s += time.perf_counter() - t0
             if pending.writer is None:
                 log.info(f"checkpoint {path} saved in {pending.blocked_s:.1f} s")
             else:
@@ -156,6 +167,8 @@ class Checkpointer:
                         "saved_step": pending.step,
                         "async": pending.writer is not None,
                         "blocked_s": pending.blocked_s,
+                        "copy_s": pending.copy_s if pending.writer is not None else 0.0,
+                        "commit_s": pending.commit_s,
                         "write_s": write_s if pending.writer is not None else pending.blocked_s,
                     }
                 )

@@ -235,7 +235,9 @@ class Pending:
     stage_dir: Path
     meta: dict[str, Any]  # trainer_state.json as of the save's step (rank 0)
     started: float  # perf_counter at the start
-    blocked_s: float = 0.0  # how long training waited for this save
+    blocked_s: float = 0.0  # how long training waited for this save (on this rank)
+    copy_s: float = 0.0  # of which: taking the host copy (background)
+    commit_s: float = 0.0  # of which: the commit and pruning (rank 0)
     snapshot_bytes: int = 0  # the host copy (background)
     writer: Any = None  # writer.Writer of a background save; None: written in the foreground
 
@@ -258,6 +260,7 @@ class Store:
     recent: Callable[[], dict[str, Any]] | None = None  # what trainer_state.json shows of the run so far
     on_save: Callable[[int], None] | None = None  # tests: called on every rank with the step after each save
     _group: Any = None
+    _deleting: Any = None  # the thread deleting pruned checkpoints
     copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
 
     def __post_init__(self) -> None:
@@ -338,7 +341,7 @@ class Store:
                 [rng, *snap.queued], copier=self.copier, faults=self.faults, step=state.step,
                 zipfile=snap.zipfile_serialization,
             )  # fmt: skip
-        pending.blocked_s = time.perf_counter() - t0
+        pending.blocked_s = pending.copy_s = time.perf_counter() - t0
         if self.on_save is not None:
             self.on_save(state.step)
         return pending
@@ -360,11 +363,12 @@ class Store:
             fsync_dir(self.root)
             write_atomic(self.root / LATEST, pending.tag + "\n", durable=True)
             shutil.rmtree(self.root / (TRASH_PREFIX + pending.tag), ignore_errors=True)  # the replaced one
+        pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:
             self.barrier()
             pending.blocked_s = time.perf_counter() - pending.started
         else:
-            pending.blocked_s += time.perf_counter() - t0
+            pending.blocked_s += pending.commit_s
         return final
 
     def _metadata(self, state: Any) -> dict[str, Any]:
@@ -419,10 +423,27 @@ class Store:
         if n <= 0:
             return
         done = [f for f in complete(self.root) if f.tag != keep]
+        trash = []
         for old in done[: max(0, len(done) - (n - 1))]:
-            trash = self.root / (TRASH_PREFIX + old.tag)
-            os.rename(old.path, trash)  # atomic: never a half-deleted "complete" checkpoint
-            shutil.rmtree(trash, ignore_errors=True)
+            trash.append(self.root / (TRASH_PREFIX + old.tag))
+            os.rename(old.path, trash[-1])  # atomic: never a half-deleted "complete" checkpoint
+        if trash:  # unlinking gigabytes can take a second: not on the training thread
+            import threading
+
+            self.wait_deletes()
+            self._deleting = threading.Thread(
+                target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash],
+                name="prune",
+                daemon=True,
+            )
+            self._deleting.start()
+
+    def wait_deletes(self) -> None:
+        """Until the pruned checkpoints are deleted (the end of training; a kill leaves a `.trash-`
+        directory, which the next save removes)."""
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None
 
     def load(self, found: Found, state: Any, wait_s: float = 7200.0) -> None:
         """Restore weights, optimizer, scheduler, step, data position and this rank's RNG. `wait_s`:
