@@ -16,6 +16,7 @@ start from fresh weights, evaluate nothing and save no checkpoint, so they never
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
@@ -189,6 +190,8 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
         exit_code = on_nonfinite(run, e)
     except CheckpointWriteError as e:  # every rank, at the same step: loud, and no traceback
         print(f"[rank {run.env.rank}] error: {e}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # every rank has said it before the launcher ends them
+            run.checkpointer.store.barrier()
         return exit_code
     finally:
         run.metrics.close(exit_code)

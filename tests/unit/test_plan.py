@@ -305,6 +305,7 @@ def test_auto_saves_synchronously_where_the_copy_does_not_fit_in_host_memory():
     assert not on and "does not fit beside the rest in host memory" in why and "saving synchronously" in why
     assert tiny_plan(host=64 * GiB).checkpoint_async("auto")[0]
     assert p.checkpoint_async(False) == (False, "checkpoint.async: false")
-    insist = tiny_plan("checkpoint.async=true", host=host)  # true insists: the copy must fit beside the rest
-    assert insist.candidate.name == "zero3" and insist.estimate.host <= host  # stage 3 keeps little on the host
+    # true insists: the copy must fit beside the rest; stage 3 keeps little else on the host
+    insist = tiny_plan("checkpoint.async=true", host=host)
+    assert insist.candidate.name == "zero3" and insist.estimate.host <= host
     assert "zero0 needs" in insist.reason and "(host)" in insist.reason
