@@ -34,6 +34,7 @@ examples:
   bin/train configs/experiments/tiny.yaml
   bin/train configs/experiments/tiny.yaml --set train.max_steps=50 --set strategy.zero_stage=2
   bin/train configs/experiments/tiny.yaml --print-config
+  bin/train configs/experiments/tiny.yaml --prepare-data
   bin/train configs/experiments/tiny.yaml --overfit-batch --set train.max_steps=150
   bin/train configs/experiments/llama7b.yaml --plan --world-size 8 --set strategy.device_memory=80GB
   deepspeed --num_gpus 2 bin/train configs/experiments/tiny.yaml
@@ -103,6 +104,12 @@ def parser() -> argparse.ArgumentParser:
         "in RUN_DIR/profile",
     )
     modes.add_argument(
+        "--prepare-data",
+        action="store_true",
+        help="tokenize and pack the data into data.cache_dir on every core of this machine, then exit (no "
+        "launcher, no process group, no DeepSpeed): the training job finds the cache",
+    )
+    modes.add_argument(
         "--dry-run",
         action="store_true",
         help="build everything (and load a checkpoint to resume), take no step",
@@ -161,6 +168,8 @@ def _main(argv: list[str] | None = None) -> int:
                 "no experiment file given: bin/train EXPERIMENT.yaml (try configs/experiments/tiny.yaml)"
             )
         exp = config_mod.load(args.experiment, args.overrides)
+        if args.prepare_data:
+            return prepare_data_command(exp)
         mode = next((m for m in MODES if getattr(args, m)), None)
         if mode in SUBDIR:
             if args.resume:
@@ -259,6 +268,30 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             + (", chunked loss" if exp.model.chunked_loss else "")
         )
         print(strategy.describe_plan(planned.plan))
+    return 0
+
+
+def prepare_data_command(exp: config_mod.Experiment) -> int:
+    """--prepare-data: build the data cache here, on every core, and say where it is."""
+    import time
+
+    from trainer import data as data_mod
+    from trainer.dist import cpu_cores, detect
+
+    if detect().world_size > 1:
+        raise UserError(
+            "--prepare-data builds the data cache once per machine, without a launcher: run "
+            "`bin/train EXPERIMENT.yaml --prepare-data` on its own"
+        )
+    t0 = time.perf_counter()
+    d = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=True)
+    n_eval = len(d.eval) if d.eval is not None else 0
+    done = f"built in {time.perf_counter() - t0:.1f} s" if d.built else "already there"
+    print(
+        f"data: {len(d.train):,} train / {n_eval:,} eval sequences of {d.seq_len} tokens "
+        f"({(len(d.train) + n_eval) * d.seq_len:,} tokens) in {d.cache_path}, {done}; a job with the same "
+        "data.* settings and data.cache_dir reads it"
+    )
     return 0
 
 

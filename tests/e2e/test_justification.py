@@ -125,3 +125,23 @@ def test_a_missing_hostfile_stops_before_anything_starts(tmp_path):
         f"run_dir={tmp_path / 'run'}",
     )
     assert p.returncode == 2 and "does not exist" in p.stderr and not (tmp_path / "run").exists()
+
+
+def test_prepare_data_builds_the_cache_without_deepspeed_and_the_job_reads_it(tmp_path):
+    """--prepare-data: the tokenized cache built ahead of the job, without a launcher, a process
+    group or DeepSpeed; run again it is already there; a training job then reads it (no tokenizing)."""
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-X", "importtime", str(TRAIN), str(TINY), "--prepare-data",
+           "--set", f"data.cache_dir={cache}"]  # fmt: skip
+    first = subprocess.run(cmd, cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "data: 3,459 train / 183 eval sequences of 128 tokens (466,176 tokens) in" in first.stdout, (
+        first.stdout
+    )
+    assert ", built in " in first.stdout
+    assert "deepspeed" not in imported(first.stderr)
+    again = subprocess.run(cmd, cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and ", already there;" in again.stdout, again.stdout
+    job = train(tmp_path, {"train.max_steps": 1, "train.eval_every": 0, "checkpoint.save_final": False},
+                cache=cache, debug=False)  # fmt: skip
+    assert "data: tokenized and cached" not in job.output and "step      1/1" in job.output

@@ -56,8 +56,16 @@ class Data:
         return self.tokenizer.eos_token_id
 
 
-def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
-    """Load (from cache, or tokenize and pack once per node) the train and eval sets."""
+def build(
+    section: DataSection,
+    seed: int,
+    is_main: bool = True,
+    num_proc: int | None = None,
+    progress: bool | None = None,
+) -> Data:
+    """Load (from cache, or tokenize and pack once per node) the train and eval sets. `num_proc`:
+    tokenizer processes (default data.num_proc, else up to 8 cores); `progress`: progress bars
+    (default: on rank 0 in a terminal)."""
     tok = load_tokenizer(section.tokenizer)
     if section.append_eos and tok.eos_token_id is None:
         raise UserError(f"data.tokenizer '{section.tokenizer}' has no EOS token; set data.append_eos: false")
@@ -77,7 +85,8 @@ def build(section: DataSection, seed: int, is_main: bool = True) -> Data:
     built = False
     with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
         if not (final / "meta.json").exists():
-            _build_cache(section, tok, key, final, quiet=not (is_main and sys.stderr.isatty()))
+            quiet = not (is_main and sys.stderr.isatty()) if progress is None else not progress
+            _build_cache(section, tok, key, final, quiet=quiet, num_proc=num_proc)
             built = True
         meta = json.loads((final / "meta.json").read_text())
         if "train_digest" not in meta:  # a cache made before the digest was recorded
@@ -148,14 +157,16 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
-def _build_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Path, quiet: bool) -> None:
+def _build_cache(
+    section: DataSection, tok: Any, key: dict[str, Any], final: Path, quiet: bool, num_proc: int | None = None
+) -> None:
     import datasets
 
     from trainer.dist import cpu_cores
 
     if quiet:
         datasets.disable_progress_bars()
-    num_proc = section.num_proc or min(8, cpu_cores())
+    num_proc = num_proc or section.num_proc or min(8, cpu_cores())
     raw = load_raw(section.train, "data.train")
     if len(raw) == 0:
         raise UserError(
