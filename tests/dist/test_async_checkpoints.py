@@ -26,11 +26,15 @@ def test_kills_with_a_background_write_in_flight_leave_the_previous_checkpoint(t
     training goes on, resumed from step 6 after each: rank 1 killed once its files are written,
     rank 0's already done (the window between two ranks' ends); every rank killed; rank 0 killed
     when, every rank done, it commits. `latest` names step 6 after each; the last resume ends exactly
-    like run A."""
+    like run A. (Taking references instead of the copy makes the last resume differ from run A;
+    committing before every rank is done leaves `latest` at step 9.)"""
     a = runs("zero2")
     ckpts = tmp_path / "run" / "checkpoints"
     s = sets(small_data, 2, **ASYNC)
-    kills = [("killsave@9:rank=1", "deepspeed"), ("killsave@9", "torchrun"), ("killcommit@9:rank=0", "deepspeed")]
+    # The first attempt also writes step 6 1.5 s late, while steps 7-9 change the live state: the
+    # final resume from it then proves the files hold the copy taken at step 6.
+    kills = [("killsave@9:rank=1,slowsave@6:ms=1500", "deepspeed"), ("killsave@9", "torchrun"),
+             ("killcommit@9:rank=0", "deepspeed")]  # fmt: skip
     for i, (fault, launcher) in enumerate(kills):
         b = train(tmp_path, s, launcher=launcher, env={"TRAINER_FAULT": fault},
                   extra_args=["--resume"] if i else [], check=False)  # fmt: skip
