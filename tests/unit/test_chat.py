@@ -1,0 +1,167 @@
+"""Loss masking for fine-tuning data (trainer/data/chat.py): on three chat templates of different
+styles, multi-turn, with system prompts and truncation, the targets are exactly the assistant
+contents plus their end-of-turn tokens."""
+
+import pytest
+
+from trainer.data.chat import (
+    BYTE_TEMPLATE,
+    Example,
+    check_messages,
+    render_chat,
+    render_prompt_completion,
+    template_for,
+)
+from trainer.data.tokenizer import byte_tokenizer
+from trainer.errors import UserError
+
+SPECIAL = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+
+# ChatML-like, with generation markers around each assistant turn (content and <|im_end|>).
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama-3-like, no generation markers: headers, content, <|eot_id|>.
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+# A user's .jinja file, Mistral-like: the system prompt folded into the first user turn, [INST]
+# markers in plain text, each answer closed by EOS.
+MISTRAL_FILE = """\
+{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}
+{%- for message in messages if message['role'] != 'system' -%}
+{%- if message['role'] == 'user' -%}
+[INST] {% if loop.first and system %}{{ system }}\n\n{% endif %}{{ message['content'] }} [/INST]
+{%- else %} {{ message['content'] }}{{ eos_token }}
+{%- endif -%}
+{%- endfor -%}
+"""
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer in one sentence."},
+    {"role": "user", "content": "What does len() return?"},
+    {"role": "assistant", "content": "The number of items in a container."},
+    {"role": "user", "content": "And for a str?"},
+    {"role": "assistant", "content": "The number of code points."},
+]
+ANSWERS = ["The number of items in a container.", "The number of code points."]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = byte_tokenizer()
+    t.add_special_tokens({"additional_special_tokens": SPECIAL})
+    return t
+
+
+def targets_text(ex: Example, tok) -> str:
+    return tok.decode([i for i, t in zip(ex.ids, ex.targets, strict=True) if t])
+
+
+def prompt_text(ex: Example, tok) -> str:
+    return tok.decode([i for i, t in zip(ex.ids, ex.targets, strict=True) if not t])
+
+
+def test_chatml_with_generation_markers(tok):
+    ex = render_chat(CONVERSATION, tok, CHATML)
+    assert targets_text(ex, tok) == "".join(a + "<|im_end|>" for a in ANSWERS)
+    # transformers' own mask from the generation markers: the same tokens
+    hf = tok.apply_chat_template(
+        CONVERSATION, chat_template=CHATML, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert hf["input_ids"] == ex.ids and [bool(x) for x in hf["assistant_masks"]] == ex.targets
+    assert "Answer in one sentence." in prompt_text(ex, tok) and "And for a str?" in prompt_text(ex, tok)
+
+
+def test_llama3_without_generation_markers(tok):
+    ex = render_chat(CONVERSATION, tok, LLAMA3)
+    assert targets_text(ex, tok) == "".join(a + "<|eot_id|>" for a in ANSWERS)
+    assert (
+        ex.ids
+        == tok.apply_chat_template(CONVERSATION, chat_template=LLAMA3, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
+    assert "assistant<|end_header_id|>" in prompt_text(ex, tok)  # the header is the template's, not a target
+
+
+def test_a_users_jinja_file(tok, tmp_path):
+    path = tmp_path / "mistral.jinja"
+    path.write_text(MISTRAL_FILE)
+    ex = render_chat(CONVERSATION, tok, path.read_text())
+    eos = tok.eos_token
+    assert targets_text(ex, tok) == "".join(f" {a}{eos}" for a in ANSWERS)
+    prompt = prompt_text(ex, tok)
+    assert prompt.startswith("[INST] Answer in one sentence.\n\nWhat does len() return? [/INST]")
+    assert "[INST] And for a str? [/INST]" in prompt
+
+
+def test_the_built_in_template_of_the_byte_tokenizer():
+    tok = byte_tokenizer()
+    assert template_for(tok, None) == BYTE_TEMPLATE
+    ex = render_chat(CONVERSATION, tok, BYTE_TEMPLATE)
+    assert targets_text(ex, tok) == "".join(a + "<|endoftext|>" for a in ANSWERS)
+    assert ex.show(tok).startswith("<|system|>\\nAnswer in one sentence.\\n<|user|>\\n")
+    assert "<|assistant|>\\n[[The number of items in a container.<|endoftext|>]]\\n" in ex.show(tok)
+
+
+def test_a_tokenizer_without_a_template_needs_one(tok):
+    with pytest.raises(UserError, match="data.chat_template: FILE.jinja"):
+        template_for(tok, None)  # the byte tokenizer with extra tokens is not the built-in one
+
+
+def test_truncation_keeps_the_start_and_as_much_of_the_answer_as_fits(tok):
+    ex = render_chat(CONVERSATION[:3], tok, CHATML)
+    first = ex.targets.index(True)
+    cut = ex.truncated(first + 10)
+    assert cut.ids == ex.ids[: first + 10] and targets_text(cut, tok) == ANSWERS[0][:10]
+    assert ex.truncated(first).n_targets == 0  # nothing of the answer fits: the caller drops it
+
+
+def test_train_on_prompt_trains_on_every_token(tok):
+    ex = render_chat(CONVERSATION, tok, CHATML, train_on_prompt=True)
+    assert all(ex.targets) and ex.ids == render_chat(CONVERSATION, tok, CHATML).ids
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
+    # only the last assistant turn is shown in full (as templates that drop earlier reasoning do)
+    rewriting = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\\n...<|im_end|>\\n' }}"
+        "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    with pytest.raises(UserError, match="renders turn 2 differently once later turns follow"):
+        render_chat(CONVERSATION, tok, rewriting)
+
+
+def test_prompt_completion(tok):
+    ex = render_prompt_completion("Q: 2+2?\nA:", " 4", tok)
+    assert targets_text(ex, tok) == " 4" + tok.eos_token and prompt_text(ex, tok) == "Q: 2+2?\nA:"
+    assert all(render_prompt_completion("Q", "A", tok, train_on_prompt=True).targets)
+
+
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        ([{"role": "user"}], "not a {role, content} mapping"),
+        ([{"role": "bot", "content": "x"}], "role 'bot'"),
+        ([{"role": "user", "content": "x"}], "no assistant message"),
+    ],
+)
+def test_bad_conversations_are_named(messages, error):
+    with pytest.raises(UserError, match=error):
+        check_messages(messages, "data.train row 3")
