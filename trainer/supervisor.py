@@ -112,6 +112,23 @@ def record_failure(code: int, message: str, rank: int) -> None:
         )
 
 
+def launcher_program(script: str, module: str) -> list[str]:
+    """The launcher beside this interpreter (`.venv/bin/torchrun`), or its module where no script was
+    installed; an error that says how to run bin/train where this Python has neither."""
+    import importlib.util
+
+    path = Path(sys.executable).parent / script
+    if path.exists():
+        return [str(path)]
+    if all(importlib.util.find_spec(m) is not None for m in ("torch", "deepspeed")):
+        return [sys.executable, "-m", module]
+    raise UserError(
+        f"--launcher {script}: this Python ({sys.executable}) has no `{script}` beside it and cannot import "
+        "torch and deepspeed; run bin/train with the project's environment: `source .venv/bin/activate` "
+        "first, or `.venv/bin/python bin/train ...`"
+    )
+
+
 @dataclass
 class Supervisor:
     experiment: str
@@ -138,11 +155,10 @@ class Supervisor:
         if resume:
             args += ["--resume"] + ([] if resume == "latest" else [resume])
         args += self.extra_args
-        bindir = Path(sys.executable).parent
         if self.launcher == "none":
             return [sys.executable, *args]
         if self.launcher == "deepspeed":
-            head = [str(bindir / "deepspeed")]
+            head = launcher_program("deepspeed", "deepspeed.launcher.runner")
             if self.hostfile:
                 head += ["--hostfile", self.hostfile, "--master_addr", self.hosts()[0][0]]
             else:
@@ -150,7 +166,7 @@ class Supervisor:
             return [*head, "--master_port", str(port), *args]
         if self.launcher == "torchrun":
             return [
-                str(bindir / "torchrun"),
+                *launcher_program("torchrun", "torch.distributed.run"),
                 "--nproc_per_node",
                 str(self.nproc_per_node),
                 "--master_port",

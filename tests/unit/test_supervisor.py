@@ -43,3 +43,22 @@ def test_commands(tmp_path):
     assert cmd[-3:] == ["--set", "train.max_steps=5", "--resume"]
     t = Supervisor("exp.yaml", [], tmp_path, launcher="torchrun", nproc_per_node=4).command([], None, 1234)
     assert t[1:5] == ["--nproc_per_node", "4", "--master_port", "1234"] and "--resume" not in t
+
+
+def test_the_launcher_is_found_beside_the_interpreter_or_run_as_a_module(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+
+    from trainer.supervisor import launcher_program
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "torchrun").write_text("")
+    monkeypatch.setattr(sys, "executable", str(bindir / "python"))
+    assert launcher_program("torchrun", "torch.distributed.run") == [str(bindir / "torchrun")]
+    assert launcher_program("deepspeed", "deepspeed.launcher.runner") == [
+        str(bindir / "python"), "-m", "deepspeed.launcher.runner"
+    ]  # fmt: skip
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # a Python without torch
+    with pytest.raises(UserError, match="source .venv/bin/activate"):
+        launcher_program("deepspeed", "deepspeed.launcher.runner")
