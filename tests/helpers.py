@@ -366,3 +366,48 @@ def wandb_offline_run(path: Path) -> dict[str, Any]:
 def _key(item: Any) -> str:
     """A history/config item's key: plain, or split into parts ("train/loss" -> ["train", "loss"])."""
     return item.key or "/".join(item.nested_key)
+
+
+def sigterm_rank_1(
+    tmp: Path, sets: dict[str, Any], fault: str, after_lines: int
+) -> tuple[int, str, float, int]:
+    """A deepspeed-launcher job on 2 ranks with TRAINER_FAULT `fault`; once metrics.jsonl has
+    `after_lines` lines, a real SIGTERM from outside to rank 1. Returns (exit code, output, seconds
+    from the signal to the job's end, the step of `latest`)."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    args = [str(TINY)]
+    for k, v in {**sets, "run_dir": str(tmp / "run"), "data.cache_dir": str(data_cache())}.items():
+        args += ["--set", f"{k}={v}"]
+    env = env_for(2, {"TRAINER_DEBUG_DIR": str(tmp / "debug"), "TRAINER_FAULT": fault})
+    proc = subprocess.Popen(
+        command("deepspeed", 2, args),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = tmp / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (
+        metrics.exists() and len(metrics.read_text().splitlines()) >= after_lines
+    ):
+        time.sleep(0.1)
+    rank1 = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "--local_rank=1" in " ".join(p.cmdline())
+    ]
+    assert rank1, "rank 1 not found"
+    t0 = time.time()
+    os.kill(rank1[0].pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    took = time.time() - t0
+    latest = tmp / "run" / "checkpoints" / "latest"
+    step = int(latest.read_text().strip().split("_")[1]) if latest.exists() else -1
+    return proc.returncode, out, took, step

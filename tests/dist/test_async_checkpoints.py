@@ -6,14 +6,8 @@ checkpoint written in the background, at every stage in fp32 and bf16: test_stag
 test_bf16_stages.py, whose runs A write theirs so.) A checkpoint every 3 steps gives a committed
 one (step 6) before the one the faults strike (step 9)."""
 
-import os
-import signal
-import subprocess
-import time
-
-import psutil
 import pytest
-from helpers import ROOT, TINY, assert_same_continuation, command, data_cache, env_for, saves, train
+from helpers import ROOT, assert_same_continuation, saves, sigterm_rank_1, train
 from helpers import resume_sets as sets
 
 pytestmark = pytest.mark.dist
@@ -61,32 +55,13 @@ def test_sigterm_with_a_background_write_in_flight_waits_for_it_then_saves(tmp_p
     run ends exactly like run A."""
     a = runs("zero2")
     s = sets(small_data, 2, **ASYNC)
-    args = [str(TINY)]
-    for k, v in {**s, "run_dir": str(tmp_path / "run"), "data.cache_dir": str(data_cache())}.items():
-        args += ["--set", f"{k}={v}"]
     fault = "slow@1:rank=1:ms=400,slowsave@3:rank=1:ms=4000"
-    env = env_for(2, {"TRAINER_DEBUG_DIR": str(tmp_path / "debug"), "TRAINER_FAULT": fault})
-    proc = subprocess.Popen(
-        command("deepspeed", 2, args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
-        time.sleep(0.1)
-    rank1 = [
-        p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in " ".join(p.cmdline())
-    ]
-    assert rank1, "rank 1 not found"
-    t0 = time.time()
-    os.kill(rank1[0].pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    took = time.time() - t0
-    assert proc.returncode == 0, out[-3000:]
+    rc, out, took, stopped_at = sigterm_rank_1(tmp_path, s, fault, after_lines=4)
+    assert rc == 0, out[-3000:]
     print(f"SIGTERM with a write in flight -> waited, saved, exited 0 after {took:.1f} s")
     assert took < 30, f"took {took:.1f} s"
     ckpts = tmp_path / "run" / "checkpoints"
-    tag = (ckpts / "latest").read_text().strip()
-    stopped_at = int(tag.split("_")[1])
+    tag = f"step_{stopped_at:08d}"
     assert 4 <= stopped_at < 12 and f"stopping at step {stopped_at} on request" in out, out[-3000:]
     rec = saves(tmp_path / "run")
     assert rec["step_00000003"]["step"] == stopped_at, f"step 3 was still being written at the stop: {rec}"

@@ -4,16 +4,9 @@ either ends exactly like the uninterrupted run A of test_stages.py (ZeRO-2; conf
 once per test session). The faults strike jobs of the deepspeed launcher (and torchrun); the
 resumed runs are torchrun jobs."""
 
-import os
-import signal
-import subprocess
-import time
-
-import psutil
 import pytest
-from helpers import K, ROOT, TINY, assert_same_continuation, command, data_cache, env_for
+from helpers import K, assert_same_continuation, sigterm_rank_1, train
 from helpers import resume_sets as sets
-from helpers import train
 
 pytestmark = pytest.mark.dist
 
@@ -54,31 +47,12 @@ def test_sigterm_to_one_rank_saves_and_exits_0(tmp_path, small_data, runs):
     number, so that the signal lands well before the end)."""
     a = runs("zero2")
     s = sets(small_data, 2)
-    args = [str(TINY)]
-    for k, v in {**s, "run_dir": str(tmp_path / "run"), "data.cache_dir": str(data_cache())}.items():
-        args += ["--set", f"{k}={v}"]
-    env = env_for(2, {"TRAINER_DEBUG_DIR": str(tmp_path / "debug"), "TRAINER_FAULT": "slow@1:rank=1:ms=400"})
-    proc = subprocess.Popen(
-        command("deepspeed", 2, args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        time.sleep(0.1)
-    rank1 = [
-        p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in " ".join(p.cmdline())
-    ]
-    assert rank1, "rank 1 not found"
-    t0 = time.time()
-    os.kill(rank1[0].pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    took = time.time() - t0
-    assert proc.returncode == 0, out[-3000:]
+    rc, out, took, stopped_at = sigterm_rank_1(tmp_path, s, "slow@1:rank=1:ms=400", after_lines=2)
+    assert rc == 0, out[-3000:]
     print(f"SIGTERM to rank 1 -> checkpoint saved, job exited 0 after {took:.1f} s")
     assert took < 30, f"took {took:.1f} s"
     ckpts = tmp_path / "run" / "checkpoints"
-    tag = (ckpts / "latest").read_text().strip()
-    stopped_at = int(tag.split("_")[1])
+    tag = f"step_{stopped_at:08d}"
     assert 2 <= stopped_at < 2 * K and "received SIGTERM" in out and f"stopping at step {stopped_at} on request" in out
     b2 = train(tmp_path, s, launcher="torchrun", extra_args=["--resume"])
     assert f"resumed from {ckpts / tag} at step {stopped_at}" in b2.output
