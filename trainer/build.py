@@ -248,7 +248,8 @@ def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tu
     }
     stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, **where)
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
-    return stream, Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size)
+    prompts = (data.tokenizer, list(t.eval_prompts), t.eval_max_new_tokens)
+    return stream, Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size, prompts)
 
 
 def make_metrics(

@@ -79,6 +79,36 @@ class Engine:
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
 
+    def complete(
+        self, tok: Any, prompts: list[str], max_new_tokens: int, synced: bool
+    ) -> list[dict[str, Any]]:
+        """Greedy completions of `prompts` (every rank calls it; `synced`: ZeRO-3 on several ranks,
+        whose gathers need every rank in every forward until all are done). Each: the prompt, the
+        completion up to the end-of-sequence token, and whether it reached one."""
+        import torch
+
+        eos = tok.eos_token_id
+        out = []
+        self.ds.train(False)
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
+                gen = self.ds.module.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                    synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,
+                )  # fmt: skip
+                new = gen[0, ids.shape[1] :].tolist()
+                ended = eos is not None and eos in new
+                out.append(
+                    {
+                        "prompt": prompt,
+                        "completion": tok.decode(new[: new.index(eos)] if ended else new),
+                        "ended": ended,
+                    }
+                )
+        self.ds.train(True)
+        return out
+
     @property
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])

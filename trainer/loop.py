@@ -35,8 +35,15 @@ class TrainState:
 class Evaluator:
     """Mean loss over the eval batches, averaged over ranks (all ranks call it at the same steps)."""
 
-    def __init__(self, batches: Any, every: int, world_size: int) -> None:
+    def __init__(
+        self,
+        batches: Any,
+        every: int,
+        world_size: int,
+        prompts: tuple[Any, list[str], int] | None = None,
+    ) -> None:
         self.batches, self.every, self.world_size = batches, every, world_size
+        self.prompts = prompts  # (tokenizer, prompts, max new tokens): greedy samples at each eval
         self.last_step = -1
 
     def due(self, step: int) -> bool:
@@ -58,6 +65,14 @@ class Evaluator:
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(total)
         return (total[0] / total[1].clamp(min=1)).item()
+
+    def samples(self, engine: Any) -> list[dict[str, Any]] | None:
+        """Greedy completions of train.eval_prompts (every rank), or None."""
+        if not self.prompts or not self.prompts[1]:
+            return None
+        tok, prompts, max_new = self.prompts
+        synced = self.world_size > 1 and engine.ds.zero_optimization_stage() == 3
+        return engine.complete(tok, prompts, max_new, synced)
 
 
 def train(
@@ -111,7 +126,7 @@ def train(
         if evaluator.due(state.step) and not stop:  # a stop's grace period is for the save
             control.heartbeat()
             with metrics.paused():  # step time and throughput count training only
-                metrics.eval(state.step, evaluator.run(engine, state.step))
+                metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine))
         control.heartbeat()
         with metrics.paused():
             checkpointer.offer(state, force=stop, time_due=agreed.timed, agreed=agreed)
@@ -122,7 +137,7 @@ def train(
             return state
     control.heartbeat()
     if evaluator.batches is not None and evaluator.last_step != state.step:
-        metrics.eval(state.step, evaluator.run(engine, state.step))
+        metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine))
     control.heartbeat()
     checkpointer.offer(state, final=True)
     control.disarm()

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from helpers import CASES, K, assert_same_continuation, assert_written_in_background, check_memory, check_run
 from helpers import resume_sets as sets
-from helpers import train
+from helpers import FAST, train
 
 pytestmark = pytest.mark.dist
 
@@ -87,3 +87,18 @@ def test_stop_and_resume_is_exact(tmp_path, small_data, runs, name):
     final = json.loads((b.run_dir / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
     assert final["data_position"]["epoch"] > st["data_position"]["epoch"], "an epoch should end after the resume"
     assert_same_continuation(a, b)
+
+
+def test_eval_prompts_at_stage_3_on_two_ranks(tmp_path):
+    """train.eval_prompts at ZeRO-3 on 2 ranks: every rank takes part in generation (the gathers of
+    the partitioned weights need all of them in every forward), rank 0 prints each completion once."""
+    r = train(
+        tmp_path,
+        {**FAST, "strategy.zero_stage": 3, "train.max_steps": 2, "train.eval_batches": 1,
+         "train.eval_prompts": ["def ", "x = "], "train.eval_max_new_tokens": 8},
+        launcher="deepspeed",
+    )  # fmt: skip
+    assert r.output.count("sample step 2: 'def ' -> ") == 1 and r.output.count("sample step 2: 'x = ' -> ") == 1
+    samples = [m for m in r.metrics if "samples" in m][-1]["samples"]
+    assert [s["prompt"] for s in samples] == ["def ", "x = "]
+    assert all(len(s["completion"]) <= 8 for s in samples)  # a byte token decodes to at most one character

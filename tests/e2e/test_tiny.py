@@ -64,6 +64,14 @@ def test_metrics_lines_carry_every_field_that_applies_on_cpu(tiny):
     assert lines[-1]["eta_s"] == 0 and lines[0]["eta_s"] > lines[-2]["eta_s"]
     evals = [m for m in tiny.metrics if "eval_loss" in m]
     assert all(m["eval_ppl"] == pytest.approx(math.exp(m["eval_loss"])) for m in evals)
+    # train.eval_prompts: greedy completions at each eval, logged and printed
+    for m in evals:
+        assert [s["prompt"] for s in m["samples"]] == ["def ", "The "]
+        assert all(
+            isinstance(s["completion"], str) and s["completion"] and isinstance(s["ended"], bool)
+            for s in m["samples"]
+        )
+        assert f"sample step {m['step']}: 'def ' -> " in tiny.output
     # Not a terminal: plain log lines, no progress bar
     assert "step     10/200  loss" in tiny.output and "eta " in tiny.output and "it/s" not in tiny.output
 

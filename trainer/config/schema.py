@@ -151,6 +151,14 @@ class TrainSection(Section):
     log_every: int = Field(10, ge=1, description="log metrics every N steps")
     eval_every: int = Field(0, ge=0, description="evaluate every N steps (0 = only at the end)")
     eval_batches: int = Field(50, ge=1, description="at most this many micro batches per rank per eval")
+    eval_prompts: list[str] = Field(
+        default_factory=list,
+        description="prompts whose greedy completions are printed (rank 0) and logged at each eval; every "
+        "rank takes part (ZeRO-3)",
+    )
+    eval_max_new_tokens: int = Field(
+        48, ge=1, le=4096, description="tokens generated per eval prompt at most"
+    )
     compile: bool = Field(
         False,
         description="torch.compile the model through DeepSpeed's engine.compile() (first steps compile)",

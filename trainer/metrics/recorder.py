@@ -175,8 +175,11 @@ class Metrics:
         finally:
             self.interval.paused += time.perf_counter() - t
 
-    def eval(self, step: int, loss: float) -> None:
-        self.record({"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
+    def eval(self, step: int, loss: float, samples: list[dict[str, Any]] | None = None) -> None:
+        rec: dict[str, Any] = {"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        if samples:
+            rec["samples"] = samples
+        self.record(rec)
 
     def recent(self) -> dict[str, Any]:
         """The latest value of each metric among the last few records (rank 0)."""

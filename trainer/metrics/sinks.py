@@ -107,6 +107,9 @@ class ConsoleSink:
     def write(self, rec: dict[str, Any]) -> None:
         if "eval_loss" in rec:
             log.info(f"eval  step {rec['step']:>6}  loss {rec['eval_loss']:.4f}  ppl {rec['eval_ppl']:.2f}")
+            for s in rec.get("samples", []):
+                end = " [end]" if s["ended"] else " [...]"
+                log.info(f"sample step {rec['step']}: {s['prompt']!r} -> {s['completion']!r}{end}")
             return
         if "step_time_s" not in rec:  # not a training step's record
             return
