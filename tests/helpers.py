@@ -411,3 +411,24 @@ def sigterm_rank_1(
     latest = tmp / "run" / "checkpoints" / "latest"
     step = int(latest.read_text().strip().split("_")[1]) if latest.exists() else -1
     return proc.returncode, out, took, step
+
+
+def chat_data(path: Path, rows: int = 400) -> Path:
+    """A chat JSONL made here (no download): additions asked two ways, with and without a system
+    prompt, so that answers (the targets) have very different lengths."""
+    import random
+
+    r = random.Random(0)
+    out = []
+    for i in range(rows):
+        a, b = r.randint(0, 50), r.randint(0, 50)
+        if i % 2:
+            msgs = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": f"{a}+{b}?"},
+                    {"role": "assistant", "content": str(a + b)}]  # fmt: skip
+        else:
+            msgs = [{"role": "user", "content": f"What is {a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}, as {b} plus {a} is."}]  # fmt: skip
+        out.append(json.dumps({"messages": msgs}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(out) + "\n")
+    return path

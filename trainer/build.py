@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import Experiment
+from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 
@@ -212,6 +213,12 @@ def claim_and_agree(exp: Experiment, runtime: Any, resume: Any) -> tuple[Any, li
     return data, hosts, notes
 
 
+# data.packing: model types whose transformers implementation builds per-example causal masks from
+# packed position ids (no attention mask, no cache): gpt2 and llama are tested (tests/unit/test_packing.py),
+# mistral and the qwen models share llama's mask code.
+PACKED_POSITION_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
+
+
 def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> tuple[Any, Any]:
     """The model (identical initial weights on every rank; at ZeRO-3 never whole on one) and the
     DeepSpeed engine around it; then the RNG per rank (dropout differs between ranks)."""
@@ -227,11 +234,38 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
         seq_len=exp.data.seq_len,
         ds_config=planned.ds_config,
     )
+    if data.supervised and exp.data.packing:
+        kind = getattr(getattr(module, "config", None), "model_type", None)
+        if kind not in PACKED_POSITION_TYPES:
+            raise UserError(
+                f"data.packing: packed fine-tuning examples are kept apart by restarting position ids, which "
+                f"this project has verified for {', '.join(sorted(PACKED_POSITION_TYPES))}, not for model type "
+                f"'{kind}'; set data.packing: false (one example per sequence)"
+            )
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     engine = Engine(module, planned.ds_config, groups, compile=exp.train.compile)
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout
+
+
+def eval_prompts(exp: Experiment, data: Any) -> list[str]:
+    """train.eval_prompts as the model sees them: for chat data, each a user turn rendered with the
+    chat template and its generation prompt."""
+    if exp.data.train.kind != "chat":
+        return list(exp.train.eval_prompts)
+    from trainer.data.examples import chat_template
+
+    template = chat_template(exp.data, data.tokenizer)
+    return [
+        data.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}],
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for p in exp.train.eval_prompts
+    ]
 
 
 def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tuple[Any, Any]:
@@ -248,7 +282,7 @@ def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tu
     }
     stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, **where)
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
-    prompts = (data.tokenizer, list(t.eval_prompts), t.eval_max_new_tokens)
+    prompts = (data.tokenizer, eval_prompts(exp, data), t.eval_max_new_tokens)
     return stream, Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size, prompts)
 
 
@@ -352,6 +386,11 @@ def announce(run: Run) -> None:
         f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}; "
         f"{_save_mode(run)}); {start}",
     ]
+    if data.finetune:
+        from trainer.data.examples import describe
+
+        lines.insert(-1, describe(data.finetune))
+        lines.insert(-1, f"example (targets in [[ ]]): {data.finetune['example']}")
     for line in lines:
         log.info(line)
     if resume is None:

@@ -47,10 +47,20 @@ class Engine:
 
         ds.clip_fp32_gradients = clip_and_record
 
-    def forward(self, input_ids: Any) -> Any:
-        """The loss of one micro batch (kept in the graph for backward)."""
-        input_ids = input_ids.to(self.device, non_blocking=True)
-        return loss_of(self.ds(input_ids=input_ids, labels=input_ids))
+    def forward(self, batch: Any, num_items: float | None = None) -> Any:
+        """The loss of one micro batch (kept in the graph for backward). `batch`: token blocks (text,
+        every token a target), or rows of [input_ids, labels, position_ids] (fine-tuning: the labels
+        mark the targets, the position ids restart at each packed example so that attention stays
+        within it); `num_items`: divide the targets' summed loss by this (the step's targets over
+        every rank and micro batch, divided by ranks x accumulation, since DeepSpeed averages over
+        both) instead of this micro batch's target count."""
+        batch = batch.to(self.device, non_blocking=True)
+        if batch.dim() == 2:
+            return loss_of(self.ds(input_ids=batch, labels=batch))
+        return loss_of(
+            self.ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
+                    num_items_in_batch=num_items)
+        )  # fmt: skip
 
     def backward(self, loss: Any) -> Any:
         """Backward of one micro batch; returns the detached loss (no device synchronisation)."""
@@ -69,12 +79,26 @@ class Engine:
         self.step()
         return out
 
-    def eval_loss(self, input_ids: Any) -> Any:
+    def eval_loss(self, batch: Any) -> Any:
+        """The mean loss of a batch of token blocks; for fine-tuning rows (see `forward`) the summed
+        loss of its targets (`eval_weight` is their count)."""
         import torch
 
-        input_ids = input_ids.to(self.device, non_blocking=True)
+        batch = batch.to(self.device, non_blocking=True)
         with torch.no_grad():
-            return loss_of(self.ds(input_ids=input_ids, labels=input_ids)).detach()
+            if batch.dim() == 2:
+                return loss_of(self.ds(input_ids=batch, labels=batch)).detach()
+            return loss_of(
+                self.ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
+                        num_items_in_batch=1.0)
+            ).detach()  # fmt: skip
+
+    @staticmethod
+    def eval_weight(batch: Any) -> Any:
+        """What `eval_loss` of this batch counts for in a mean: 1 (a mean already), or the targets."""
+        if batch.dim() == 2:
+            return 1
+        return (batch[:, 1, 1:] != -100).sum()
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)

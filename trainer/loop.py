@@ -58,9 +58,9 @@ class Evaluator:
         self.last_step = step
         engine.train(False)
         total = torch.zeros(2, dtype=torch.float64, device=engine.device)
-        for batch in self.batches:
+        for batch in self.batches:  # a mean over batches (text), or over target tokens (fine-tuning)
             total[0] += engine.eval_loss(batch).double()
-            total[1] += 1
+            total[1] += engine.eval_weight(batch)
         engine.train(True)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(total)
@@ -99,12 +99,13 @@ def train(
     while state.step < max_steps:
         control.before_step(state.step + 1)  # injected faults (tests), watchdog heartbeat
         loss, wait, finite = 0.0, 0.0, None
+        per_micro = stream.loss_denominator(grad_accum)  # fine-tuning: the step's targets, all ranks
         for i in range(grad_accum):
             t = time.perf_counter()
             batch = stream.next()
             wait += time.perf_counter() - t
             with metrics.forward:  # this rank's own compute, no collectives (stragglers)
-                micro_loss = control.faults.loss(engine.forward(batch), state.step + 1)  # tests
+                micro_loss = control.faults.loss(engine.forward(batch, per_micro), state.step + 1)  # tests
             micro_loss = engine.backward(micro_loss)
             finite = control.finite(micro_loss, finite)
             loss = loss + micro_loss

@@ -44,6 +44,9 @@ class FixedBatch:
         self.batch = stream.next()
         self.position = stream.position
 
+    def loss_denominator(self, micro_steps: int) -> None:
+        return None  # each micro batch's own mean: the same batch every step
+
     def next(self) -> Any:
         if self.record is not None:
             from trainer.consistency import row_digest
@@ -114,7 +117,8 @@ def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
     """Tests: the engine's logits on the first two training sequences (compared with an export)."""
     import torch
 
-    ids = torch.from_numpy(data.train[:2].astype("int64"))
+    rows = data.train[:2]
+    ids = torch.from_numpy((rows[:, 0] if rows.ndim == 3 else rows).astype("int64"))
     engine.train(False)
     with torch.no_grad():
         logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()

@@ -110,6 +110,15 @@ class DataSource(Section):
         "auto", description="file format; auto = from the file extension"
     )
     text_field: str = Field("text", description="column holding the text (json/parquet/hub)")
+    kind: choice("text", "prompt_completion", "chat") = Field(
+        "text",
+        description="what a row holds: text (documents packed end to end, every token trained), "
+        "prompt_completion (prompt_field + completion_field, the loss on the completion) or chat "
+        "(messages_field, a list of {role, content}: the loss on assistant turns); see README: Fine-tuning",
+    )
+    prompt_field: str = Field("prompt", description="kind prompt_completion: the prompt's column")
+    completion_field: str = Field("completion", description="kind prompt_completion: the completion's column")
+    messages_field: str = Field("messages", description="kind chat: the column of {role, content} lists")
     sample_by: choice("document", "paragraph", "line") = Field(
         "document", description="for text files: one sample per file, paragraph or line"
     )
@@ -135,6 +144,25 @@ class DataSection(Section):
     shuffle: bool = Field(True, description="reshuffle every epoch (seeded; same order for the same seed)")
     cache_dir: str = Field(
         "~/.cache/trainer/data", description="where tokenized, packed data is cached between runs"
+    )
+    chat_template: str | None = Field(
+        None,
+        description="kind chat: a .jinja chat template file; null = the tokenizer's (the byte tokenizer has a "
+        "built-in one)",
+    )
+    train_on_prompt: bool = Field(
+        False,
+        description="fine-tuning kinds: train on prompt / system / user tokens too (default: answers only)",
+    )
+    packing: bool = Field(
+        True,
+        description="fine-tuning kinds: several examples per sequence, each attending only to itself "
+        "(position ids restart); false = one example per sequence, padded",
+    )
+    truncation: choice("right", "drop") = Field(
+        "right",
+        description="fine-tuning kinds, an example longer than seq_len: right = keep its start (the prompt's "
+        "start, then as much of the answer as fits), drop = leave it out (both counted)",
     )
 
 

@@ -46,6 +46,12 @@ class Data:
     # What identifies the training data: sequences, a digest of their tokens, the sources' files
     # (path, size, mtime) and the tokenizer. Saved with every checkpoint, compared on resume.
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    finetune: dict[str, Any] | None = None  # fine-tuning kinds: what was kept, truncated, dropped
+
+    @property
+    def supervised(self) -> bool:
+        """Rows of [input_ids, labels, position_ids] (fine-tuning kinds), not token blocks."""
+        return self.train.ndim == 3
 
     @property
     def vocab_size(self) -> int:
@@ -78,6 +84,16 @@ def build(
         "seq_len": section.seq_len,
         "append_eos": section.append_eos,
     }
+    if section.train.kind != "text":  # (text keeps its key: existing caches stay valid)
+        from trainer.data.examples import chat_template
+
+        template = chat_template(section, tok)
+        key["finetune"] = {
+            "template": hashlib.sha256(template.encode()).hexdigest()[:16] if template else None,
+            "train_on_prompt": section.train_on_prompt,
+            "packing": section.packing,
+            "truncation": section.truncation,
+        }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.path.expanduser(section.cache_dir))
     root.mkdir(parents=True, exist_ok=True)
@@ -108,6 +124,7 @@ def build(
         cache_path=str(final),
         built=built,
         fingerprint=fingerprint,
+        finetune=meta.get("finetune"),
     )
 
 
@@ -172,6 +189,9 @@ def _build_cache(
         raise UserError(
             f"data.train: the dataset is empty (0 rows in {_where(section.train)}); point it at data"
         )
+    if section.train.kind != "text":
+        _build_finetune_cache(section, tok, key, final, raw)
+        return
     train, tokens = _tokenize_and_pack(raw, tok, section, section.train.text_field, num_proc)
     if len(train) == 0:
         raise UserError(
@@ -197,17 +217,22 @@ def _build_cache(
         train = train.select(range(len(train) - n_eval))
     else:
         eval_ = None
+    _publish(
+        final,
+        lambda d: _save_blocks(train, d / "train.npy", section.seq_len),
+        (lambda d: _save_blocks(eval_, d / "eval.npy", section.seq_len)) if eval_ is not None else None,
+        {**key, "train_sequences": len(train), "eval_sequences": len(eval_) if eval_ is not None else 0},
+    )
+
+
+def _publish(final: Path, write_train: Any, write_eval: Any, meta: dict[str, Any]) -> None:
+    """Write the cache into a hidden directory, then rename it into place (atomic)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _save_blocks(train, tmp / "train.npy", section.seq_len)
-        if eval_ is not None:
-            _save_blocks(eval_, tmp / "eval.npy", section.seq_len)
-        meta = {
-            **key,
-            "train_sequences": len(train),
-            "eval_sequences": len(eval_) if eval_ is not None else 0,
-            "train_digest": file_digest(tmp / "train.npy"),
-        }
+        write_train(tmp)
+        if write_eval is not None:
+            write_eval(tmp)
+        meta = {**meta, "train_digest": file_digest(tmp / "train.npy")}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
             os.rename(tmp, final)
@@ -216,6 +241,35 @@ def _build_cache(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Path, raw: Any) -> None:
+    """Fine-tuning kinds: rows of [input_ids, labels, position_ids] (trainer/data/examples.py)."""
+    from trainer.data.examples import build_rows
+
+    train, stats = build_rows(raw, tok, section, section.train, "data.train")
+    eval_ = None
+    if section.eval is not None:
+        eval_, _ = build_rows(load_raw(section.eval, "data.eval"), tok, section, section.eval, "data.eval")
+    elif section.eval_fraction > 0:
+        n_eval = max(1, math.ceil(len(train) * section.eval_fraction))
+        if n_eval >= len(train):
+            raise UserError(
+                f"data.eval_fraction: {len(train)} sequences are too few to hold out {section.eval_fraction:.0%}; "
+                "set eval_fraction: 0 or add data"
+            )
+        train, eval_ = train[:-n_eval], train[-n_eval:]
+    _publish(
+        final,
+        lambda d: np.save(d / "train.npy", train),
+        (lambda d: np.save(d / "eval.npy", eval_)) if eval_ is not None else None,
+        {
+            **key,
+            "train_sequences": len(train),
+            "eval_sequences": len(eval_) if eval_ is not None else 0,
+            "finetune": stats,
+        },  # fmt: skip
+    )
 
 
 def _save_blocks(packed: Any, path: Path, seq_len: int, chunk: int = 65536) -> None:

@@ -44,14 +44,17 @@ def _tokenize_and_pack(raw: Any, tok: Any, section: DataSection, text_field: str
 IGNORE = -100  # a label the loss skips (transformers' ignore_index)
 
 
-def pack_examples(examples: Any, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def pack_examples(
+    examples: Any, seq_len: int, pad_id: int, one_per_row: bool = False
+) -> dict[str, np.ndarray]:
     """Fine-tuning examples (`chat.Example`, each at most `seq_len` tokens) -> rows of `seq_len`:
     `input_ids`, `labels` (the token where it is a target, else IGNORE; an example's first token never
     is, as nothing of its own comes before it) and `position_ids` restarting at 0 at each example,
     so that attention never crosses an example (transformers builds per-example causal masks from
     packed position ids when no attention mask and no cache are passed). In order, greedily: an
     example that does not fit in the row's space left starts the next row; the rest of a row is
-    padding (IGNORE, its own positions). Every token of every example is in exactly one row."""
+    padding (IGNORE, its own positions). Every token of every example is in exactly one row.
+    `one_per_row` (data.packing: false): each example alone in its row."""
     rows: list[tuple[list[int], list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
@@ -67,7 +70,7 @@ def pack_examples(examples: Any, seq_len: int, pad_id: int) -> dict[str, np.ndar
             raise ValueError(f"an example of {n} tokens is longer than seq_len {seq_len}: truncate it first")
         if n == 0:
             continue
-        if len(ids) + n > seq_len:
+        if ids and (one_per_row or len(ids) + n > seq_len):
             close()
             ids, labels, pos = [], [], []
         ids += ex.ids

@@ -58,8 +58,23 @@ def source_key(src: DataSource, key: str) -> dict[str, Any]:
     if src.files is not None:
         files, fmt = resolve_files(src, key)
         stats = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
-        return {"files": stats, "format": fmt, "text_field": src.text_field, "sample_by": src.sample_by}
-    return {"hub": src.hub, "name": src.name, "split": src.split, "text_field": src.text_field}
+        return {"files": stats, "format": fmt, **_fields(src), "sample_by": src.sample_by}
+    return {"hub": src.hub, "name": src.name, "split": src.split, **_fields(src)}
+
+
+def _fields(src: DataSource) -> dict[str, Any]:
+    """The columns a source's kind reads (text: only text_field, so text caches keep their key)."""
+    if src.kind == "text":
+        return {"text_field": src.text_field}
+    return {"kind": src.kind, "columns": columns(src)}
+
+
+def columns(src: DataSource) -> list[str]:
+    return {
+        "text": [src.text_field],
+        "prompt_completion": [src.prompt_field, src.completion_field],
+        "chat": [src.messages_field],
+    }[src.kind]
 
 
 def load_raw(src: DataSource, key: str) -> Any:
@@ -88,11 +103,14 @@ def load_raw(src: DataSource, key: str) -> Any:
             raise UserError(
                 f"{key}.hub: cannot load '{src.hub}' (split {src.split}): {str(e).splitlines()[0]}"
             ) from None
-    if src.text_field not in ds.column_names:
-        raise UserError(
-            f"{key}.text_field: '{src.text_field}' is not a column of the data; its columns are "
-            f"{', '.join(ds.column_names)}"
-        )
+    names = {"text": ["text_field"], "prompt_completion": ["prompt_field", "completion_field"],
+             "chat": ["messages_field"]}[src.kind]  # fmt: skip
+    for name, column in zip(names, columns(src), strict=True):
+        if column not in ds.column_names:
+            raise UserError(
+                f"{key}.{name}: '{column}' is not a column of the data ({key}.kind: {src.kind}); its columns are "
+                f"{', '.join(ds.column_names)}"
+            )
     return ds
 
 

@@ -136,6 +136,11 @@ class TrainStream:
                 f"train.micro_batch_size {micro}); lower the micro batch or add data"
             )
         self.loader = make_loader(data.train, self.sampler, section, device_type)
+        # Fine-tuning rows: targets per row (labels after the first position), for the step's loss.
+        self.targets = (
+            (np.asarray(data.train[:, 1, 1:]) != -100).sum(axis=1) if data.train.ndim == 3 else None
+        )
+        self._orders: dict[int, np.ndarray] = {}
         self.position = Position()
         self._it: Iterator[Any] | None = None
         self.record: list[str] | None = None  # digests of consumed rows, when a test asks for them
@@ -169,6 +174,26 @@ class TrainStream:
     @property
     def steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch()
+
+    def loss_denominator(self, micro_steps: int) -> float | None:
+        """Fine-tuning rows: the target tokens of the next `micro_steps` micro batches of every rank
+        (known here without communication: the order is global), divided by ranks x micro steps.
+        A micro batch's loss is its targets' summed loss over this, so that after DeepSpeed's mean
+        over micro steps and ranks a step's loss and gradients are the mean over every target token
+        of the step, however the global batch is split. None for text (every micro batch has the
+        same number of targets: its mean is that already)."""
+        if self.targets is None:
+            return None
+        gb, n = self.sampler.global_batch, self.sampler.n
+        epoch, sample, total = self.position.epoch, self.position.sample, 0
+        for _ in range(micro_steps):
+            if sample + gb > n:  # as next(): an epoch yields whole global batches only
+                epoch, sample = epoch + 1, 0
+            if epoch not in self._orders:
+                self._orders = {epoch: self.sampler.order(epoch)}
+            total += int(self.targets[self._orders[epoch][sample : sample + gb]].sum())
+            sample += gb
+        return max(total, 1) / (self.sampler.world * micro_steps)
 
 
 def eval_batches(

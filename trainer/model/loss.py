@@ -34,8 +34,12 @@ from trainer.errors import UserError
 IGNORE = -100
 
 
-def _chunks(hidden: Any, weight: Any, targets: Any, rows: int, grads: bool) -> tuple[Any, Any, Any]:
+def _chunks(
+    hidden: Any, weight: Any, targets: Any, rows: int, grads: bool, num_items: float | None = None
+) -> tuple[Any, Any, Any]:
     """(mean loss, d loss / d hidden, d loss / d weight); the gradients are None without `grads`.
+    `num_items`: divide the sum by this instead of the count of targets here (transformers'
+    num_items_in_batch: the targets of the whole step, for a loss normalized across micro batches).
 
     Per chunk, four passes over its logits in eager mode: the matmul writes them, log-softmax
     reads them and writes fp32, exp turns that into the softmax in place, and the cast to the
@@ -44,7 +48,11 @@ def _chunks(hidden: Any, weight: Any, targets: Any, rows: int, grads: bool) -> t
     logits."""
     n = hidden.shape[0]
     valid = targets != IGNORE
-    denom = valid.sum().clamp(min=1).to(torch.float32)
+    denom = (
+        valid.sum().clamp(min=1).to(torch.float32)
+        if num_items is None
+        else torch.tensor(float(num_items), dtype=torch.float32, device=hidden.device)
+    )
     safe = torch.where(valid, targets, 0)[:, None]
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty_like(hidden) if grads else None
@@ -67,8 +75,8 @@ def _chunks(hidden: Any, weight: Any, targets: Any, rows: int, grads: bool) -> t
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, rows: int) -> Any:
-        loss, grad_h, grad_w = _chunks(hidden, weight, targets, rows, grads=True)
+    def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, rows: int, num_items: float | None) -> Any:
+        loss, grad_h, grad_w = _chunks(hidden, weight, targets, rows, grads=True, num_items=num_items)
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return loss
@@ -76,18 +84,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Any) -> tuple[Any, ...]:
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype), (grad_w * grad_out).to(ctx.weight_dtype), None, None)
+        return (
+            grad_h * grad_out.to(grad_h.dtype),
+            (grad_w * grad_out).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def linear_cross_entropy(hidden: Any, weight: Any, labels: Any, rows: int | None = None) -> Any:
+def linear_cross_entropy(
+    hidden: Any, weight: Any, labels: Any, rows: int | None = None, num_items: float | None = None
+) -> Any:
     """Mean cross-entropy of `hidden @ weight.T` against `labels` shifted left by one (transformers'
-    causal LM loss), in chunks of `rows` tokens. hidden: (batch, seq, d); labels: (batch, seq)."""
+    causal LM loss), in chunks of `rows` tokens. hidden: (batch, seq, d); labels: (batch, seq);
+    `num_items`: the sum divided by this instead of the number of targets."""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = rows or loss_chunk_rows(weight.shape[0])
     if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(flat, weight, targets, rows)
-    return _chunks(flat, weight, targets, rows, grads=False)[0]
+        return _LinearCrossEntropy.apply(flat, weight, targets, rows, num_items)
+    return _chunks(flat, weight, targets, rows, grads=False, num_items=num_items)[0]
 
 
 def attach(model: Any, zero3: bool = False) -> Any:
@@ -114,8 +131,9 @@ def attach(model: Any, zero3: bool = False) -> Any:
     def forward(input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
         if labels is None:
             return original(input_ids=input_ids, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
         hidden = base(input_ids=input_ids, **kwargs)[0]
-        return CausalLMOutput(loss=linear_cross_entropy(hidden, head.weight, labels, rows))
+        return CausalLMOutput(loss=linear_cross_entropy(hidden, head.weight, labels, rows, num_items))
 
     model.forward = forward
     model.chunked_loss_rows = rows
