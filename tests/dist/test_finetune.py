@@ -58,3 +58,56 @@ def test_the_step_loss_does_not_depend_on_how_the_batch_is_split(tmp_path):
     for step, value in chunked["micro4"].items():
         assert chunked["accum4"][step] == pytest.approx(value, rel=1e-6), step
         assert value == pytest.approx(ref[step], rel=1e-5), step  # the chunked loss is the same loss
+
+
+def test_chat_fine_tuning_learns_the_answers_and_to_stop(tmp_path):
+    """One rank, tiny's model on the chat additions: the banner counts the examples and shows one
+    with its targets marked, the eval loss (answer tokens only) falls, and at the end the greedy
+    completions of the eval prompts, rendered as user turns, end with the end-of-turn token."""
+    data = chat_data(tmp_path / "chat.jsonl")
+    sets = {**sft_sets(data, **{"model.config.n_layer": 4}), "train.max_steps": 200, "train.log_every": 50,
+            "train.eval_every": 100, "data.eval_fraction": 0.05, "train.eval_batches": 4,
+            "train.eval_prompts": ["12+30?", "What is 7 plus 5?"]}  # fmt: skip
+    r = train(tmp_path, sets, debug=False)
+    assert "fine-tuning data (chat): 400 of 400 examples in 400 sequences (0 truncated" in r.output
+    assert "target tokens 7,614 = 27.2% of 28,027" in r.output, r.output[-3000:]
+    assert (
+        "example (targets in [[ ]]): <|user|>\\nWhat is 24 plus 48?\\n<|assistant|>\\n"
+        "[[24 plus 48 is 72, as 48 plus 24 is.<|endoftext|>]]\\n" in r.output
+    )
+    evals, first = r.eval_losses, r.losses[50]
+    assert evals[200] < evals[100] < 0.5 * first, (first, evals)
+    samples = [m for m in r.metrics if "samples" in m][-1]["samples"]
+    assert samples[0]["prompt"] == "<|user|>\n12+30?\n<|assistant|>\n" and any(s["ended"] for s in samples), samples
+
+
+def test_prompt_completion_data_and_truncation_are_counted(tmp_path):
+    """prompt_completion rows: the loss on the completions; rows longer than seq_len truncated (or
+    dropped with data.truncation: drop), and a row whose answer does not fit is dropped, counted."""
+    import json
+
+    rows = [{"prompt": f"Q{i}: " + "x" * (10 if i % 10 else 60), "completion": " yes" * (1 + i % 3)} for i in range(100)]
+    path = tmp_path / "pc.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    sets = sft_sets(path, **{"data.train.kind": "prompt_completion", "data.seq_len": 64, "train.max_steps": 2})
+    r = train(tmp_path / "right", sets, debug=False)
+    # 10 rows have a 64-character prompt: cut at 64 tokens, nothing of their answer is left
+    assert "fine-tuning data (prompt_completion): 90 of 100 examples" in r.output, r.output[-3000:]
+    assert "(0 truncated, 0 too long dropped, 10 with no target left dropped)" not in r.output
+    assert "(10 truncated, 0 too long dropped, 10 with no target left dropped)" in r.output
+    d = train(tmp_path / "drop", {**sets, "data.truncation": "drop"}, debug=False)
+    assert "(0 truncated, 10 too long dropped, 0 with no target left dropped)" in d.output
+
+
+def test_packed_chat_resumes_bit_for_bit_mid_epoch_on_two_ranks(tmp_path):
+    """2 ranks (deepspeed launcher), ZeRO-2: run A to step 12 with a checkpoint at 6; run B resumes
+    from it (mid-epoch) and logs A's losses bit for bit."""
+    data = chat_data(tmp_path / "chat.jsonl")
+    sets = sft_sets(data, **{"strategy.zero_stage": 2, "train.max_steps": 12, "checkpoint.every_steps": 6,
+                             "checkpoint.keep_last": 0, "train.micro_batch_size": 2, "train.grad_accum": 2})  # fmt: skip
+    a = train(tmp_path / "a", sets, launcher="deepspeed")
+    ckpt = tmp_path / "a" / "run" / "checkpoints" / "step_00000006"
+    b = train(tmp_path / "b", sets, launcher="deepspeed", extra_args=["--resume", str(ckpt)])
+    assert f"resumed from {ckpt} at step 6" in b.output
+    assert {s: v for s, v in b.losses.items() if s > 6} == {s: v for s, v in a.losses.items() if s > 6}
+    assert b.rank_reports()[0]["param_digest"] == a.rank_reports()[0]["param_digest"]

@@ -133,7 +133,36 @@ CASES = {
         lambda t: tiny(t, "data.train.text_field=body"),
         ["data.train.text_field", "'body' is not a column", "topic, text"],
     ),
+    "chat data without its column": (
+        lambda t: tiny(t, "data.train.kind=chat"),
+        [
+            "data.train.messages_field",
+            "'messages' is not a column of the data (data.train.kind: chat)",
+            "topic, text",
+        ],
+    ),
+    "packing on an unverified model type": (
+        lambda t: tiny(
+            t,
+            f"data.train.files={_chat(t)}",
+            "data.train.kind=chat",
+            "model.config.model_type=opt",
+            "model.config.hidden_size=32",
+            "model.config.num_hidden_layers=1",
+            "model.config.ffn_dim=64",
+            "model.config.num_attention_heads=2",
+            "model.config.word_embed_proj_dim=32",
+            "model.config.max_position_embeddings=256",
+        ),  # fmt: skip
+        ["data.packing", "not for model type 'opt'", "set data.packing: false"],
+    ),
 }
+
+
+def _chat(t):
+    from helpers import chat_data
+
+    return chat_data(t / "chat.jsonl", rows=40)
 
 
 def _empty(t):
