@@ -207,12 +207,7 @@ def _build_cache(
             )
     elif section.eval_fraction > 0:
         # Hold out the tail: packing keeps document order, so these are the last documents.
-        n_eval = max(1, math.ceil(len(train) * section.eval_fraction))
-        if n_eval >= len(train):
-            raise UserError(
-                f"data.eval_fraction: {len(train)} sequences are too few to hold out {section.eval_fraction:.0%}; "
-                "set eval_fraction: 0 or add data"
-            )
+        n_eval = _held_out(len(train), section.eval_fraction)
         eval_ = train.select(range(len(train) - n_eval, len(train)))
         train = train.select(range(len(train) - n_eval))
     else:
@@ -223,6 +218,16 @@ def _build_cache(
         (lambda d: _save_blocks(eval_, d / "eval.npy", section.seq_len)) if eval_ is not None else None,
         {**key, "train_sequences": len(train), "eval_sequences": len(eval_) if eval_ is not None else 0},
     )
+
+
+def _held_out(n: int, fraction: float) -> int:
+    """How many of `n` sequences data.eval_fraction holds out (at least one, never all)."""
+    n_eval = max(1, math.ceil(n * fraction))
+    if n_eval >= n:
+        raise UserError(
+            f"data.eval_fraction: {n} sequences are too few to hold out {fraction:.0%}; set eval_fraction: 0 or add data"
+        )
+    return n_eval
 
 
 def _publish(final: Path, write_train: Any, write_eval: Any, meta: dict[str, Any]) -> None:
@@ -252,12 +257,7 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
     if section.eval is not None:
         eval_, _ = build_rows(load_raw(section.eval, "data.eval"), tok, section, section.eval, "data.eval")
     elif section.eval_fraction > 0:
-        n_eval = max(1, math.ceil(len(train) * section.eval_fraction))
-        if n_eval >= len(train):
-            raise UserError(
-                f"data.eval_fraction: {len(train)} sequences are too few to hold out {section.eval_fraction:.0%}; "
-                "set eval_fraction: 0 or add data"
-            )
+        n_eval = _held_out(len(train), section.eval_fraction)
         train, eval_ = train[:-n_eval], train[-n_eval:]
     _publish(
         final,
