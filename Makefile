@@ -12,7 +12,7 @@ PYTHON ?= python3
 # bytecode compiled (imports would otherwise compile at every start) and a constraint that keeps
 # the torch installed first; plain pip where uv cannot be installed.
 
-.PHONY: setup ops tiny test test-fast lint format reference clean
+.PHONY: setup ops tiny tiny-sft test test-fast lint format reference clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ ops: setup                                   ## compile DeepSpeed's CPU Adam (of
 
 tiny: setup                                  ## train the embedded default experiment
 	$(PY) bin/train configs/experiments/tiny.yaml
+
+tiny-sft: setup                              ## fine-tune tiny's model to answer questions (trains tiny first if needed)
+	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml
+	$(PY) bin/export runs/tiny runs/tiny/export
+	$(PY) bin/train configs/experiments/tiny-sft.yaml --set checkpoint.resume=auto
 
 # pytest-xdist workers (default 3 on this 2-core machine: 12m58s against 18m00s with 2): the
 # launchers' start-up, the waits of the fail-fast tests (watchdog, kill detection, restart backoff)

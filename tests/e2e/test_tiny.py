@@ -193,3 +193,22 @@ def test_describe_config_lists_every_key():
 def test_local_rank_argument_is_accepted():
     p = run_cli(TINY, "--local_rank=0", "--print-config")
     assert p.returncode == 0, p.stderr
+
+
+def test_tiny_sft_fine_tunes_the_exported_model_to_answer_and_stop(tiny, tmp_path):
+    """`make tiny-sft`'s steps on the tiny run above: bin/export, then configs/experiments/tiny-sft.yaml
+    from the exported model (model.pretrained) on data/tiny/python_qa.jsonl: the banner counts the
+    conversations, the answer-token loss falls, and the eval prompts' completions end with the
+    end-of-turn token."""
+    export = tmp_path / "export"
+    p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(tiny.run_dir), str(export)],
+                       cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = train(tmp_path, {"model.pretrained": str(export)}, experiment=ROOT / "configs" / "experiments" / "tiny-sft.yaml",
+              launcher="none", debug=False)  # fmt: skip
+    assert "fine-tuning data (chat): 331 of 331 examples in 149 sequences" in r.output, r.output[-3000:]
+    assert '[[The "assert" statement<|endoftext|>]]' in r.output
+    losses = [m["loss"] for m in r.metrics if "loss" in m]
+    assert losses[-1] < 0.8 * losses[0], losses
+    final = [m for m in r.metrics if "samples" in m][-1]
+    assert final["step"] == 300 and all(s["ended"] for s in final["samples"]), final["samples"]
