@@ -156,6 +156,8 @@ def build(
     stream, evaluator = data_for_rank(exp, runtime, data, one_off)
     state = TrainState()
     mets = make_metrics(exp, runtime, planned, engine, hosts, max_steps or exp.train.max_steps)
+    if data.mixture:
+        mets.extra = lambda: {"tokens_by_source": stream.tokens_by_source()}
     faults = Faults(env.rank, dist.attempt())
     control = Control(
         rank=env.rank,
@@ -252,7 +254,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
 def eval_prompts(exp: Experiment, data: Any) -> list[str]:
     """train.eval_prompts as the model sees them: for chat data, each a user turn rendered with the
     chat template and its generation prompt."""
-    if exp.data.train.kind != "chat":
+    if exp.data.kind != "chat":
         return list(exp.train.eval_prompts)
     from trainer.data.examples import chat_template
 
@@ -386,6 +388,11 @@ def announce(run: Run) -> None:
         f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}; "
         f"{_save_mode(run)}); {start}",
     ]
+    if data.mixture:
+        parts = [
+            f"{m['source']} (weight {m['weight']:g}, {m['sequences']:,} sequences)" for m in data.mixture
+        ]
+        lines.insert(-1, "mixture: " + "; ".join(parts) + "; each epoch takes every source's share by weight")
     if data.finetune:
         from trainer.data.examples import describe
 

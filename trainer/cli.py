@@ -333,7 +333,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     from trainer.data import resolve_files
 
     # Cheap checks before any process group: data files exist.
-    for key, src in (("data.train", exp.data.train), ("data.eval", exp.data.eval)):
+    for key, src in [*exp.data.sources, ("data.eval", exp.data.eval)]:
         if src is not None and src.files is not None:
             resolve_files(src, key)
 

@@ -99,15 +99,30 @@ def test_prompt_completion_data_and_truncation_are_counted(tmp_path):
     assert "(0 truncated, 10 too long dropped, 0 with no target left dropped)" in d.output
 
 
-def test_packed_chat_resumes_bit_for_bit_mid_epoch_on_two_ranks(tmp_path):
-    """2 ranks (deepspeed launcher), ZeRO-2: run A to step 12 with a checkpoint at 6; run B resumes
-    from it (mid-epoch) and logs A's losses bit for bit."""
-    data = chat_data(tmp_path / "chat.jsonl")
-    sets = sft_sets(data, **{"strategy.zero_stage": 2, "train.max_steps": 12, "checkpoint.every_steps": 6,
-                             "checkpoint.keep_last": 0, "train.micro_batch_size": 2, "train.grad_accum": 2})  # fmt: skip
+@pytest.mark.parametrize("stage, precision", [(2, "fp32"), (3, "bf16")])
+def test_a_packed_chat_mixture_resumes_bit_for_bit_mid_epoch_on_two_ranks(tmp_path, stage, precision):
+    """2 ranks (deepspeed launcher), a two-source chat mixture (weights 3:1), packed: run A to step 12
+    with a checkpoint at 6; run B resumes from it (mid-epoch) and logs A's losses bit for bit, ends
+    with A's weights and reports the same tokens per source; the sources' shares follow the weights."""
+    import json
+
+    first = chat_data(tmp_path / "a.jsonl", rows=160)
+    second = tmp_path / "b.jsonl"  # the second source: the same conversations with other numbers
+    second.write_text(first.read_text().replace("plus", "and"))
+    mixture = json.dumps([{"files": str(first), "kind": "chat", "weight": 3}, {"files": str(second), "kind": "chat"}])
+    sets = sft_sets(first, **{"data.train": mixture, "strategy.zero_stage": stage, "train.precision": precision,
+                              "train.max_steps": 12, "checkpoint.every_steps": 6, "checkpoint.keep_last": 0,
+                              "train.micro_batch_size": 2, "train.grad_accum": 2})  # fmt: skip
+    sets.pop("data.train.files"), sets.pop("data.train.kind")
     a = train(tmp_path / "a", sets, launcher="deepspeed")
+    assert "mixture: data.train[0]" in a.output and "(weight 3, " in a.output, a.output[-3000:]
     ckpt = tmp_path / "a" / "run" / "checkpoints" / "step_00000006"
     b = train(tmp_path / "b", sets, launcher="deepspeed", extra_args=["--resume", str(ckpt)])
     assert f"resumed from {ckpt} at step 6" in b.output
     assert {s: v for s, v in b.losses.items() if s > 6} == {s: v for s, v in a.losses.items() if s > 6}
     assert b.rank_reports()[0]["param_digest"] == a.rank_reports()[0]["param_digest"]
+    last_a = [m for m in a.metrics if "tokens_by_source" in m][-1]["tokens_by_source"]
+    last_b = [m for m in b.metrics if "tokens_by_source" in m][-1]["tokens_by_source"]
+    assert last_a == last_b and sum(last_a.values()) == 12 * 8 * 128, last_a
+    share = list(last_a.values())[0] / sum(last_a.values())
+    assert abs(share - 0.75) < 0.1, last_a  # 96 sequences drawn: the weight's 75% up to sampling

@@ -194,6 +194,9 @@ class Writer:
         while not self._done.wait(poll_s):
             if heartbeat is not None:
                 heartbeat()
+        # The thread itself ends too: a daemon thread still alive when the interpreter finalizes is
+        # stopped where it stands (inside torch's C++ that can abort the process).
+        self._thread.join()
 
     def describe_error(self) -> str:
         e = self.error

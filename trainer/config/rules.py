@@ -78,7 +78,13 @@ def _model_source(exp: Experiment) -> list[tuple[str, str]]:
 @contradiction
 def _data_sources(exp: Experiment) -> list[tuple[str, str]]:
     out = []
-    for key, src in (("data.train", exp.data.train), ("data.eval", exp.data.eval)):
+    if exp.data.mixture and not exp.data.train:
+        out.append(("data.train", "the list of sources is empty; give one source or several"))
+        return out
+    if exp.data.mixture and len({s.kind for _, s in exp.data.sources}) > 1:
+        kinds = ", ".join(f"{k}: {s.kind}" for k, s in exp.data.sources)
+        out.append(("data.train", f"a mixture's sources must hold the same kind of rows ({kinds})"))
+    for key, src in [*exp.data.sources, ("data.eval", exp.data.eval)]:
         if src is None:
             continue
         n = (src.files is not None) + (src.hub is not None)

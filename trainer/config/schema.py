@@ -119,6 +119,11 @@ class DataSource(Section):
     prompt_field: str = Field("prompt", description="kind prompt_completion: the prompt's column")
     completion_field: str = Field("completion", description="kind prompt_completion: the completion's column")
     messages_field: str = Field("messages", description="kind chat: the column of {role, content} lists")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="when data.train lists several sources: this one's share of each epoch (relative)",
+    )
     sample_by: choice("document", "paragraph", "line") = Field(
         "document", description="for text files: one sample per file, paragraph or line"
     )
@@ -127,7 +132,9 @@ class DataSource(Section):
 class DataSection(Section):
     """Tokenized, packed, per-rank data."""
 
-    train: DataSource = Field(description="training data")
+    train: DataSource | list[DataSource] = Field(
+        description="training data: one source, or a list of sources mixed by their weights"
+    )
     eval: DataSource | None = Field(None, description="held-out data; default: `eval_fraction` of train")
     eval_fraction: float = Field(
         0.01, ge=0.0, lt=0.5, description="share of training documents held out for eval (0 = none)"
@@ -159,6 +166,23 @@ class DataSection(Section):
         description="fine-tuning kinds: several examples per sequence, each attending only to itself "
         "(position ids restart); false = one example per sequence, padded",
     )
+
+    @property
+    def sources(self) -> list[tuple[str, DataSource]]:
+        """The training sources with the key each is reported under."""
+        if isinstance(self.train, DataSource):
+            return [("data.train", self.train)]
+        return [(f"data.train[{i}]", s) for i, s in enumerate(self.train)]
+
+    @property
+    def kind(self) -> str:
+        """text, or a fine-tuning kind (every source of a mixture has the same: a rule checks it)."""
+        return self.sources[0][1].kind
+
+    @property
+    def mixture(self) -> bool:
+        return not isinstance(self.train, DataSource)
+
     truncation: choice("right", "drop") = Field(
         "right",
         description="fine-tuning kinds, an example longer than seq_len: right = keep its start (the prompt's "

@@ -47,6 +47,9 @@ class Data:
     # (path, size, mtime) and the tokenizer. Saved with every checkpoint, compared on resume.
     fingerprint: dict[str, Any] = field(default_factory=dict)
     finetune: dict[str, Any] | None = None  # fine-tuning kinds: what was kept, truncated, dropped
+    mixture: list[dict[str, Any]] | None = (
+        None  # several sources: each one's name, weight, sequences (in order)
+    )
 
     @property
     def supervised(self) -> bool:
@@ -77,14 +80,18 @@ def build(
         raise UserError(f"data.tokenizer '{section.tokenizer}' has no EOS token; set data.append_eos: false")
     key = {
         "version": CACHE_VERSION,
-        "train": source_key(section.train, "data.train"),
+        "train": (
+            [{**source_key(s, k), "weight": s.weight} for k, s in section.sources]
+            if section.mixture
+            else source_key(section.train, "data.train")
+        ),
         "eval": source_key(section.eval, "data.eval") if section.eval is not None else None,
         "eval_fraction": section.eval_fraction if section.eval is None else 0.0,
         "tokenizer": tokenizer_id(tok, section.tokenizer),
         "seq_len": section.seq_len,
         "append_eos": section.append_eos,
     }
-    if section.train.kind != "text":  # (text keeps its key: existing caches stay valid)
+    if section.kind != "text":  # (text keeps its key: existing caches stay valid)
         from trainer.data.examples import chat_template
 
         template = chat_template(section, tok)
@@ -125,6 +132,7 @@ def build(
         built=built,
         fingerprint=fingerprint,
         finetune=meta.get("finetune"),
+        mixture=meta.get("mixture"),
     )
 
 
@@ -184,12 +192,15 @@ def _build_cache(
     if quiet:
         datasets.disable_progress_bars()
     num_proc = num_proc or section.num_proc or min(8, cpu_cores())
+    if section.mixture:
+        _build_mixture_cache(section, tok, key, final, num_proc)
+        return
     raw = load_raw(section.train, "data.train")
     if len(raw) == 0:
         raise UserError(
             f"data.train: the dataset is empty (0 rows in {_where(section.train)}); point it at data"
         )
-    if section.train.kind != "text":
+    if section.kind != "text":
         _build_finetune_cache(section, tok, key, final, raw)
         return
     train, tokens = _tokenize_and_pack(raw, tok, section, section.train.text_field, num_proc)
@@ -246,6 +257,61 @@ def _publish(final: Path, write_train: Any, write_eval: Any, meta: dict[str, Any
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _source_rows(src: Any, key: str, tok: Any, section: DataSection, num_proc: int) -> tuple[np.ndarray, Any]:
+    """One source of a mixture -> its rows in memory (and, fine-tuning, its statistics)."""
+    raw = load_raw(src, key)
+    if len(raw) == 0:
+        raise UserError(f"{key}: the dataset is empty (0 rows in {_where(src)}); point it at data")
+    if src.kind != "text":
+        from trainer.data.examples import build_rows
+
+        return build_rows(raw, tok, section, src, key)
+    packed, tokens = _tokenize_and_pack(raw, tok, section, src.text_field, num_proc)
+    if len(packed) == 0:
+        raise UserError(
+            f"{key}: {tokens} tokens make no full sequence of data.seq_len {section.seq_len}; add data"
+        )
+    return np.asarray(packed.with_format("numpy")["input_ids"], dtype=np.int32).reshape(
+        -1, section.seq_len
+    ), None
+
+
+def _build_mixture_cache(
+    section: DataSection, tok: Any, key: dict[str, Any], final: Path, num_proc: int
+) -> None:
+    """Several sources: each tokenized (and for fine-tuning packed) on its own, its tail held out for
+    eval, then concatenated in order; the stream mixes them by weight (stream.RankSampler). Built in
+    memory, source by source."""
+    train, evals, mixture, stats = [], [], [], []
+    for k, src in section.sources:
+        rows, st = _source_rows(src, k, tok, section, num_proc)
+        if section.eval is None and section.eval_fraction > 0:
+            n_eval = _held_out(len(rows), section.eval_fraction)
+            rows, held = rows[:-n_eval], rows[-n_eval:]
+            evals.append(held)
+        train.append(rows)
+        mixture.append({"source": f"{k} {_where(src)}", "weight": src.weight, "sequences": len(rows)})
+        if st is not None:
+            stats.append(st)
+    if section.eval is not None:
+        evals = [_source_rows(section.eval, "data.eval", tok, section, num_proc)[0]]
+    all_train = np.concatenate(train)
+    all_eval = np.concatenate(evals) if evals else None
+    meta = {**key, "train_sequences": len(all_train), "eval_sequences": len(all_eval) if all_eval is not None else 0,
+            "mixture": mixture}  # fmt: skip
+    if stats:
+        sums = {f: sum(s[f] for s in stats) for f in ("examples", "kept", "truncated", "dropped_too_long",
+                                                         "dropped_no_target", "tokens", "target_tokens", "rows")}  # fmt: skip
+        meta["finetune"] = {**sums, "kind": stats[0]["kind"], "example": stats[0]["example"],
+                            "padding_share": 1 - sums["tokens"] / (sums["rows"] * section.seq_len)}  # fmt: skip
+    _publish(
+        final,
+        lambda d: np.save(d / "train.npy", all_train),
+        (lambda d: np.save(d / "eval.npy", all_eval)) if all_eval is not None else None,
+        meta,
+    )
 
 
 def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], final: Path, raw: Any) -> None:

@@ -20,7 +20,7 @@ from trainer.errors import UserError
 
 def chat_template(section: DataSection, tok: Any) -> str | None:
     """The template chat data renders with (None for other kinds)."""
-    if section.train.kind != "chat" and (section.eval is None or section.eval.kind != "chat"):
+    if section.kind != "chat" and (section.eval is None or section.eval.kind != "chat"):
         return None
     text = None
     if section.chat_template:

@@ -24,7 +24,16 @@ class RankSampler:
     the next world*micro samples of it and rank r takes its micro-slice. Incomplete global batches
     at the end of an epoch are dropped, so every rank takes the same number of steps."""
 
-    def __init__(self, n: int, rank: int, world: int, micro: int, seed: int, shuffle: bool) -> None:
+    def __init__(
+        self,
+        n: int,
+        rank: int,
+        world: int,
+        micro: int,
+        seed: int,
+        shuffle: bool,
+        mixture: tuple[list[int], list[float]] | None = None,
+    ) -> None:
         self.n, self.rank, self.world, self.micro, self.seed, self.shuffle = (
             n,
             rank,
@@ -33,6 +42,7 @@ class RankSampler:
             seed,
             shuffle,
         )
+        self.mixture = mixture  # (sequences per source, in the data's order; weights)
         self.epoch = 0
         self.start = 0
 
@@ -40,6 +50,8 @@ class RankSampler:
         self.epoch, self.start = epoch, start
 
     def order(self, epoch: int) -> np.ndarray:
+        if self.mixture is not None:
+            return mixture_order(*self.mixture, self.seed, epoch, self.shuffle)
         if not self.shuffle:
             return np.arange(self.n)
         return np.random.default_rng([self.seed, epoch]).permutation(self.n)
@@ -59,6 +71,31 @@ class RankSampler:
 
     def __len__(self) -> int:
         return ((self.n - self.start) // self.global_batch) * self.micro
+
+
+def shares(total: int, weights: list[float]) -> np.ndarray:
+    """`total` split by `weights` into integers (largest remainder): each source's sequences in an epoch."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = total * w / w.sum()
+    counts = np.floor(exact).astype(np.int64)
+    rest = total - int(counts.sum())
+    counts[np.argsort(-(exact - counts), kind="stable")[:rest]] += 1
+    return counts
+
+
+def mixture_order(sizes: list[int], weights: list[float], seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """An epoch of a mixture: as many sequences as all sources hold, each source's share by its
+    weight (a source with fewer sequences than its share repeats them, each permutation whole
+    before the next; one with more gives a different subset each epoch), seeded by (seed, epoch)."""
+    rng = np.random.default_rng([seed, epoch, 1])
+    offsets = np.cumsum([0, *sizes[:-1]])
+    parts = []
+    for size, count, offset in zip(sizes, shares(sum(sizes), weights), offsets, strict=True):
+        reps = -(-int(count) // size)
+        perms = [rng.permutation(size) if shuffle else np.arange(size) for _ in range(reps)]
+        parts.append(np.concatenate(perms)[:count] + offset)
+    out = np.concatenate(parts)
+    return out[rng.permutation(len(out))] if shuffle else out
 
 
 class _Rows:
@@ -129,7 +166,13 @@ class TrainStream:
         seed: int,
         device_type: str,
     ) -> None:
-        self.sampler = RankSampler(len(data.train), rank, world, micro, seed, section.shuffle)
+        mix = data.mixture
+        self.sampler = RankSampler(
+            len(data.train), rank, world, micro, seed, section.shuffle,
+            mixture=([m["sequences"] for m in mix], [m["weight"] for m in mix]) if mix else None,
+        )  # fmt: skip
+        self.sources = [m["source"] for m in mix] if mix else None
+        self.seq_len = data.seq_len
         if self.sampler.steps_per_epoch() == 0:
             raise UserError(
                 f"data.train: {len(data.train)} sequences are fewer than one global micro batch ({world} ranks x "
@@ -174,6 +217,21 @@ class TrainStream:
     @property
     def steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch()
+
+    def tokens_by_source(self) -> dict[str, int] | None:
+        """A mixture: tokens (sequences x seq_len) of each source trained so far, all ranks (from the
+        position: every epoch takes each source's share; the current one is counted up to here)."""
+        if self.sources is None:
+            return None
+        sizes, weights = self.sampler.mixture
+        ends = np.cumsum(sizes)
+        epoch, sample = self.position.epoch, self.position.sample
+        counts = epoch * shares(self.sampler.n, weights)
+        if epoch not in self._orders:
+            self._orders = {epoch: self.sampler.order(epoch)}
+        seen = np.searchsorted(ends, self._orders[epoch][:sample], side="right")
+        counts = counts + np.bincount(seen, minlength=len(sizes))
+        return {name: int(c) * self.seq_len for name, c in zip(self.sources, counts, strict=True)}
 
     def loss_denominator(self, micro_steps: int) -> float | None:
         """Fine-tuning rows: the target tokens of the next `micro_steps` micro batches of every rank

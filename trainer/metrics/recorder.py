@@ -75,6 +75,7 @@ class Metrics:
         # metrics.jsonl and wandb hold the whole history.
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.tokens = 0  # tokens trained so far (all ranks, resumed attempts included)
+        self.extra: Any = None  # a callable adding fields to each training record (tokens per source)
         self.last_loss: float | None = None
         self.first_loss: float | None = None
         self._t_start = time.perf_counter()
@@ -155,6 +156,8 @@ class Metrics:
             "rank_busy_s": busy,
             "rank_tokens_per_s": [self.tokens_per_step / self.world_size / max(b, 1e-9) for b in busy],
         }
+        if self.extra is not None:
+            rec.update(self.extra())
         slow = stragglers(busy, self.hosts, self.straggler_margin)
         if slow:
             rec["stragglers"] = slow
