@@ -99,7 +99,8 @@ def test_prompt_completion_data_and_truncation_are_counted(tmp_path):
     assert "(0 truncated, 10 too long dropped, 0 with no target left dropped)" in d.output
 
 
-@pytest.mark.parametrize("stage, precision", [(2, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_packed_chat_mixture_resumes_bit_for_bit_mid_epoch_on_two_ranks(tmp_path, stage, precision):
     """2 ranks (deepspeed launcher), a two-source chat mixture (weights 3:1), packed: run A to step 12
     with a checkpoint at 6; run B resumes from it (mid-epoch) and logs A's losses bit for bit, ends
@@ -112,9 +113,10 @@ def test_a_packed_chat_mixture_resumes_bit_for_bit_mid_epoch_on_two_ranks(tmp_pa
     mixture = json.dumps([{"files": str(first), "kind": "chat", "weight": 3}, {"files": str(second), "kind": "chat"}])
     sets = sft_sets(first, **{"data.train": mixture, "strategy.zero_stage": stage, "train.precision": precision,
                               "train.max_steps": 12, "checkpoint.every_steps": 6, "checkpoint.keep_last": 0,
-                              "train.micro_batch_size": 2, "train.grad_accum": 2})  # fmt: skip
+                              "train.micro_batch_size": 2, "train.grad_accum": 2, "optim.warmup_steps": 2})  # fmt: skip
     sets.pop("data.train.files"), sets.pop("data.train.kind")
     a = train(tmp_path / "a", sets, launcher="deepspeed")
+    assert max(a.losses[s] for s in (11, 12)) < min(a.losses[s] for s in (1, 2)), a.losses  # it trains
     assert "mixture: data.train[0]" in a.output and "(weight 3, " in a.output, a.output[-3000:]
     ckpt = tmp_path / "a" / "run" / "checkpoints" / "step_00000006"
     b = train(tmp_path / "b", sets, launcher="deepspeed", extra_args=["--resume", str(ckpt)])

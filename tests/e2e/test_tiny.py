@@ -144,7 +144,8 @@ def test_profile_writes_a_chrome_trace_and_the_top_operators(tmp_path):
     assert "top operators by self time" in r.output and "Self CPU time total" in r.output
     by_kind = re.search(r"profile: CPU operator time by kind: (.*)", r.output).group(1)
     shares = dict(re.findall(r"([a-z][a-z ]*) (\d+)%", by_kind))
-    assert {"matmul", "elementwise and reductions", "optimizer"} <= set(shares)
+    # (the optimizer is about 1% of tiny's operator time: under CI load it falls below the 0.5% shown)
+    assert {"matmul", "elementwise and reductions"} <= set(shares), by_kind
     assert 97 <= sum(map(int, shares.values())) <= 103 and int(shares["matmul"]) >= 10
     assert "8/8 [" in r.output and "step/s" in r.output  # the progress bar (forced on: not a terminal)
     assert not (tmp_path / "run" / "profile" / "checkpoints").exists()

@@ -74,10 +74,13 @@ class Checkpointer:
             self._settle(agreed.written, agreed.write_failed, agreed.write_s)
         if not (final or force):
             return self._offer(state, force=False, final=False, time_due=time_due)
-        try:  # the job ends after this: every write and deletion finished
-            return self._offer(state, force=force, final=final, time_due=time_due)
-        finally:
-            self.store.wait_deletes()
+        # The job ends after this: every write and deletion finished, and every rank leaves together
+        # (as after a synchronous save), not one still committing while the others tear down the
+        # process group.
+        due = self._offer(state, force=force, final=final, time_due=time_due)
+        self.store.wait_deletes()
+        self.store.barrier()
+        return due
 
     def _offer(self, state: Any, *, force: bool, final: bool, time_due: bool) -> bool:
         if state.step == self.last_saved_step:
