@@ -256,18 +256,12 @@ def eval_prompts(exp: Experiment, data: Any) -> list[str]:
     chat template and its generation prompt."""
     if exp.data.kind != "chat":
         return list(exp.train.eval_prompts)
+    from trainer.data.chat import render_text
     from trainer.data.examples import chat_template
 
     template = chat_template(exp.data, data.tokenizer)
-    return [
-        data.tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}],
-            chat_template=template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for p in exp.train.eval_prompts
-    ]
+    user = [[{"role": "user", "content": p}] for p in exp.train.eval_prompts]
+    return [render_text(data.tokenizer, template, turn, generation_prompt=True) for turn in user]
 
 
 def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tuple[Any, Any]:

@@ -143,15 +143,10 @@ class Control:
         (`finite`: the flag from `finite()`, read here once). One tiny all-gather per step on a CPU
         group, after the step's backward and before its optimizer update."""
         bad = 0 if finite is None else int(not bool(finite))
-        cols = 5
-        flags = [[int(self._signalled is not None), int(time_due), bad, int(write[0]), int(write[1] * 1000)]]
-        if self._group is not None:
-            import torch
-            import torch.distributed as dist
+        from trainer.dist import gather_ints
 
-            t = torch.zeros(self.world_size * cols, dtype=torch.int32)
-            dist.all_gather_into_tensor(t, torch.tensor(flags[0], dtype=torch.int32), group=self._group)
-            flags = t.view(self.world_size, cols).tolist()
+        mine = [int(self._signalled is not None), int(time_due), bad, int(write[0]), int(write[1] * 1000)]
+        flags = gather_ints(mine, self.world_size, self._group)
         nonfinite = [r for r, f in enumerate(flags) if f[2]]
         if nonfinite:
             raise NonFiniteLoss(

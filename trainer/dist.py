@@ -358,6 +358,20 @@ def import_muon_lazily() -> None:
         compiler.compile = eager_compile
 
 
+def gather_ints(values: list[int], world_size: int, group: Any = None) -> list[list[int]]:
+    """Every rank's few `values`, on every rank, in one all-gather on `group` (a CPU gloo group:
+    never a GPU sync); `[values]` without one."""
+    if group is None:
+        return [list(values)]
+    import torch
+    import torch.distributed as tdist
+
+    n = len(values)
+    out = torch.zeros(world_size * n, dtype=torch.int64)
+    tdist.all_gather_into_tensor(out, torch.tensor(values, dtype=torch.int64), group=group)
+    return out.view(world_size, n).tolist()
+
+
 def seed_all(seed: int) -> None:
     """Same seed everywhere: python, numpy, torch (CPU and every GPU)."""
     import numpy as np

@@ -54,7 +54,9 @@ class Engine:
         within it); `num_items`: divide the targets' summed loss by this (the step's targets over
         every rank and micro batch, divided by ranks x accumulation, since DeepSpeed averages over
         both) instead of this micro batch's target count."""
-        batch = batch.to(self.device, non_blocking=True)
+        return self._loss(batch.to(self.device, non_blocking=True), num_items)
+
+    def _loss(self, batch: Any, num_items: float | None) -> Any:
         if batch.dim() == 2:
             return loss_of(self.ds(input_ids=batch, labels=batch))
         return loss_of(
@@ -84,21 +86,17 @@ class Engine:
         loss of its targets (`eval_weight` is their count)."""
         import torch
 
-        batch = batch.to(self.device, non_blocking=True)
         with torch.no_grad():
-            if batch.dim() == 2:
-                return loss_of(self.ds(input_ids=batch, labels=batch)).detach()
-            return loss_of(
-                self.ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
-                        num_items_in_batch=1.0)
-            ).detach()  # fmt: skip
+            return self._loss(batch.to(self.device, non_blocking=True), 1.0).detach()
 
     @staticmethod
     def eval_weight(batch: Any) -> Any:
         """What `eval_loss` of this batch counts for in a mean: 1 (a mean already), or the targets."""
+        from trainer.data.pack import IGNORE
+
         if batch.dim() == 2:
             return 1
-        return (batch[:, 1, 1:] != -100).sum()
+        return (batch[:, 1, 1:] != IGNORE).sum()
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)

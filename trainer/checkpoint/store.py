@@ -283,16 +283,10 @@ class Store:
             dist.barrier(group=self._group)
 
     def gather(self, values: list[int]) -> list[list[int]]:
-        """Every rank's `values` (a few ints), on every rank."""
-        if self._group is None:
-            return [list(values)]
-        import torch
-        import torch.distributed as dist
+        """Every rank's `values` (a few ints), on every rank (on the checkpoint's CPU group)."""
+        from trainer.dist import gather_ints
 
-        n = len(values)
-        t = torch.zeros(self.world_size * n, dtype=torch.int64)
-        dist.all_gather_into_tensor(t, torch.tensor(values, dtype=torch.int64), group=self._group)
-        return t.view(self.world_size, n).tolist()
+        return gather_ints(values, self.world_size, self._group)
 
     def save(self, state: Any) -> Path:
         """A synchronous save: every rank writes its files, then rank 0 commits; returns the path."""

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.files import fsync_dir
+
 log = logging.getLogger("trainer")
 
 WRITING, DONE, FAILED = 1, 0, 2  # a Writer's status, as the ranks exchange it each step
@@ -171,8 +173,6 @@ class Writer:
                 self.bytes += write_file(path, obj, self.zipfile)
                 dirs.add(path.parent)
             for d in dirs:
-                from trainer.files import fsync_dir
-
                 fsync_dir(d)
             self.faults.after_write(self.step)
         except BaseException as e:  # noqa: BLE001  (reported to every rank by the next step's collective)

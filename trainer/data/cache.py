@@ -47,6 +47,7 @@ class Data:
     # (path, size, mtime) and the tokenizer. Saved with every checkpoint, compared on resume.
     fingerprint: dict[str, Any] = field(default_factory=dict)
     finetune: dict[str, Any] | None = None  # fine-tuning kinds: what was kept, truncated, dropped
+    targets: np.ndarray | None = None  # fine-tuning kinds: target tokens per training row (the loss's count)
     mixture: list[dict[str, Any]] | None = (
         None  # several sources: each one's name, weight, sequences (in order)
     )
@@ -100,6 +101,7 @@ def build(
             "train_on_prompt": section.train_on_prompt,
             "packing": section.packing,
             "truncation": section.truncation,
+            "row_targets": True,  # targets.npy beside train.npy
         }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.path.expanduser(section.cache_dir))
@@ -133,6 +135,7 @@ def build(
         fingerprint=fingerprint,
         finetune=meta.get("finetune"),
         mixture=meta.get("mixture"),
+        targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
     )
 
 
@@ -259,6 +262,17 @@ def _publish(final: Path, write_train: Any, write_eval: Any, meta: dict[str, Any
         raise
 
 
+def _save_rows(directory: Path, rows: np.ndarray) -> None:
+    """The training rows; for fine-tuning, beside them the target tokens of each (labels after the first
+    position: the count a step's loss is divided by), counted once here rather than by every rank at
+    every start."""
+    from trainer.data.pack import IGNORE
+
+    np.save(directory / "train.npy", rows)
+    if rows.ndim == 3:  # (a mixture of text sources has token blocks)
+        np.save(directory / "targets.npy", (rows[:, 1, 1:] != IGNORE).sum(axis=1).astype(np.int32))
+
+
 def _source_rows(src: Any, key: str, tok: Any, section: DataSection, num_proc: int) -> tuple[np.ndarray, Any]:
     """One source of a mixture -> its rows in memory (and, fine-tuning, its statistics)."""
     raw = load_raw(src, key)
@@ -308,7 +322,7 @@ def _build_mixture_cache(
                             "padding_share": 1 - sums["tokens"] / (sums["rows"] * section.seq_len)}  # fmt: skip
     _publish(
         final,
-        lambda d: np.save(d / "train.npy", all_train),
+        lambda d: _save_rows(d, all_train),
         (lambda d: np.save(d / "eval.npy", all_eval)) if all_eval is not None else None,
         meta,
     )
@@ -327,7 +341,7 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
         train, eval_ = train[:-n_eval], train[-n_eval:]
     _publish(
         final,
-        lambda d: np.save(d / "train.npy", train),
+        lambda d: _save_rows(d, train),
         (lambda d: np.save(d / "eval.npy", eval_)) if eval_ is not None else None,
         {
             **key,

@@ -89,7 +89,10 @@ def template_for(tok: Any, template: str | None, source: str = "data.chat_templa
     )
 
 
-def _render(tok: Any, template: str, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
+def render_text(
+    tok: Any, template: str, messages: Sequence[Mapping[str, Any]], generation_prompt: bool = False
+) -> str:
+    """The conversation as the template renders it (text; with the assistant's generation prompt)."""
     return tok.apply_chat_template(
         list(messages), chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
     )
@@ -122,13 +125,13 @@ def render_chat(
     train_on_prompt: bool = False,
 ) -> Example:
     """A conversation -> ids and targets (see the module docstring)."""
-    full = _render(tok, template, messages, False)
+    full = render_text(tok, template, messages)
     spans = []  # (start, end) characters of each assistant turn in `full`
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tok, template, messages[:i], True)
-        upto = _render(tok, template, messages[: i + 1], False)
+        before = render_text(tok, template, messages[:i], True)
+        upto = render_text(tok, template, messages[: i + 1])
         if not (upto.startswith(before) and full.startswith(upto)):
             raise UserError(
                 f"data.chat_template: the template renders turn {i} differently once later turns follow, so "

@@ -179,10 +179,7 @@ class TrainStream:
                 f"train.micro_batch_size {micro}); lower the micro batch or add data"
             )
         self.loader = make_loader(data.train, self.sampler, section, device_type)
-        # Fine-tuning rows: targets per row (labels after the first position), for the step's loss.
-        self.targets = (
-            (np.asarray(data.train[:, 1, 1:]) != -100).sum(axis=1) if data.train.ndim == 3 else None
-        )
+        self.targets = data.targets  # fine-tuning rows: target tokens per row (cache), for the step's loss
         self._orders: dict[int, np.ndarray] = {}
         self.position = Position()
         self._it: Iterator[Any] | None = None

@@ -156,7 +156,7 @@ class Metrics:
             "rank_busy_s": busy,
             "rank_tokens_per_s": [self.tokens_per_step / self.world_size / max(b, 1e-9) for b in busy],
         }
-        if self.extra is not None:
+        if self.extra is not None and self.is_main:  # only rank 0 records
             rec.update(self.extra())
         slow = stragglers(busy, self.hosts, self.straggler_margin)
         if slow:

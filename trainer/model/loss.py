@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import chunked_loss_problem, loss_chunk_rows
+from trainer.data.pack import IGNORE  # transformers' ignore_index, defined once
 from trainer.errors import UserError
-
-IGNORE = -100
 
 
 def _chunks(
