@@ -240,7 +240,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
         kind = getattr(getattr(module, "config", None), "model_type", None)
         if kind not in PACKED_POSITION_TYPES:
             raise UserError(
-                f"data.packing: packed fine-tuning examples are kept apart by restarting position ids, which "
+                f"data.packing: packed examples (fine-tuning, or data.separate_documents) are kept apart by restarting position ids, which "
                 f"this project has verified for {', '.join(sorted(PACKED_POSITION_TYPES))}, not for model type "
                 f"'{kind}'; set data.packing: false (one example per sequence)"
             )
@@ -391,7 +391,8 @@ def announce(run: Run) -> None:
         from trainer.data.examples import describe
 
         lines.insert(-1, describe(data.finetune))
-        lines.insert(-1, f"example (targets in [[ ]]): {data.finetune['example']}")
+        if data.finetune.get("example"):
+            lines.insert(-1, f"example (targets in [[ ]]): {data.finetune['example']}")
     for line in lines:
         log.info(line)
     if resume is None:

@@ -287,9 +287,10 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
     d = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=True)
     n_eval = len(d.eval) if d.eval is not None else 0
     done = f"built in {time.perf_counter() - t0:.1f} s" if d.built else "already there"
+    tokens = d.tokens if d.tokens is not None else (len(d.train) + n_eval) * d.seq_len
     print(
         f"data: {len(d.train):,} train / {n_eval:,} eval sequences of {d.seq_len} tokens "
-        f"({(len(d.train) + n_eval) * d.seq_len:,} tokens) in {d.cache_path}, {done}; a job with the same "
+        f"({tokens:,} tokens) in {d.cache_path}, {done}; a job with the same "
         "data.* settings and data.cache_dir reads it"
     )
     return 0

@@ -57,8 +57,9 @@ class Engine:
         return self._loss(batch.to(self.device, non_blocking=True), num_items)
 
     def _loss(self, batch: Any, num_items: float | None) -> Any:
-        if batch.dim() == 2:
-            return loss_of(self.ds(input_ids=batch, labels=batch))
+        if batch.dim() == 2:  # every token a target: their mean, unless a padded block is in the data
+            extra = {} if num_items is None else {"num_items_in_batch": num_items}
+            return loss_of(self.ds(input_ids=batch, labels=batch, **extra))
         return loss_of(
             self.ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
                     num_items_in_batch=num_items)
@@ -82,8 +83,7 @@ class Engine:
         return out
 
     def eval_loss(self, batch: Any) -> Any:
-        """The mean loss of a batch of token blocks; for fine-tuning rows (see `forward`) the summed
-        loss of its targets (`eval_weight` is their count)."""
+        """The summed loss of a batch's targets (`eval_weight` is their count)."""
         import torch
 
         with torch.no_grad():
@@ -91,11 +91,11 @@ class Engine:
 
     @staticmethod
     def eval_weight(batch: Any) -> Any:
-        """What `eval_loss` of this batch counts for in a mean: 1 (a mean already), or the targets."""
+        """What `eval_loss` of this batch counts for in a mean: its target tokens."""
         from trainer.data.pack import IGNORE
 
         if batch.dim() == 2:
-            return 1
+            return batch.shape[0] * (batch.shape[1] - 1)
         return (batch[:, 1, 1:] != IGNORE).sum()
 
     def train(self, mode: bool = True) -> None:

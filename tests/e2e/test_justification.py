@@ -135,7 +135,7 @@ def test_prepare_data_builds_the_cache_without_deepspeed_and_the_job_reads_it(tm
            "--set", f"data.cache_dir={cache}"]  # fmt: skip
     first = subprocess.run(cmd, cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "data: 3,459 train / 183 eval sequences of 128 tokens (466,176 tokens) in" in first.stdout, (
+    assert "data: 3,460 train / 183 eval sequences of 128 tokens (466,196 tokens) in" in first.stdout, (
         first.stdout
     )
     assert ", built in " in first.stdout

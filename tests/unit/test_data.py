@@ -8,6 +8,8 @@ import pytest
 
 from trainer import config
 from trainer.data import RankSampler, build, byte_tokenizer
+from trainer.data.pack import IGNORE
+from trainer.data.stream import _collate
 from trainer.errors import UserError
 
 
@@ -38,18 +40,69 @@ def section(tmp_path, **kw):
     return config.DataSection.model_validate(raw)
 
 
+def _stream(docs):
+    """The byte tokenizer's token stream of `docs`: UTF-8 bytes, EOS (256) after each."""
+    return np.array([t for d in docs for t in [*d.encode(), 256]], dtype=np.int32)
+
+
 def test_packing_and_eval_split(tmp_path):
     s = section(tmp_path)
     data = build(s, seed=0)
-    tokens = sum(len(f"document {i} " * (5 + i)) + 1 for i in range(40))  # + EOS per document
+    stream = _stream(f"document {i} " * (5 + i) for i in range(40))
     n = len(data.train) + len(data.eval)
-    assert n == tokens // 16
+    assert n == -(-len(stream) // 16)  # every token in a block, the last one padded
     assert len(data.eval) == int(np.ceil(n * 0.1))
     rows = data.train[:]
     assert rows.shape == (len(data.train), 16)
     flat = np.concatenate([rows.reshape(-1), data.eval[:].reshape(-1)])
-    assert (flat == 256).sum() >= 39  # EOS between documents
-    assert bytes(flat[:11].astype(np.uint8)) == b"document 0 "
+    assert (flat[: len(stream)] == stream).all() and (flat[len(stream) :] == IGNORE).all()
+    assert data.targets is None  # the padded block is held out for eval: training rows are all full
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_packing_text_loses_no_tokens(tmp_path, num_proc):
+    """2,500 documents: three map batches of 1,000 (two processes with num_proc 2), whose ends once
+    each dropped up to seq_len - 1 tokens. Every token is counted into the blocks, in order."""
+    docs = [f"doc {i}: " + "abc " * (i % 7) for i in range(2500)]
+    (tmp_path / "many.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    s = section(tmp_path, train={"files": str(tmp_path / "many.jsonl")}, eval_fraction=0.0, num_proc=num_proc)
+    data = build(s, seed=0)
+    stream = _stream(docs)
+    flat = data.train[:].reshape(-1)
+    assert len(data.train) == -(-len(stream) // 16) and len(stream) % 16  # a padded last block
+    assert (flat[: len(stream)] == stream).all() and (flat[len(stream) :] == IGNORE).all()
+    # The padded block is in training: its targets are counted for the loss, and a batch that draws
+    # it becomes rows whose padding is neither input nor target.
+    assert list(data.targets[:-1]) == [15] * (len(data.train) - 1)
+    assert data.targets[-1] == len(stream) % 16 - 1
+    batch = _collate(data.train[[0, len(data.train) - 1]])
+    assert tuple(batch.shape) == (2, 3, 16)
+    assert (batch[:, 1][batch[:, 1] >= 0] == batch[:, 0][batch[:, 1] >= 0]).all()
+    assert (batch[:, 0] >= 0).all() and (batch[1, 1, len(stream) % 16 :] == IGNORE).all()
+    assert batch[:, 2].tolist() == [list(range(16))] * 2
+    assert tuple(_collate(data.train[[0, 1]]).shape) == (2, 16)  # full blocks stay blocks
+
+
+def test_separate_documents_keeps_every_token_and_restarts_positions(tmp_path):
+    docs = [f"document {i} " * (1 + 2 * i) for i in range(6)]  # 12 to 122 tokens: 5 longer than 16
+    (tmp_path / "few.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    s = section(tmp_path, train={"files": str(tmp_path / "few.jsonl")}, eval_fraction=0.0,
+                separate_documents=True)  # fmt: skip
+    data = build(s, seed=0)
+    expected = [p.tolist() for d in docs for p in np.split(_stream([d]), range(16, len(d) + 1, 16))]
+    assert min(map(len, expected)) > 1 and data.supervised and data.finetune["split"] == 5
+    found = []  # each row: pieces, each from position 0, then padding (no target)
+    for ids, labels, pos in data.train[:]:
+        for at in np.split(np.arange(16), np.flatnonzero(pos == 0)[1:]):
+            if (labels[at] != IGNORE).any():
+                assert (labels[at][1:] == ids[at][1:]).all() and labels[at][0] == IGNORE
+                found.append(ids[at].tolist())
+    assert found == expected
+    assert (
+        data.finetune["target_tokens"]
+        == sum(len(p) - 1 for p in expected)
+        == (data.train[:, 1] != IGNORE).sum()
+    )
 
 
 def test_second_build_reads_the_cache(tmp_path):

@@ -97,3 +97,37 @@ def test_packing_loses_no_token_and_keeps_the_order():
     assert len(ids) <= sum(lengths) / 64 * 1.5  # greedy packing wastes little here
     with pytest.raises(ValueError, match="truncate it first"):
         pack_examples(examples([65], [1]), 64, pad_id=0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_padded_last_text_block_trains_as_its_real_tokens(family):
+    """Text packing keeps the corpus' last tokens in a padded block (pack.fill_blocks); a batch drawing
+    it becomes rows (pack.as_rows) whose padding is neither input nor target: with the step's target
+    count as num_items, the loss and gradients of [a full block, the padded one] equal the token-
+    weighted ones of the full block and the real tokens alone."""
+    from trainer.data.pack import as_rows
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(1, VOCAB, (2, 16), generator=g).numpy().astype(np.int32)
+    blocks[1, 5:] = IGNORE  # 5 real tokens: 4 targets
+    rows = torch.from_numpy(as_rows(blocks).astype(np.int64))
+    assert (rows[:, 0] >= 0).all() and (rows[1, 1, 5:] == IGNORE).all()
+
+    model = model_for(family, "sdpa")
+    ids, labels, pos = rows[:, 0], rows[:, 1], rows[:, 2]
+    model(
+        input_ids=ids, labels=labels, position_ids=pos, use_cache=False, num_items_in_batch=15 + 4
+    ).loss.backward()
+    g_rows = grads(model)
+    model.zero_grad()
+    full = torch.from_numpy(blocks[:1].astype(np.int64))
+    part = torch.from_numpy(blocks[1:, :5].astype(np.int64))
+    ref = model(input_ids=full, labels=full).loss * 15 + model(input_ids=part, labels=part).loss * 4
+    (ref / 19).backward()
+    assert torch.allclose(g_rows, grads(model), rtol=1e-5, atol=1e-7)
+    model.zero_grad()
+    with torch.no_grad():
+        got = model(
+            input_ids=ids, labels=labels, position_ids=pos, use_cache=False, num_items_in_batch=19
+        ).loss
+    assert got.item() == pytest.approx(ref.item() / 19, rel=1e-6)

@@ -84,6 +84,9 @@ def _data_sources(exp: Experiment) -> list[tuple[str, str]]:
     if exp.data.mixture and len({s.kind for _, s in exp.data.sources}) > 1:
         kinds = ", ".join(f"{k}: {s.kind}" for k, s in exp.data.sources)
         out.append(("data.train", f"a mixture's sources must hold the same kind of rows ({kinds})"))
+    if exp.data.separate_documents and exp.data.kind != "text":
+        out.append(("data.separate_documents", f"applies to kind text (fine-tuning examples are always kept "
+                    f"apart); remove it for kind {exp.data.kind}"))  # fmt: skip
     for key, src in [*exp.data.sources, ("data.eval", exp.data.eval)]:
         if src is None:
             continue

@@ -163,8 +163,8 @@ class DataSection(Section):
     )
     packing: bool = Field(
         True,
-        description="fine-tuning kinds: several examples per sequence, each attending only to itself "
-        "(position ids restart); false = one example per sequence, padded",
+        description="fine-tuning kinds (and separate_documents): several examples per sequence, each attending "
+        "only to itself (position ids restart); false = one example per sequence, padded",
     )
 
     @property
@@ -183,6 +183,12 @@ class DataSection(Section):
     def mixture(self) -> bool:
         return not isinstance(self.train, DataSource)
 
+    separate_documents: bool = Field(
+        False,
+        description="kind text: keep documents apart like fine-tuning examples (each packed document attends "
+        "only to itself; one longer than seq_len continues, from position 0, in the next); false = documents "
+        "end to end, attending across",
+    )
     truncation: choice("right", "drop") = Field(
         "right",
         description="fine-tuning kinds, an example longer than seq_len: right = keep its start (the prompt's "

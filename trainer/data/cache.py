@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from trainer.config import DataSection
-from trainer.data.pack import _tokenize_and_pack
+from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
 from trainer.data.sources import _where, load_raw, source_key
 from trainer.data.tokenizer import load_tokenizer, tokenizer_id
 from trainer.errors import UserError
 from trainer.files import file_lock, write_atomic
 
-CACHE_VERSION = 2  # 2: packed blocks in .npy files (1: datasets' Arrow)
+CACHE_VERSION = 3  # 3: text packed across map batches, last block padded (2: .npy files, 1: Arrow)
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Data:
     mixture: list[dict[str, Any]] | None = (
         None  # several sources: each one's name, weight, sequences (in order)
     )
+    tokens: int | None = None  # real tokens in train and eval (not padding), where the cache knows
 
     @property
     def supervised(self) -> bool:
@@ -92,7 +93,7 @@ def build(
         "seq_len": section.seq_len,
         "append_eos": section.append_eos,
     }
-    if section.kind != "text":  # (text keeps its key: existing caches stay valid)
+    if section.kind != "text" or section.separate_documents:
         from trainer.data.examples import chat_template
 
         template = chat_template(section, tok)
@@ -103,6 +104,8 @@ def build(
             "truncation": section.truncation,
             "row_targets": True,  # targets.npy beside train.npy
         }
+        if section.kind == "text":
+            key["finetune"]["separate_documents"] = True
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.path.expanduser(section.cache_dir))
     root.mkdir(parents=True, exist_ok=True)
@@ -135,6 +138,7 @@ def build(
         fingerprint=fingerprint,
         finetune=meta.get("finetune"),
         mixture=meta.get("mixture"),
+        tokens=meta.get("tokens", (meta.get("finetune") or {}).get("tokens")),
         targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
     )
 
@@ -203,35 +207,61 @@ def _build_cache(
         raise UserError(
             f"data.train: the dataset is empty (0 rows in {_where(section.train)}); point it at data"
         )
-    if section.kind != "text":
+    if section.kind != "text" or section.separate_documents:
         _build_finetune_cache(section, tok, key, final, raw)
         return
-    train, tokens = _tokenize_and_pack(raw, tok, section, section.train.text_field, num_proc)
-    if len(train) == 0:
-        raise UserError(
-            f"data.train: {len(raw)} document(s) with {tokens} tokens make no full sequence of data.seq_len "
-            f"{section.seq_len}; lower data.seq_len or add data"
-        )
+    ids, tokens = tokenize_documents(raw, tok, section, section.train.text_field, num_proc)
+    if tokens == 0:
+        raise UserError(f"data.train: {len(raw)} document(s) hold no text; point it at data")
+    seq_len, n = section.seq_len, blocks(tokens, section.seq_len)
     if section.eval is not None:
-        raw_eval = load_raw(section.eval, "data.eval")
-        eval_, _ = _tokenize_and_pack(raw_eval, tok, section, section.eval.text_field, num_proc)
-        if len(eval_) == 0:
-            raise UserError(
-                f"data.eval: no full sequence of data.seq_len {section.seq_len}; lower it or add data"
-            )
-    elif section.eval_fraction > 0:
-        # Hold out the tail: packing keeps document order, so these are the last documents.
-        n_eval = _held_out(len(train), section.eval_fraction)
-        eval_ = train.select(range(len(train) - n_eval, len(train)))
-        train = train.select(range(len(train) - n_eval))
+        eval_ids, eval_tokens = tokenize_documents(
+            load_raw(section.eval, "data.eval"), tok, section, section.eval.text_field, num_proc
+        )
+        if eval_tokens == 0:
+            raise UserError("data.eval: the documents hold no text; point it at data")
+        n_train, n_eval = n, blocks(eval_tokens, seq_len)
+        tokens += eval_tokens
+
+        def write(d: Path) -> None:
+            fill_blocks(ids, [_open_blocks(d / "train.npy", n_train, seq_len)])
+            fill_blocks(eval_ids, [_open_blocks(d / "eval.npy", n_eval, seq_len)])
+
     else:
-        eval_ = None
+        # data.eval_fraction: hold out the tail (packing keeps document order: the last documents).
+        n_eval = _held_out(n, section.eval_fraction) if section.eval_fraction > 0 else 0
+        n_train = n - n_eval
+
+        def write(d: Path) -> None:
+            parts = [_open_blocks(d / "train.npy", n_train, seq_len)]
+            if n_eval:
+                parts.append(_open_blocks(d / "eval.npy", n_eval, seq_len))
+            fill_blocks(ids, parts)
+
+    def write_all(d: Path) -> None:
+        write(d)
+        train = np.load(d / "train.npy", mmap_mode="r")
+        if (train[-1] < 0).any():  # the padded last block is in training: the loss's count per row
+            np.save(d / "targets.npy", _block_targets(train))
+
     _publish(
         final,
-        lambda d: _save_blocks(train, d / "train.npy", section.seq_len),
-        (lambda d: _save_blocks(eval_, d / "eval.npy", section.seq_len)) if eval_ is not None else None,
-        {**key, "train_sequences": len(train), "eval_sequences": len(eval_) if eval_ is not None else 0},
+        write_all,
+        None,
+        {**key, "train_sequences": n_train, "eval_sequences": n_eval, "tokens": tokens},
     )
+
+
+def _open_blocks(path: Path, rows: int, seq_len: int) -> np.ndarray:
+    return np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(rows, seq_len))
+
+
+def _block_targets(train: np.ndarray) -> np.ndarray:
+    """Target tokens per row of token blocks (all but the first, the padding of a padded one not)."""
+    targets = np.full(len(train), train.shape[1] - 1, dtype=np.int32)
+    for i in np.flatnonzero(np.asarray(train[:, -1]) < 0):
+        targets[i] = int((train[i, 1:] >= 0).sum())
+    return targets
 
 
 def _held_out(n: int, fraction: float) -> int:
@@ -266,11 +296,11 @@ def _save_rows(directory: Path, rows: np.ndarray) -> None:
     """The training rows; for fine-tuning, beside them the target tokens of each (labels after the first
     position: the count a step's loss is divided by), counted once here rather than by every rank at
     every start."""
-    from trainer.data.pack import IGNORE
-
     np.save(directory / "train.npy", rows)
-    if rows.ndim == 3:  # (a mixture of text sources has token blocks)
+    if rows.ndim == 3:
         np.save(directory / "targets.npy", (rows[:, 1, 1:] != IGNORE).sum(axis=1).astype(np.int32))
+    elif (rows[:, -1] < 0).any():  # a mixture of text sources, with a padded last block of one
+        np.save(directory / "targets.npy", _block_targets(rows))
 
 
 def _source_rows(src: Any, key: str, tok: Any, section: DataSection, num_proc: int) -> tuple[np.ndarray, Any]:
@@ -278,18 +308,16 @@ def _source_rows(src: Any, key: str, tok: Any, section: DataSection, num_proc: i
     raw = load_raw(src, key)
     if len(raw) == 0:
         raise UserError(f"{key}: the dataset is empty (0 rows in {_where(src)}); point it at data")
-    if src.kind != "text":
+    if src.kind != "text" or section.separate_documents:
         from trainer.data.examples import build_rows
 
         return build_rows(raw, tok, section, src, key)
-    packed, tokens = _tokenize_and_pack(raw, tok, section, src.text_field, num_proc)
-    if len(packed) == 0:
-        raise UserError(
-            f"{key}: {tokens} tokens make no full sequence of data.seq_len {section.seq_len}; add data"
-        )
-    return np.asarray(packed.with_format("numpy")["input_ids"], dtype=np.int32).reshape(
-        -1, section.seq_len
-    ), None
+    ids, tokens = tokenize_documents(raw, tok, section, src.text_field, num_proc)
+    if tokens == 0:
+        raise UserError(f"{key}: the documents hold no text ({_where(src)}); point it at data")
+    rows = np.empty((blocks(tokens, section.seq_len), section.seq_len), dtype=np.int32)
+    fill_blocks(ids, [rows])
+    return rows, None
 
 
 def _build_mixture_cache(
@@ -350,14 +378,3 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
             "finetune": stats,
         },  # fmt: skip
     )
-
-
-def _save_blocks(packed: Any, path: Path, seq_len: int, chunk: int = 65536) -> None:
-    """The packed `input_ids` column -> an int32 .npy of (sequences, seq_len), written in chunks so
-    that a corpus larger than memory never is in memory whole."""
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(len(packed), seq_len))
-    rows = packed.with_format("numpy")
-    for start in range(0, len(packed), chunk):
-        out[start : start + chunk] = rows[start : start + chunk]["input_ids"]
-    out.flush()
-    del out

@@ -3,7 +3,8 @@ the raw data becomes an Example (trainer/data/chat.py: ids and targets), example
 seq_len are truncated or dropped (data.truncation), examples left with no target are dropped, and
 the rest are packed (trainer/data/pack.py) into rows of [input_ids, labels, position_ids]. What was
 kept, truncated and dropped, the share of target tokens and one rendered example are returned for
-the banner and the cache's meta.json."""
+the banner and the cache's meta.json. Text with data.separate_documents: each document (cut into
+pieces of seq_len when longer, none lost) is an example whose every token is a target."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from trainer.config import DataSection, DataSource
-from trainer.data.chat import check_messages, render_chat, render_prompt_completion, template_for
+from trainer.data.chat import Example, check_messages, render_chat, render_prompt_completion, template_for
 from trainer.data.pack import pack_examples
 from trainer.errors import UserError
 
@@ -40,6 +41,8 @@ def build_rows(
     """(rows (n, 3, seq_len) int32, statistics)."""
     seq_len = section.seq_len
     template = chat_template(section, tok) if src.kind == "chat" else None
+    if src.kind == "text":
+        return _document_rows(raw, tok, section, src, key)
     kept, shown = [], None
     truncated = dropped_long = no_target = tokens = targets = 0
     for n, row in enumerate(raw):
@@ -71,9 +74,7 @@ def build_rows(
             f"{key}: no example with a token to train on ({truncated} truncated, {dropped_long} longer than "
             f"data.seq_len {seq_len} dropped, {no_target} with no target left); raise data.seq_len"
         )
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    packed = pack_examples(kept, seq_len, pad if pad is not None else 0, one_per_row=not section.packing)
-    rows = np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
+    rows = _pack(kept, tok, section)
     stats = {
         "kind": src.kind,
         "examples": len(kept) + dropped_long + no_target,
@@ -90,8 +91,61 @@ def build_rows(
     return rows, stats
 
 
+def _pack(kept: list[Example], tok: Any, section: DataSection) -> np.ndarray:
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    packed = pack_examples(
+        kept, section.seq_len, pad if pad is not None else 0, one_per_row=not section.packing
+    )
+    return np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
+
+
+def _document_rows(
+    raw: Any, tok: Any, section: DataSection, src: DataSource, key: str
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """data.separate_documents: text documents as examples, every token a target (but the first of
+    each piece: nothing of its own comes before it)."""
+    seq_len, eos = section.seq_len, tok.eos_token_id
+    kept: list[Example] = []
+    documents = split = tokens = targets = 0
+    for lo in range(0, len(raw), 1000):
+        texts = [t for t in raw[lo : lo + 1000][src.text_field] if isinstance(t, str) and t]
+        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
+            ids = ids + [eos] if section.append_eos else ids
+            documents += 1
+            split += len(ids) > seq_len
+            for at in range(0, len(ids), seq_len):
+                piece = ids[at : at + seq_len]
+                kept.append(Example(piece, [True] * len(piece)))
+                tokens += len(piece)
+                targets += len(piece) - 1
+    if not kept:
+        raise UserError(f"{key}: the documents hold no text ({len(raw)} rows); point it at data")
+    rows = _pack(kept, tok, section)
+    stats = {
+        "kind": "text",
+        "examples": documents,
+        "kept": documents,
+        "split": split,
+        "truncated": 0,
+        "dropped_too_long": 0,
+        "dropped_no_target": 0,
+        "tokens": tokens,
+        "target_tokens": targets,
+        "rows": len(rows),
+        "padding_share": 1 - tokens / (len(rows) * seq_len),
+        "example": None,
+    }
+    return rows, stats
+
+
 def describe(stats: dict[str, Any]) -> str:
     """One line for the banner."""
+    if stats["kind"] == "text":
+        return (
+            f"text documents kept apart: {stats['examples']:,} documents ({stats.get('split', 0):,} longer than "
+            f"a sequence, continued in the next) in {stats['rows']:,} sequences; {stats['tokens']:,} tokens, "
+            f"{stats['target_tokens']:,} targets, padding {stats['padding_share']:.1%}"
+        )
     return (
         f"fine-tuning data ({stats['kind']}): {stats['kept']:,} of {stats['examples']:,} examples in {stats['rows']:,} "
         f"sequences ({stats['truncated']:,} truncated, {stats['dropped_too_long']:,} too long dropped, "

@@ -1,4 +1,5 @@
-"""Tokenize and pack: documents -> token ids (EOS appended) -> one stream cut into seq_len blocks."""
+"""Tokenize and pack: documents -> token ids (EOS appended) -> one stream cut into seq_len blocks (no
+token lost: the last block is padded); fine-tuning examples -> packed rows kept apart."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import numpy as np
 
 from trainer.config import DataSection
 
+IGNORE = -100  # a label the loss skips (transformers' ignore_index)
 
-def _tokenize_and_pack(raw: Any, tok: Any, section: DataSection, text_field: str, num_proc: int) -> Any:
-    """datasets.map: tokenize (append EOS), then concatenate and cut into seq_len blocks."""
+
+def tokenize_documents(
+    raw: Any, tok: Any, section: DataSection, text_field: str, num_proc: int
+) -> tuple[Any, int]:
+    """datasets.map over the documents: token ids (EOS appended), in order. -> (dataset of `ids`, tokens)."""
+    import pyarrow.compute as pc
+
     eos = tok.eos_token_id
-    seq_len = section.seq_len
     append_eos = section.append_eos
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
@@ -21,11 +27,6 @@ def _tokenize_and_pack(raw: Any, tok: Any, section: DataSection, text_field: str
         if append_eos:
             ids = [x + [eos] for x in ids]
         return {"ids": ids}
-
-    def pack(batch: dict[str, list]) -> dict[str, list]:
-        flat = np.fromiter((t for x in batch["ids"] for t in x), dtype=np.int32)
-        n = len(flat) // seq_len
-        return {"input_ids": flat[: n * seq_len].reshape(n, seq_len).tolist()}
 
     proc = num_proc if num_proc > 1 and len(raw) >= 1000 * num_proc else None
     ids = raw.map(
@@ -36,12 +37,45 @@ def _tokenize_and_pack(raw: Any, tok: Any, section: DataSection, text_field: str
         remove_columns=raw.column_names,
         desc="tokenize",
     )
-    tokens = int(sum(len(x) for x in ids["ids"])) if len(ids) < 100_000 else None
-    packed = ids.map(pack, batched=True, batch_size=1000, num_proc=proc, remove_columns=["ids"], desc="pack")
-    return packed, tokens
+    column = ids.data.column("ids")
+    tokens = sum(int(pc.sum(pc.list_value_length(c)).as_py() or 0) for c in column.chunks)
+    return ids, tokens
 
 
-IGNORE = -100  # a label the loss skips (transformers' ignore_index)
+def blocks(tokens: int, seq_len: int) -> int:
+    """Rows of `seq_len` that hold `tokens` end to end, the last one partly (none lost)."""
+    return -(-tokens // seq_len)
+
+
+def fill_blocks(ids: Any, parts: list[np.ndarray]) -> None:
+    """Write the documents' tokens (`tokenize_documents`) end to end into `parts` (int32 arrays of
+    (rows, seq_len), in order, memory-mapped or not), chunk by chunk, so that a corpus larger than
+    memory never is in memory whole. Every token lands in exactly one row; the space after the last
+    token holds IGNORE: a padded, partly filled last row (`as_rows` makes it one the loss masks)."""
+    flats = [p.reshape(-1) for p in parts]
+    part, at = 0, 0
+    for chunk in ids.data.column("ids").chunks:
+        values = chunk.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+        while len(values):
+            while at == len(flats[part]):
+                part, at = part + 1, 0
+            n = min(len(values), len(flats[part]) - at)
+            flats[part][at : at + n] = values[:n]
+            values, at = values[n:], at + n
+    for flat in flats[part:]:
+        flat[at:] = IGNORE
+        at = 0
+
+
+def as_rows(blocks: np.ndarray) -> np.ndarray:
+    """Token blocks with a padded (partly filled) one -> rows of [input_ids, labels, position_ids] like
+    fine-tuning rows: the padding is input id 0 (any id would do: it comes after every real token, so
+    causal attention never lets a real token see it) and no target. The data cache's text blocks hold IGNORE after the corpus' last token; the batch that
+    draws that one row becomes such rows (`stream._collate`)."""
+    labels = blocks
+    inputs = np.where(blocks < 0, 0, blocks)
+    pos = np.broadcast_to(np.arange(blocks.shape[1], dtype=blocks.dtype), blocks.shape)
+    return np.stack([inputs, labels, pos], axis=1)
 
 
 def pack_examples(

@@ -14,6 +14,7 @@ import numpy as np
 
 from trainer.config import DataSection
 from trainer.data.cache import Data
+from trainer.data.pack import as_rows
 from trainer.errors import UserError
 
 
@@ -118,6 +119,8 @@ def _collate(rows: Any) -> Any:
     import torch
 
     arr = np.asarray(rows) if not isinstance(rows, np.ndarray) else rows
+    if arr.ndim == 2 and arr[:, -1].min() < 0:  # the padded last block of text (pack.fill_blocks)
+        arr = as_rows(arr)
     return torch.from_numpy(arr.astype(np.int64, copy=False))
 
 
@@ -235,8 +238,8 @@ class TrainStream:
         (known here without communication: the order is global), divided by ranks x micro steps.
         A micro batch's loss is its targets' summed loss over this, so that after DeepSpeed's mean
         over micro steps and ranks a step's loss and gradients are the mean over every target token
-        of the step, however the global batch is split. None for text (every micro batch has the
-        same number of targets: its mean is that already)."""
+        of the step, however the global batch is split. None for token blocks without a padded last
+        one (pack.fill_blocks): every micro batch has the same number of targets, its mean is that."""
         if self.targets is None:
             return None
         gb, n = self.sampler.global_batch, self.sampler.n
