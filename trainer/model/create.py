@@ -213,7 +213,7 @@ def build(
     seq_len: int,
     ds_config: Mapping[str, Any] | None = None,
 ) -> Any:
-    """The real module. At ZeRO stage 3 it is created partitioned (zero.Init)."""
+    """The real module, in training mode. At ZeRO stage 3 it is created partitioned (zero.Init)."""
     zero3 = bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
     with _zero3_context(ds_config if zero3 else None), _quiet_transformers():
         if section.factory is not None:
@@ -271,6 +271,10 @@ def build(
         from trainer.model import loss
 
         loss.attach(model, zero3=zero3)
+    # Training mode: from_pretrained returns a model in eval mode, so a fine-tuning run trained without
+    # dropout until its first eval switched it back (and then ran 50% slower at once: the steps pay
+    # for dropout from there on).
+    model.train()
     return model
 
 
