@@ -12,7 +12,7 @@ PYTHON ?= python3
 # bytecode compiled (imports would otherwise compile at every start) and a constraint that keeps
 # the torch installed first; plain pip where uv cannot be installed.
 
-.PHONY: setup ops tiny tiny-sft test test-fast lint format reference clean
+.PHONY: setup ops tiny tiny-sft tiny-sft-lora test test-fast lint format reference clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ tiny-sft: setup                              ## fine-tune tiny's model to answer
 	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml
 	$(PY) bin/export runs/tiny runs/tiny/export
 	$(PY) bin/train configs/experiments/tiny-sft.yaml --set checkpoint.resume=auto
+
+tiny-sft-lora: setup                         ## tiny-sft with LoRA adapters on the frozen model
+	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml
+	$(PY) bin/export runs/tiny runs/tiny/export
+	$(PY) bin/train configs/experiments/tiny-sft-lora.yaml --set checkpoint.resume=auto
 
 # pytest-xdist workers (default 3 on this 2-core machine: 12m58s against 18m00s with 2): the
 # launchers' start-up, the waits of the fail-fast tests (watchdog, kill detection, restart backoff)

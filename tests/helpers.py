@@ -35,6 +35,11 @@ FAST = {
     "data.num_workers": 0,
     "checkpoint.every_steps": 0,
     "checkpoint.save_final": False,
+    # tiny trains without dropout; these runs keep GPT-2's, so that restoring each rank's RNG on resume
+    # matters (NODROP below turns it off where a test needs that)
+    "model.config.resid_pdrop": 0.1,
+    "model.config.embd_pdrop": 0.1,
+    "model.config.attn_pdrop": 0.1,
 }
 
 # The ZeRO cases of the stage and resume tests, name -> (stage, grad_accum, offload): accumulation

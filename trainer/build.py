@@ -346,6 +346,7 @@ def announce(run: Run) -> None:
     resume brought and changed."""
     if not run.runtime.is_main:
         return
+    from trainer import strategy
     from trainer.checkpoint import checkpoints_dir
     from trainer.units import format_size
 
@@ -369,7 +370,7 @@ def announce(run: Run) -> None:
         f"experiment {exp.name}: run dir {exp.run_dir}",
         f"world: {env.world_size} rank(s) on {env.nodes} node(s) via {env.launcher}; device {runtime.device_type}, "
         f"backend {runtime.backend}, {runtime.threads} CPU thread(s) per rank",
-        f"model: {planned.info.params:,} parameters; precision {plan.precision}"
+        f"model: {strategy.describe_params(planned.info, exp.model.lora)}; precision {plan.precision}"
         + ("; chunked loss" if exp.model.chunked_loss else "")
         + ("; torch.compile" if t.compile else ""),
         f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",

@@ -262,7 +262,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     if args.plan:
         info = planned.info
         print(
-            f"model: {info.params:,} parameters (largest layer {info.largest_layer:,}), "
+            f"model: {strategy.describe_params(info, exp.model.lora)} (largest layer {info.largest_layer:,}), "
             f"micro batch {exp.train.micro_batch_size} x seq {exp.data.seq_len}, activation checkpointing "
             f"{'on' if exp.model.activation_checkpointing else 'off'}"
             + (", chunked loss" if exp.model.chunked_loss else "")

@@ -70,7 +70,7 @@ CASES = {
     ),
     "too little data for seq_len": (
         lambda t: [*tiny(t, f"data.train.files={_short(t)}")],
-        ["data.train", "no full sequence of data.seq_len 128", "lower data.seq_len"],
+        ["data.train makes 1 sequence(s) of data.seq_len 128", "add data or lower data.seq_len"],
     ),
     "seq_len beyond the model's positions": (
         lambda t: tiny(t, "data.seq_len=512"),

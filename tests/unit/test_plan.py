@@ -309,3 +309,32 @@ def test_auto_saves_synchronously_where_the_copy_does_not_fit_in_host_memory():
     insist = tiny_plan("checkpoint.async=true", host=host)
     assert insist.candidate.name == "zero3" and insist.estimate.host <= host
     assert "zero0 needs" in insist.reason and "(host)" in insist.reason
+
+
+def lora_info(cfg: dict, r: int = 16):
+    section = config.ModelSection.model_validate(
+        {"config": cfg, "attn_implementation": "sdpa", "lora": {"r": r}}
+    )
+    return model.info(section)
+
+
+def test_7b_lora_on_one_80gb_gpu_is_stage_0_where_full_training_needs_offload():
+    """Llama-2-7B with LoRA r=16 on the attention and MLP projections, micro 1 x 4096 with activation
+    checkpointing, one 80 GB GPU: the adapters are 40.0M parameters (r x (in + out) per projection,
+    7 per layer, 32 layers); the frozen 6.74B weights cost 2 bytes each and nothing else, so zero0
+    fits (about 15 GB of model states). Full fine-tuning of the same model needs stage 3 with offload."""
+    full, lora = info_for(LLAMA7B), lora_info(LLAMA7B)
+    per_layer = 16 * (4 * (4096 + 4096) + 3 * (4096 + 11008))
+    assert lora.trainable == 32 * per_layer == 39_976_960
+    assert lora.params == full.params + lora.trainable
+    p = plan_for(lora, 1, 1, 4096, True)
+    assert p.candidate.name == "zero0" and "first rung that fits" in p.reason
+    e = p.estimate
+    assert e.params == 2 * lora.params  # every weight in bf16
+    assert e.grads == 2 * lora.trainable and e.optimizer == (4 + 8) * lora.trainable  # adapters only
+    assert e.model_states < 15 * GiB
+    assert plan_for(full, 1, 1, 4096, True).candidate.name == "zero3+cpu"
+    # At stage 3 the frozen weights are partitioned as well; the optimizer still counts adapters only.
+    par, grad, opt = strategy.model_states(planner._c(3), lora.params, lora.largest_layer, 8, 2,
+                                           trainable=lora.trainable)  # fmt: skip
+    assert opt == (4 + 8) * lora.trainable / 8 and par == 2 * lora.params / 8 + 4 * lora.largest_layer

@@ -1,6 +1,6 @@
 """Export a checkpoint of any ZeRO stage to a Hugging Face model directory.
 
-    bin/export CHECKPOINT OUT_DIR [--dtype fp32|bf16]
+    bin/export CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--adapter]
 
 CHECKPOINT is a step_XXXXXXXX directory, a checkpoints directory or a run directory (its latest
 complete checkpoint). The weights exported are the fp32 master weights the optimizer holds, whatever
@@ -9,7 +9,10 @@ the training precision: ZeRO stages 1-3 through DeepSpeed's zero_to_fp32 from th
 holds rounded copies). They are loaded into the model the checkpoint's experiment.yaml describes and
 written with save_pretrained in fp32, or rounded to bf16 with `--dtype bf16`, together with the
 tokenizer and the checkpoint's ds_config.json, experiment.yaml and trainer_state.json (in training/).
-`AutoModelForCausalLM.from_pretrained(OUT_DIR)` then loads it. Runs on CPU, with no process group.
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` then loads it. A LoRA run (model.lora) exports the
+adapters merged into the base weights; `--adapter` writes the adapter alone in peft's format
+(`PeftModel.from_pretrained(base, OUT_DIR)`), its config naming the base model. Runs on CPU, with no
+process group.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def consolidated_state_dict(
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
 
 
-def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
+def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) -> Path:
+    """The checkpoint as a Hugging Face model directory. With LoRA (model.lora): the adapters merged
+    into the base weights, or with `adapter` the adapter alone in peft's format (plus, when the base
+    is no pretrained model one can name, the base weights in OUT/base, which the adapter's config then
+    names)."""
     import torch
     import yaml
 
@@ -60,12 +67,20 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
             f"{ckpt}: the model comes from a factory ({exp.model.factory}), which has no Hugging Face config to "
             "export; load consolidated weights with trainer.checkpoint.export.consolidated_state_dict instead"
         )
+    if adapter and exp.model.lora is None:
+        raise UserError(
+            f"{ckpt}: --adapter: this run trained the whole model (no model.lora); export without it"
+        )
     tok = data.load_tokenizer(exp.data.tokenizer)
     cfg = model.hf_config(exp.model, len(tok), tok.eos_token_id)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(cfg)
+        if exp.model.lora is not None:
+            from trainer.model import adapters
+
+            module = adapters.apply(module, exp.model.lora)
     from trainer.checkpoint.reshard import names_and_aliases
 
     state = consolidated_state_dict(
@@ -81,7 +96,19 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> Path:
     module.tie_weights()
     module = module.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     out.mkdir(parents=True, exist_ok=True)
-    module.save_pretrained(out, safe_serialization=True)
+    if adapter:
+        # The base the adapter's config names: the pretrained model, or a config's random init, whose
+        # frozen weights are written to OUT/base.
+        base_name = exp.model.pretrained or str((out / "base").resolve())
+        module.peft_config["default"].base_model_name_or_path = base_name
+        module.save_pretrained(out, safe_serialization=True, save_embedding_layers=False)
+        if exp.model.pretrained is None:
+            module.unload().save_pretrained(out / "base", safe_serialization=True)
+            tok.save_pretrained(out / "base")
+    else:
+        if exp.model.lora is not None:
+            module = module.merge_and_unload()
+        module.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     meta = out / "training"
     meta.mkdir(exist_ok=True)
@@ -101,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a step_XXXXXXXX directory, a checkpoints directory or a run directory")
     p.add_argument("out_dir", help="where to write the Hugging Face model directory")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the exported weights")
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA runs: write the adapter alone (peft's format; PeftModel.from_pretrained(base, OUT_DIR)) "
+        "instead of the merged model",
+    )
     args = p.parse_args(argv)
     import os
 
@@ -111,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         found, warnings = resolve_resume(args.checkpoint, "never", args.checkpoint)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
-        out = export(found.path, Path(args.out_dir), args.dtype)
+        out = export(found.path, Path(args.out_dir), args.dtype, adapter=args.adapter)
         print(f"exported {found.path} (step {found.step}) to {out}")
         return 0
     except UserError as e:

@@ -300,6 +300,8 @@ class Store:
         (trainer/checkpoint/writer.py). Either way nothing is visible until `commit`."""
         import torch
 
+        from trainer.model import adapters
+
         t0 = time.perf_counter()
         tag = tag_for(state.step)
         staging = STAGING_PREFIX + tag
@@ -334,6 +336,11 @@ class Store:
             pending.writer = Writer(
                 [rng, *snap.queued], copier=self.copier, faults=self.faults, step=state.step,
                 zipfile=snap.zipfile_serialization,
+            )  # fmt: skip
+        if adapters.is_peft(ds.module):  # every rank (a gather at ZeRO-3); rank 0 verifies and writes
+            adapters.save(
+                stage_dir / adapters.ADAPTER_DIR, ds.module, zero3=ds.zero_optimization_stage() == 3,
+                is_main=self.is_main, stepped=state.step > 0, base_name=self.exp.model.pretrained,
             )  # fmt: skip
         pending.blocked_s = pending.copy_s = time.perf_counter() - t0
         if self.on_save is not None:

@@ -65,6 +65,27 @@ def chunked_loss_problem(model_type: str | None) -> str | None:
     )
 
 
+class LoraSection(Section):
+    """LoRA adapters (peft) on a frozen base model (see README: LoRA)."""
+
+    r: int = Field(16, ge=1, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is (alpha / r) B A x")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] | None = Field(
+        None,
+        description="module names (or name suffixes) that get adapters; null = the model family's attention "
+        "and MLP projections (gpt2: c_attn c_proj c_fc; llama, mistral, qwen2, qwen3: q/k/v/o_proj, "
+        "gate/up/down_proj)",
+    )
+    train_modules: list[str] = Field(
+        default_factory=list,
+        description="modules trained in full beside the adapters (peft's modules_to_save), e.g. [lm_head]",
+    )
+    quantization: choice(None, "4bit", "8bit") = Field(
+        None, description="QLoRA base weights: not supported (needs a GPU kernel library); null"
+    )
+
+
 class ModelSection(Section):
     """What to train. Exactly one of `config`, `pretrained`, `factory`."""
 
@@ -94,6 +115,9 @@ class ModelSection(Section):
         False,
         description="LM head and cross-entropy in chunks, never the whole logits (less memory and memory "
         "traffic; transformers causal LMs with a plain LM head, see README: Models)",
+    )
+    lora: LoraSection | None = Field(
+        None, description="LoRA adapters on the frozen model (null = full training); see README: LoRA"
     )
 
 

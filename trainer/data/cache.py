@@ -229,7 +229,7 @@ def _build_cache(
 
     else:
         # data.eval_fraction: hold out the tail (packing keeps document order: the last documents).
-        n_eval = _held_out(n, section.eval_fraction) if section.eval_fraction > 0 else 0
+        n_eval = _held_out(n, section.eval_fraction, seq_len=seq_len) if section.eval_fraction > 0 else 0
         n_train = n - n_eval
 
         def write(d: Path) -> None:
@@ -264,12 +264,14 @@ def _block_targets(train: np.ndarray) -> np.ndarray:
     return targets
 
 
-def _held_out(n: int, fraction: float) -> int:
+def _held_out(n: int, fraction: float, key: str = "data.train", seq_len: int | None = None) -> int:
     """How many of `n` sequences data.eval_fraction holds out (at least one, never all)."""
     n_eval = max(1, math.ceil(n * fraction))
     if n_eval >= n:
+        of = f" of data.seq_len {seq_len}" if seq_len else ""
         raise UserError(
-            f"data.eval_fraction: {n} sequences are too few to hold out {fraction:.0%}; set eval_fraction: 0 or add data"
+            f"data.eval_fraction: {key} makes {n} sequence(s){of}, too few to hold out {fraction:.0%}; set "
+            f"eval_fraction: 0, add data or lower data.seq_len"
         )
     return n_eval
 
@@ -330,7 +332,7 @@ def _build_mixture_cache(
     for k, src in section.sources:
         rows, st = _source_rows(src, k, tok, section, num_proc)
         if section.eval is None and section.eval_fraction > 0:
-            n_eval = _held_out(len(rows), section.eval_fraction)
+            n_eval = _held_out(len(rows), section.eval_fraction, k, section.seq_len)
             rows, held = rows[:-n_eval], rows[-n_eval:]
             evals.append(held)
         train.append(rows)
@@ -365,7 +367,7 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
     if section.eval is not None:
         eval_, _ = build_rows(load_raw(section.eval, "data.eval"), tok, section, section.eval, "data.eval")
     elif section.eval_fraction > 0:
-        n_eval = _held_out(len(train), section.eval_fraction)
+        n_eval = _held_out(len(train), section.eval_fraction, seq_len=section.seq_len)
         train, eval_ = train[:-n_eval], train[-n_eval:]
     _publish(
         final,

@@ -158,7 +158,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 1,
+        "v": 2,
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -178,19 +178,33 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
                 module = fn(**thaw(section.factory_args))
         except Exception:  # a factory that cannot build on meta: build it for real once
             module = fn(**thaw(section.factory_args))
-        params, largest = count(module)
         cfg = getattr(module, "config", None)
+        trainable = None
+        if section.lora is not None:
+            from trainer.model import adapters
+
+            module = adapters.apply(module, section.lora)
+            trainable = adapters.trainable(module)[0]
+        params, largest = count(module)
         shape = _shape(cfg) if cfg is not None else {}
-        return ModelInfo(params=params, largest_layer=largest, **shape)
+        return ModelInfo(params=params, largest_layer=largest, trainable=trainable, **shape)
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(section, vocab_size, eos_id)
     kwargs = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
     with torch.device("meta"), _quiet_transformers():
         module = AutoModelForCausalLM.from_config(cfg, **kwargs)
+        attn = getattr(module.config, "_attn_implementation", None)
+        trainable = None
+        if section.lora is not None:
+            from trainer.model import adapters
+
+            module = adapters.apply(module, section.lora)
+            trainable = adapters.trainable(module)[0]
     params, largest = count(module)
-    attn = getattr(module.config, "_attn_implementation", None)
-    return ModelInfo(params=params, largest_layer=largest, attn_implementation=attn, **_shape(cfg))
+    return ModelInfo(
+        params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable, **_shape(cfg)
+    )
 
 
 @contextlib.contextmanager
@@ -271,6 +285,10 @@ def build(
         from trainer.model import loss
 
         loss.attach(model, zero3=zero3)
+    if section.lora is not None:
+        from trainer.model import adapters
+
+        model = adapters.apply(model, section.lora)  # the base frozen, adapters trainable
     # Training mode: from_pretrained returns a model in eval mode, so a fine-tuning run trained without
     # dropout until its first eval switched it back (and then ran 50% slower at once: the steps pay
     # for dropout from there on).

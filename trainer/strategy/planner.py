@@ -28,6 +28,7 @@ class ModelInfo:
 
     params: int  # unique parameters (tied weights once)
     largest_layer: int  # most parameters held directly by one module (ZeRO-3 gathers it whole)
+    trainable: int | None = None  # those that train (model.lora: the adapters); None = all
     hidden: int | None = None
     layers: int | None = None
     heads: int | None = None
@@ -35,6 +36,17 @@ class ModelInfo:
     positions: int | None = None
     attn_implementation: str | None = None  # eager materialises attention scores; sdpa/flash do not
     model_type: str | None = None
+
+
+def describe_params(info: ModelInfo, lora: Any = None) -> str:
+    """'N parameters', and with LoRA how many train and how many are frozen."""
+    if info.trainable is None:
+        return f"{info.params:,} parameters"
+    what = f"LoRA r={lora.r}: " if lora is not None else ""
+    return (
+        f"{info.params:,} parameters ({what}{info.trainable:,} trainable = {info.trainable / info.params:.2%}, "
+        f"{info.params - info.trainable:,} frozen)"
+    )
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -113,7 +125,14 @@ class Estimate:
 
 
 def model_states(
-    c: Candidate, p: int, largest: int, n: int, lp: int, grad_accum: int = 1, state_bytes: int = 8
+    c: Candidate,
+    p: int,
+    largest: int,
+    n: int,
+    lp: int,
+    grad_accum: int = 1,
+    state_bytes: int = 8,
+    trainable: int | None = None,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for Adam, following DeepSpeed's estimators.
 
@@ -125,21 +144,24 @@ def model_states(
     parameters as DeepSpeed does); offload moves the optimizer (and at stage 3 the parameters) off
     the device. Stage 1 keeps full gradients only between micro steps (grad_accum > 1); at the
     accumulation boundary DeepSpeed reduces them into partitions during backward, as stage 2 does.
+    `trainable` (model.lora): only these have gradients, master weights and optimizer state; the frozen
+    rest are weights in the training precision (partitioned at stage 3 like the others).
     """
+    t = p if trainable is None else trainable
     master = 4  # fp32 master weights (a separate fp32 copy in DeepSpeed's ZeRO even for fp32 models)
     moments = state_bytes
     fp32_grads = 4 if lp < 4 else 0
     if c.stage == 0:
-        params, grads, optim = lp * p, lp * p, (master if lp < 4 else 0) * p + moments * p
+        params, grads, optim = lp * p, lp * t, (master if lp < 4 else 0) * t + moments * t
     elif c.stage == 1:
-        full = lp * p if grad_accum > 1 else lp * p / n
-        params, grads, optim = lp * p, full + fp32_grads * p / n, (master + moments) * p / n
+        full = lp * t if grad_accum > 1 else lp * t / n
+        params, grads, optim = lp * p, full + fp32_grads * t / n, (master + moments) * t / n
     elif c.stage == 2:
-        params, grads, optim = lp * p, (lp + fp32_grads) * p / n, (master + moments) * p / n
+        params, grads, optim = lp * p, (lp + fp32_grads) * t / n, (master + moments) * t / n
     else:
         params = lp * p / n + 4 * largest  # own shard + one gathered layer (DeepSpeed: 4 x largest)
-        grads = (lp if lp == 4 else fp32_grads) * p / n
-        optim = (master + moments) * p / n
+        grads = (lp if lp == 4 else fp32_grads) * t / n
+        optim = (master + moments) * t / n
     if c.offload != "none":
         optim = 0
         grads = 0 if c.stage == 2 else grads / 2  # fp32 gradient partitions move to the host
@@ -151,23 +173,34 @@ def model_states(
     return int(params), int(grads), int(optim)
 
 
-def host_needs(c: Candidate, p: int, largest: int, n: int, gpus_per_node: int) -> int:
-    """Host bytes per node, DeepSpeed's estimator formulas (zero_init for stage 3)."""
+def host_needs(
+    c: Candidate, p: int, largest: int, n: int, gpus_per_node: int, trainable: int | None = None
+) -> int:
+    """Host bytes per node, DeepSpeed's estimator formulas (zero_init for stage 3); with offload the
+    optimizer's part counts the `trainable` parameters only."""
+    t = p if trainable is None else trainable
     nodes = max(1, n // max(1, gpus_per_node))
     f = HOST_BUFFER_FACTOR
     if c.stage == 3:
         if c.offload == "none":
             return int(largest * 4 * gpus_per_node * f)
-        per = 18 if c.offload_params else 16
         if c.offload == "nvme":  # states live on NVMe; the host keeps pinned swap buffers
             return int(largest * 4 * gpus_per_node * f + 2 * GiB)
-        return int(p * per / nodes * f)
+        return int((16 * t + (2 * p if c.offload_params else 0)) / nodes * f)
     if c.offload != "none":
-        return int(p * max(4 * n, 16) * f / nodes)
+        return int(t * max(4 * n, 16) * f / nodes)
     return int(p * 4 * gpus_per_node * f)
 
 
-def snapshot_bytes(c: Candidate, p: int, n: int, gpus_per_node: int, lp: int, state_bytes: int = 8) -> int:
+def snapshot_bytes(
+    c: Candidate,
+    p: int,
+    n: int,
+    gpus_per_node: int,
+    lp: int,
+    state_bytes: int = 8,
+    trainable: int | None = None,
+) -> int:
     """Host bytes per node for the copy an asynchronous save takes (checkpoint.async): what the
     node's ranks write. Rank 0 writes the module (low-precision values) at stages 0-2, every rank
     its shard at stage 3; the optimizer (fp32 masters and moments) goes whole in rank 0's file at
@@ -175,7 +208,8 @@ def snapshot_bytes(c: Candidate, p: int, n: int, gpus_per_node: int, lp: int, st
     g = max(1, min(gpus_per_node, n))
     master = 4 if (lp < 4 or c.stage > 0) else 0  # fp32 at stage 0 has no separate master copy
     module = lp * p if c.stage < 3 else lp * p * g / n
-    optim = (master + state_bytes) * p * (1 if c.stage == 0 else g / n)
+    t = p if trainable is None else trainable
+    optim = (master + state_bytes) * t * (1 if c.stage == 0 else g / n)
     return int(module + optim)
 
 
@@ -456,13 +490,20 @@ def estimate_all(
     out = []
     for c in table:
         par, grad, opt = model_states(
-            c, info.params, info.largest_layer, world_size, lp, exp.train.grad_accum, state_bytes
+            c,
+            info.params,
+            info.largest_layer,
+            world_size,
+            lp,
+            exp.train.grad_accum,
+            state_bytes,
+            info.trainable,
         )
         buf = buffers(c, info, lp, on_gpu, template)
-        host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node)
+        host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
         snap = 0
         if exp.checkpoint.async_ is not False:
-            snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes)
+            snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes, info.trainable)
         # checkpoint.async: true needs the copy's room; auto goes synchronous where it would not fit
         need = host + snap if exp.checkpoint.async_ is True else host
         nvme_ok = c.offload != "nvme" or bool(exp.strategy.nvme_path) or want_offload == "nvme"
