@@ -2,9 +2,10 @@
 """Benchmarks of the wrapper's cost, as ratios measured side by side in one run (see BENCHMARKS.md).
 
     bench/bench.py compare  [--stages 0 2 3] [--rounds 2] [--steps 40] [--warmup 10] [--nproc 2]
+    bench/bench.py peer     [--stages 0 2 3] [--shapes tiny gpt2-4x256 llama-gqa] [--rounds 3] [--peer-config minimal]
     bench/bench.py startup  [--rounds 3]
     bench/bench.py threads  [--rounds 2]
-    bench/bench.py datawait
+    bench/bench.py datawait [--nproc 1] [--settings 1 auto] [--rounds 2]
     bench/bench.py checkpoint [--rounds 2] [--steps 21] [--every 4] [--stage 2]
 
 compare: the same model, data, seed and DeepSpeed JSON (a) through bin/train and (b) through a
@@ -15,7 +16,7 @@ measures the GPT-2 124M experiment (configs/experiments/gpt2-124m.yaml) in bf16 
 startup: seconds from starting bin/train to its first completed step, against bench/bare_start.py
 (import deepspeed, build the same model, deepspeed.initialize, one step); and `--help`, `--plan`.
 threads: 2 ranks on this machine with the automatic threads per rank against torch's default.
-datawait: the share of step time spent waiting for data on tiny with its default loader.
+datawait: the share of step time spent waiting for data on tiny, per data.num_workers setting.
 checkpoint: synchronous against asynchronous saves (checkpoint.async) of a ~100M-parameter model,
 interleaved: training blocked per save, the background write time, step times around saves.
 """
@@ -107,8 +108,11 @@ def median_after(intervals: list[dict[str, Any]], warmup: int, log_every: int) -
 def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, Any]:
     """What the raw loop needs to run exactly what bin/train runs: the DeepSpeed JSON bin/train
     prints for this world size, the model config with the tokenizer's vocabulary, the packed data."""
+    import torch
+
     from trainer import config, data, model
     from trainer.config import thaw
+    from trainer.data.stream import resolve_workers
 
     p = subprocess.run(
         [
@@ -148,7 +152,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "chunked_loss": exp.model.chunked_loss,
         "log_every": exp.train.log_every,
         "weight_decay": exp.optim.weight_decay,
-        "num_workers": exp.data.num_workers,
+        "num_workers": resolve_workers(exp.data.num_workers, "cuda" if torch.cuda.is_available() else "cpu"),
         "pin_memory": exp.data.pin_memory,
         "persistent_workers": exp.data.persistent_workers,
         "seq_len": exp.data.seq_len,
@@ -268,6 +272,103 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- peer
+
+# The peer benchmark's shapes on CPU (bin/train's tiny data, 2 gloo ranks, micro 8 x 128 tokens):
+# tiny itself, a 4-layer 256-wide GPT-2, and a Llama with grouped-query attention.
+PEER_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "gpt2-4x256": {"model.config.n_embd": 256, "model.config.n_head": 4},
+    "llama-gqa": {
+        "model.config": json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "intermediate_size": 688,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+            }
+        ),  # fmt: skip
+    },
+}
+
+
+def hf(spec: dict[str, Any], nproc: int, work: Path) -> dict[str, Any]:
+    out = work / "hf.json"
+    spec_file = work / "hf-spec.json"
+    spec_file.write_text(json.dumps({**spec, "out": str(out), "work": str(work / "hf-out")}))
+    launch([str(ROOT / "bench" / "hf_peer.py"), "--spec", str(spec_file)], nproc, env_for(nproc))
+    return json.loads(out.read_text())
+
+
+def peer(a: argparse.Namespace) -> dict[str, Any]:
+    """bin/train with its defaults against the Hugging Face Trainer with DeepSpeed at the same stage,
+    on the same job, interleaved A B per round: median step time after warm-up, tokens/s, ratio."""
+    import torch
+
+    gpu = torch.cuda.is_available() and not a.cpu
+    nproc = a.nproc or (torch.cuda.device_count() if gpu else 2)
+    experiment = Path(a.experiment) if a.experiment else (GPT2 if gpu else TINY)
+    shapes = a.shapes or (["gpt2-124m"] if gpu else list(PEER_SHAPES))
+    work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
+    print(
+        f"# peer: bin/train against the HF Trainer ({a.peer_config} DeepSpeed config) on {nproc} "
+        f"{'GPU' if gpu else 'CPU'} rank(s); {a.rounds} rounds A B, {a.steps} steps, median of the "
+        f"{a.log_every}-step intervals after step {a.warmup}",
+        flush=True,
+    )
+    results = []
+    for shape in shapes:
+        base = {} if gpu or a.experiment else {**CPU_SETS, **PEER_SHAPES[shape]}
+        for item in a.set or []:
+            k, _, v = item.partition("=")
+            base[k] = v
+        for stage in a.stages:
+            sets = {
+                **base,
+                **run_sets(a.steps, a.log_every, work / "run", cache),
+                "strategy.zero_stage": stage,
+            }
+            spec = spec_for(experiment, sets, nproc)
+            # the Trainer gets bin/train's threads per rank (both ranks share this machine's cores)
+            spec.update(stage=stage, peer_config=a.peer_config, schedule="cosine",
+                        threads=None if gpu else max(1, cores() // nproc))  # fmt: skip
+            tokens_per_step = spec["micro"] * nproc * spec["grad_accum"] * spec["seq_len"]
+            rows: dict[str, list[float]] = {"ours": [], "hf": []}
+            for r in range(a.rounds):
+                for side in ("ours", "hf"):
+                    res = ours(experiment, sets, nproc, work) if side == "ours" else hf(spec, nproc, work)
+                    med = median_after(res["intervals"], a.warmup, a.log_every)
+                    rows[side].append(med)
+                    print(
+                        f"  {shape} zero{stage} round {r} {side:4}: median step {med * 1000:8.1f} ms",
+                        flush=True,
+                    )
+            o, h = statistics.median(rows["ours"]), statistics.median(rows["hf"])
+            per_round = [y / x for x, y in zip(rows["ours"], rows["hf"], strict=True)]  # tokens/s ours / hf
+            results.append({
+                "shape": shape, "stage": stage, "ours_step_ms": o * 1000, "hf_step_ms": h * 1000,
+                "ours_tokens_per_s": tokens_per_step / o, "hf_tokens_per_s": tokens_per_step / h,
+                "ratio": h / o, "ratio_min": min(per_round), "ratio_max": max(per_round), "runs": rows,
+                "ours_ds_config": spec["ds_config"].get("zero_optimization"),
+            })  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(
+        "| shape | stage | HF Trainer ms/step | bin/train ms/step | ours/HF tokens/s (min-max over rounds) |"
+    )
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['shape']} | {r['stage']} | {r['hf_step_ms']:.1f} | {r['ours_step_ms']:.1f} | "
+            f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |"
+        )
+    return {"peer": results, "device": "cuda" if gpu else "cpu", "nproc": nproc, "peer_config": a.peer_config}
+
+
 # ----------------------------------------------------------------------------- startup
 
 
@@ -362,34 +463,44 @@ def threads(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def datawait(a: argparse.Namespace) -> dict[str, Any]:
+    """tiny with each data.num_workers setting, interleaved per round, on --nproc ranks: the data-wait
+    share of step time, the median step time, and whether PyTorch warned about too many workers."""
     work = Path(tempfile.mkdtemp(prefix="bench-data-"))
     cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
-    sets = {
-        "run_dir": str(work / "run"),
-        "data.cache_dir": str(cache),
-        "train.max_steps": a.steps,
-        "train.eval_every": 0,
-        "checkpoint.save_final": False,
-    }
-    p = subprocess.run(
-        [sys.executable, str(TRAIN), str(TINY), *overrides(sets)],
-        cwd=ROOT,
-        env=env_for(1),
-        capture_output=True,
-        text=True,
-    )
-    if p.returncode != 0:
-        raise SystemExit(p.stderr[-3000:])
-    lines = [
-        json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
-    ]
-    shares = [m["data_wait_share"] for m in lines]
+    out: dict[str, dict[str, list[Any]]] = {w: {"wait": [], "step_ms": [], "warned": []} for w in a.settings}
+    for _ in range(a.rounds):
+        for w in a.settings:
+            sets = {
+                "run_dir": str(work / "run"),
+                "data.cache_dir": str(cache),
+                "data.num_workers": w,
+                "train.max_steps": a.steps,
+                "train.eval_every": 0,
+                "train.log_every": 5,
+                "checkpoint.save_final": False,
+                "checkpoint.every_steps": 0,
+            }
+            shutil.rmtree(work / "run", ignore_errors=True)
+            p = launch([str(TRAIN), str(TINY), *overrides(sets)], a.nproc, env_for(a.nproc))
+            lines = [
+                json.loads(x)
+                for x in (work / "run" / "metrics.jsonl").read_text().splitlines()
+                if '"loss"' in x
+            ]
+            steady = [m for m in lines if m["step"] > 10]
+            out[w]["wait"].append(statistics.mean(m["data_wait_share"] for m in steady))
+            out[w]["step_ms"].append(1000 * statistics.median(m["step_time_s"] for m in steady))
+            out[w]["warned"].append("worker processes in total" in p.stdout + p.stderr)
     shutil.rmtree(work, ignore_errors=True)
     print(
-        f"# data wait on tiny (defaults: num_workers 1, persistent workers), {a.steps} steps: "
-        f"mean {statistics.mean(shares):.2%}, max {max(shares):.2%} of step time"
+        f"# data wait on tiny, {a.nproc} rank(s), {a.steps} steps, {a.rounds} rounds interleaved (after step 10)"
     )
-    return {"data_wait_share": shares}
+    print("| data.num_workers | data wait (mean share of step) | median step ms | DataLoader warning |")
+    print("|---|---|---|---|")
+    for w, r in out.items():
+        print(f"| {w} | {statistics.mean(r['wait']):.2%} | {statistics.median(r['step_ms']):.1f} | "
+              f"{'yes' if any(r['warned']) else 'no'} |")  # fmt: skip
+    return {"datawait": out, "nproc": a.nproc}
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -472,25 +583,41 @@ def main() -> int:
     c.add_argument(
         "--set", action="append", help="an override for both sides, e.g. train.micro_batch_size=32"
     )
+    pe = sub.add_parser("peer", help="bin/train against the Hugging Face Trainer with DeepSpeed")
+    pe.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
+    pe.add_argument("--shapes", nargs="+", default=None, help=f"CPU: some of {', '.join(PEER_SHAPES)}")
+    pe.add_argument("--rounds", type=int, default=3)
+    pe.add_argument("--steps", type=int, default=60)
+    pe.add_argument("--warmup", type=int, default=20)
+    pe.add_argument("--log-every", type=int, default=5)
+    pe.add_argument("--nproc", type=int, default=None)
+    pe.add_argument("--cpu", action="store_true")
+    pe.add_argument("--experiment", default=None)
+    pe.add_argument("--peer-config", choices=["minimal", "hf-docs"], default="minimal")
+    pe.add_argument("--set", action="append")
     s = sub.add_parser("startup", help="bin/train to its first step, against a bare DeepSpeed script")
     s.add_argument("--rounds", type=int, default=3)
     t = sub.add_parser("threads", help="automatic CPU threads per rank against torch's default")
     t.add_argument("--rounds", type=int, default=2)
     t.add_argument("--steps", type=int, default=40)
-    d = sub.add_parser("datawait", help="data-wait share on tiny with its default loader")
+    d = sub.add_parser("datawait", help="data-wait share on tiny per data.num_workers setting")
     d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--rounds", type=int, default=2)
+    d.add_argument("--nproc", type=int, default=1)
+    d.add_argument("--settings", nargs="+", default=["1", "auto"], help="data.num_workers values")
     k = sub.add_parser("checkpoint", help="synchronous against asynchronous checkpoint saves")
     k.add_argument("--rounds", type=int, default=2)
     k.add_argument("--steps", type=int, default=21)
     k.add_argument("--every", type=int, default=4)
     k.add_argument("--stage", type=int, default=2)
     k.add_argument("--nproc", type=int, default=2)
-    for q in (c, s, t, d, k):
+    for q in (c, pe, s, t, d, k):
         q.add_argument("--cache-dir", default=None, help="tokenized-data cache (default .cache/bench-data)")
         q.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
     res = {
         "compare": compare,
+        "peer": peer,
         "startup": startup,
         "threads": threads,
         "datawait": datawait,

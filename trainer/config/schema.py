@@ -5,7 +5,7 @@ field has a one-line description, which is also the config reference (`bin/train
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field
@@ -168,7 +168,11 @@ class DataSection(Section):
     )
     seq_len: int = Field(256, ge=8, description="tokens per packed training sequence")
     append_eos: bool = Field(True, description="append the EOS token after every document")
-    num_workers: int = Field(4, ge=0, description="DataLoader worker processes per rank")
+    num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="DataLoader worker processes per rank; auto = from the CPU cores per rank and the device "
+        "(see README: Data)",
+    )
     pin_memory: bool = Field(True, description="page-locked host batches (used on GPU only)")
     persistent_workers: bool = Field(True, description="keep workers across epochs (when num_workers > 0)")
     num_proc: int | None = Field(None, ge=1, description="tokenizer processes; null = min(8, CPU cores)")

@@ -124,11 +124,31 @@ def _collate(rows: Any) -> Any:
     return torch.from_numpy(arr.astype(np.int64, copy=False))
 
 
+def auto_workers(cores_per_rank: int, device_type: str) -> int:
+    """data.num_workers: auto. A batch is one fancy index into memory-mapped blocks (tens of
+    microseconds), so a worker process only overlaps that copy with the step. On CPU the step's
+    threads use every core of the rank and a worker would take one from them: none (measured in
+    BENCHMARKS.md: Data wait). On a GPU the cores are free while the kernels run: one per two cores,
+    at most 4, never more than PyTorch's suggested maximum (the cores)."""
+    if device_type == "cpu":
+        return 0
+    return max(1, min(4, cores_per_rank // 2))
+
+
+def resolve_workers(setting: int | str, device_type: str) -> int:
+    """data.num_workers as set, or for auto from this node's cores per rank."""
+    if setting != "auto":
+        return int(setting)
+    from trainer.dist import cpu_cores, detect
+
+    return auto_workers(max(1, cpu_cores() // max(1, detect().local_world_size)), device_type)
+
+
 def make_loader(ds: Any, sampler: RankSampler, section: DataSection, device_type: str) -> Any:
     import torch
     from torch.utils.data import DataLoader
 
-    workers = section.num_workers
+    workers = resolve_workers(section.num_workers, device_type)
     return DataLoader(
         _Rows(ds),
         batch_size=sampler.micro,
