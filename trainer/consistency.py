@@ -191,7 +191,7 @@ def _flatten(x: Any) -> list[Any]:
 def census(ds: Any) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer states, counted from the
     engine's tensors (each storage once). Parameters: the module's weights (ZeRO-3: their
-    partitions). Optimizer: fp32 master copies (ZeRO) and Adam's moments. Gradients: the module's
+    partitions, and the whole tensors it keeps resident below the persistence threshold). Optimizer: fp32 master copies (ZeRO) and Adam's moments. Gradients: the module's
     .grad at stage 0, ZeRO's gradient partitions otherwise; module .grad left at stage >= 1 are
     gradients still waiting in a communication bucket, reported as `bucket`."""
     import torch
@@ -201,6 +201,10 @@ def census(ds: Any) -> dict[str, int]:
     opt = ds.optimizer
     base = getattr(ds, "basic_optimizer", None) or opt
     param_store = _storages(getattr(p, "ds_tensor", p.data) for p in module.parameters())
+    # ZeRO-3 keeps parameters below stage3_param_persistence_threshold whole as well, never released
+    param_store.update(
+        _storages(p.data for p in module.parameters() if getattr(p, "ds_persist", False) and p.data.numel())
+    )
     for flat in getattr(opt, "bit16_groups_flat", None) or []:
         param_store.update(_storages([flat]))
     if stage == 0:

@@ -85,7 +85,7 @@ def test_every_problem_is_reported_at_once_with_lines(tmp_path):
     for needle in [
         ":2: modle: unknown top-level key. Did you mean 'model'?",
         ":4: model.confg: unknown key. Did you mean 'config'?",
-        ":7: data.num_workers: must be greater than or equal to 0; got -1",
+        ":7: data.num_workers: must be auto or a whole number >= 0; got -1",
         ":9: train.micro_batch_size: must be greater than or equal to 1; got -8",
         ":10: train.max_steps: must be a valid integer",
         ":11: train.precision: must be one of: auto, fp32, bf16, fp16; got 'fp8'",

@@ -7,6 +7,7 @@ from helpers import TINY
 
 from trainer import config, strategy
 from trainer.errors import ConfigError, UserError
+from trainer.strategy import planner
 
 INFO = strategy.ModelInfo(params=1_000_000, largest_layer=40_000, hidden=128, layers=4, heads=4, vocab=257)
 
@@ -55,8 +56,27 @@ def test_owned_values_come_from_the_experiment():
     assert ds["scheduler"]["params"]["cos_min_ratio"] == 0.1
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
-    assert not strategy.autos(ds), "no 'auto' left"
-    assert ds["zero_optimization"]["reduce_bucket_size"] == strategy.auto_bucket(128)
+    assert not strategy.autos(ds), "no 'auto' or 'measured' left"
+    # This project's templates: "measured" (DeepSpeed's default buckets, no larger than the model)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == min(500_000_000, INFO.params)
+    assert ds["zero_optimization"]["allgather_bucket_size"] == min(500_000_000, INFO.params)
+
+
+def test_measured_sizes_at_stage_3_and_for_a_large_model():
+    ds, _ = build(["strategy.zero_stage=3", "strategy.justification=test"])
+    z = ds["zero_optimization"]
+    assert z["reduce_bucket_size"] == INFO.params and z["stage3_prefetch_bucket_size"] == INFO.params
+    assert z["stage3_param_persistence_threshold"] == 100_000  # DeepSpeed's default (HF's auto: 10 x hidden)
+    big = strategy.ModelInfo(params=7 * 10**9, largest_layer=10**8, hidden=4096, trainable=4 * 10**7)
+    sizes = planner.measured_sizes(big)
+    assert sizes["reduce_bucket_size"] == 4 * 10**7  # LoRA: the trainable parameters
+    assert sizes["stage3_prefetch_bucket_size"] == 50_000_000
+    assert (
+        planner.measured_sizes(strategy.ModelInfo(params=7 * 10**9, largest_layer=10**8))[
+            "reduce_bucket_size"
+        ]
+        == 5 * 10**8
+    )
 
 
 @pytest.mark.parametrize(("schedule", "ds_type"), [("linear", "WarmupDecayLR"), ("constant", "WarmupLR")])

@@ -33,6 +33,20 @@ def choice(*allowed: Any) -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
+def auto_or_count() -> Any:
+    """A field that takes "auto" or a whole number >= 0."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        raise ValueError("must be auto or a whole number >= 0")
+
+    check.allowed = "auto|int"  # type: ignore[attr-defined]  (for the reference)
+    return Annotated[Any, BeforeValidator(check)]
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"

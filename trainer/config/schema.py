@@ -5,7 +5,7 @@ field has a one-line description, which is also the config reference (`bin/train
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, Field
@@ -19,6 +19,7 @@ from trainer.config.fields import (
     _model_of,
     _show,
     _unwrap,
+    auto_or_count,
     choice,
     keys,
     thaw,
@@ -168,7 +169,7 @@ class DataSection(Section):
     )
     seq_len: int = Field(256, ge=8, description="tokens per packed training sequence")
     append_eos: bool = Field(True, description="append the EOS token after every document")
-    num_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+    num_workers: auto_or_count() = Field(
         "auto",
         description="DataLoader worker processes per rank; auto = from the CPU cores per rank and the device "
         "(see README: Data)",

@@ -118,6 +118,11 @@ def count(module: Any) -> tuple[int, int]:
     return sum(unique.values()), largest
 
 
+def sizes(module: Any) -> tuple[int, ...]:
+    """Elements of each unique parameter tensor, ascending (ZeRO-3 keeps those up to a threshold whole)."""
+    return tuple(sorted({id(p): p.numel() for p in module.parameters()}.values()))
+
+
 def info(
     section: ModelSection,
     vocab_size: int | None = None,
@@ -135,7 +140,8 @@ def info(
     path = Path(cache_dir).expanduser() / "model-info" / f"{key}.json" if cache_dir and key else None
     if path is not None and path.is_file():
         with contextlib.suppress(OSError, ValueError, TypeError):
-            return ModelInfo(**json.loads(path.read_text()))
+            found = json.loads(path.read_text())
+            return ModelInfo(**{**found, "param_sizes": tuple(found.get("param_sizes", ()))})
     found = _count(section, vocab_size, eos_id)
     if path is not None:
         with contextlib.suppress(OSError):  # a read-only cache only costs speed
@@ -158,7 +164,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 2,
+        "v": 3,
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -187,7 +193,9 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
             trainable = adapters.trainable(module)[0]
         params, largest = count(module)
         shape = _shape(cfg) if cfg is not None else {}
-        return ModelInfo(params=params, largest_layer=largest, trainable=trainable, **shape)
+        return ModelInfo(
+            params=params, largest_layer=largest, trainable=trainable, param_sizes=sizes(module), **shape
+        )
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(section, vocab_size, eos_id)
@@ -203,8 +211,9 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
             trainable = adapters.trainable(module)[0]
     params, largest = count(module)
     return ModelInfo(
-        params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable, **_shape(cfg)
-    )
+        params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable,
+        param_sizes=sizes(module), **_shape(cfg),
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

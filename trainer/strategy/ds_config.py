@@ -21,7 +21,7 @@ from typing import Any
 from trainer.config import TEMPLATES_DIR, Experiment
 from trainer.errors import Problem, UserError, did_you_mean
 from trainer.optimizers import OPTIMIZERS
-from trainer.strategy.planner import Candidate, ModelInfo, Plan, auto_bucket, device_of
+from trainer.strategy.planner import Candidate, ModelInfo, Plan, device_of, zero_sizes
 
 # Top-level keys DeepSpeed 0.19 reads (its own parser silently ignores anything else).
 DEEPSPEED_KEYS = frozenset(
@@ -321,20 +321,15 @@ def _zero(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, info: Mod
                 f.own(
                     d, f"zero_optimization.{part}.nvme_path", exp.strategy.nvme_path, why="strategy.nvme_path"
                 )
-    # Model-dependent sizes the Hugging Face integration also calls "auto".
-    h = info.hidden or 1024
-    for key, value in (
-        ("reduce_bucket_size", auto_bucket(h)),
-        ("allgather_bucket_size", auto_bucket(h)),
-        ("stage3_prefetch_bucket_size", int(0.9 * auto_bucket(h))),
-        ("stage3_param_persistence_threshold", 10 * h),
-    ):
-        if zero.get(key) == "auto":
+    # Model-dependent sizes: "measured" (this project's templates: the rule measured in BENCHMARKS.md)
+    # and "auto" (a Hugging Face-style template: that integration's rule).
+    for key, value in zero_sizes(info, zero).items():
+        if zero.get(key) in ("auto", "measured"):
             zero[key] = value
 
 
 def autos(d: Any, prefix: str = "") -> list[str]:
-    """Dotted paths in `d` still set to "auto"."""
+    """Dotted paths in `d` still set to "auto" (or "measured")."""
     if isinstance(d, dict):
         return [p for k, v in d.items() for p in autos(v, f"{prefix}{k}.")]
-    return [prefix[:-1]] if d == "auto" else []
+    return [prefix[:-1]] if d in ("auto", "measured") else []

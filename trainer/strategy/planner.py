@@ -29,6 +29,7 @@ class ModelInfo:
     params: int  # unique parameters (tied weights once)
     largest_layer: int  # most parameters held directly by one module (ZeRO-3 gathers it whole)
     trainable: int | None = None  # those that train (model.lora: the adapters); None = all
+    param_sizes: tuple[int, ...] = ()  # elements of each parameter tensor, ascending (ZeRO-3 persistence)
     hidden: int | None = None
     layers: int | None = None
     heads: int | None = None
@@ -133,6 +134,7 @@ def model_states(
     grad_accum: int = 1,
     state_bytes: int = 8,
     trainable: int | None = None,
+    persistent: int = 0,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for Adam, following DeepSpeed's estimators.
 
@@ -146,6 +148,8 @@ def model_states(
     accumulation boundary DeepSpeed reduces them into partitions during backward, as stage 2 does.
     `trainable` (model.lora): only these have gradients, master weights and optimizer state; the frozen
     rest are weights in the training precision (partitioned at stage 3 like the others).
+    `persistent`: at stage 3, the elements of the tensors small enough to be kept whole on every rank
+    (stage3_param_persistence_threshold).
     """
     t = p if trainable is None else trainable
     master = 4  # fp32 master weights (a separate fp32 copy in DeepSpeed's ZeRO even for fp32 models)
@@ -159,7 +163,8 @@ def model_states(
     elif c.stage == 2:
         params, grads, optim = lp * p, (lp + fp32_grads) * t / n, (master + moments) * t / n
     else:
-        params = lp * p / n + 4 * largest  # own shard + one gathered layer (DeepSpeed: 4 x largest)
+        # own shard, the persistent small tensors also whole, one gathered layer (DeepSpeed: 4 x largest)
+        params = lp * p / n + lp * persistent + 4 * largest
         grads = (lp if lp == 4 else fp32_grads) * t / n
         optim = (master + moments) * t / n
     if c.offload != "none":
@@ -246,20 +251,69 @@ def activations(
 def buffers(c: Candidate, info: ModelInfo, lp: int, on_gpu: bool, template: Mapping[str, Any] | None) -> int:
     """Fixed per-rank buffers: CUDA context on a GPU plus ZeRO's communication buckets."""
     zero = (template or {}).get("zero_optimization", {}) if template else {}
-    h = info.hidden or 1024
-    bucket = _number(zero.get("reduce_bucket_size"), auto_bucket(h))
+    sizes = zero_sizes(info, zero if template else dict.fromkeys(MEASURED, "measured"))
     out = CUDA_CONTEXT if on_gpu else 0
     if c.stage in (1, 2):
-        out += int(2 * bucket * lp)  # reduce bucket, double-buffered with overlap_comm
+        out += int(2 * sizes["reduce_bucket_size"] * lp)  # reduce bucket, double-buffered with overlap_comm
     elif c.stage == 3:
-        prefetch = _number(zero.get("stage3_prefetch_bucket_size"), int(0.9 * auto_bucket(h)))
-        out += int((bucket + prefetch) * lp)
+        out += int((sizes["reduce_bucket_size"] + sizes["stage3_prefetch_bucket_size"]) * lp)
     return out
 
 
 def auto_bucket(hidden: int) -> int:
     """Bucket size (elements) for "auto": hidden^2, as the Hugging Face integration does."""
     return hidden * hidden
+
+
+# DeepSpeed 0.19's defaults for the sizes below (DeepSpeedZeroConfig).
+DEEPSPEED_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
+MEASURED = tuple(DEEPSPEED_DEFAULTS)
+
+
+def measured_sizes(info: ModelInfo) -> dict[str, int]:
+    """The rule behind "measured" in configs/deepspeed/ (BENCHMARKS.md: DeepSpeed defaults by
+    measurement): DeepSpeed's own defaults, with the buckets no larger than the trainable parameters
+    (one bucket for a small model: as few collectives as DeepSpeed's default, without a 1 GB buffer).
+    The Hugging Face rule for "auto" (hidden^2 buckets, a persistence threshold of 10 x hidden) ran
+    stage 2 at 0.63x and stage 3 at 0.82x of this on CPU: many small collectives."""
+    p = info.trainable if info.trainable is not None else info.params
+    return {
+        "reduce_bucket_size": int(min(DEEPSPEED_DEFAULTS["reduce_bucket_size"], max(p, 1))),
+        "allgather_bucket_size": int(min(DEEPSPEED_DEFAULTS["allgather_bucket_size"], max(p, 1))),
+        "stage3_prefetch_bucket_size": int(
+            min(DEEPSPEED_DEFAULTS["stage3_prefetch_bucket_size"], max(info.params, 1))
+        ),
+        "stage3_param_persistence_threshold": DEEPSPEED_DEFAULTS["stage3_param_persistence_threshold"],
+    }
+
+
+def zero_sizes(info: ModelInfo, zero: Mapping[str, Any]) -> dict[str, int]:
+    """The bucket and threshold sizes a zero_optimization section means: a number as written,
+    "measured" by `measured_sizes`, "auto" by the Hugging Face integration's rule, absent by
+    DeepSpeed's default."""
+    h = info.hidden or 1024
+    hf = {
+        "reduce_bucket_size": auto_bucket(h),
+        "allgather_bucket_size": auto_bucket(h),
+        "stage3_prefetch_bucket_size": int(0.9 * auto_bucket(h)),
+        "stage3_param_persistence_threshold": 10 * h,
+    }
+    measured = measured_sizes(info)
+    out = {}
+    for key, default in DEEPSPEED_DEFAULTS.items():
+        value = zero.get(key)
+        if value == "auto":
+            out[key] = hf[key]
+        elif value == "measured":
+            out[key] = measured[key]
+        else:
+            out[key] = _number(value, default)
+    return out
 
 
 def _number(value: Any, default: int) -> int:
@@ -489,6 +543,15 @@ def estimate_all(
         table.insert(table.index(_c(3, want_offload)), Candidate(3, want_offload, False))
     out = []
     for c in table:
+        persistent = 0
+        if c.stage == 3:
+            zero = (
+                (template or {}).get("zero_optimization", {})
+                if template
+                else dict.fromkeys(MEASURED, "measured")
+            )
+            threshold = zero_sizes(info, zero)["stage3_param_persistence_threshold"]
+            persistent = sum(x for x in info.param_sizes if x <= threshold)
         par, grad, opt = model_states(
             c,
             info.params,
@@ -498,6 +561,7 @@ def estimate_all(
             exp.train.grad_accum,
             state_bytes,
             info.trainable,
+            persistent,
         )
         buf = buffers(c, info, lp, on_gpu, template)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
