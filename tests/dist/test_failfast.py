@@ -102,7 +102,9 @@ def test_a_hung_rank_ends_the_job_within_the_watchdog_timeout(tmp_path):
     assert r.returncode != 0 and "[rank 1] WARNING injected hang" in r.output, r.output[-3000:]
     assert "watchdog: rank 1 made no progress" in r.output and "Stacks of every thread" in r.output
     dump = r.output[r.output.find("watchdog: rank 1") :][:4000]
-    assert "faults.py\", line" in r.output and "in before_step" in r.output, dump  # where rank 1 is stuck
+    # Where rank 1 is stuck. (Rank 0, blocked in the all-reduce, dumps its stacks at the same moment
+    # and the launcher interleaves the two streams character by character: look for the names alone.)
+    assert "faults.py" in r.output and "before_step" in r.output, dump
     # Timed from the hang, not from process start (start-up takes 10-40 s on a loaded 2-core machine):
     # 30 s of watchdog, then the dump of stacks, the abort and the launcher's reaction.
     after = seconds_after(r, took, "injected hang")
