@@ -21,6 +21,7 @@ things must hold:
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -123,11 +124,15 @@ def test_bf16_oom_escalation_climbs_0_2_3_and_finishes(tmp_path, small_data, run
     losses = [(m["step"], m["loss"]) for m in records if "loss" in m]
     steps = [st for st, _ in losses]
     assert sorted(set(steps)) == list(range(1, 13)), "no step skipped"
-    assert sorted({st for st in steps if steps.count(st) > 1}) == [7, 10], (
-        "only the steps after each checkpoint repeat"
-    )
-    for step in (7, 10):
-        before, after = [loss for st, loss in losses if st == step]
+    # Each attempt resumed from the latest committed checkpoint: step 6 and 9 as a rule, or the one
+    # before when the background write of that save had not committed when the OOM came (a save is
+    # committed a step or more after it is taken; seen once on a loaded CI machine).
+    resumed = [int(x) for x in re.findall(r"resumed from \S+ at step (\d+)", out)]
+    assert len(resumed) == 2 and resumed[0] in (3, 6) and resumed[1] in (resumed[0], 6, 9), resumed
+    repeats = sorted({*range(resumed[0] + 1, 8), *range(resumed[1] + 1, 11)})
+    assert sorted({st for st in steps if steps.count(st) > 1}) == repeats, "only the steps after each checkpoint repeat"
+    for step in (resumed[0] + 1, resumed[1] + 1):  # the first step after a resume: same batch, same weights
+        before, after = [loss for st, loss in losses if st == step][-2:]
         assert after == before, f"step {step} after the resume: {after} vs {before}"
     last = dict(losses)  # the attempt that went on from each step
     drift = max(abs(loss / a.losses[st] - 1) for st, loss in last.items())
