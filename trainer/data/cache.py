@@ -220,33 +220,27 @@ def _build_cache(
         )
         if eval_tokens == 0:
             raise UserError("data.eval: the documents hold no text; point it at data")
-        n_train, n_eval = n, blocks(eval_tokens, seq_len)
+        n_train, n_eval, train_tokens = n, blocks(eval_tokens, seq_len), tokens
+        fills = [(ids, [("train.npy", n_train)]), (eval_ids, [("eval.npy", n_eval)])]
         tokens += eval_tokens
-
-        def write(d: Path) -> None:
-            fill_blocks(ids, [_open_blocks(d / "train.npy", n_train, seq_len)])
-            fill_blocks(eval_ids, [_open_blocks(d / "eval.npy", n_eval, seq_len)])
-
     else:
         # data.eval_fraction: hold out the tail (packing keeps document order: the last documents).
         n_eval = _held_out(n, section.eval_fraction, seq_len=seq_len) if section.eval_fraction > 0 else 0
-        n_train = n - n_eval
+        n_train, train_tokens = n - n_eval, min(tokens, (n - n_eval) * seq_len)
+        fills = [(ids, [("train.npy", n_train)] + ([("eval.npy", n_eval)] if n_eval else []))]
 
-        def write(d: Path) -> None:
-            parts = [_open_blocks(d / "train.npy", n_train, seq_len)]
-            if n_eval:
-                parts.append(_open_blocks(d / "eval.npy", n_eval, seq_len))
-            fill_blocks(ids, parts)
-
-    def write_all(d: Path) -> None:
-        write(d)
-        train = np.load(d / "train.npy", mmap_mode="r")
-        if (train[-1] < 0).any():  # the padded last block is in training: the loss's count per row
-            np.save(d / "targets.npy", _block_targets(train))
+    def write(d: Path) -> None:
+        for stream, files in fills:  # each token stream end to end into its files' blocks
+            fill_blocks(stream, [_open_blocks(d / name, rows, seq_len) for name, rows in files])
+        # The padded last block is in training: the loss's count per row (known without reading it).
+        if train_tokens < n_train * seq_len:
+            targets = np.full(n_train, seq_len - 1, dtype=np.int32)
+            targets[-1] = train_tokens - (n_train - 1) * seq_len - 1
+            np.save(d / "targets.npy", targets)
 
     _publish(
         final,
-        write_all,
+        write,
         None,
         {**key, "train_sequences": n_train, "eval_sequences": n_eval, "tokens": tokens},
     )

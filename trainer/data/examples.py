@@ -15,7 +15,7 @@ import numpy as np
 
 from trainer.config import DataSection, DataSource
 from trainer.data.chat import Example, check_messages, render_chat, render_prompt_completion, template_for
-from trainer.data.pack import pack_examples
+from trainer.data.pack import pack_examples, tokenize_documents
 from trainer.errors import UserError
 
 
@@ -75,20 +75,30 @@ def build_rows(
             f"data.seq_len {seq_len} dropped, {no_target} with no target left); raise data.seq_len"
         )
     rows = _pack(kept, tok, section)
-    stats = {
-        "kind": src.kind,
-        "examples": len(kept) + dropped_long + no_target,
-        "kept": len(kept),
-        "truncated": truncated,
-        "dropped_too_long": dropped_long,
-        "dropped_no_target": no_target,
+    stats = _stats(src.kind, rows, seq_len, examples=len(kept) + dropped_long + no_target, kept=len(kept),
+                   tokens=tokens, targets=targets, example=shown, truncated=truncated,
+                   dropped_too_long=dropped_long, dropped_no_target=no_target)  # fmt: skip
+    return rows, stats
+
+
+def _stats(kind: str, rows: np.ndarray, seq_len: int, *, examples: int, kept: int, tokens: int, targets: int,
+           example: str | None, **counts: int) -> dict[str, Any]:  # fmt: skip
+    """What build_rows reports (the banner, the cache's meta.json): `counts` are the truncated and
+    dropped examples (and for text the documents split across sequences)."""
+    return {
+        "kind": kind,
+        "examples": examples,
+        "kept": kept,
+        "truncated": 0,
+        "dropped_too_long": 0,
+        "dropped_no_target": 0,
+        **counts,
         "tokens": tokens,
         "target_tokens": targets,
         "rows": len(rows),
         "padding_share": 1 - tokens / (len(rows) * seq_len),
-        "example": shown,
+        "example": example,
     }
-    return rows, stats
 
 
 def _pack(kept: list[Example], tok: Any, section: DataSection) -> np.ndarray:
@@ -104,38 +114,22 @@ def _document_rows(
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """data.separate_documents: text documents as examples, every token a target (but the first of
     each piece: nothing of its own comes before it)."""
-    seq_len, eos = section.seq_len, tok.eos_token_id
+    seq_len = section.seq_len
+    ids, _ = tokenize_documents(raw, tok, section, src.text_field, num_proc=1)  # EOS appended as for text
     kept: list[Example] = []
-    documents = split = tokens = targets = 0
-    for lo in range(0, len(raw), 1000):
-        texts = [t for t in raw[lo : lo + 1000][src.text_field] if isinstance(t, str) and t]
-        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
-            ids = ids + [eos] if section.append_eos else ids
-            documents += 1
-            split += len(ids) > seq_len
-            for at in range(0, len(ids), seq_len):
-                piece = ids[at : at + seq_len]
-                kept.append(Example(piece, [True] * len(piece)))
-                tokens += len(piece)
-                targets += len(piece) - 1
+    split = tokens = targets = 0
+    for doc in ids["ids"]:
+        split += len(doc) > seq_len
+        for at in range(0, len(doc), seq_len):
+            piece = doc[at : at + seq_len]
+            kept.append(Example(piece, [True] * len(piece)))
+            tokens += len(piece)
+            targets += len(piece) - 1
     if not kept:
         raise UserError(f"{key}: the documents hold no text ({len(raw)} rows); point it at data")
     rows = _pack(kept, tok, section)
-    stats = {
-        "kind": "text",
-        "examples": documents,
-        "kept": documents,
-        "split": split,
-        "truncated": 0,
-        "dropped_too_long": 0,
-        "dropped_no_target": 0,
-        "tokens": tokens,
-        "target_tokens": targets,
-        "rows": len(rows),
-        "padding_share": 1 - tokens / (len(rows) * seq_len),
-        "example": None,
-    }
-    return rows, stats
+    return rows, _stats("text", rows, seq_len, examples=len(ids), kept=len(ids), tokens=tokens,
+                        targets=targets, example=None, split=split)  # fmt: skip
 
 
 def describe(stats: dict[str, Any]) -> str:

@@ -45,12 +45,12 @@ def _projections(model: Any) -> dict[str, str]:
     return out
 
 
-def targets(lora: Any, model: Any) -> list[str]:
+def targets(lora: Any, model: Any, present: dict[str, str]) -> list[str]:
     """model.lora.target_modules, or the family's default; each must match a module (by its name or
-    the end of it, as peft matches), else an error that lists the modules there are."""
+    the end of it, as peft matches), else an error that lists the modules there are (`present`:
+    `_projections(model)`)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     names = list(lora.target_modules) if lora.target_modules else DEFAULT_TARGETS.get(model_type or "")
-    present = _projections(model)
     leaves = sorted({n.rsplit(".", 1)[-1] for n in present if n})
     if not names:
         raise UserError(
@@ -72,11 +72,10 @@ def apply(model: Any, lora: Any) -> Any:
     """`model` wrapped by peft with LoRA adapters (the base frozen). Returns the PeftModel."""
     from peft import LoraConfig, get_peft_model
 
-    names = targets(lora, model)
+    present = _projections(model)
+    names = targets(lora, model, present)
     conv1d = any(
-        t == "Conv1D"
-        for n, t in _projections(model).items()
-        if any(n == x or n.endswith("." + x) for x in names)
+        t == "Conv1D" for n, t in present.items() if any(n == x or n.endswith("." + x) for x in names)
     )
     cfg = LoraConfig(
         r=lora.r,

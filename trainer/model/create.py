@@ -185,12 +185,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         except Exception:  # a factory that cannot build on meta: build it for real once
             module = fn(**thaw(section.factory_args))
         cfg = getattr(module, "config", None)
-        trainable = None
-        if section.lora is not None:
-            from trainer.model import adapters
-
-            module = adapters.apply(module, section.lora)
-            trainable = adapters.trainable(module)[0]
+        module, trainable = _with_lora(module, section)
         params, largest = count(module)
         shape = _shape(cfg) if cfg is not None else {}
         return ModelInfo(
@@ -203,17 +198,22 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
     with torch.device("meta"), _quiet_transformers():
         module = AutoModelForCausalLM.from_config(cfg, **kwargs)
         attn = getattr(module.config, "_attn_implementation", None)
-        trainable = None
-        if section.lora is not None:
-            from trainer.model import adapters
-
-            module = adapters.apply(module, section.lora)
-            trainable = adapters.trainable(module)[0]
+        module, trainable = _with_lora(module, section)
     params, largest = count(module)
     return ModelInfo(
         params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable,
         param_sizes=sizes(module), **_shape(cfg),
     )  # fmt: skip
+
+
+def _with_lora(module: Any, section: ModelSection) -> tuple[Any, int | None]:
+    """The module with model.lora's adapters applied, and its trainable parameters (None: all train)."""
+    if section.lora is None:
+        return module, None
+    from trainer.model import adapters
+
+    module = adapters.apply(module, section.lora)
+    return module, adapters.trainable(module)[0]
 
 
 @contextlib.contextmanager

@@ -250,8 +250,7 @@ def activations(
 
 def buffers(c: Candidate, info: ModelInfo, lp: int, on_gpu: bool, template: Mapping[str, Any] | None) -> int:
     """Fixed per-rank buffers: CUDA context on a GPU plus ZeRO's communication buckets."""
-    zero = (template or {}).get("zero_optimization", {}) if template else {}
-    sizes = zero_sizes(info, zero if template else dict.fromkeys(MEASURED, "measured"))
+    sizes = zero_sizes(info, zero_section(template))
     out = CUDA_CONTEXT if on_gpu else 0
     if c.stage in (1, 2):
         out += int(2 * sizes["reduce_bucket_size"] * lp)  # reduce bucket, double-buffered with overlap_comm
@@ -290,6 +289,14 @@ def measured_sizes(info: ModelInfo) -> dict[str, int]:
         ),
         "stage3_param_persistence_threshold": DEEPSPEED_DEFAULTS["stage3_param_persistence_threshold"],
     }
+
+
+def zero_section(template: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """A user's template's zero_optimization, or what this project's templates say (no template
+    given: the candidate's own, whose sizes are "measured")."""
+    if template:
+        return template.get("zero_optimization", {})
+    return dict.fromkeys(MEASURED, "measured")
 
 
 def zero_sizes(info: ModelInfo, zero: Mapping[str, Any]) -> dict[str, int]:
@@ -545,12 +552,7 @@ def estimate_all(
     for c in table:
         persistent = 0
         if c.stage == 3:
-            zero = (
-                (template or {}).get("zero_optimization", {})
-                if template
-                else dict.fromkeys(MEASURED, "measured")
-            )
-            threshold = zero_sizes(info, zero)["stage3_param_persistence_threshold"]
+            threshold = zero_sizes(info, zero_section(template))["stage3_param_persistence_threshold"]
             persistent = sum(x for x in info.param_sizes if x <= threshold)
         par, grad, opt = model_states(
             c,
