@@ -7,6 +7,7 @@
     bench/bench.py threads  [--rounds 2]
     bench/bench.py datawait [--nproc 1] [--settings 1 auto] [--rounds 2]
     bench/bench.py checkpoint [--rounds 2] [--steps 21] [--every 4] [--stage 2]
+    bench/bench.py scaling  [--stages 0 2 3] [--ranks 1 2] [--steps 60] [--out runs/scaling]
 
 compare: the same model, data, seed and DeepSpeed JSON (a) through bin/train and (b) through a
 minimal hand-written DeepSpeed loop (bench/raw_loop.py), interleaved A B A B under the deepspeed
@@ -17,6 +18,10 @@ startup: seconds from starting bin/train to its first completed step, against be
 (import deepspeed, build the same model, deepspeed.initialize, one step); and `--help`, `--plan`.
 threads: 2 ranks on this machine with the automatic threads per rank against torch's default.
 datawait: the share of step time spent waiting for data on tiny, per data.num_workers setting.
+scaling: runs of one experiment at each world size in --ranks, per stage: the batch per rank kept
+(weak scaling) and the global batch of the most ranks kept through gradient accumulation (strong
+scaling); then `bin/report` on all of them (efficiencies, loss curves overlaid). On CPU every rank
+gets one thread, so that a rank is one core as a GPU is one device.
 checkpoint: synchronous against asynchronous saves (checkpoint.async) of a ~100M-parameter model,
 interleaved: training blocked per save, the background write time, step times around saves.
 """
@@ -338,11 +343,13 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
                         threads=None if gpu else max(1, cores() // nproc))  # fmt: skip
             tokens_per_step = spec["micro"] * nproc * spec["grad_accum"] * spec["seq_len"]
             rows: dict[str, list[float]] = {"ours": [], "hf": []}
+            losses: dict[str, list[float]] = {}
             for r in range(a.rounds):
                 for side in ("ours", "hf"):
                     res = ours(experiment, sets, nproc, work) if side == "ours" else hf(spec, nproc, work)
                     med = median_after(res["intervals"], a.warmup, a.log_every)
                     rows[side].append(med)
+                    losses[side] = [x["loss"] for x in res.get("losses", res["intervals"])]
                     print(
                         f"  {shape} zero{stage} round {r} {side:4}: median step {med * 1000:8.1f} ms",
                         flush=True,
@@ -353,6 +360,7 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
                 "shape": shape, "stage": stage, "ours_step_ms": o * 1000, "hf_step_ms": h * 1000,
                 "ours_tokens_per_s": tokens_per_step / o, "hf_tokens_per_s": tokens_per_step / h,
                 "ratio": h / o, "ratio_min": min(per_round), "ratio_max": max(per_round), "runs": rows,
+                "losses": losses,
                 "ours_ds_config": spec["ds_config"].get("zero_optimization"),
             })  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
@@ -568,6 +576,53 @@ def checkpoint(a: argparse.Namespace) -> dict[str, Any]:
     return {"checkpoint": results, "stall_ratio": async_b / sync_b}
 
 
+# ----------------------------------------------------------------------------- scaling
+
+
+def scaling(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from trainer.report import compare_main
+
+    gpu = torch.cuda.is_available() and not a.cpu
+    ranks = sorted(set(a.ranks or [1, torch.cuda.device_count() if gpu else 2]))
+    experiment = Path(a.experiment) if a.experiment else (GPT2 if gpu else TINY)
+    base = {} if gpu or a.experiment else dict(CPU_SETS)
+    for item in a.set or []:
+        k, _, v = item.partition("=")
+        base[k] = v
+    cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
+    out = Path(a.out)
+    widest = ranks[-1]
+    # (ranks, grad_accum): the batch per rank kept at every size (weak), and the global batch of the
+    # most ranks kept (strong) by accumulating widest/n micro batches on n ranks
+    jobs = sorted({(n, 1) for n in ranks} | {(n, widest // n) for n in ranks if widest % n == 0})
+    print(
+        f"# scaling: {experiment.name} at {ranks} {'GPU' if gpu else 'CPU'} rank(s), stages {a.stages}; "
+        f"{a.steps} steps each; runs in {out}",
+        flush=True,
+    )
+    dirs = []
+    for stage in a.stages:
+        for n, accum in jobs:
+            run = out / f"zero{stage}-{n}rank{'s' if n > 1 else ''}-accum{accum}"
+            shutil.rmtree(run, ignore_errors=True)
+            sets = {
+                **base,
+                **run_sets(a.steps, a.log_every, run, cache),
+                "strategy.zero_stage": stage,
+                "train.grad_accum": accum,
+            }
+            env = env_for(n, None if gpu else {"OMP_NUM_THREADS": "1"})  # CPU: one core per rank
+            t0 = time.perf_counter()
+            launch([str(TRAIN), str(experiment), *overrides(sets)], n, env)
+            print(f"  {run.name}: {time.perf_counter() - t0:.0f} s wall", flush=True)
+            dirs.append(run)
+    print()
+    code = compare_main(dirs, out / "scaling.png")
+    return {"scaling": [str(d) for d in dirs], "report_exit": code}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -611,7 +666,18 @@ def main() -> int:
     k.add_argument("--every", type=int, default=4)
     k.add_argument("--stage", type=int, default=2)
     k.add_argument("--nproc", type=int, default=2)
-    for q in (c, pe, s, t, d, k):
+    sc = sub.add_parser("scaling", help="runs at 1 and N ranks, then bin/report's scaling efficiency")
+    sc.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
+    sc.add_argument(
+        "--ranks", type=int, nargs="+", default=None, help="world sizes (default: 1 and every GPU, or 1 2)"
+    )
+    sc.add_argument("--steps", type=int, default=60)
+    sc.add_argument("--log-every", type=int, default=5)
+    sc.add_argument("--cpu", action="store_true")
+    sc.add_argument("--experiment", default=None)
+    sc.add_argument("--set", action="append")
+    sc.add_argument("--out", default=str(ROOT / "runs" / "scaling"), help="where the runs are kept")
+    for q in (c, pe, s, t, d, k, sc):
         q.add_argument("--cache-dir", default=None, help="tokenized-data cache (default .cache/bench-data)")
         q.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
@@ -622,6 +688,7 @@ def main() -> int:
         "threads": threads,
         "datawait": datawait,
         "checkpoint": checkpoint,
+        "scaling": scaling,
     }[a.what](a)
     if a.json:
         Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **res}, indent=2) + "\n")

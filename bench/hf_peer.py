@@ -129,8 +129,24 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(spec["out"], "w") as f:
             json.dump(
-                {"intervals": times, "ds_config": hf_ds_config(spec["stage"], spec["peer_config"], "")}, f
+                {
+                    "intervals": times,
+                    "losses": [
+                        {"step": h["step"], "loss": h["loss"]}
+                        for h in trainer.state.log_history
+                        if "loss" in h
+                    ],
+                    "ds_config": hf_ds_config(spec["stage"], spec["peer_config"], ""),
+                },
+                f,
             )
+    # every rank leaves together and takes its process group down before the interpreter exits (a
+    # rank exiting with gloo's threads alive while the other still writes can abort with SIGABRT)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

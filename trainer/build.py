@@ -303,6 +303,13 @@ def make_metrics(
         progress=progress_enabled(exp.logging.progress),
         flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
         peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
+        tags={
+            "strategy": planned.plan.candidate.name,
+            "zero_stage": planned.plan.candidate.stage,
+            "micro_batch_size": t.micro_batch_size,
+            "grad_accum": t.grad_accum,
+            "seq_len": exp.data.seq_len,
+        },
     )
 
 

@@ -25,3 +25,22 @@ def test_compare_runs_both_loops_and_their_weights_are_bitwise_equal(tmp_path):
     assert row["stage"] == 3 and row["bitwise_equal"], row
     assert row["ours_step_ms"] > 0 and row["raw_step_ms"] > 0 and row["ratio"] > 0
     assert "| 3 |" in p.stdout and "| yes |" in p.stdout
+
+
+def test_peer_runs_bin_train_and_the_hf_trainer_on_the_same_job(tmp_path):
+    """bench/bench.py peer's CPU mode on the smallest shape, a few steps: both sides train (their
+    first logged losses agree: the same model, data and optimizer) and the table is printed."""
+    out = tmp_path / "peer.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "peer", "--cpu", "--stages", "0", "--shapes", "tiny",
+           "--rounds", "1", "--steps", "6", "--warmup", "2", "--log-every", "2", "--set", "model.config.n_layer=2",
+           "--cache-dir", str(data_cache()), "--json", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env_for(2), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (row,) = res["peer"]
+    assert (row["shape"], row["stage"], res["peer_config"]) == ("tiny", 0, "minimal")
+    assert row["ours_step_ms"] > 0 and row["hf_step_ms"] > 0 and row["ratio"] > 0
+    ours, hf = row["losses"]["ours"], row["losses"]["hf"]
+    assert len(ours) == len(hf) == 3, row["losses"]
+    assert abs(ours[0] - hf[0]) < 0.1 and ours[-1] < ours[0] and hf[-1] < hf[0], row["losses"]
+    assert "| tiny | 0 |" in p.stdout

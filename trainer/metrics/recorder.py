@@ -55,8 +55,11 @@ class Metrics:
         progress: bool = False,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
+        tags: dict[str, Any] | None = None,
     ) -> None:
         self.is_main = is_main
+        # fields every training record carries (world size, strategy, batch: bin/report compares runs)
+        self.tags = dict(tags or {})
         self.hosts = hosts or ["?"] * world_size
         self.straggler_margin = straggler_margin
         self.forward = ForwardTimer(self)
@@ -155,6 +158,9 @@ class Metrics:
             "eta_s": (self.max_steps - step) * step_time,
             "rank_busy_s": busy,
             "rank_tokens_per_s": [self.tokens_per_step / self.world_size / max(b, 1e-9) for b in busy],
+            "world_size": self.world_size,
+            "tokens_per_step": self.tokens_per_step,
+            **self.tags,
         }
         if self.extra is not None and self.is_main:  # only rank 0 records
             rec.update(self.extra())
