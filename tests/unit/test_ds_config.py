@@ -49,7 +49,14 @@ def test_owned_values_come_from_the_experiment():
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"] == {
         "type": "AdamW",
-        "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True},
+        "params": {
+            "lr": 1e-3,
+            "betas": [0.9, 0.95],
+            "eps": 1e-8,
+            "weight_decay": 0.05,
+            "torch_adam": True,
+            "fused": True,
+        },
     }
     assert ds["scheduler"]["type"] == "WarmupCosineLR"
     assert ds["scheduler"]["params"]["total_num_steps"] == 200

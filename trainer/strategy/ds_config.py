@@ -278,6 +278,12 @@ def _optimizer(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, sche
         f.own(
             d, "optimizer.params.torch_adam", impl == "torch", why=f"optim.implementation resolves to {impl}"
         )
+        fused = d["optimizer"]["params"].get("fused", "auto")  # a template may say false
+        if impl == "torch" and fused == "auto":
+            # torch's fused kernel (torch >= 2.4 on CPU): one pass per tensor instead of the default
+            # per-tensor loop of ~10 ops, e.g. 0.4 instead of 5.5 ms a step on tiny's flat ZeRO
+            # partition; the Hugging Face Trainer's default optimizer (adamw_torch_fused) is the same
+            f.own(d, "optimizer.params.fused", True, why="torch's fused AdamW kernel")
 
 
 def _scheduler(f: _Filler, d: dict[str, Any], exp: Experiment, sched: Schedule) -> None:
