@@ -14,9 +14,28 @@ pytestmark = pytest.mark.dist
 
 def test_compare_runs_both_loops_and_their_weights_are_bitwise_equal(tmp_path):
     out = tmp_path / "compare.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "compare", "--cpu", "--stages", "3", "--rounds", "1",
-           "--steps", "6", "--warmup", "2", "--log-every", "2", "--set", "model.config.n_layer=2",
-           "--cache-dir", str(data_cache()), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "bench.py"),
+        "compare",
+        "--cpu",
+        "--stages",
+        "3",
+        "--rounds",
+        "1",
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+        "--log-every",
+        "2",
+        "--set",
+        "model.config.n_layer=2",
+        "--cache-dir",
+        str(data_cache()),
+        "--json",
+        str(out),
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env_for(2), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -28,13 +47,37 @@ def test_compare_runs_both_loops_and_their_weights_are_bitwise_equal(tmp_path):
 
 
 def test_peer_runs_bin_train_and_the_hf_trainer_on_the_same_job(tmp_path):
-    """bench/bench.py peer's CPU mode on the smallest shape, a few steps: both sides train (their
-    first logged losses agree: the same model, data and optimizer) and the table is printed."""
+    """bench/bench.py peer's CPU mode on the smallest shape, a few steps, one rank a side (the 2-rank
+    launch path is the compare test's): both sides train (their first logged losses agree: the same
+    model, data and optimizer) and the table is printed."""
     out = tmp_path / "peer.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "peer", "--cpu", "--stages", "0", "--shapes", "tiny",
-           "--rounds", "1", "--steps", "6", "--warmup", "2", "--log-every", "2", "--set", "model.config.n_layer=2",
-           "--cache-dir", str(data_cache()), "--json", str(out)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env_for(2), capture_output=True, text=True, timeout=900)
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "bench.py"),
+        "peer",
+        "--cpu",
+        "--nproc",
+        "1",
+        "--stages",
+        "0",
+        "--shapes",
+        "tiny",
+        "--rounds",
+        "1",
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+        "--log-every",
+        "2",
+        "--set",
+        "model.config.n_layer=2",
+        "--cache-dir",
+        str(data_cache()),
+        "--json",
+        str(out),
+    ]
+    p = subprocess.run(cmd, cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     (row,) = res["peer"]
