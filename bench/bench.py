@@ -102,6 +102,19 @@ def launch(args: list[str], nproc: int, env: dict[str, str]) -> subprocess.Compl
     return p
 
 
+def job(
+    a: argparse.Namespace, gpu: bool, cpu_sets: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The experiment a mode measures and the overrides both sides get: GPT-2 124M on GPU, tiny with
+    `cpu_sets` (default CPU_SETS) on CPU, unless --experiment names one; then each --set KEY=VALUE."""
+    experiment = Path(a.experiment) if a.experiment else (GPT2 if gpu else TINY)
+    base = {} if gpu or a.experiment else dict(CPU_SETS if cpu_sets is None else cpu_sets)
+    for item in a.set or []:
+        k, _, v = item.partition("=")
+        base[k] = v
+    return experiment, base
+
+
 def median_after(intervals: list[dict[str, Any]], warmup: int, log_every: int) -> float:
     """Median of the per-interval mean step times, over the intervals that start after `warmup`."""
     return statistics.median(r["step_time_s"] for r in intervals if r["step"] - log_every >= warmup)
@@ -197,11 +210,7 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
 
     gpu = torch.cuda.is_available() and not a.cpu
     nproc = a.nproc or (torch.cuda.device_count() if gpu else 2)
-    experiment = Path(a.experiment) if a.experiment else (GPT2 if gpu else TINY)
-    base = {} if gpu or a.experiment else dict(CPU_SETS)
-    for item in a.set or []:
-        k, _, v = item.partition("=")
-        base[k] = v
+    experiment, base = job(a, gpu)
     results = []
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
@@ -315,7 +324,7 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
 
     gpu = torch.cuda.is_available() and not a.cpu
     nproc = a.nproc or (torch.cuda.device_count() if gpu else 2)
-    experiment = Path(a.experiment) if a.experiment else (GPT2 if gpu else TINY)
+    experiment, _ = job(a, gpu)
     shapes = a.shapes or (["gpt2-124m"] if gpu else list(PEER_SHAPES))
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
     cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
@@ -327,10 +336,7 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
     )
     results = []
     for shape in shapes:
-        base = {} if gpu or a.experiment else {**CPU_SETS, **PEER_SHAPES[shape]}
-        for item in a.set or []:
-            k, _, v = item.partition("=")
-            base[k] = v
+        _, base = job(a, gpu, {**CPU_SETS, **PEER_SHAPES.get(shape, {})})
         for stage in a.stages:
             sets = {
                 **base,
@@ -586,11 +592,7 @@ def scaling(a: argparse.Namespace) -> dict[str, Any]:
 
     gpu = torch.cuda.is_available() and not a.cpu
     ranks = sorted(set(a.ranks or [1, torch.cuda.device_count() if gpu else 2]))
-    experiment = Path(a.experiment) if a.experiment else (GPT2 if gpu else TINY)
-    base = {} if gpu or a.experiment else dict(CPU_SETS)
-    for item in a.set or []:
-        k, _, v = item.partition("=")
-        base[k] = v
+    experiment, base = job(a, gpu)
     cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
     out = Path(a.out)
     widest = ranks[-1]

@@ -270,8 +270,9 @@ class Scaling:
 
     @property
     def efficiency(self) -> float:
-        """Strong: speedup / ranks; weak: time per step at the base / at more ranks (ideal: 1)."""
-        return self.speedup / self.ranks if self.kind == "strong" else self.base.step_s / self.run.step_s
+        """Strong: speedup / ranks; weak: time per step at the base / at more ranks, i.e. the speedup
+        (ideal: 1)."""
+        return self.speedup / self.ranks if self.kind == "strong" else self.speedup
 
     def loss_gap(self) -> tuple[float, int] | None:
         """Strong pairs train the same global batches: (max |loss difference|, steps compared) over

@@ -12,33 +12,20 @@ from helpers import ROOT, data_cache, env_for
 pytestmark = pytest.mark.dist
 
 
-def test_compare_runs_both_loops_and_their_weights_are_bitwise_equal(tmp_path):
-    out = tmp_path / "compare.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "bench.py"),
-        "compare",
-        "--cpu",
-        "--stages",
-        "3",
-        "--rounds",
-        "1",
-        "--steps",
-        "6",
-        "--warmup",
-        "2",
-        "--log-every",
-        "2",
-        "--set",
-        "model.config.n_layer=2",
-        "--cache-dir",
-        str(data_cache()),
-        "--json",
-        str(out),
-    ]
-    p = subprocess.run(cmd, cwd=ROOT, env=env_for(2), capture_output=True, text=True, timeout=900)
+def run_bench(tmp_path, what, nproc, *args):
+    """bench/bench.py WHAT in its CPU mode on a 2-layer tiny, one round of 6 steps on NPROC ranks:
+    (the finished process, the results it wrote with --json)."""
+    out = tmp_path / f"{what}.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), what, "--cpu", "--nproc", str(nproc), *args,
+           "--rounds", "1", "--steps", "6", "--warmup", "2", "--log-every", "2", "--set", "model.config.n_layer=2",
+           "--cache-dir", str(data_cache()), "--json", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, env=env_for(nproc), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(out.read_text())
+    return p, json.loads(out.read_text())
+
+
+def test_compare_runs_both_loops_and_their_weights_are_bitwise_equal(tmp_path):
+    p, res = run_bench(tmp_path, "compare", 2, "--stages", "3")
     assert res["device"] == "cpu" and res["nproc"] == 2
     (row,) = res["compare"]
     assert row["stage"] == 3 and row["bitwise_equal"], row
@@ -50,36 +37,7 @@ def test_peer_runs_bin_train_and_the_hf_trainer_on_the_same_job(tmp_path):
     """bench/bench.py peer's CPU mode on the smallest shape, a few steps, one rank a side (the 2-rank
     launch path is the compare test's): both sides train (their first logged losses agree: the same
     model, data and optimizer) and the table is printed."""
-    out = tmp_path / "peer.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "bench.py"),
-        "peer",
-        "--cpu",
-        "--nproc",
-        "1",
-        "--stages",
-        "0",
-        "--shapes",
-        "tiny",
-        "--rounds",
-        "1",
-        "--steps",
-        "6",
-        "--warmup",
-        "2",
-        "--log-every",
-        "2",
-        "--set",
-        "model.config.n_layer=2",
-        "--cache-dir",
-        str(data_cache()),
-        "--json",
-        str(out),
-    ]
-    p = subprocess.run(cmd, cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(out.read_text())
+    p, res = run_bench(tmp_path, "peer", 1, "--stages", "0", "--shapes", "tiny")
     (row,) = res["peer"]
     assert (row["shape"], row["stage"], res["peer_config"]) == ("tiny", 0, "minimal")
     assert row["ours_step_ms"] > 0 and row["hf_step_ms"] > 0 and row["ratio"] > 0
