@@ -149,3 +149,53 @@ def test_rendezvous_ports_come_from_outside_the_ephemeral_range_and_are_free(mon
 def test_a_malformed_port_range_is_an_error_naming_the_variable(spec):
     with pytest.raises(UserError, match=r"TRAINER_PORTS=.*expected .*e\.g\. 20000-20999"):
         dist.port_range({dist.ENV_PORTS: spec})
+
+
+# A few steps of a small MLP in a fresh process: page faults per step with glibc's defaults or with
+# trainer.dist.keep_freed_memory() (CPU training's malloc settings). Fresh processes because mallopt
+# changes the allocator for the rest of the process.
+_FAULTS = """
+import resource, sys
+import torch
+torch.set_num_threads(1)
+from trainer.dist import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "1" else None
+m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+                          for _ in range(4)])
+x = torch.randn(1024, 128)
+def step():
+    m(x).square().mean().backward()
+step(); step()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 10)
+"""
+
+
+def _faults(apply: bool, **env: str) -> tuple[str, float]:
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS, "1" if apply else "0"], cwd=root, env={**clean, "PYTHONPATH": root, **env},
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    return out[0], float(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_cpu_training_keeps_freed_memory_instead_of_faulting_pages_in_every_step():
+    applied, kept = _faults(True)
+    _, default = _faults(False)
+    assert applied == "True"
+    # glibc's defaults hand a step's freed activations back to the kernel: thousands of fresh pages a
+    # step (1,700-3,800 measured); kept in the heap, a few dozen
+    assert kept * 5 < default, (kept, default)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_users_own_malloc_settings_win():
+    applied, _ = _faults(True, MALLOC_ARENA_MAX="2")
+    assert applied == "False"
