@@ -175,7 +175,11 @@ def user_set_threads() -> bool:
 
 
 # glibc's malloc tunables that keep a training step's freed tensors in the heap for the next step
-MALLOC_TUNABLES = {"MALLOC_MMAP_THRESHOLD_": 32 << 20, "MALLOC_TRIM_THRESHOLD_": 1 << 30, "MALLOC_TOP_PAD_": 64 << 20}
+MALLOC_TUNABLES = {
+    "MALLOC_MMAP_THRESHOLD_": 32 << 20,
+    "MALLOC_TRIM_THRESHOLD_": 1 << 30,
+    "MALLOC_TOP_PAD_": 64 << 20,
+}
 
 
 def keep_freed_memory() -> bool:
