@@ -43,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from trainer.dist import MALLOC_TUNABLES, free_port, gpu_present  # noqa: E402  (free_port: a rendezvous port outside the ephemeral range)
+from trainer.dist import free_port, gpu_present, malloc_env  # noqa: E402  (free_port: a rendezvous port outside the ephemeral range)
 
 TRAIN = ROOT / "bin" / "train"
 TINY = ROOT / "configs" / "experiments" / "tiny.yaml"
@@ -203,7 +203,7 @@ def raw(spec: dict[str, Any], nproc: int, work: Path) -> dict[str, Any]:
     spec_file.write_text(json.dumps({**spec, "out": str(out)}))
     # the raw loop gets bin/train's malloc settings too (trainer.dist.keep_freed_memory, CPU), as the
     # environment variables that mean the same: the comparison is of the loops
-    malloc = {} if gpu_present() else {k: str(v) for k, v in MALLOC_TUNABLES.items()}
+    malloc = {} if gpu_present() else malloc_env()
     launch([str(ROOT / "bench" / "raw_loop.py"), "--spec", str(spec_file)], nproc, env_for(nproc, malloc))
     return json.loads(out.read_text())
 

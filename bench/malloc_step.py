@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """One process, one thread: training steps of a 4-layer 256-wide GPT-2 (or the peer benchmark's Llama
-with grouped-query attention: `llama`; micro 8 x 128 tokens, fused AdamW, clipping) with glibc's malloc defaults or with what bin/train sets on CPU
-(trainer.dist.keep_freed_memory): median step time, page faults and kernel time per step. Run it in
-fresh processes, interleaved (BENCHMARKS.md):
+with grouped-query attention: `llama`; micro 8 x 128 tokens, fused AdamW, clipping) with glibc's
+malloc defaults or with what bin/train sets on CPU (trainer.dist.keep_freed_memory): median step
+time, page faults and kernel time per step. Run it in fresh processes, interleaved (BENCHMARKS.md):
 
     for i in 1 2 3 4 5 6; do bench/malloc_step.py glibc; bench/malloc_step.py kept; done
     for i in 1 2 3 4 5 6; do bench/malloc_step.py glibc llama; bench/malloc_step.py kept llama; done
 """
 
+import json
 import resource
 import sys
 import time
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from bench import PEER_SHAPES  # noqa: E402  (bench/bench.py, beside this script)
 from trainer.dist import keep_freed_memory  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "kept"
@@ -34,9 +36,8 @@ torch.manual_seed(0)
 if shape == "gpt2":
     config = AutoConfig.for_model(model_type="gpt2", n_layer=4, n_embd=256, n_head=4, vocab_size=257, n_positions=256,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh")  # fmt: skip
-else:  # bench/bench.py's PEER_SHAPES["llama-gqa"]
-    config = AutoConfig.for_model(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, vocab_size=257)  # fmt: skip
+else:
+    config = AutoConfig.for_model(**json.loads(PEER_SHAPES["llama-gqa"]["model.config"]), vocab_size=257)
 model = AutoModelForCausalLM.from_config(config)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 x = torch.randint(0, 257, (8, 128))

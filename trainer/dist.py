@@ -174,22 +174,28 @@ def user_set_threads() -> bool:
     return "OMP_NUM_THREADS" in os.environ
 
 
-# glibc's malloc tunables that keep a training step's freed tensors in the heap for the next step
+# glibc's malloc tunables that keep a training step's freed tensors in the heap for the next step:
+# environment variable -> (mallopt parameter from malloc.h, value)
 MALLOC_TUNABLES = {
-    "MALLOC_MMAP_THRESHOLD_": 32 << 20,
-    "MALLOC_TRIM_THRESHOLD_": 1 << 30,
-    "MALLOC_TOP_PAD_": 64 << 20,
+    "MALLOC_MMAP_THRESHOLD_": (-3, 32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30),
+    "MALLOC_TOP_PAD_": (-2, 64 << 20),
 }
+
+
+def malloc_env() -> dict[str, str]:
+    """`keep_freed_memory` as environment variables, for a process started from outside bin/train."""
+    return {name: str(value) for name, (_, value) in MALLOC_TUNABLES.items()}
 
 
 def keep_freed_memory() -> bool:
     """CPU training: let glibc's malloc reuse the memory a step frees instead of handing it back to the
     kernel. By default every tensor over 128 KiB (up to glibc's adaptive 32 MiB) is its own mmap and
     the heap's top is trimmed after each free, so every step's activations and gradients come back
-    as fresh pages: ~1,000 page faults and 1-3 ms of kernel time a step for a 4-layer 256-wide model.
-    The same as MALLOC_MMAP_THRESHOLD_=32MiB, MALLOC_TRIM_THRESHOLD_=1GiB, MALLOC_TOP_PAD_=64MiB in the
-    environment (what PyTorch's CPU tuning guide gets from jemalloc or tcmalloc). Skipped where the
-    user set any MALLOC_* variable (theirs applies) or libc is not glibc. True when applied."""
+    as fresh pages: 600-2,800 page faults and 1-5 ms of kernel time a step for a 4-layer 256-wide
+    model (BENCHMARKS.md). The same as `malloc_env()` in the environment (what PyTorch's CPU tuning
+    guide gets from jemalloc or tcmalloc). Skipped where the user set any MALLOC_* variable (theirs
+    applies) or libc is not glibc. True when applied."""
     if any(k.startswith("MALLOC_") for k in os.environ) or not sys.platform.startswith("linux"):
         return False
     import ctypes
@@ -198,8 +204,7 @@ def keep_freed_memory() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    options = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2}  # malloc.h
-    return all(mallopt(options[k], v) == 1 for k, v in MALLOC_TUNABLES.items())
+    return all(mallopt(param, value) == 1 for param, value in MALLOC_TUNABLES.values())
 
 
 @dataclass

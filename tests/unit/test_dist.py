@@ -176,12 +176,9 @@ print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 10)
 def _faults(apply: bool, **env: str) -> tuple[str, float]:
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run(
-        [sys.executable, "-c", _FAULTS, "1" if apply else "0"], cwd=root, env={**clean, "PYTHONPATH": root, **env},
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", _FAULTS, "1" if apply else "0"], env={**clean, **env},
+                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
     return out[0], float(out[1])
 
 
