@@ -86,6 +86,26 @@ def test_measured_sizes_at_stage_3_and_for_a_large_model():
     )
 
 
+def test_overlap_comm_is_measured_on_cpu_off_on_gpu_on():
+    """This project's stage-1/2 templates overlap the reduction only where a CUDA stream can carry it;
+    the planner counts one reduce bucket without it and two with it; a template's own value wins."""
+    ds, plan = build(["strategy.zero_stage=2"])
+    assert ds["zero_optimization"]["overlap_comm"] is False
+    zero = ds["zero_optimization"]
+    lp, c = 4, plan.candidate
+    one = int(min(500_000_000, INFO.params) * lp)
+    assert planner.buffers(c, INFO, lp, False, None) == one
+    assert planner.buffers(c, INFO, lp, True, None) == planner.CUDA_CONTEXT + 2 * one
+    assert planner.overlap_comm({"overlap_comm": "measured"}, on_gpu=True) is True
+    assert planner.overlap_comm({"overlap_comm": True}, on_gpu=False) is True  # as written
+    assert planner.overlap_comm({}, on_gpu=True) is False  # absent: DeepSpeed's default below stage 3
+    assert (
+        planner.buffers(c, INFO, lp, False, {"zero_optimization": {**zero, "overlap_comm": True}}) == 2 * one
+    )
+    ds3, _ = build(["strategy.zero_stage=3", "strategy.justification=test"])
+    assert ds3["zero_optimization"]["overlap_comm"] is True  # stage 3: DeepSpeed's default, kept
+
+
 @pytest.mark.parametrize(("schedule", "ds_type"), [("linear", "WarmupDecayLR"), ("constant", "WarmupLR")])
 def test_schedules(schedule, ds_type):
     ds, _ = build([f"optim.schedule={schedule}", "optim.warmup_steps=7", "optim.lr=2e-3"])

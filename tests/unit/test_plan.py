@@ -202,7 +202,7 @@ def test_70b_on_8x80gb_needs_offload():
         plan_for(llama, 8, 1, 4096, True, host=256 * GiB)
 
 
-def tiny_plan(*sets, device=8 * GiB, force=False, host=64 * GiB, world=2):
+def tiny_plan(*sets, device=8 * GiB, force=False, host=64 * GiB, world=2, device_type="cpu"):
     exp = config.load(TINY, list(sets))
     info = strategy.ModelInfo(
         params=1_000_000, largest_layer=40_000, hidden=128, layers=4, heads=4, vocab=257
@@ -212,7 +212,7 @@ def tiny_plan(*sets, device=8 * GiB, force=False, host=64 * GiB, world=2):
         info,
         world_size=world,
         gpus_per_node=world,
-        device_type="cpu",
+        device_type=device_type,
         device_memory=device,
         host_memory=host,
         precision="fp32",
@@ -249,18 +249,24 @@ def test_a_pinned_candidate_that_does_not_fit_fails_with_the_table_unless_forced
 
 
 def test_the_first_rung_that_fits_is_chosen():
-    """With device memory just above each rung's estimate, that rung is chosen: 0 -> 2 -> 3 -> 3+cpu.
-    On 8 ranks: on 2, ZeRO-2's two reduce buckets (as large as this small model, as DeepSpeed
-    allocates them) cost more than the partitions save, and zero2 is not below zero0."""
+    """With device memory just above each rung's estimate, that rung is chosen: 0 -> 2 -> 3 -> 3+cpu
+    (on GPUs, 8 ranks). On 2 GPUs, ZeRO-2's two reduce buckets (overlap_comm; as large as this small
+    model, as DeepSpeed allocates them) cost more than the partitions save, and zero2 is not below
+    zero0; on CPU (overlap_comm off: one bucket) it is not above it."""
     sets = ("train.micro_batch_size=1", "data.seq_len=16")
-    by = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB, world=8).estimates}
+    gpu = {"world": 8, "device_type": "cuda"}
+    by = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB, **gpu).estimates}
     ladder = ["zero0", "zero2", "zero3", "zero3+cpu"]
     assert [by[n] for n in ladder] == sorted((by[n] for n in ladder), reverse=True), by
     for name in ladder:
         device = int(by[name] / 0.9) + 16
-        assert tiny_plan(*sets, device=device, world=8).candidate.name == name
-    two = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB).estimates}
+        assert tiny_plan(*sets, device=device, **gpu).candidate.name == name
+    two = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB, device_type="cuda").estimates}
     assert two["zero2"] > two["zero0"]
+    cpu = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB).estimates}
+    # one bucket of the model's 1M fp32 elements fewer, and zero2 no longer above zero0
+    assert cpu["zero2"] - cpu["zero0"] == two["zero2"] - two["zero0"] - 4 * 10**6
+    assert cpu["zero2"] <= cpu["zero0"]
 
 
 def test_summary_for_trainer_state():

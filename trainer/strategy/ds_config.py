@@ -21,7 +21,7 @@ from typing import Any
 from trainer.config import TEMPLATES_DIR, Experiment
 from trainer.errors import Problem, UserError, did_you_mean
 from trainer.optimizers import OPTIMIZERS
-from trainer.strategy.planner import Candidate, ModelInfo, Plan, device_of, zero_sizes
+from trainer.strategy.planner import Candidate, ModelInfo, Plan, device_of, overlap_comm, zero_sizes
 
 # Top-level keys DeepSpeed 0.19 reads (its own parser silently ignores anything else).
 DEEPSPEED_KEYS = frozenset(
@@ -332,6 +332,8 @@ def _zero(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, info: Mod
     for key, value in zero_sizes(info, zero).items():
         if zero.get(key) in ("auto", "measured"):
             zero[key] = value
+    if zero.get("overlap_comm") == "measured":
+        zero["overlap_comm"] = overlap_comm(zero, plan_.device_type == "cuda")
 
 
 def autos(d: Any, prefix: str = "") -> list[str]:
