@@ -354,7 +354,8 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
             rows: dict[str, list[float]] = {"ours": [], "hf": []}
             losses: dict[str, list[float]] = {}
             for r in range(a.rounds):
-                for side in ("ours", "hf"):
+                # A B, then B A: neither side always runs right after the other (A B B A A B ...)
+                for side in ("ours", "hf") if r % 2 == 0 else ("hf", "ours"):
                     res = ours(experiment, sets, nproc, work) if side == "ours" else hf(spec, nproc, work)
                     med = median_after(res["intervals"], a.warmup, a.log_every)
                     rows[side].append(med)
@@ -369,19 +370,24 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
                 "shape": shape, "stage": stage, "ours_step_ms": o * 1000, "hf_step_ms": h * 1000,
                 "ours_tokens_per_s": tokens_per_step / o, "hf_tokens_per_s": tokens_per_step / h,
                 "ratio": h / o, "ratio_min": min(per_round), "ratio_max": max(per_round), "runs": rows,
+                "paired": statistics.geometric_mean(per_round), "ours_faster": sum(x >= 1 for x in per_round),
                 "losses": losses,
                 "ours_ds_config": spec["ds_config"].get("zero_optimization"),
             })  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
     print()
+    # ours/HF: the ratio of the two medians, its range over rounds; paired: the geometric mean of the
+    # rounds' own ratios (each round's two runs are neighbours in time), and in how many rounds ours won
     print(
-        "| shape | stage | HF Trainer ms/step | bin/train ms/step | ours/HF tokens/s (min-max over rounds) |"
+        "| shape | stage | HF Trainer ms/step | bin/train ms/step | ours/HF tokens/s (min-max over rounds) "
+        "| paired ratio (rounds ours >= HF) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {r['shape']} | {r['stage']} | {r['hf_step_ms']:.1f} | {r['ours_step_ms']:.1f} | "
-            f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |"
+            f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
+            f"{r['paired']:.2f} ({r['ours_faster']} of {a.rounds}) |"
         )
     return {"peer": results, "device": "cuda" if gpu else "cpu", "nproc": nproc, "peer_config": a.peer_config}
 

@@ -44,4 +44,5 @@ def test_peer_runs_bin_train_and_the_hf_trainer_on_the_same_job(tmp_path):
     ours, hf = row["losses"]["ours"], row["losses"]["hf"]
     assert len(ours) == len(hf) == 3, row["losses"]
     assert abs(ours[0] - hf[0]) < 0.1 and ours[-1] < ours[0] and hf[-1] < hf[0], row["losses"]
-    assert "| tiny | 0 |" in p.stdout
+    assert row["paired"] == pytest.approx(row["ratio"]) and row["ours_faster"] == (row["ratio"] >= 1), row
+    assert "| tiny | 0 |" in p.stdout and "of 1) |" in p.stdout
