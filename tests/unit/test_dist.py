@@ -153,9 +153,12 @@ def test_a_malformed_port_range_is_an_error_naming_the_variable(spec):
 
 # A few steps of a small MLP in a fresh process: page faults per step with glibc's defaults or with
 # trainer.dist.keep_freed_memory() (CPU training's malloc settings). Fresh processes because mallopt
-# changes the allocator for the rest of the process.
+# changes the allocator for the rest of the process. Transparent huge pages off (PR_SET_THP_DISABLE):
+# with them a fault maps 2 MiB or 4 KiB depending on the machine's free huge pages at the time, and
+# glibc's defaults measured 451-1,792 faults a step under CI's load instead of 1,700-3,400.
 _FAULTS = """
-import resource, sys
+import ctypes, resource, sys
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: count 4 KiB pages
 import torch
 torch.set_num_threads(1)
 from trainer.dist import keep_freed_memory
