@@ -250,12 +250,11 @@ def activations(
 
 def buffers(c: Candidate, info: ModelInfo, lp: int, on_gpu: bool, template: Mapping[str, Any] | None) -> int:
     """Fixed per-rank buffers: CUDA context on a GPU plus ZeRO's communication buckets."""
-    sizes = zero_sizes(info, zero_section(template))
+    zero = zero_section(template)
+    sizes = zero_sizes(info, zero)
     out = CUDA_CONTEXT if on_gpu else 0
     if c.stage in (1, 2):  # the reduce bucket, double-buffered with overlap_comm
-        out += int(
-            (2 if overlap_comm(zero_section(template), on_gpu) else 1) * sizes["reduce_bucket_size"] * lp
-        )
+        out += int((2 if overlap_comm(zero, on_gpu) else 1) * sizes["reduce_bucket_size"] * lp)
     elif c.stage == 3:
         out += int((sizes["reduce_bucket_size"] + sizes["stage3_prefetch_bucket_size"]) * lp)
     return out
