@@ -352,6 +352,7 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
                         threads=None if gpu else max(1, cores() // nproc))  # fmt: skip
             tokens_per_step = spec["micro"] * nproc * spec["grad_accum"] * spec["seq_len"]
             rows: dict[str, list[float]] = {"ours": [], "hf": []}
+            spread: dict[str, list[list[float]]] = {"ours": [], "hf": []}  # each round's interval step times
             losses: dict[str, list[float]] = {}
             for r in range(a.rounds):
                 # A B, then B A: neither side always runs right after the other (A B B A A B ...)
@@ -359,6 +360,7 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
                     res = ours(experiment, sets, nproc, work) if side == "ours" else hf(spec, nproc, work)
                     med = median_after(res["intervals"], a.warmup, a.log_every)
                     rows[side].append(med)
+                    spread[side].append([x["step_time_s"] for x in res["intervals"]])
                     losses[side] = [x["loss"] for x in res.get("losses", res["intervals"])]
                     print(
                         f"  {shape} zero{stage} round {r} {side:4}: median step {med * 1000:8.1f} ms",
@@ -369,7 +371,7 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
             results.append({
                 "shape": shape, "stage": stage, "ours_step_ms": o * 1000, "hf_step_ms": h * 1000,
                 "ours_tokens_per_s": tokens_per_step / o, "hf_tokens_per_s": tokens_per_step / h,
-                "ratio": h / o, "ratio_min": min(per_round), "ratio_max": max(per_round), "runs": rows,
+                "ratio": h / o, "ratio_min": min(per_round), "ratio_max": max(per_round), "runs": rows, "intervals": spread,
                 "paired": statistics.geometric_mean(per_round), "ours_faster": sum(x >= 1 for x in per_round),
                 "losses": losses,
                 "ours_ds_config": spec["ds_config"].get("zero_optimization"),

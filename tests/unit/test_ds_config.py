@@ -225,6 +225,32 @@ def test_template_json_syntax_error_names_the_line(tmp_path):
         build([f"strategy.deepspeed={p}"])
 
 
+def test_a_value_the_planner_cannot_read_is_an_error_naming_the_key(tmp_path):
+    """overlap_comm "yes" was planned as on and then refused by DeepSpeed's own validation, after the
+    plan; a bucket size as a string was planned as DeepSpeed's default. Both are refused up front."""
+    p = tmp_path / "t.json"
+    p.write_text(
+        json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": "yes", "reduce_bucket_size": "5e8"}})
+    )
+    with pytest.raises(UserError) as e:
+        build([f"strategy.deepspeed={p}"])
+    text = str(e.value) + "".join(x.render(e.value.source) for x in e.value.problems)
+    assert "t.json" in text and "cannot read" in text
+    assert (
+        "zero_optimization.overlap_comm" in text
+        and "expected true, false or \"measured\", found 'yes'" in text
+    )
+    assert "zero_optimization.reduce_bucket_size" in text and "found '5e8'" in text
+    p.write_text(
+        json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": 5e8}})
+    )
+    ds, _ = build([f"strategy.deepspeed={p}"])
+    assert (
+        ds["zero_optimization"]["overlap_comm"] is False
+        and ds["zero_optimization"]["reduce_bucket_size"] == 5e8
+    )
+
+
 def test_auto_for_a_value_nobody_owns_is_an_error(tmp_path):
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}))

@@ -21,7 +21,15 @@ from typing import Any
 from trainer.config import TEMPLATES_DIR, Experiment
 from trainer.errors import Problem, UserError, did_you_mean
 from trainer.optimizers import OPTIMIZERS
-from trainer.strategy.planner import Candidate, ModelInfo, Plan, device_of, overlap_comm, zero_sizes
+from trainer.strategy.planner import (
+    DEEPSPEED_DEFAULTS,
+    Candidate,
+    ModelInfo,
+    Plan,
+    device_of,
+    overlap_comm,
+    zero_sizes,
+)
 
 # Top-level keys DeepSpeed 0.19 reads (its own parser silently ignores anything else).
 DEEPSPEED_KEYS = frozenset(
@@ -77,7 +85,33 @@ def load_template(path: str | Path, allow: tuple[str, ...] | list[str] = ()) -> 
     ]
     if problems:
         raise UserError(f"DeepSpeed template {source} has unknown keys", problems, source)
+    problems = _zero_value_problems(data.get("zero_optimization"))
+    if problems:
+        raise UserError(f"DeepSpeed template {source} has values the planner cannot read", problems, source)
     return data
+
+
+def _zero_value_problems(zero: Any) -> list[Problem]:
+    """The zero_optimization values the planner reads to size buffers and choose overlap: a number
+    (or "auto"/"measured") for the bucket sizes, a boolean (or "measured") for overlap_comm. Anything
+    else would be planned as DeepSpeed's default, or as on, and then refused by DeepSpeed."""
+    if not isinstance(zero, dict):
+        return []
+    problems = []
+    for key in DEEPSPEED_DEFAULTS:
+        value = zero.get(key)
+        if (
+            value is not None
+            and value not in ("auto", "measured")
+            and (isinstance(value, bool) or not isinstance(value, int | float))
+        ):
+            problems.append(Problem(f"zero_optimization.{key}", f"expected a number of elements, \"auto\" or "
+                                    f"\"measured\", found {value!r}"))  # fmt: skip
+    value = zero.get("overlap_comm")
+    if value is not None and value != "measured" and not isinstance(value, bool):
+        problems.append(Problem("zero_optimization.overlap_comm",
+                                f"expected true, false or \"measured\", found {value!r}"))  # fmt: skip
+    return problems
 
 
 def template_for(exp: Experiment, candidate: Candidate | None = None) -> tuple[str, dict[str, Any]]:
