@@ -13,7 +13,6 @@ the gradients is one all-reduce after backward without DeepSpeed's two copies. M
 fused AdamW, clipping at 1.0, fp32, the peer benchmark's shapes.
 """
 
-import json
 import os
 import statistics
 import sys
@@ -25,22 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
-from bench import PEER_SHAPES  # noqa: E402  (bench/bench.py, beside this script)
+from bench import step_config  # noqa: E402  (bench/bench.py, beside this script)
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
 sizes = [float(x) for x in sys.argv[2:]] or [25.0, 4.0, 1.0]
 steps = int(os.environ.get("STEPS", "240"))
 logging.set_verbosity_error()
 torch.manual_seed(0)
-if shape == "llama":
-    config = AutoConfig.for_model(**json.loads(PEER_SHAPES["llama-gqa"]["model.config"]), vocab_size=257)
-else:
-    config = AutoConfig.for_model(model_type="gpt2", n_layer=4, n_embd=256 if shape == "gpt2" else 128, n_head=4,
-                                  vocab_size=257, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                  activation_function="gelu_pytorch_tanh")  # fmt: skip
+config = step_config(shape)
 model = AutoModelForCausalLM.from_config(config)
 ds_config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}  # fmt: skip

@@ -312,6 +312,19 @@ PEER_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def step_config(shape: str) -> Any:
+    """A peer shape's model config for the one-process step scripts (bench/malloc_step.py,
+    bench/allreduce_step.py): "tiny" (4 x 128 GPT-2), "gpt2" (gpt2-4x256) or "llama" (llama-gqa),
+    with tiny's byte vocabulary and tiny.yaml's GPT-2 settings (no dropout, tanh GELU in one kernel)."""
+    from transformers import AutoConfig
+
+    if shape == "llama":
+        return AutoConfig.for_model(**json.loads(PEER_SHAPES["llama-gqa"]["model.config"]), vocab_size=257)
+    return AutoConfig.for_model(model_type="gpt2", n_layer=4, n_embd=256 if shape == "gpt2" else 128, n_head=4,
+                                vocab_size=257, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                activation_function="gelu_pytorch_tanh")  # fmt: skip
+
+
 def hf(spec: dict[str, Any], nproc: int, work: Path) -> dict[str, Any]:
     out = work / "hf.json"
     spec_file = work / "hf-spec.json"

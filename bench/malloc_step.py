@@ -8,7 +8,6 @@ time, page faults and kernel time per step. Run it in fresh processes, interleav
     for i in 1 2 3 4 5 6; do bench/malloc_step.py glibc llama; bench/malloc_step.py kept llama; done
 """
 
-import json
 import resource
 import sys
 import time
@@ -18,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench import PEER_SHAPES  # noqa: E402  (bench/bench.py, beside this script)
+from bench import step_config  # noqa: E402  (bench/bench.py, beside this script)
 from trainer.dist import keep_freed_memory  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "kept"
@@ -28,16 +27,12 @@ if mode not in ("glibc", "kept") or shape not in ("gpt2", "llama"):
 torch.set_num_threads(1)
 applied = keep_freed_memory() if mode == "kept" else False
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 logging.set_verbosity_error()
 torch.manual_seed(0)
-if shape == "gpt2":
-    config = AutoConfig.for_model(model_type="gpt2", n_layer=4, n_embd=256, n_head=4, vocab_size=257, n_positions=256,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh")  # fmt: skip
-else:
-    config = AutoConfig.for_model(**json.loads(PEER_SHAPES["llama-gqa"]["model.config"]), vocab_size=257)
+config = step_config(shape)
 model = AutoModelForCausalLM.from_config(config)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 x = torch.randint(0, 257, (8, 128))

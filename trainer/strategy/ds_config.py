@@ -27,6 +27,7 @@ from trainer.strategy.planner import (
     ModelInfo,
     Plan,
     device_of,
+    is_number,
     overlap_comm,
     zero_sizes,
 )
@@ -100,11 +101,7 @@ def _zero_value_problems(zero: Any) -> list[Problem]:
     problems = []
     for key in DEEPSPEED_DEFAULTS:
         value = zero.get(key)
-        if (
-            value is not None
-            and value not in ("auto", "measured")
-            and (isinstance(value, bool) or not isinstance(value, int | float))
-        ):
+        if value is not None and value not in ("auto", "measured") and not is_number(value):
             problems.append(Problem(f"zero_optimization.{key}", f"expected a number of elements, \"auto\" or "
                                     f"\"measured\", found {value!r}"))  # fmt: skip
     value = zero.get("overlap_comm")

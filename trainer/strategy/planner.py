@@ -334,8 +334,13 @@ def zero_sizes(info: ModelInfo, zero: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
+def is_number(value: Any) -> bool:
+    """A JSON number (true/false are not, though Python's bool is an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _number(value: Any, default: int) -> int:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+    return int(value) if is_number(value) else default
 
 
 # ----------------------------------------------------------------------------- plan
