@@ -131,6 +131,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
     from trainer import config, data, model
     from trainer.config import thaw
     from trainer.data.stream import resolve_workers
+    from trainer.metrics import flops_per_token
 
     p = subprocess.run(
         [
@@ -175,8 +176,9 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "persistent_workers": exp.data.persistent_workers,
         "seq_len": exp.data.seq_len,
         "params": info.params,
-        "flops_per_token": 6.0 * info.params
-        + 12.0 * (info.layers or 0) * (info.hidden or 0) * exp.data.seq_len,
+        "flops_per_token": flops_per_token(
+            info.params, info.layers, info.hidden, exp.data.seq_len, info.trainable
+        ),
     }
 
 

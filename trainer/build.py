@@ -301,7 +301,9 @@ def make_metrics(
         hosts=hosts,
         straggler_margin=exp.dist.straggler_margin,
         progress=progress_enabled(exp.logging.progress),
-        flops_per_token=metrics.flops_per_token(info.params, info.layers, info.hidden, exp.data.seq_len),
+        flops_per_token=metrics.flops_per_token(
+            info.params, info.layers, info.hidden, exp.data.seq_len, info.trainable
+        ),
         peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
         tags={
             "strategy": planned.plan.candidate.name,

@@ -32,9 +32,16 @@ PEAK_BF16_TFLOPS = (
 )
 
 
-def flops_per_token(params: int, layers: int | None, hidden: int | None, seq_len: int) -> float:
-    """6 N + 12 L H Q T, with H Q = hidden size (forward and backward, attention included)."""
-    return 6.0 * params + 12.0 * (layers or 0) * (hidden or 0) * seq_len
+def flops_per_token(
+    params: int, layers: int | None, hidden: int | None, seq_len: int, trainable: int | None = None
+) -> float:
+    """6 N + 12 L H Q T, with H Q = hidden size (forward and backward, attention included): 2 N for
+    the forward, 2 N for the gradients of the activations and 2 N for those of the weights. With
+    frozen weights (model.lora: `trainable` = the adapters' parameters) only the trainable ones get
+    weight gradients: 4 N + 2 N_trainable + 12 L H Q T. (The activations' gradients still flow
+    through every frozen layer above the first adapter, which is the first layer.)"""
+    weight_grads = params if trainable is None else trainable
+    return 4.0 * params + 2.0 * weight_grads + 12.0 * (layers or 0) * (hidden or 0) * seq_len
 
 
 def peak_flops(device: Any, override_tflops: float | None = None) -> float | None:
