@@ -1,10 +1,10 @@
-"""LoRA (model.lora) on 2 ranks through the real launchers, at ZeRO stages 0, 2, 3 and 2 with CPU
-offload, for gpt2 and llama: the loss falls, the base weights stay bit for bit what they were, the
+"""LoRA (model.lora) on 2 ranks through the real launchers, at ZeRO stages 0, 1 (bf16), 2, 3 and 2
+with CPU offload, for gpt2 and llama: the loss falls, the base weights stay bit for bit what they were, the
 adapters move and are the same on every rank, and every checkpoint's adapter/ (peft's format,
 gathered from the partitions at ZeRO-3, verified before the checkpoint becomes visible) reloads with
 peft to the engine's logits. The ZeRO-3 adapter equals the ZeRO-0 one of the same seed (the reported
 failure of other trainers: a ZeRO-3 adapter saved as empty partitions). Resume is bitwise at stages
-0, 2, 3; 2 ranks at stage 2 resume on 1 rank at stage 3. bin/export merged and --adapter from a
+0-3; 2 ranks at stage 2 resume on 1 rank at stage 3. bin/export merged and --adapter from a
 stage-3 checkpoint give the engine's logits."""
 
 import dataclasses
@@ -34,6 +34,7 @@ BASES = {
 # loss and activation checkpointing
 CASES = {
     "zero0-gpt2": (0, "none", "gpt2", "deepspeed", {}),
+    "zero1-llama": (1, "none", "llama", "torchrun", {"train.precision": "bf16"}),
     "zero2-llama": (2, "none", "llama", "torchrun", {}),
     "zero3-gpt2": (3, "none", "gpt2", "deepspeed", {}),
     "zero2+cpu-llama": (2, "cpu", "llama", "deepspeed", {"train.precision": "bf16", "model.chunked_loss": True,
@@ -142,7 +143,8 @@ def test_lora_trains_on_two_ranks_with_frozen_base_and_a_sound_adapter(lora_runs
     tol = 2e-2 if bf16 else 1e-5  # bf16: the engine's kernels and peft's round differently
     torch.testing.assert_close(logits, probe["logits"], rtol=tol, atol=tol)
     if offload == "none":  # (offloaded states are not on the device: the plan counts none there)
-        check_memory(r, name.split("-")[0], grads_bound=False)
+        # (bf16 at stages 1-3: the planned gradients are an upper bound, as in test_bf16_stages.py)
+        check_memory(r, name.split("-")[0], grads_bound=bf16 and stage > 0)
 
 
 def test_the_zero3_adapter_is_whole_and_equals_the_zero0_one(lora_runs):
@@ -161,7 +163,7 @@ def test_the_zero3_adapter_is_whole_and_equals_the_zero0_one(lora_runs):
         torch.testing.assert_close(z3[k], v, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["zero0-gpt2", "zero2-llama", "zero3-gpt2"])
+@pytest.mark.parametrize("name", ["zero0-gpt2", "zero1-llama", "zero2-llama", "zero3-gpt2"])
 def test_lora_resume_is_bitwise(tmp_path, shared_dir, small_data, lora_runs, name):
     a = lora_runs(name)
     d = a.run_dir / "checkpoints" / f"step_{K:08d}"

@@ -46,7 +46,16 @@ def consolidated_state_dict(
         return stage0.master_weights(sd, *layout)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
+    sd = dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
+    if stage == 1:
+        # DeepSpeed rebuilds the weights from the optimizer's fp32 partitions, which hold only the
+        # trainable ones, and saves the frozen ones (model.lora's base) apart only at stages 2-3. At
+        # stage 1 every rank holds them whole in the module's state: take them from there.
+        module = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)[
+            "module"
+        ]
+        sd.update({k: v.float() for k, v in module.items() if k not in sd and v.is_floating_point()})
+    return sd
 
 
 def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) -> Path:
