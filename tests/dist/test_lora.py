@@ -93,6 +93,12 @@ def base_model(ckpt: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(exp["model"]["pretrained"]).eval()
 
 
+def base_dir_of(ckpt: Path) -> Path:
+    import yaml
+
+    return Path(yaml.safe_load((ckpt / "experiment.yaml").read_text())["model"]["pretrained"])
+
+
 def checkpoint_state(ckpt: Path) -> dict[str, torch.Tensor]:
     from trainer.checkpoint.export import consolidated_state_dict
 
@@ -129,6 +135,14 @@ def test_lora_trains_on_two_ranks_with_frozen_base_and_a_sound_adapter(lora_runs
         )
     b = {k: v for k, v in state.items() if "lora_B" in k}
     assert b and all(v.abs().sum() > 0 for v in b.values()), "an adapter B matrix is still zero"
+    # The checkpoint leaves the frozen base out (model.pretrained holds it): DeepSpeed's module states
+    # hold the adapters alone, and no frozen fragments at ZeRO 2/3; the state records the base's digest.
+    for f in ckpt.glob("*model_states.pt"):
+        ms = torch.load(f, map_location="cpu", weights_only=False)
+        assert ms["module"] and all("lora_" in k for k in ms["module"]), (f.name, sorted(ms["module"])[:5])
+        assert not ms.get("frozen_param_fragments"), f.name
+    rec = json.loads((ckpt / "trainer_state.json").read_text())["frozen_weights"]
+    assert rec["omitted"] and rec["pretrained"] == str(base_dir_of(ckpt)) and len(rec["digest"]) == 16
 
     from safetensors.torch import load_file
 
@@ -172,6 +186,34 @@ def test_lora_resume_is_bitwise(tmp_path, shared_dir, small_data, lora_runs, nam
     )
     assert f"resumed from {d} at step {K}" in b.output
     assert_same_continuation(a, b)
+
+
+def test_a_resume_on_other_frozen_weights_is_refused_naming_the_pretrained_model(
+    tmp_path, shared_dir, small_data
+):
+    """The checkpoints leave the base out, so a resume takes it from model.pretrained: a base whose
+    weights changed since, at the same path (one weight nudged, as a re-export or a moved hub revision
+    would), is refused before any step, exit 2, naming the path and the checkpoint."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(base_dir(shared_dir, "gpt2"), base)
+    sets = {**sets_for(small_data, shared_dir, "zero0-gpt2"), "model.pretrained": str(base)}
+    a = train(tmp_path, sets, debug=False)
+    ckpt = a.run_dir / "checkpoints" / f"step_{2 * K:08d}"
+    m = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        m.transformer.h[0].mlp.c_fc.weight[0, 0] += 1e-3
+    m.save_pretrained(base)
+    b = train(
+        tmp_path, {**sets, "train.max_steps": 2 * K + 2}, extra_args=["--resume"], debug=False, check=False
+    )
+    assert b.returncode == 2, b.output[-3000:]
+    assert f"{ckpt} was trained on frozen weights from model.pretrained={base}" in b.output, b.output[-3000:]
+    assert f"this job's model.pretrained={base} gives other weights" in b.output
+    assert "Traceback" not in b.output and max(b.losses) == 2 * K  # (run A's steps: none was added)
 
 
 def test_lora_resumes_from_two_ranks_at_stage_2_on_one_rank_at_stage_3(

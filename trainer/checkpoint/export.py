@@ -32,16 +32,33 @@ def consolidated_state_dict(
     """Full fp32 master weights from a checkpoint of any stage and precision. `layout`: parameter
     names per optimizer group and tied aliases, needed for a mixed-precision stage-0 checkpoint;
     default: as recorded in its trainer_state.json."""
-    import torch
-
-    from trainer.checkpoint import read_state, stage0
+    from trainer.checkpoint import frozen, read_state
     from trainer.checkpoint.reshard import saved_layout
 
     stage, _ = saved_layout(ckpt)
+    state = read_state(ckpt) or {}
+    if frozen.saved(state) is not None:  # model.lora: the frozen base comes from model.pretrained
+        import yaml
+
+        from trainer import config
+
+        exp = config.validate(
+            yaml.safe_load((ckpt / "experiment.yaml").read_text()), source=str(ckpt / "experiment.yaml")
+        )
+        return {**frozen.base_state(ckpt, exp), **_saved_weights(ckpt, stage, state, layout)}
+    return _saved_weights(ckpt, stage, state, layout)
+
+
+def _saved_weights(
+    ckpt: Path, stage: int, state: dict[str, Any], layout: tuple[list[list[str]], dict[str, str]] | None
+) -> dict[str, Any]:
+    import torch
+
+    from trainer.checkpoint import stage0
+
     if stage == 0:
         sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         if layout is None:
-            state = read_state(ckpt) or {}
             layout = (state.get("param_groups") or [], state.get("tied") or {})
         return stage0.master_weights(sd, *layout)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

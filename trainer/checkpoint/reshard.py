@@ -121,15 +121,23 @@ def load(
     rank: int,
     group: Any = None,
     wait_s: float = 7200.0,
+    module_strict: bool = True,
 ) -> None:
-    """Load `ckpt` (a step directory) into `engine`, converting when stage or world size differ."""
+    """Load `ckpt` (a step directory) into `engine`, converting when stage or world size differ.
+    `module_strict=False`: the checkpoint leaves the frozen weights out (checkpoint/frozen.py); the
+    engine keeps those it was built with."""
     ds = engine.ds
     src = saved_layout(ckpt)
     dst = (ds.zero_optimization_stage(), ds.dp_world_size)
+
+    def load_tag(root: Path, tag: str) -> Any:
+        return ds.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=module_strict,
+        )  # fmt: skip
+
     if not needs_conversion(src, dst):
-        path, _ = ds.load_checkpoint(
-            str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        path, _ = load_tag(ckpt.parent, ckpt.name)
         if path is None:
             raise ResumeError(f"DeepSpeed found no checkpoint in {ckpt}")
         return
@@ -145,11 +153,11 @@ def load(
         convert_in_subprocess(ckpt, tag, names, aliases, target, token[0], wait_s, what)
     wait_for(ckpt, tag, token[0], wait_s, what)
     if dst[0] == 0:
-        ds.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        load_tag(ckpt, tag)
     else:
         ds._config.load_universal_checkpoint = True  # for this one load only (it breaks later loads)
         try:
-            ds.load_checkpoint(str(ckpt), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+            load_tag(ckpt, tag)
         finally:
             ds._config.load_universal_checkpoint = False
         _restore_group_hparams(ds, ckpt / tag)

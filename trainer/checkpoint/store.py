@@ -262,11 +262,17 @@ class Store:
     _group: Any = None
     _deleting: Any = None  # the thread deleting pruned checkpoints
     copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
+    omit_frozen: bool = False  # model.lora from model.pretrained: the frozen base stays out (frozen.py)
+    _frozen_digest: str | None = None  # of the frozen weights, taken at the first save or load
 
     def __post_init__(self) -> None:
+        from trainer.checkpoint import frozen
         from trainer.checkpoint.writer import HostCopier
 
         self.copier = HostCopier()
+        self.omit_frozen = frozen.omitted(self.exp)
+        if self.omit_frozen:
+            frozen.leave_out_aliases(self.engine.ds)
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -315,20 +321,28 @@ class Store:
         stage_dir.mkdir(parents=True, exist_ok=True)
         # What trainer_state.json will say, taken now: the commit may come steps later.
         meta = self._metadata(state) if self.is_main else {}
+        if self.omit_frozen:  # every rank (a collective at ZeRO-3)
+            from trainer.checkpoint import frozen
+
+            meta[frozen.KEY] = frozen.record(self.exp, self.frozen_digest())
         rng = (stage_dir / f"rng_rank{self.rank:05d}.pt", rng_state())
         ds = self.engine.ds
         pending = Pending(step=state.step, tag=tag, stage_dir=stage_dir, meta=meta, started=t0)
         if not background:  # every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers around)
             torch.save(rng[1], rng[0])
             self.faults.arm_save(state.step, ds.checkpoint_engine)
-            ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
+            ds.save_checkpoint(
+                str(self.root), tag=staging, save_latest=False, exclude_frozen_parameters=self.omit_frozen
+            )
         else:
             from trainer.checkpoint.writer import Writer, snapshot_engine
 
             real = ds.checkpoint_engine
             snap = ds.checkpoint_engine = snapshot_engine(real, self.copier)
             try:
-                ds.save_checkpoint(str(self.root), tag=staging, save_latest=False)
+                ds.save_checkpoint(
+                    str(self.root), tag=staging, save_latest=False, exclude_frozen_parameters=self.omit_frozen
+                )
             finally:
                 ds.checkpoint_engine = real
             self.copier.mark()
@@ -371,6 +385,15 @@ class Store:
         else:
             pending.blocked_s += pending.commit_s
         return final
+
+    def frozen_digest(self) -> str:
+        """frozen.digest of the engine's frozen weights, once (they do not change); every rank."""
+        if self._frozen_digest is None:
+            from trainer.checkpoint import frozen
+
+            ds = self.engine.ds
+            self._frozen_digest = frozen.digest(ds.module, zero3=ds.zero_optimization_stage() == 3)
+        return self._frozen_digest
 
     def _metadata(self, state: Any) -> dict[str, Any]:
         pos = self.stream.position
@@ -451,13 +474,21 @@ class Store:
         how long every rank waits for a conversion to another stage or world size."""
         import torch
 
-        from trainer.checkpoint import reshard
+        from trainer.checkpoint import frozen, reshard
 
         saved = found.state
         same_world = saved["world_size"] == self.world_size
         names, aliases = self.layout
+        rec = frozen.saved(saved)
+        if rec is not None:  # every rank: the frozen base this job built must be the one the run trained on
+            problem = frozen.mismatch(found.path, rec, self.exp.model.pretrained, self.frozen_digest())
+            if problem:
+                raise reshard.ResumeError(problem)
         try:
-            reshard.load(self.engine, found.path, names, aliases, self.rank, self._group, wait_s=wait_s)
+            reshard.load(
+                self.engine, found.path, names, aliases, self.rank, self._group, wait_s=wait_s,
+                module_strict=rec is None,
+            )  # fmt: skip
         except (UserError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001  (a checkpoint that does not load will not load next time)
