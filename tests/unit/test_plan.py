@@ -328,6 +328,20 @@ def lora_info(cfg: dict, r: int = 16):
     return model.info(section)
 
 
+def test_a_lora_checkpoints_host_copy_holds_the_adapters_not_the_pretrained_base():
+    """checkpoint.async's host copy for LoRA on a pretrained 7B at stage 0: its checkpoints leave the
+    frozen base out (trainer/checkpoint/frozen.py), so the copy is the adapters in bf16 plus their
+    fp32 masters and moments, 14 bytes per adapter parameter (560 MB), not the 13.5 GB base again. A
+    config's base (seeded random weights) is in every checkpoint. Measured: make tiny-sft-lora's copy
+    1.50 MB, planned 1.50 MB (4.78 MB when the plan counted the base)."""
+    lora = lora_info(LLAMA7B)
+    pretrained = {"model.config": "null", "model.pretrained": "/models/llama-2-7b", "model.lora": "{r: 16}"}
+    p = plan_for(lora, 1, 1, 4096, True, **pretrained)
+    assert p.candidate.name == "zero0" and p.estimate.snapshot == (2 + 4 + 8) * lora.trainable
+    q = plan_for(lora, 1, 1, 4096, True, **{"model.lora": "{r: 16}"})
+    assert q.estimate.snapshot == 2 * lora.params + (4 + 8) * lora.trainable
+
+
 def test_7b_lora_on_one_80gb_gpu_is_stage_0_where_full_training_needs_offload():
     """Llama-2-7B with LoRA r=16 on the attention and MLP projections, micro 1 x 4096 with activation
     checkpointing, one 80 GB GPU: the adapters are 40.0M parameters (r x (in + out) per projection,

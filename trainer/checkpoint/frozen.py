@@ -29,22 +29,23 @@ CHUNK = 1 << 24  # elements per step of the digest (bounds its temporary int64 c
 
 def omitted(exp: Any) -> bool:
     """Whether this experiment's checkpoints leave the frozen base out."""
-    return exp.model.lora is not None and exp.model.pretrained is not None
+    return not exp.model.checkpoints_hold_frozen
 
 
 def digest(module: Any, zero3: bool) -> str:
-    """A digest of the frozen parameters' values as this engine holds them, the same on every rank
-    and at every stage and world size: per parameter, the sum and the sum of squares of its bytes
+    """A digest of the frozen parameters' values as this engine holds them ("<dtype>:<16 hex>"), the
+    same on every rank and at every stage and world size: per parameter, the sum and the sum of squares of its bytes
     read as int16 (exact integers, independent of the order and of ZeRO-3's partitioning and zero
     padding; at ZeRO-3 each rank sums its partitions and the sums are all-reduced). Every rank calls
     it (a collective at ZeRO-3)."""
     import torch
 
-    names, sums = [], []
+    names, sums, dtypes = [], [], set()
     for name, p in module.named_parameters():
         if p.requires_grad:
             continue
         local = p.ds_tensor if zero3 and hasattr(p, "ds_tensor") else p
+        dtypes.add(str(local.dtype).removeprefix("torch."))
         bits = local.detach().reshape(-1).view(torch.int16)
         s1 = torch.zeros((), dtype=torch.int64, device=bits.device)
         s2 = torch.zeros((), dtype=torch.int64, device=bits.device)
@@ -70,7 +71,7 @@ def digest(module: Any, zero3: bool) -> str:
             table = table.to(on)
             dist.all_reduce(table)
     rows = dict(zip(names, table.cpu().tolist(), strict=True))
-    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{'+'.join(sorted(dtypes))}:{hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]}"
 
 
 def leave_out_aliases(ds: Any) -> None:
@@ -105,6 +106,12 @@ def mismatch(ckpt: Path, rec: dict[str, Any], pretrained: str | None, current: s
     """Why this job's frozen weights cannot continue `ckpt`'s run, or None."""
     if current == rec["digest"]:
         return None
+    held, holds = rec["digest"].partition(":")[0], current.partition(":")[0]
+    if held != holds:
+        return (
+            f"{ckpt} was trained with its frozen weights in {held}, this job holds them in {holds}: resume at "
+            "the run's precision (train.precision; 'auto' is bf16 on a GPU that has it, fp32 on CPU)"
+        )
     return (
         f"{ckpt} was trained on frozen weights from model.pretrained={rec['pretrained']} (digest {rec['digest']}), "
         f"which its checkpoints leave out; this job's model.pretrained={pretrained} gives other weights "

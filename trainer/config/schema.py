@@ -121,6 +121,12 @@ class ModelSection(Section):
         None, description="LoRA adapters on the frozen model (null = full training); see README: LoRA"
     )
 
+    @property
+    def checkpoints_hold_frozen(self) -> bool:
+        """False for LoRA on a pretrained model: its checkpoints leave the frozen base out, which
+        model.pretrained holds (trainer/checkpoint/frozen.py; the planner's host copy follows)."""
+        return self.lora is None or self.pretrained is None
+
 
 class DataSource(Section):
     """One dataset: local files (globs) or a hub dataset."""

@@ -205,15 +205,18 @@ def snapshot_bytes(
     lp: int,
     state_bytes: int = 8,
     trainable: int | None = None,
+    frozen_saved: bool = True,
 ) -> int:
     """Host bytes per node for the copy an asynchronous save takes (checkpoint.async): what the
     node's ranks write. Rank 0 writes the module (low-precision values) at stages 0-2, every rank
     its shard at stage 3; the optimizer (fp32 masters and moments) goes whole in rank 0's file at
-    stage 0, a partition per rank at stages 1-3 (offloaded or not: the copy is taken either way)."""
+    stage 0, a partition per rank at stages 1-3 (offloaded or not: the copy is taken either way).
+    `frozen_saved=False` (LoRA on a pretrained model): the module holds the trainable ones only."""
     g = max(1, min(gpus_per_node, n))
     master = 4 if (lp < 4 or c.stage > 0) else 0  # fp32 at stage 0 has no separate master copy
-    module = lp * p if c.stage < 3 else lp * p * g / n
     t = p if trainable is None else trainable
+    saved = p if frozen_saved else t
+    module = lp * saved if c.stage < 3 else lp * saved * g / n
     optim = (master + state_bytes) * t * (1 if c.stage == 0 else g / n)
     return int(module + optim)
 
@@ -585,7 +588,8 @@ def estimate_all(
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
         snap = 0
         if exp.checkpoint.async_ is not False:
-            snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes, info.trainable)
+            snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes, info.trainable,
+                                  exp.model.checkpoints_hold_frozen)  # fmt: skip
         # checkpoint.async: true needs the copy's room; auto goes synchronous where it would not fit
         need = host + snap if exp.checkpoint.async_ is True else host
         nvme_ok = c.offload != "nvme" or bool(exp.strategy.nvme_path) or want_offload == "nvme"
