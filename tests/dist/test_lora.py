@@ -263,3 +263,28 @@ def test_export_merged_and_adapter_from_a_zero3_checkpoint(tmp_path, lora_runs):
             torch.testing.assert_close(
                 m(input_ids=probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5
             )
+
+
+def test_export_from_a_stage_1_checkpoint_of_a_config_base(tmp_path, small_data):
+    """A base made from a config (seeded random weights nobody can name) stays in the checkpoints, and
+    at ZeRO-1 DeepSpeed keeps frozen weights only in the module's state (it saves them apart at
+    stages 2-3): bin/export's merged model and the adapter with its OUT/base give the engine's logits
+    (before the fix: "the weights do not fit the model", the frozen weights missing)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoint.export import export
+
+    sets = resume_sets(small_data, 1, **NODROP, **LORA, **{"model.config": BASES["llama"]})
+    r = train(tmp_path, sets, launcher="torchrun")
+    ckpt = r.run_dir / "checkpoints" / f"step_{2 * K:08d}"
+    assert "frozen_weights" not in json.loads((ckpt / "trainer_state.json").read_text())
+    probe = torch.load(r.debug_dir / "probe.pt")
+    merged = AutoModelForCausalLM.from_pretrained(export(ckpt, tmp_path / "merged")).eval()
+    out = export(ckpt, tmp_path / "adapter", adapter=True)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), out).eval()
+    with torch.no_grad():
+        for m in (merged, adapted):
+            torch.testing.assert_close(
+                m(input_ids=probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5
+            )
