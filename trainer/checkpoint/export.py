@@ -37,7 +37,7 @@ def consolidated_state_dict(
 
     stage, _ = saved_layout(ckpt)
     state = read_state(ckpt) or {}
-    if frozen.saved(state) is not None:  # model.lora: the frozen base comes from model.pretrained
+    if (frozen.saved(state) or {}).get("omitted"):  # model.lora: the frozen base comes from model.pretrained
         import yaml
 
         from trainer import config

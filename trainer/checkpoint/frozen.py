@@ -1,30 +1,39 @@
-"""LoRA checkpoints without the frozen base (model.lora with model.pretrained).
+"""The frozen weights of a LoRA run (model.lora): a digest that guards them, and checkpoints without
+them where model.pretrained holds them.
 
-The base's weights never change in a LoRA run, and the pretrained model they came from is named in
-the experiment, so checkpoints leave them out (DeepSpeed's `exclude_frozen_parameters`, what the
-Hugging Face Trainer does for peft models): a checkpoint of a 7B model's adapters is megabytes of
-adapter state, not 14 GB of base weights again at every save. What makes that safe:
+The base's weights never change in a LoRA run. Where they come from a pretrained model named in the
+experiment, checkpoints leave them out (DeepSpeed's `exclude_frozen_parameters`, what the Hugging
+Face Trainer does for peft models): a checkpoint of a 7B model's adapters is megabytes of adapter
+state, not 14 GB of base weights again at every save. What makes that safe:
 
-- every checkpoint records a digest of the frozen weights as the engine held them (`digest`); a
-  resume builds the model from model.pretrained as the run did and refuses, naming the path, when
-  the digest differs (a changed or replaced pretrained model would otherwise resume silently wrong);
-- export (and `consolidated_state_dict`) takes the frozen weights from model.pretrained, rounded to
-  the precision the run trained in, exactly what the engine held.
+- every LoRA checkpoint records a digest of the frozen weights' values as the engine held them
+  (`digest`; the same at every ZeRO stage and world size); the engine takes it before training and
+  again at every save, and stops if they changed; a resume compares it after loading, on every rank,
+  and refuses, naming the path, when it differs: a pretrained model changed at the same path, or a
+  resharded resume that did not bring a config base's frozen weights along (DeepSpeed's universal
+  format holds only what the optimizer trains);
+- a resume loads the module non-strictly only for the frozen weights (`strict_but_frozen`): any other
+  missing or unexpected key is an error;
+- export (and `consolidated_state_dict`) builds the base from model.pretrained as training does, in
+  the precision the run trained in, exactly what the engine held, and checks the digest.
 
-A base built from a config (no model.pretrained: random weights nobody can name) is saved as
-before. Resharding to another stage or world size loaded the frozen weights from the built model
-already (DeepSpeed's universal format holds only what the optimizer trains).
+A base built from a config (no model.pretrained: seeded random weights nobody can name) stays in
+the checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-KEY = "frozen_weights"  # in trainer_state.json: {"omitted": true, "pretrained": ..., "digest": ...}
-CHUNK = 1 << 24  # elements per step of the digest (bounds its temporary int64 copy)
+from trainer.errors import UserError
+
+KEY = "frozen_weights"  # in trainer_state.json: {"omitted": ..., "pretrained": ..., "digest": ...}
+CHUNK = 1 << 22  # elements per step of the digest (bounds its temporary copies to ~100 MB)
 
 
 def omitted(exp: Any) -> bool:
@@ -32,46 +41,53 @@ def omitted(exp: Any) -> bool:
     return not exp.model.checkpoints_hold_frozen
 
 
-def digest(module: Any, zero3: bool) -> str:
-    """A digest of the frozen parameters' values as this engine holds them ("<dtype>:<16 hex>"), the
-    same on every rank and at every stage and world size: per parameter, the sum and the sum of squares of its bytes
-    read as int16 (exact integers, independent of the order and of ZeRO-3's partitioning and zero
-    padding; at ZeRO-3 each rank sums its partitions and the sums are all-reduced). Every rank calls
-    it (a collective at ZeRO-3)."""
+def guarded(exp: Any) -> bool:
+    """Whether this experiment's frozen weights are digested and checked (every LoRA run)."""
+    return exp.model.lora is not None
+
+
+def frozen_names(module: Any) -> set[str]:
+    """Every state-dict name of a frozen parameter (a tied weight's second name too)."""
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _sums(t: Any) -> list[int]:
+    """Exact integer sums over the value's fp32 bits read as int16 (the same for a bf16 weight and its
+    fp32 copy): of x, of x squared and of x weighted by its position (which a permutation changes)."""
     import torch
 
-    names, sums, dtypes = [], [], set()
+    flat = t.detach().reshape(-1)
+    s = torch.zeros(3, dtype=torch.int64, device=flat.device)
+    for i in range(0, flat.numel(), CHUNK):
+        x = flat[i : i + CHUNK].float().view(torch.int16).to(torch.int64)
+        w = (torch.arange(2 * i, 2 * i + x.numel(), device=x.device) * 31 + 7) % 4093
+        s += torch.stack([x.sum(), (x * x).sum(), (x * w).sum()])
+    return s.cpu().tolist()
+
+
+def digest(module: Any, zero3: bool) -> str:
+    """ "<dtypes>:<16 hex>": a digest of the frozen parameters' values, whatever dtype holds them, the
+    same on every rank that holds the same weights and at every stage and world size (ZeRO-3 gathers
+    each parameter whole, NVMe-offloaded ones included, so partitions and their padding play no
+    part); the dtypes the engine holds them in, for the error message. Every rank calls it (ZeRO-3's
+    gathers are collectives)."""
+    rows, dtypes = {}, set()
     for name, p in module.named_parameters():
         if p.requires_grad:
             continue
-        local = p.ds_tensor if zero3 and hasattr(p, "ds_tensor") else p
-        dtypes.add(str(local.dtype).removeprefix("torch."))
-        bits = local.detach().reshape(-1).view(torch.int16)
-        s1 = torch.zeros((), dtype=torch.int64, device=bits.device)
-        s2 = torch.zeros((), dtype=torch.int64, device=bits.device)
-        for i in range(0, bits.numel(), CHUNK):
-            x = bits[i : i + CHUNK].to(torch.int64)
-            s1 += x.sum()
-            s2 += (x * x).sum()
-        names.append(name)
-        sums.append(torch.stack([s1, s2]).cpu())
-    if not sums:
-        return ""
-    table = torch.stack(sums)
-    if zero3:
-        import torch.distributed as dist
+        if zero3 and hasattr(p, "ds_id"):
+            import deepspeed
 
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # on the GPU where the backend is NCCL (offloaded partitions were summed on the CPU)
-            on = (
-                torch.device("cuda", torch.cuda.current_device())
-                if dist.get_backend() == "nccl"
-                else table.device
-            )
-            table = table.to(on)
-            dist.all_reduce(table)
-    rows = dict(zip(names, table.cpu().tolist(), strict=True))
-    return f"{'+'.join(sorted(dtypes))}:{hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]}"
+            gather: Any = deepspeed.zero.GatheredParameters([p], modifier_rank=None)
+        else:
+            gather = contextlib.nullcontext()
+        with gather:
+            dtypes.add(str(p.dtype).removeprefix("torch."))
+            rows[name] = _sums(p)
+    if not rows:
+        return ""
+    value = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{'+'.join(sorted(dtypes))}:{value}"
 
 
 def leave_out_aliases(ds: Any) -> None:
@@ -79,7 +95,7 @@ def leave_out_aliases(ds: Any) -> None:
     lists, but not a state-dict key that is another name of one: a tied LM head (`lm_head.weight`
     is the embedding, vocabulary x hidden) would still be saved. Drop every name of a frozen
     parameter from the engine's module state when frozen weights are excluded."""
-    names = {n for n, p in ds.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    names = frozen_names(ds.module)
     original = ds.module_state_dict
 
     def module_state_dict(*args: Any, **kwargs: Any) -> Any:
@@ -93,57 +109,86 @@ def leave_out_aliases(ds: Any) -> None:
 
 
 def record(exp: Any, value: str) -> dict[str, Any]:
-    return {"omitted": True, "pretrained": exp.model.pretrained, "digest": value}
+    return {"omitted": omitted(exp), "pretrained": exp.model.pretrained, "digest": value}
 
 
 def saved(state: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The checkpoint's record, where its frozen weights were left out."""
+    """The checkpoint's record of its frozen weights (LoRA checkpoints), or None."""
     rec = (state or {}).get(KEY)
-    return rec if rec and rec.get("omitted") else None
+    return rec if rec and rec.get("digest") else None
 
 
-def mismatch(ckpt: Path, rec: dict[str, Any], pretrained: str | None, current: str) -> str | None:
-    """Why this job's frozen weights cannot continue `ckpt`'s run, or None."""
-    if current == rec["digest"]:
+def mismatch(ckpt: Path, rec: dict[str, Any], current: str, fix: str) -> str | None:
+    """Why frozen weights with digest `current` are not those `ckpt`'s run trained on, or None."""
+    held, _, value = rec["digest"].partition(":")
+    holds, _, now = current.partition(":")
+    if value == now:
         return None
-    held, holds = rec["digest"].partition(":")[0], current.partition(":")[0]
     if held != holds:
         return (
-            f"{ckpt} was trained with its frozen weights in {held}, this job holds them in {holds}: resume at "
-            "the run's precision (train.precision; 'auto' is bf16 on a GPU that has it, fp32 on CPU)"
+            f"{ckpt} was trained with its frozen weights in {held}, this job holds them in {holds} (other values): "
+            "resume at the run's precision (train.precision; 'auto' is bf16 on a GPU that has it, fp32 on CPU)"
         )
-    return (
-        f"{ckpt} was trained on frozen weights from model.pretrained={rec['pretrained']} (digest {rec['digest']}), "
-        f"which its checkpoints leave out; this job's model.pretrained={pretrained} gives other weights "
-        f"(digest {current}). Point model.pretrained at the model the run started from, unchanged"
+    where = (
+        f"from model.pretrained={rec['pretrained']}, which its checkpoints leave out"
+        if rec.get("omitted")
+        else "saved in it (a config's base); this job's were not restored from it"
     )
+    return (
+        f"{ckpt} was trained on frozen weights {where}: digest {rec['digest']}, this job's {current}. {fix}"
+    )
+
+
+RESUME_FIX = (
+    "Restore the weights at model.pretrained as they were when the run started (pin model.revision for a "
+    "hub model), or start a new run_dir"
+)
+
+
+def strict_but_frozen(names: Iterable[str], where: Path) -> Callable[..., None]:
+    """DeepSpeed's `custom_load_fn` for a checkpoint without the frozen weights: a module load that
+    lets exactly those be missing (they stay as built) and refuses any other difference."""
+    allowed = set(names)
+
+    def load(src: Any, dst: Any) -> None:
+        missing, unexpected = dst.load_state_dict(src, strict=False)
+        others = sorted(set(missing) - allowed)
+        if others or unexpected:
+            raise UserError(
+                f"{where}: the saved module does not fit this job's model: missing {others[:5]}, unexpected "
+                f"{sorted(unexpected)[:5]} (another peft version or model.lora?); resume with the run's model.lora and peft"
+            )
+
+    return load
 
 
 def base_state(ckpt: Path, exp: Any) -> dict[str, Any]:
-    """The frozen weights of an `omitted` checkpoint, from model.pretrained with the run's adapters
-    applied (the engine's parameter names), in fp32, rounded through bf16/fp16 where the run
-    trained in it (what the engine held). For export; checks the digest first."""
+    """The frozen weights of an `omitted` checkpoint, built from model.pretrained as training built
+    them (model.build, the run's precision, adapters applied: the engine's parameter names), in
+    fp32. For export; checks the digest first."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from trainer import data, model
     from trainer.checkpoint import read_state
-    from trainer.errors import UserError
-    from trainer.model import adapters
 
     rec = saved(read_state(ckpt))
-    ds_config = json.loads((ckpt / "ds_config.json").read_text())
-    dtype = next(
-        (
-            t
-            for key, t in (("bf16", torch.bfloat16), ("fp16", torch.float16))
-            if ds_config.get(key, {}).get("enabled")
-        ),
-        torch.float32,
+    ds = json.loads((ckpt / "ds_config.json").read_text())
+    precision = {k: ds[k] for k in ("bf16", "fp16") if k in ds}
+    tok = data.load_tokenizer(exp.data.tokenizer)
+    module = model.build(
+        exp.model,
+        vocab_size=len(tok),
+        eos_id=tok.eos_token_id,
+        seq_len=exp.data.seq_len,
+        ds_config={**precision, "zero_optimization": {"stage": 0}},
     )
-    base = AutoModelForCausalLM.from_pretrained(exp.model.pretrained, dtype=torch.float32)
-    module = adapters.apply(base, exp.model.lora).to(dtype)
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if precision.get(key, {}).get("enabled"):  # as DeepSpeed casts the parameters
+            for p in module.parameters():
+                p.data = p.data.to(dtype)
     if rec is not None:
-        problem = mismatch(ckpt, rec, exp.model.pretrained, digest(module, zero3=False))
+        fix = f"Restore the weights at {exp.model.pretrained}, or point {ckpt / 'experiment.yaml'}'s model.pretrained at them"
+        problem = mismatch(ckpt, rec, digest(module, zero3=False), fix)
         if problem:
             raise UserError(problem)
     return {k: v.float() for k, v in module.state_dict().items() if "lora_" not in k}

@@ -121,11 +121,11 @@ def load(
     rank: int,
     group: Any = None,
     wait_s: float = 7200.0,
-    module_strict: bool = True,
+    custom_load_fn: Callable[..., None] | None = None,
 ) -> None:
     """Load `ckpt` (a step directory) into `engine`, converting when stage or world size differ.
-    `module_strict=False`: the checkpoint leaves the frozen weights out (checkpoint/frozen.py); the
-    engine keeps those it was built with."""
+    `custom_load_fn`: DeepSpeed's, for the module's state (frozen.strict_but_frozen: a checkpoint
+    without the frozen weights, which the engine keeps as built)."""
     ds = engine.ds
     src = saved_layout(ckpt)
     dst = (ds.zero_optimization_stage(), ds.dp_world_size)
@@ -133,7 +133,7 @@ def load(
     def load_tag(root: Path, tag: str) -> Any:
         return ds.load_checkpoint(
             str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
-            load_module_strict=module_strict,
+            custom_load_fn=custom_load_fn,
         )  # fmt: skip
 
     if not needs_conversion(src, dst):

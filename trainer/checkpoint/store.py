@@ -263,7 +263,7 @@ class Store:
     _deleting: Any = None  # the thread deleting pruned checkpoints
     copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
     omit_frozen: bool = False  # model.lora from model.pretrained: the frozen base stays out (frozen.py)
-    _frozen_digest: str | None = None  # of the frozen weights, taken at the first save or load
+    frozen_digest: str | None = None  # model.lora: of the frozen weights, before training and after a load
 
     def __post_init__(self) -> None:
         from trainer.checkpoint import frozen
@@ -273,6 +273,8 @@ class Store:
         self.omit_frozen = frozen.omitted(self.exp)
         if self.omit_frozen:
             frozen.leave_out_aliases(self.engine.ds)
+        if frozen.guarded(self.exp):  # every rank (ZeRO-3 gathers), before any step
+            self.frozen_digest = self._digest_frozen()
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -321,10 +323,16 @@ class Store:
         stage_dir.mkdir(parents=True, exist_ok=True)
         # What trainer_state.json will say, taken now: the commit may come steps later.
         meta = self._metadata(state) if self.is_main else {}
-        if self.omit_frozen:  # every rank (a collective at ZeRO-3)
+        if self.frozen_digest is not None:  # every rank (ZeRO-3 gathers): the frozen weights did not move
             from trainer.checkpoint import frozen
 
-            meta[frozen.KEY] = frozen.record(self.exp, self.frozen_digest())
+            now = self._digest_frozen()
+            if now != self.frozen_digest:
+                raise RuntimeError(
+                    f"the frozen weights changed during training (digest {self.frozen_digest} -> {now}) on rank "
+                    f"{self.rank}: something wrote to parameters that have no gradient; not saving step {state.step}"
+                )
+            meta[frozen.KEY] = frozen.record(self.exp, now)
         rng = (stage_dir / f"rng_rank{self.rank:05d}.pt", rng_state())
         ds = self.engine.ds
         pending = Pending(step=state.step, tag=tag, stage_dir=stage_dir, meta=meta, started=t0)
@@ -386,14 +394,12 @@ class Store:
             pending.blocked_s += pending.commit_s
         return final
 
-    def frozen_digest(self) -> str:
-        """frozen.digest of the engine's frozen weights, once (they do not change); every rank."""
-        if self._frozen_digest is None:
-            from trainer.checkpoint import frozen
+    def _digest_frozen(self) -> str:
+        """frozen.digest of the engine's frozen weights; every rank."""
+        from trainer.checkpoint import frozen
 
-            ds = self.engine.ds
-            self._frozen_digest = frozen.digest(ds.module, zero3=ds.zero_optimization_stage() == 3)
-        return self._frozen_digest
+        ds = self.engine.ds
+        return frozen.digest(ds.module, zero3=ds.zero_optimization_stage() == 3)
 
     def _metadata(self, state: Any) -> dict[str, Any]:
         pos = self.stream.position
@@ -480,14 +486,13 @@ class Store:
         same_world = saved["world_size"] == self.world_size
         names, aliases = self.layout
         rec = frozen.saved(saved)
-        if rec is not None:  # every rank: the frozen base this job built must be the one the run trained on
-            problem = frozen.mismatch(found.path, rec, self.exp.model.pretrained, self.frozen_digest())
-            if problem:
-                raise reshard.ResumeError(problem)
+        custom = None
+        if rec is not None and rec.get("omitted"):  # the module may lack the frozen weights, and only those
+            custom = frozen.strict_but_frozen(frozen.frozen_names(self.engine.ds.module), found.path)
         try:
             reshard.load(
                 self.engine, found.path, names, aliases, self.rank, self._group, wait_s=wait_s,
-                module_strict=rec is None,
+                custom_load_fn=custom,
             )  # fmt: skip
         except (UserError, torch.OutOfMemoryError):
             raise
@@ -496,6 +501,16 @@ class Store:
             raise reshard.ResumeError(
                 f"resuming from {found.path} failed on rank {self.rank}: {type(e).__name__}: {e}"
             ) from e
+        if self.frozen_digest is not None:  # every rank (ZeRO-3 gathers): the frozen weights are the run's
+            self.frozen_digest = self._digest_frozen()
+            problem = frozen.mismatch(found.path, rec, self.frozen_digest, frozen.RESUME_FIX) if rec else None
+            bad = [r for r, (flag,) in enumerate(self.gather([int(problem is not None)])) if flag]
+            if bad:  # every rank stops, with rank 0's words where it has them
+                raise reshard.ResumeError(
+                    problem
+                    or f"{found.path}: rank(s) {bad} hold other frozen weights than the run trained on "
+                    f"({frozen.RESUME_FIX.lower()})"
+                )
         state.step = int(saved["step"])
         state.samples = int(saved["samples"])
         state.tokens = int(saved["tokens"])

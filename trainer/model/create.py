@@ -262,12 +262,18 @@ def build(
             if section.config is not None:
                 model = AutoModelForCausalLM.from_config(cfg, **kwargs)
             else:
+                # fp32 training holds fp32 weights: from_pretrained's own default ("auto") would keep a
+                # bf16-stored hub model in bf16. In bf16/fp16 DeepSpeed casts whatever is loaded.
+                mixed = any((ds_config or {}).get(k, {}).get("enabled") is True for k in ("bf16", "fp16"))
                 try:
+                    import torch
+
                     model = AutoModelForCausalLM.from_pretrained(
                         section.pretrained,
                         config=cfg,
                         revision=section.revision,
                         trust_remote_code=section.trust_remote_code,
+                        dtype="auto" if mixed else torch.float32,
                         **kwargs,
                     )
                 except OSError as e:
