@@ -1,5 +1,5 @@
-"""LoRA (model.lora) on 2 ranks through the real launchers, at ZeRO stages 0, 1 (bf16), 2, 3 and 2
-with CPU offload, for gpt2 and llama: the loss falls, the base weights stay bit for bit what they were, the
+"""LoRA (model.lora) on 2 ranks through the real launchers, at ZeRO stages 0, 1 (bf16), 2, 3, 2 with
+CPU offload and 3 with parameters and optimizer offloaded, for gpt2 and llama: the loss falls, the base weights stay bit for bit what they were, the
 adapters move and are the same on every rank, and every checkpoint's adapter/ (peft's format,
 gathered from the partitions at ZeRO-3, verified before the checkpoint becomes visible) reloads with
 peft to the engine's logits. The ZeRO-3 adapter equals the ZeRO-0 one of the same seed (the reported
@@ -38,6 +38,7 @@ CASES = {
     "zero1-llama": (1, "none", "llama", "torchrun", {"train.precision": "bf16"}),
     "zero2-llama": (2, "none", "llama", "torchrun", {}),
     "zero3-gpt2": (3, "none", "gpt2", "deepspeed", {}),
+    "zero3+cpu-gpt2": (3, "cpu", "gpt2", "torchrun", {}),
     "zero2+cpu-llama": (2, "cpu", "llama", "deepspeed", {"train.precision": "bf16", "model.chunked_loss": True,
                                                           "model.activation_checkpointing": True}),
 }  # fmt: skip
@@ -216,7 +217,10 @@ def test_a_resume_on_other_frozen_weights_is_refused_naming_the_pretrained_model
         tmp_path, {**sets, "train.max_steps": 2 * K + 2}, extra_args=["--resume"], debug=False, check=False
     )
     assert b.returncode == 2, b.output[-3000:]
-    assert f"{ckpt} was trained on frozen weights from model.pretrained={base}, which its checkpoints leave out: digest float32:" in b.output, b.output[-3000:]
+    assert (
+        f"{ckpt} was trained on frozen weights from model.pretrained={base}, which its checkpoints leave out: digest float32:"
+        in b.output
+    ), b.output[-3000:]
     assert "Restore the weights at model.pretrained as they were when the run started" in b.output
     assert "Traceback" not in b.output and max(b.losses) == 2 * K  # (run A's steps: none was added)
 
@@ -288,3 +292,13 @@ def test_export_from_a_stage_1_checkpoint_of_a_config_base(tmp_path, small_data)
             torch.testing.assert_close(
                 m(input_ids=probe["input_ids"]).logits, probe["logits"], rtol=1e-5, atol=1e-5
             )
+
+
+def test_the_frozen_weights_digest_is_the_same_at_every_stage(lora_runs):
+    """One base, fp32: the digest the checkpoints record is the same at ZeRO-0 (whole weights), ZeRO-3
+    (gathered from the partitions) and ZeRO-3 with the parameters offloaded to the CPU."""
+    digests = {}
+    for name in ("zero0-gpt2", "zero3-gpt2", "zero3+cpu-gpt2"):
+        ckpt = lora_runs(name).run_dir / "checkpoints" / f"step_{2 * K:08d}"
+        digests[name] = json.loads((ckpt / "trainer_state.json").read_text())["frozen_weights"]["digest"]
+    assert len(set(digests.values())) == 1 and digests["zero0-gpt2"].startswith("float32:"), digests
