@@ -183,6 +183,7 @@ def build(
     )  # fmt: skip
     if resume is not None:
         checkpointer.load(resume.found, state)
+    store.guard_frozen()  # model.lora: the frozen weights' digest, before the first step
     attach_debug(run, dist.debug_dir())
     return run
 

@@ -26,26 +26,31 @@ from typing import Any
 from trainer.errors import EXIT_USER_ERROR, UserError
 
 
+def saved_experiment(ckpt: Path) -> Any:
+    """The checkpoint's experiment.yaml, validated."""
+    import yaml
+
+    from trainer import config
+
+    path = ckpt / "experiment.yaml"
+    return config.validate(yaml.safe_load(path.read_text()), source=str(path))
+
+
 def consolidated_state_dict(
-    ckpt: Path, layout: tuple[list[list[str]], dict[str, str]] | None = None
+    ckpt: Path, layout: tuple[list[list[str]], dict[str, str]] | None = None, exp: Any = None
 ) -> dict[str, Any]:
     """Full fp32 master weights from a checkpoint of any stage and precision. `layout`: parameter
     names per optimizer group and tied aliases, needed for a mixed-precision stage-0 checkpoint;
-    default: as recorded in its trainer_state.json."""
+    default: as recorded in its trainer_state.json. `exp`: its experiment, where already read."""
     from trainer.checkpoint import frozen, read_state
     from trainer.checkpoint.reshard import saved_layout
 
     stage, _ = saved_layout(ckpt)
     state = read_state(ckpt) or {}
-    if (frozen.saved(state) or {}).get("omitted"):  # model.lora: the frozen base comes from model.pretrained
-        import yaml
-
-        from trainer import config
-
-        exp = config.validate(
-            yaml.safe_load((ckpt / "experiment.yaml").read_text()), source=str(ckpt / "experiment.yaml")
-        )
-        return {**frozen.base_state(ckpt, exp), **_saved_weights(ckpt, stage, state, layout)}
+    rec = frozen.saved(state)
+    if rec is not None and rec.get("omitted"):  # model.lora: the frozen base comes from model.pretrained
+        base = frozen.base_state(ckpt, exp or saved_experiment(ckpt), rec)
+        return {**base, **_saved_weights(ckpt, stage, state, layout)}
     return _saved_weights(ckpt, stage, state, layout)
 
 
@@ -81,13 +86,10 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
     is no pretrained model one can name, the base weights in OUT/base, which the adapter's config then
     names)."""
     import torch
-    import yaml
 
-    from trainer import config, data, model
+    from trainer import data, model
 
-    exp = config.validate(
-        yaml.safe_load((ckpt / "experiment.yaml").read_text()), source=str(ckpt / "experiment.yaml")
-    )
+    exp = saved_experiment(ckpt)
     if exp.model.factory is not None:
         raise UserError(
             f"{ckpt}: the model comes from a factory ({exp.model.factory}), which has no Hugging Face config to "
@@ -110,7 +112,7 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
     from trainer.checkpoint.reshard import names_and_aliases
 
     state = consolidated_state_dict(
-        ckpt, names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
+        ckpt, names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay)), exp
     )
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     tied = {k for k in missing if k in _tied_keys(module)}

@@ -95,8 +95,10 @@ def leave_out_aliases(ds: Any) -> None:
     lists, but not a state-dict key that is another name of one: a tied LM head (`lm_head.weight`
     is the embedding, vocabulary x hidden) would still be saved. Drop every name of a frozen
     parameter from the engine's module state when frozen weights are excluded."""
-    names = frozen_names(ds.module)
     original = ds.module_state_dict
+    if getattr(original, "leaves_out_aliases", False):  # another Store on this engine (--check) did
+        return
+    names = frozen_names(ds.module)
 
     def module_state_dict(*args: Any, **kwargs: Any) -> Any:
         sd = original(*args, **kwargs)
@@ -105,6 +107,7 @@ def leave_out_aliases(ds: Any) -> None:
                 del sd[name]
         return sd
 
+    module_state_dict.leaves_out_aliases = True  # type: ignore[attr-defined]
     ds.module_state_dict = module_state_dict
 
 
@@ -162,16 +165,14 @@ def strict_but_frozen(names: Iterable[str], where: Path) -> Callable[..., None]:
     return load
 
 
-def base_state(ckpt: Path, exp: Any) -> dict[str, Any]:
-    """The frozen weights of an `omitted` checkpoint, built from model.pretrained as training built
-    them (model.build, the run's precision, adapters applied: the engine's parameter names), in
-    fp32. For export; checks the digest first."""
+def base_state(ckpt: Path, exp: Any, rec: dict[str, Any]) -> dict[str, Any]:
+    """The frozen weights of an `omitted` checkpoint (`rec`: its record), built from model.pretrained
+    as training built them (model.build, the run's precision, adapters applied: the engine's
+    parameter names), in fp32. For export; checks the digest first."""
     import torch
 
     from trainer import data, model
-    from trainer.checkpoint import read_state
 
-    rec = saved(read_state(ckpt))
     ds = json.loads((ckpt / "ds_config.json").read_text())
     precision = {k: ds[k] for k in ("bf16", "fp16") if k in ds}
     tok = data.load_tokenizer(exp.data.tokenizer)
@@ -186,9 +187,8 @@ def base_state(ckpt: Path, exp: Any) -> dict[str, Any]:
         if precision.get(key, {}).get("enabled"):  # as DeepSpeed casts the parameters
             for p in module.parameters():
                 p.data = p.data.to(dtype)
-    if rec is not None:
-        fix = f"Restore the weights at {exp.model.pretrained}, or point {ckpt / 'experiment.yaml'}'s model.pretrained at them"
-        problem = mismatch(ckpt, rec, digest(module, zero3=False), fix)
-        if problem:
-            raise UserError(problem)
+    fix = f"Restore the weights at {exp.model.pretrained}, or point {ckpt / 'experiment.yaml'}'s model.pretrained at them"
+    problem = mismatch(ckpt, rec, digest(module, zero3=False), fix)
+    if problem:
+        raise UserError(problem)
     return {k: v.float() for k, v in module.state_dict().items() if "lora_" not in k}

@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint import frozen
 from trainer.config import Experiment
 from trainer.errors import UserError
 from trainer.faults import Faults
@@ -263,18 +264,15 @@ class Store:
     _deleting: Any = None  # the thread deleting pruned checkpoints
     copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
     omit_frozen: bool = False  # model.lora from model.pretrained: the frozen base stays out (frozen.py)
-    frozen_digest: str | None = None  # model.lora: of the frozen weights, before training and after a load
+    frozen_digest: str | None = None  # model.lora: of the frozen weights (guard_frozen, or a resume's load)
 
     def __post_init__(self) -> None:
-        from trainer.checkpoint import frozen
         from trainer.checkpoint.writer import HostCopier
 
         self.copier = HostCopier()
         self.omit_frozen = frozen.omitted(self.exp)
         if self.omit_frozen:
             frozen.leave_out_aliases(self.engine.ds)
-        if frozen.guarded(self.exp):  # every rank (ZeRO-3 gathers), before any step
-            self.frozen_digest = self._digest_frozen()
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -323,11 +321,11 @@ class Store:
         stage_dir.mkdir(parents=True, exist_ok=True)
         # What trainer_state.json will say, taken now: the commit may come steps later.
         meta = self._metadata(state) if self.is_main else {}
-        if self.frozen_digest is not None:  # every rank (ZeRO-3 gathers): the frozen weights did not move
-            from trainer.checkpoint import frozen
-
+        if frozen.guarded(self.exp):  # every rank (ZeRO-3 gathers): the frozen weights did not move
             now = self._digest_frozen()
-            if now != self.frozen_digest:
+            if self.frozen_digest is None:  # a Store whose first save comes before guard_frozen (--check's)
+                self.frozen_digest = now
+            elif now != self.frozen_digest:
                 raise RuntimeError(
                     f"the frozen weights changed during training (digest {self.frozen_digest} -> {now}) on rank "
                     f"{self.rank}: something wrote to parameters that have no gradient; not saving step {state.step}"
@@ -394,10 +392,14 @@ class Store:
             pending.blocked_s += pending.commit_s
         return final
 
+    def guard_frozen(self) -> None:
+        """model.lora: the digest every save compares with, taken once, before the first step (build
+        calls it after a resume's load, which takes it itself); every rank (ZeRO-3 gathers)."""
+        if self.frozen_digest is None and frozen.guarded(self.exp):
+            self.frozen_digest = self._digest_frozen()
+
     def _digest_frozen(self) -> str:
         """frozen.digest of the engine's frozen weights; every rank."""
-        from trainer.checkpoint import frozen
-
         ds = self.engine.ds
         return frozen.digest(ds.module, zero3=ds.zero_optimization_stage() == 3)
 
@@ -480,7 +482,7 @@ class Store:
         how long every rank waits for a conversion to another stage or world size."""
         import torch
 
-        from trainer.checkpoint import frozen, reshard
+        from trainer.checkpoint import reshard
 
         saved = found.state
         same_world = saved["world_size"] == self.world_size
@@ -501,7 +503,7 @@ class Store:
             raise reshard.ResumeError(
                 f"resuming from {found.path} failed on rank {self.rank}: {type(e).__name__}: {e}"
             ) from e
-        if self.frozen_digest is not None:  # every rank (ZeRO-3 gathers): the frozen weights are the run's
+        if frozen.guarded(self.exp):  # every rank (ZeRO-3 gathers): the frozen weights are the run's
             self.frozen_digest = self._digest_frozen()
             problem = frozen.mismatch(found.path, rec, self.frozen_digest, frozen.RESUME_FIX) if rec else None
             bad = [r for r, (flag,) in enumerate(self.gather([int(problem is not None)])) if flag]
