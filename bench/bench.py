@@ -335,6 +335,23 @@ def hf(spec: dict[str, Any], nproc: int, work: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+def hf_args(variant: str) -> dict[str, Any]:
+    """A --hf-variants entry as TrainingArguments: "default" (none) or KEY=VALUE[,KEY=VALUE], each value
+    read as JSON where it parses (true, 1, "x"), else as a string: torch_compile=true,use_liger_kernel=true."""
+    if variant == "default":
+        return {}
+    out: dict[str, Any] = {}
+    for item in variant.split(","):
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"--hf-variants: '{variant}' is not 'default' or KEY=VALUE[,KEY=VALUE]")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
 def peer(a: argparse.Namespace) -> dict[str, Any]:
     """bin/train with its defaults against the Hugging Face Trainer with DeepSpeed at the same stage,
     on the same job, interleaved A B per round: median step time after warm-up, tokens/s, ratio."""
@@ -352,6 +369,9 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
         f"{a.log_every}-step intervals after step {a.warmup}",
         flush=True,
     )
+    variants = a.hf_variants or ["default"]
+    for v in variants:
+        hf_args(v)  # a malformed variant fails before any run
     results = []
     for shape in shapes:
         _, base = job(a, gpu, {**CPU_SETS, **PEER_SHAPES.get(shape, {})})
@@ -366,13 +386,26 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
             spec.update(stage=stage, peer_config=a.peer_config, schedule="cosine",
                         threads=None if gpu else max(1, cores() // nproc))  # fmt: skip
             tokens_per_step = spec["micro"] * nproc * spec["grad_accum"] * spec["seq_len"]
-            rows: dict[str, list[float]] = {"ours": [], "hf": []}
-            spread: dict[str, list[list[float]]] = {"ours": [], "hf": []}  # each round's interval step times
+            # each HF variant: the Trainer's own options on top of its DeepSpeed config ("default": none)
+            sides = ["ours", *variants]
+            rows: dict[str, list[float]] = {s: [] for s in sides}
+            spread: dict[str, list[list[float]]] = {s: [] for s in sides}  # each round's interval step times
             losses: dict[str, list[float]] = {}
+            failed: set[str] = set()
             for r in range(a.rounds):
                 # A B, then B A: neither side always runs right after the other (A B B A A B ...)
-                for side in ("ours", "hf") if r % 2 == 0 else ("hf", "ours"):
-                    res = ours(experiment, sets, nproc, work) if side == "ours" else hf(spec, nproc, work)
+                for side in sides if r % 2 == 0 else sides[::-1]:
+                    if side in failed:
+                        continue
+                    if side == "ours":
+                        res = ours(experiment, sets, nproc, work)
+                    else:
+                        try:
+                            res = hf({**spec, "hf_args": hf_args(side)}, nproc, work)
+                        except SystemExit as e:  # a Trainer option that fails here is reported, not fatal
+                            print(f"  {shape} zero{stage} {side}: failed\n{str(e)[-3000:]}", flush=True)
+                            failed.add(side)
+                            continue
                     med = median_after(res["intervals"], a.warmup, a.log_every)
                     rows[side].append(med)
                     spread[side].append([x["step_time_s"] for x in res["intervals"]])
@@ -381,16 +414,21 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
                         f"  {shape} zero{stage} round {r} {side:4}: median step {med * 1000:8.1f} ms",
                         flush=True,
                     )
-            o, h = statistics.median(rows["ours"]), statistics.median(rows["hf"])
-            per_round = [y / x for x, y in zip(rows["ours"], rows["hf"], strict=True)]  # tokens/s ours / hf
-            results.append({
-                "shape": shape, "stage": stage, "ours_step_ms": o * 1000, "hf_step_ms": h * 1000,
-                "ours_tokens_per_s": tokens_per_step / o, "hf_tokens_per_s": tokens_per_step / h,
-                "ratio": h / o, "ratio_min": min(per_round), "ratio_max": max(per_round), "runs": rows, "intervals": spread,
-                "paired": statistics.geometric_mean(per_round), "ours_faster": sum(x >= 1 for x in per_round),
-                "losses": losses,
-                "ours_ds_config": spec["ds_config"].get("zero_optimization"),
-            })  # fmt: skip
+            o = statistics.median(rows["ours"])
+            for variant in (v for v in variants if v not in failed):
+                h = statistics.median(rows[variant])
+                # tokens/s ours / hf per round
+                per_round = [y / x for x, y in zip(rows["ours"], rows[variant], strict=True)]
+                results.append({
+                    "shape": shape, "stage": stage, "hf_variant": variant, "ours_step_ms": o * 1000,
+                    "hf_step_ms": h * 1000, "ours_tokens_per_s": tokens_per_step / o,
+                    "hf_tokens_per_s": tokens_per_step / h, "ratio": h / o, "ratio_min": min(per_round),
+                    "ratio_max": max(per_round), "runs": {"ours": rows["ours"], "hf": rows[variant]},
+                    "intervals": {"ours": spread["ours"], "hf": spread[variant]},
+                    "paired": statistics.geometric_mean(per_round), "ours_faster": sum(x >= 1 for x in per_round),
+                    "losses": {"ours": losses["ours"], "hf": losses[variant]},
+                    "ours_ds_config": spec["ds_config"].get("zero_optimization"),
+                })  # fmt: skip
     shutil.rmtree(work, ignore_errors=True)
     print()
     # ours/HF: the ratio of the two medians, its range over rounds; paired: the geometric mean of the
@@ -401,8 +439,9 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
     )
     print("|---|---|---|---|---|---|")
     for r in results:
+        variant = "" if r["hf_variant"] == "default" else f" ({r['hf_variant']})"
         print(
-            f"| {r['shape']} | {r['stage']} | {r['hf_step_ms']:.1f} | {r['ours_step_ms']:.1f} | "
+            f"| {r['shape']} | {r['stage']} | {r['hf_step_ms']:.1f}{variant} | {r['ours_step_ms']:.1f} | "
             f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
             f"{r['paired']:.2f} ({r['ours_faster']} of {a.rounds}) |"
         )
@@ -677,6 +716,11 @@ def main() -> int:
     pe.add_argument("--cpu", action="store_true")
     pe.add_argument("--experiment", default=None)
     pe.add_argument("--peer-config", choices=["minimal", "hf-docs"], default="minimal")
+    pe.add_argument(
+        "--hf-variants", nargs="+", default=None,
+        help="the Trainer's own options, one run per variant and round: 'default' or KEY=VALUE[,KEY=VALUE] "
+        "TrainingArguments, e.g. default torch_compile=true use_liger_kernel=true",
+    )  # fmt: skip
     pe.add_argument("--set", action="append")
     s = sub.add_parser("startup", help="bin/train to its first step, against a bare DeepSpeed script")
     s.add_argument("--rounds", type=int, default=3)

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The GPU measurements of BENCHMARKS.md in one go, for a machine with one CUDA GPU:
 #
-#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|profile]
+#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|profile|tests|peer|llama1b]
 #
 # probe:   the environment, --plan on the GPU, and bin/train on the GPT-2 124M experiment at micro
 #          batch 32 and 64 for 40 steps each (tokens/s, MFU and peak memory from metrics.jsonl);
 # sweep:   bin/train alone with and without torch.compile and model.chunked_loss, and at micro 128;
 # profile: the top GPU kernels of 5 compiled steps (torch.profiler), and the trace, gzipped;
 # compare: bench/bench.py compare for stages 0, 2 and 3 (ours against the raw loop, A B A B);
-# compile: the same for stage 0 with train.compile=true.
+# compile: the same for stage 0 with train.compile=true;
+# tests:   pytest -m gpu;
+# peer:    bench/bench.py peer at stage 0 on GPT-2 124M (micro 32): bin/train with train.compile=true
+#          against the HF Trainer as configured by default and with its torch_compile option;
+# llama1b: configs/experiments/llama-1b.yaml at stages 0, 2 and 3 (micro 8, chunked loss), the whole
+#          loss against the chunked one at micro 4, and Liger-Kernel's kernels (model.kernels: liger)
+#          with our chunked loss and with Liger's fused linear cross-entropy.
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry) is installed into /tmp/site first, unless they import already.
 set -uo pipefail
@@ -40,7 +46,7 @@ probe() {
     local sets=()
     for kv in "$@"; do sets+=(--set "$kv"); done
     rm -rf /tmp/probe
-    timeout ${PROBE_LIMIT:-300} $PY bin/train $EXP --set train.max_steps=40 --set train.log_every=5 --set strategy.headroom=$HEADROOM \
+    timeout ${PROBE_LIMIT:-300} $PY bin/train $EXP --set train.max_steps=${PROBE_STEPS:-40} --set train.log_every=5 --set strategy.headroom=$HEADROOM \
         --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set train.eval_batches=2 --set run_dir=/tmp/probe \
         --set data.cache_dir=$CACHE "${sets[@]}" > "$out/$name.log" 2>&1
     echo "$name ($*): exit $?"
@@ -67,12 +73,33 @@ fi
 # (dropout 0, tanh GELU, chunked loss), eager and compiled, with the whole loss, and at micro 128.
 if [[ $what == sweep ]]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    $PY -c "import torch, deepspeed, transformers, datasets; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'datasets', datasets.__version__)" | tee -a "$out/gpu.txt"
     # the most telling first: a call cut short at its 10 minutes still has them
     probe eager train.micro_batch_size=64
     probe compiled train.micro_batch_size=64 train.compile=true
-    probe eager_whole_loss train.micro_batch_size=64 model.chunked_loss=false
-    probe compiled_m128 train.micro_batch_size=128 train.compile=true
     probe compiled_whole_loss train.micro_batch_size=64 train.compile=true model.chunked_loss=false
+    probe compiled_m128 train.micro_batch_size=128 train.compile=true
+    [[ -n ${SWEEP_ALL:-} ]] && probe eager_whole_loss train.micro_batch_size=64 model.chunked_loss=false
+fi
+if [[ $what == tests ]]; then
+    timeout ${LIMIT:-120} $PY -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tail -15 | tee "$out/gpu-tests.log"
+fi
+if [[ $what == peer ]]; then
+    timeout ${LIMIT:-400} $PY bench/bench.py peer --stages ${STAGES:-0} --rounds ${ROUNDS:-1} --steps ${STEPS:-40} --warmup 15 \
+        --set train.micro_batch_size=${MICRO_PEER:-32} --set train.compile=${COMPILE:-true} --set strategy.headroom=$HEADROOM \
+        --hf-variants ${HF_VARIANTS:-default torch_compile=true} --json "$out/peer.json" 2>&1 | tee "$out/peer.log"
+fi
+if [[ $what == llama1b ]]; then
+    EXP=configs/experiments/llama-1b.yaml
+    PROBE_STEPS=${PROBE_STEPS:-30}
+    $PY bin/train $EXP --plan --set data.cache_dir=$CACHE --set strategy.headroom=$HEADROOM 2>&1 | tee "$out/plan-1b.txt"
+    probe l1b_z0 strategy.zero_stage=0
+    probe l1b_z2 strategy.zero_stage=2
+    probe l1b_z3 strategy.zero_stage=3
+    probe l1b_z0_m4_whole strategy.zero_stage=0 train.micro_batch_size=4 model.chunked_loss=false
+    probe l1b_z0_m4 strategy.zero_stage=0 train.micro_batch_size=4
+    probe l1b_z0_liger strategy.zero_stage=0 model.kernels=liger
+    probe l1b_z0_liger_flce strategy.zero_stage=0 model.kernels=liger model.chunked_loss=false
 fi
 # profile: torch.profiler over 5 steps after 3 (--profile) of the compiled experiment: the top
 # kernels by GPU time, the time by kind of work and how busy the GPU was.

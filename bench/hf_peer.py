@@ -82,7 +82,7 @@ def main() -> None:
     torch.manual_seed(spec["seed"])
     attn = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
-    args = TrainingArguments(
+    kwargs = dict(
         output_dir=spec["work"],
         max_steps=spec["steps"],
         per_device_train_batch_size=spec["micro"],
@@ -108,6 +108,8 @@ def main() -> None:
         seed=spec["seed"],
         disable_tqdm=True,
     )
+    kwargs.update(spec.get("hf_args", {}))  # bench.py peer --hf-variants: the Trainer's own speed options
+    args = TrainingArguments(**kwargs)
     times: list[dict] = []
 
     class Clock(TrainerCallback):

@@ -58,6 +58,10 @@ def _model_source(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("model.factory", f"'{m.factory}' must look like package.module:function"))
     if m.chunked_loss and m.factory is not None:
         out.append(("model.chunked_loss", "a factory's model computes its own loss; set it to false"))
+    if m.kernels != "none" and m.factory is not None:
+        out.append(
+            ("model.kernels", "fused kernels go into transformers models, not a factory's; set it to none")
+        )
     if m.lora is not None and m.lora.quantization is not None:
         out.append(("model.lora.quantization", f"{m.lora.quantization} base weights (QLoRA) need a GPU kernel library "
                     "(bitsandbytes) that this project does not use; remove it (LoRA on bf16 weights)"))  # fmt: skip

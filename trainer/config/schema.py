@@ -117,6 +117,11 @@ class ModelSection(Section):
         description="LM head and cross-entropy in chunks, never the whole logits (less memory and memory "
         "traffic; transformers causal LMs with a plain LM head, see README: Models)",
     )
+    kernels: choice("none", "liger") = Field(
+        "none",
+        description="fused GPU kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU, "
+        "RoPE (and its fused linear cross-entropy where chunked_loss is off); CUDA only, see README: Models",
+    )
     lora: LoraSection | None = Field(
         None, description="LoRA adapters on the frozen model (null = full training); see README: LoRA"
     )

@@ -296,6 +296,10 @@ def build(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
             model.config.use_cache = False
+    if section.kernels == "liger":
+        from trainer.model import kernels
+
+        kernels.apply(model, fused_loss=not section.chunked_loss, zero3=zero3)
     if section.chunked_loss:
         from trainer.model import loss
 
