@@ -27,3 +27,29 @@ from trainer.modes import OTHER, kind_of
 )  # fmt: skip
 def test_kernel_and_operator_names_fall_into_kinds(name, kind):
     assert kind_of(name) == kind
+
+
+def test_time_by_kind_counts_kernels_not_the_ranges_over_them():
+    """torch.compile records "## Call CompiledFxGraph ..." as a device-side range over its kernels; the
+    GPU line counts kernels once (an H100 profile read 122% busy and 65% elementwise with them)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from trainer.modes import time_by_kind
+
+    def ev(key, us):
+        return SimpleNamespace(
+            key=key, device_type=DeviceType.CUDA, self_device_time_total=us, device_time_total=us
+        )
+
+    events = [
+        ev("## Call CompiledFxGraph fbg2bkx", 700.0),
+        ev("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_bias_NNN", 400.0),
+        ev("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 200.0),
+        ev("triton_poi_fused__to_copy_15", 100.0),
+        ev("ProfilerStep#4", 900.0),
+    ]
+    line = time_by_kind(events, cuda=True, wall=0.001)
+    assert "GPU kernels 0.001 s in 0.001 s (busy 70%" in line.replace(" of traced steps", ""), line
+    assert "matmul 57%, attention 29%, elementwise and reductions 14%" in line, line
