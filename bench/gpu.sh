@@ -12,9 +12,9 @@
 # tests:   pytest -m gpu;
 # peer:    bench/bench.py peer at stage 0 on GPT-2 124M (micro 32): bin/train with train.compile=true
 #          against the HF Trainer as configured by default and with its torch_compile option;
-# llama1b: configs/experiments/llama-1b.yaml at stages 0, 2 and 3 (micro 8, chunked loss), the whole
-#          loss against the chunked one at micro 4, and Liger-Kernel's kernels (model.kernels: liger)
-#          with our chunked loss and with Liger's fused linear cross-entropy.
+# llama1b: configs/experiments/llama-1b.yaml at stages 0, 2 and 3 (micro 8, chunked loss) without
+#          Liger, the whole loss against the chunked one at micro 4, and with Liger-Kernel's kernels
+#          (the experiment's model.kernels: liger, whose chunked loss is Liger's fused one).
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry) is installed into /tmp/site first, unless they import already.
 set -uo pipefail
@@ -93,13 +93,14 @@ if [[ $what == llama1b ]]; then
     EXP=configs/experiments/llama-1b.yaml
     PROBE_STEPS=${PROBE_STEPS:-30}
     $PY bin/train $EXP --plan --set data.cache_dir=$CACHE --set strategy.headroom=$HEADROOM 2>&1 | tee "$out/plan-1b.txt"
-    probe l1b_z0 strategy.zero_stage=0
-    probe l1b_z2 strategy.zero_stage=2
-    probe l1b_z3 strategy.zero_stage=3
-    probe l1b_z0_m4_whole strategy.zero_stage=0 train.micro_batch_size=4 model.chunked_loss=false
-    probe l1b_z0_m4 strategy.zero_stage=0 train.micro_batch_size=4
+    probe l1b_z0 strategy.zero_stage=0 model.kernels=none
+    probe l1b_z2 strategy.zero_stage=2 model.kernels=none
+    probe l1b_z3 strategy.zero_stage=3 model.kernels=none
+    probe l1b_z0_m4_whole strategy.zero_stage=0 train.micro_batch_size=4 model.chunked_loss=false model.kernels=none
+    probe l1b_z0_m4 strategy.zero_stage=0 train.micro_batch_size=4 model.kernels=none
     probe l1b_z0_liger strategy.zero_stage=0 model.kernels=liger
-    probe l1b_z0_liger_flce strategy.zero_stage=0 model.kernels=liger model.chunked_loss=false
+    probe l1b_z2_liger strategy.zero_stage=2 model.kernels=liger
+    probe l1b_z3_liger strategy.zero_stage=3 model.kernels=liger
 fi
 # profile: torch.profiler over 5 steps after 3 (--profile) of the compiled experiment: the top
 # kernels by GPU time, the time by kind of work and how busy the GPU was.

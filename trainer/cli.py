@@ -266,6 +266,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             f"micro batch {exp.train.micro_batch_size} x seq {exp.data.seq_len}, activation checkpointing "
             f"{'on' if exp.model.activation_checkpointing else 'off'}"
             + (", chunked loss" if exp.model.chunked_loss else "")
+            + (f", {exp.model.kernels} kernels" if exp.model.kernels != "none" else "")
         )
         print(strategy.describe_plan(planned.plan))
     return 0

@@ -1,6 +1,7 @@
 """Building the model (trainer/model/create.py)."""
 
 import pytest
+from helpers import TINY
 
 from trainer import config, model
 
@@ -22,3 +23,20 @@ def test_the_built_model_is_in_training_mode(tmp_path, source):
         section = config.ModelSection.model_validate({"config": cfg})
     m = model.build(section, vocab_size=None, eos_id=None, seq_len=32)
     assert all(mod.training for mod in m.modules())
+
+
+def test_liger_kernels_are_refused_without_cuda_and_for_factories(tmp_path):
+    """model.kernels: liger runs Triton kernels: a machine without CUDA is told so (exit 2 through
+    UserError), and a factory's model is refused at config time."""
+    import torch
+
+    from trainer import config
+    from trainer.errors import ConfigError, UserError
+    from trainer.model import kernels
+
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="model.kernels: liger .* CUDA"):
+            kernels.apply(torch.nn.Linear(2, 2), fused_loss=True, zero3=False)
+    with pytest.raises(ConfigError, match="model.kernels"):
+        config.load(TINY, ["model.config=null", "model.chunked_loss=false", "model.factory=pkg.mod:fn",
+                           "model.kernels=liger"])  # fmt: skip

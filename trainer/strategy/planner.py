@@ -11,6 +11,7 @@ Nothing here imports torch or deepspeed: planning runs anywhere, in well under a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ class ModelInfo:
     positions: int | None = None
     attn_implementation: str | None = None  # eager materialises attention scores; sdpa/flash do not
     model_type: str | None = None
+    intermediate: int | None = None  # a gated MLP's width (gate_proj/up_proj), None for GPT-style MLPs
+    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: as many as heads)
 
 
 def describe_params(info: ModelInfo, lora: Any = None) -> str:
@@ -221,29 +224,60 @@ def snapshot_bytes(
     return int(module + optim)
 
 
+def layer_bytes_per_token(info: ModelInfo, lp: int, kernels: str = "none") -> float:
+    """Activation bytes one transformer layer keeps per token for backward, 16-bit.
+
+    GPT-style layers (an MLP of 4h with GELU): Korthikanti et al. (2022), 34h. Llama-style layers (a
+    gated MLP of width I and RMSNorm, `info.intermediate`), counted from what autograd saves, then
+    checked on an H100 (Llama 1B, BENCHMARKS.md: 51-54h measured against 55h here):
+    each RMSNorm its fp32 input (4h), the normalised value (2h) and its output (2h, read by the next
+    projections); attention q, k and v as SDPA saves them (2h + 4h x kv_heads / heads), its output and
+    the copy that o_proj reads (4h); the MLP gate, silu(gate), up and their product (8I).
+    `kernels="liger"`: Liger's RMSNorm keeps only its 16-bit input (2h + 2h per norm) and its SwiGLU
+    recomputes silu in backward (6I): 39h for the 1B, 32-35h measured."""
+    h = info.hidden or 0
+    if not info.intermediate:
+        return 34 * h * lp / 2
+    kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
+    norms = 2 * (4 if kernels == "liger" else 8) * h
+    attention = 2 * h + 4 * h * kv + 4 * h
+    mlp = (6 if kernels == "liger" else 8) * info.intermediate
+    return (norms + attention + mlp) * lp / 2
+
+
 def activations(
-    info: ModelInfo, micro_batch: int, seq_len: int, lp: int, checkpointing: bool, chunked_loss: bool = False
+    info: ModelInfo,
+    micro_batch: int,
+    seq_len: int,
+    lp: int,
+    checkpointing: bool,
+    chunked_loss: bool = False,
+    kernels: str = "none",
 ) -> int:
-    """Activation bytes per rank: Korthikanti et al. (2022) per layer s*b*h*(34 + 5*a*s/h) for
-    16-bit activations; the 5as/h attention-score term only with eager attention; with activation
-    checkpointing the layer inputs (2sbh per layer) plus one layer's full activations. Plus the
-    logits for the loss: b*s*V*3*(lp + 4) bytes, that is the logits, their fp32 copy and its
-    log-softmax, then in backward their gradients (18 bytes per logit in bf16; measured on a GPU in
-    BENCHMARKS.md). With `model.chunked_loss`, one chunk of rows
-    instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus the
-    saved gradients towards the hidden states (lp) and the head's weight (fp32)."""
+    """Activation bytes per rank: per layer s*b*`layer_bytes_per_token`, plus 5*a*s/h x s*b*h
+    attention scores with eager attention; with activation checkpointing the layer inputs (2sbh per
+    layer) plus one layer's full activations. Plus the logits for the loss: b*s*V*3*(lp + 4) bytes,
+    that is the logits, their fp32 copy and its log-softmax, then in backward their gradients (18
+    bytes per logit in bf16; measured on a GPU in BENCHMARKS.md). With `model.chunked_loss`, one chunk
+    of rows instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus
+    the saved gradients towards the hidden states (lp) and the head's weight (fp32); with
+    `model.kernels: liger` the chunked loss is Liger's fused linear cross-entropy: chunks of 16-bit
+    logits (about V/h times fewer rows than tokens) and a 16-bit gradient of the head's weight."""
     h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
     if not (h and layers):
         return 0
     s, b = seq_len, micro_batch
     scale = lp / 2
     attn = 5 * (a or 1) * s / h if (info.attn_implementation or "eager") == "eager" else 0
-    per_layer = s * b * h * (34 + attn) * scale
+    per_layer = s * b * (layer_bytes_per_token(info, lp, kernels) + h * attn * scale)
     if checkpointing:
         total = 2 * s * b * h * scale * layers + per_layer
     else:
         total = per_layer * layers
-    if v and chunked_loss:
+    if v and chunked_loss and kernels == "liger":
+        rows = min(b * s, 1 << max(0, math.ceil(math.log2(max(1, b * s / math.ceil(v / h))))))
+        total += 2 * rows * v * lp + b * s * h * lp + v * h * lp
+    elif v and chunked_loss:
         rows = min(b * s, loss_chunk_rows(v))
         total += 2 * rows * v * (4 + lp) + b * s * h * lp + v * h * 4
     elif v:
@@ -542,8 +576,9 @@ def plan(
 def activations_for(exp: Experiment, info: ModelInfo, lp: int, chunked_loss: bool) -> int:
     m = exp.model
     return activations(
-        info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss
-    )
+        info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss,
+        m.kernels,
+    )  # fmt: skip
 
 
 def estimate_all(
