@@ -120,7 +120,7 @@ class ModelSection(Section):
     kernels: choice("none", "liger") = Field(
         "none",
         description="fused GPU kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU, "
-        "RoPE (and its fused linear cross-entropy where chunked_loss is off); CUDA only, see README: Models",
+        "RoPE, and with chunked_loss its fused linear cross-entropy; CUDA only, see README: Models",
     )
     lora: LoraSection | None = Field(
         None, description="LoRA adapters on the frozen model (null = full training); see README: LoRA"
