@@ -157,11 +157,18 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
     fields.setdefault("vocab_size", built.vocab_size)
     for key in ("bos_token_id", "eos_token_id"):
         fields.setdefault(key, built.eos_id)
-    info = model.info(exp.model, built.vocab_size, built.eos_id, cache_dir=exp.data.cache_dir)
+    gpu = torch.cuda.is_available()
+    precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+    section = model.resolved(exp.model, seq_len=exp.data.seq_len, precision=precision, device_type="cuda" if gpu else "cpu")
+    info = model.info(section, built.vocab_size, built.eos_id, cache_dir=exp.data.cache_dir)
+    user_attn = exp.model.attn_implementation
     return {
         "ds_config": ds_config,
         "model_config": fields,
-        "attn_implementation": exp.model.attn_implementation,
+        "attn_implementation": section.attn_implementation,  # the raw loop: what bin/train runs
+        # the Trainer: what the experiment names, the model's default for auto (a user's Trainer does not
+        # decide auto; --hf-variants attn_implementation=eager gives it bin/train's choice)
+        "hf_attn_implementation": None if user_attn == "auto" else user_attn,
         "seed": exp.seed,
         "data": str(Path(built.cache_path) / "train.npy"),
         "micro": exp.train.micro_batch_size,
@@ -171,7 +178,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "chunked_loss": exp.model.chunked_loss,
         "log_every": exp.train.log_every,
         "weight_decay": exp.optim.weight_decay,
-        "num_workers": resolve_workers(exp.data.num_workers, "cuda" if torch.cuda.is_available() else "cpu"),
+        "num_workers": resolve_workers(exp.data.num_workers, "cuda" if gpu else "cpu"),
         "pin_memory": exp.data.pin_memory,
         "persistent_workers": exp.data.persistent_workers,
         "seq_len": exp.data.seq_len,
@@ -719,7 +726,8 @@ def main() -> int:
     pe.add_argument(
         "--hf-variants", nargs="+", default=None,
         help="the Trainer's own options, one run per variant and round: 'default' or KEY=VALUE[,KEY=VALUE] "
-        "TrainingArguments, e.g. default torch_compile=true use_liger_kernel=true",
+        "TrainingArguments (attn_implementation goes to the model's from_config), e.g. default "
+        "torch_compile=true use_liger_kernel=true attn_implementation=eager",
     )  # fmt: skip
     pe.add_argument("--set", action="append")
     s = sub.add_parser("startup", help="bin/train to its first step, against a bare DeepSpeed script")

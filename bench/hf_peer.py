@@ -80,7 +80,9 @@ def main() -> None:
     sched = ours.get("scheduler", {}).get("params", {})
     bf16 = bool(ours.get("bf16", {}).get("enabled"))
     torch.manual_seed(spec["seed"])
-    attn = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
+    hf_args = dict(spec.get("hf_args", {}))  # bench.py peer --hf-variants: the Trainer's own speed options
+    attn_impl = hf_args.pop("attn_implementation", spec.get("hf_attn_implementation"))  # from_config's, not TrainingArguments'
+    attn = {"attn_implementation": attn_impl} if attn_impl else {}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
     kwargs = dict(
         output_dir=spec["work"],
@@ -108,7 +110,7 @@ def main() -> None:
         seed=spec["seed"],
         disable_tqdm=True,
     )
-    kwargs.update(spec.get("hf_args", {}))  # bench.py peer --hf-variants: the Trainer's own speed options
+    kwargs.update(hf_args)
     args = TrainingArguments(**kwargs)
     times: list[dict] = []
 

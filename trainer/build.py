@@ -32,6 +32,7 @@ class Planned:
     info: Any  # strategy.ModelInfo
     template_path: str
     schedule: Any = None  # strategy.Schedule: its notes say how a resume changed the LR schedule
+    model: Any = None  # config.ModelSection with model.attn_implementation's auto decided for this run
 
 
 def make_plan(
@@ -52,8 +53,9 @@ def make_plan(
     `saved_ds_config`: the JSON of the checkpoint a resume starts from (its LR schedule continues)."""
     from trainer import dist, model, strategy
 
-    info = model.info(exp.model, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
     precision = strategy.resolve_precision(exp.train.precision, device_type, source=source)
+    section = model.resolved(exp.model, seq_len=exp.data.seq_len, precision=precision, device_type=device_type)
+    info = model.info(section, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
     mem = exp.strategy.device_memory or device_memory
     host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
     if mem is None:  # CPU training: the ranks of a node share its memory
@@ -75,7 +77,7 @@ def make_plan(
         template_path, template = strategy.template_for(exp, plan.candidate)
     sched = strategy.schedule(exp, world_size, saved_ds_config)
     ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
-    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched)
+    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched, model=section)
 
 
 def vocab_for_planning(exp: Experiment) -> tuple[int | None, int | None]:
@@ -231,7 +233,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
 
     dist.seed_all(exp.seed)
     module = model.build(
-        exp.model,
+        planned.model or exp.model,
         vocab_size=data.vocab_size,
         eos_id=data.eos_id,
         seq_len=exp.data.seq_len,
@@ -381,6 +383,7 @@ def announce(run: Run) -> None:
         f"world: {env.world_size} rank(s) on {env.nodes} node(s) via {env.launcher}; device {runtime.device_type}, "
         f"backend {runtime.backend}, {runtime.threads} CPU thread(s) per rank",
         f"model: {strategy.describe_params(planned.info, exp.model.lora)}; precision {plan.precision}"
+        + (f"; {planned.info.attn_implementation} attention" if planned.info.attn_implementation else "")
         + ("; chunked loss" if exp.model.chunked_loss else "")
         + ("; torch.compile" if t.compile else ""),
         f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",

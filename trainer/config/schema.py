@@ -109,8 +109,10 @@ class ModelSection(Section):
     activation_checkpointing: bool = Field(
         False, description="recompute activations in backward (less memory, about 30% more compute)"
     )
-    attn_implementation: choice(None, "eager", "sdpa", "flash_attention_2") = Field(
-        None, description="attention kernel for transformers models; null keeps the model's default"
+    attn_implementation: choice(None, "auto", "eager", "sdpa", "flash_attention_2") = Field(
+        "auto",
+        description="attention kernel for transformers models; auto = eager on CPU in bf16 with data.seq_len "
+        "<= 256 (measured 1.1-1.5x faster steps there), else the model's default; null keeps the model's default",
     )
     chunked_loss: bool = Field(
         False,

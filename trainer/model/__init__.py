@@ -3,6 +3,7 @@ and counts it for the planner without allocating weights; `loss.py` is `model.ch
 on its own: it needs torch, which planning does not import)."""
 
 from trainer.model.create import (
+    attention,
     build,
     check_seq_len,
     count,
@@ -11,9 +12,11 @@ from trainer.model.create import (
     loss_of,
     param_groups,
     positions,
+    resolved,
 )
 
 __all__ = [
+    "attention",
     "build",
     "check_seq_len",
     "count",
@@ -22,4 +25,5 @@ __all__ = [
     "loss_of",
     "param_groups",
     "positions",
+    "resolved",
 ]

@@ -26,6 +26,38 @@ from trainer.files import write_atomic
 from trainer.strategy import ModelInfo
 
 
+# model.attn_implementation: auto. On CPU in bf16, sdpa runs PyTorch's flash-attention kernel for CPU,
+# whose backward takes 4x its forward at short sequences; eager attention (two batched matmuls and a
+# softmax) made whole forward+backward steps 1.1-1.5x faster at 128 and 256 tokens on tiny, a 4x256
+# GPT-2 and a grouped-query Llama, and lost on the Llama from 512 tokens (1.05x slower, 1.75x at 1024).
+# In fp32 the two are even, and on GPUs sdpa/flash win: there auto keeps the model's default.
+# Measured 2026-11-24 on a 2-core AMD EPYC with avx512_bf16 (BENCHMARKS.md).
+EAGER_ON_CPU_BF16_UP_TO = 256
+
+
+def attention(section: ModelSection, *, seq_len: int, precision: str, device_type: str) -> str | None:
+    """The attention kernel a run asks transformers for: model.attn_implementation with auto resolved
+    (eager on CPU in bf16 up to EAGER_ON_CPU_BF16_UP_TO tokens, else None: the model's default)."""
+    attn = section.attn_implementation
+    if attn != "auto":
+        return attn
+    short = seq_len <= EAGER_ON_CPU_BF16_UP_TO
+    return "eager" if device_type == "cpu" and precision == "bf16" and short and section.factory is None else None
+
+
+def resolved(section: ModelSection, *, seq_len: int, precision: str, device_type: str) -> ModelSection:
+    """The model section with attn_implementation's auto decided for this run (see attention)."""
+    attn = attention(section, seq_len=seq_len, precision=precision, device_type=device_type)
+    return section if attn == section.attn_implementation else section.model_copy(update={"attn_implementation": attn})
+
+
+def _attn_kwargs(section: ModelSection) -> dict[str, Any]:
+    """transformers' attn_implementation argument; none for null and for an unresolved auto (the model's
+    default: callers that know the device and precision resolve auto first, see `resolved`)."""
+    attn = section.attn_implementation
+    return {"attn_implementation": attn} if attn and attn != "auto" else {}
+
+
 def hf_config(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> Any:
     """The transformers config for `config:` or `pretrained:` models."""
     from transformers import AutoConfig
@@ -196,7 +228,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(section, vocab_size, eos_id)
-    kwargs = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
+    kwargs = _attn_kwargs(section)
     with torch.device("meta"), _quiet_transformers():
         module = AutoModelForCausalLM.from_config(cfg, **kwargs)
         attn = getattr(module.config, "_attn_implementation", None)
@@ -267,9 +299,7 @@ def build(
 
             cfg = hf_config(section, vocab_size, eos_id)
             check_seq_len(cfg, seq_len)
-            kwargs: dict[str, Any] = {}
-            if section.attn_implementation:
-                kwargs["attn_implementation"] = section.attn_implementation
+            kwargs = _attn_kwargs(section)
             if section.config is not None:
                 model = AutoModelForCausalLM.from_config(cfg, **kwargs)
             else:
