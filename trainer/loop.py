@@ -22,6 +22,9 @@ class TrainState:
     wall_time: float = 0.0  # seconds trained, summed over resumed attempts
     stopped: bool = False  # ended early on a stop request (preemption signal)
     failed: str = ""  # why every rank stopped (a non-finite loss)
+    # A step with a nonzero learning rate was taken: from then on LoRA's B matrices, which start at
+    # zero, are nonzero (a warmup from 0 leaves them zero through its first step).
+    moved: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -29,6 +32,7 @@ class TrainState:
             "samples": self.samples,
             "tokens": self.tokens,
             "wall_time": self.wall_time,
+            "moved": self.moved,
         }
 
 
@@ -118,6 +122,7 @@ def train(
             checkpointer.minutes_due(), finite, state.step + 1, checkpointer.write_status()
         )
         stop = agreed.stop
+        state.moved = state.moved or engine.lr > 0  # the LR this step applies (the scheduler moves after it)
         engine.step()
         state.step += 1
         state.samples += samples_per_step

@@ -302,3 +302,14 @@ def test_the_frozen_weights_digest_is_the_same_at_every_stage(lora_runs):
         ckpt = lora_runs(name).run_dir / "checkpoints" / f"step_{2 * K:08d}"
         digests[name] = json.loads((ckpt / "trainer_state.json").read_text())["frozen_weights"]["digest"]
     assert len(set(digests.values())) == 1 and digests["zero0-gpt2"].startswith("float32:"), digests
+
+
+def test_check_passes_for_lora_with_a_warmup_from_zero(tmp_path, shared_dir, small_data):
+    """`bin/train --check` takes one step and round-trips a checkpoint. With a warmup from LR 0 that
+    step moves nothing, so LoRA's B matrices are still zero: the adapter's verification must not call
+    that an empty adapter (it did, failing `bin/train configs/experiments/tiny-sft-lora.yaml --check`);
+    it asks whether a step with a nonzero learning rate was taken."""
+    sets = {**sets_for(small_data, shared_dir, "zero0-gpt2"), "optim.warmup_steps": 5}
+    r = train(tmp_path, sets, extra_args=["--check"], debug=False, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "check passed" in r.stdout + r.stderr

@@ -360,7 +360,7 @@ class Store:
         if adapters.is_peft(ds.module):  # every rank (a gather at ZeRO-3); rank 0 verifies and writes
             adapters.save(
                 stage_dir / adapters.ADAPTER_DIR, ds.module, zero3=ds.zero_optimization_stage() == 3,
-                is_main=self.is_main, stepped=state.step > 0, base_name=self.exp.model.pretrained,
+                is_main=self.is_main, stepped=state.moved, base_name=self.exp.model.pretrained,
             )  # fmt: skip
         pending.blocked_s = pending.copy_s = time.perf_counter() - t0
         if self.on_save is not None:
@@ -517,6 +517,7 @@ class Store:
         state.samples = int(saved["samples"])
         state.tokens = int(saved["tokens"])
         state.wall_time = float(saved.get("wall_time", 0.0))
+        state.moved = bool(saved.get("moved", state.step > 0))
         from trainer.data import Position
 
         pos = saved["data_position"]
