@@ -158,8 +158,16 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
     for key in ("bos_token_id", "eos_token_id"):
         fields.setdefault(key, built.eos_id)
     gpu = torch.cuda.is_available()
-    precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
-    section = model.resolved(exp.model, seq_len=exp.data.seq_len, precision=precision, device_type="cuda" if gpu else "cpu")
+    precision = (
+        "bf16"
+        if ds_config.get("bf16", {}).get("enabled")
+        else "fp16"
+        if ds_config.get("fp16", {}).get("enabled")
+        else "fp32"
+    )
+    section = model.resolved(
+        exp.model, seq_len=exp.data.seq_len, precision=precision, device_type="cuda" if gpu else "cpu"
+    )
     info = model.info(section, built.vocab_size, built.eos_id, cache_dir=exp.data.cache_dir)
     user_attn = exp.model.attn_implementation
     return {

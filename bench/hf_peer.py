@@ -81,7 +81,9 @@ def main() -> None:
     bf16 = bool(ours.get("bf16", {}).get("enabled"))
     torch.manual_seed(spec["seed"])
     hf_args = dict(spec.get("hf_args", {}))  # bench.py peer --hf-variants: the Trainer's own speed options
-    attn_impl = hf_args.pop("attn_implementation", spec.get("hf_attn_implementation"))  # from_config's, not TrainingArguments'
+    attn_impl = hf_args.pop(
+        "attn_implementation", spec.get("hf_attn_implementation")
+    )  # from_config's, not TrainingArguments'
     attn = {"attn_implementation": attn_impl} if attn_impl else {}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
     kwargs = dict(

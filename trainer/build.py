@@ -54,7 +54,9 @@ def make_plan(
     from trainer import dist, model, strategy
 
     precision = strategy.resolve_precision(exp.train.precision, device_type, source=source)
-    section = model.resolved(exp.model, seq_len=exp.data.seq_len, precision=precision, device_type=device_type)
+    section = model.resolved(
+        exp.model, seq_len=exp.data.seq_len, precision=precision, device_type=device_type
+    )
     info = model.info(section, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
     mem = exp.strategy.device_memory or device_memory
     host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
@@ -77,7 +79,9 @@ def make_plan(
         template_path, template = strategy.template_for(exp, plan.candidate)
     sched = strategy.schedule(exp, world_size, saved_ds_config)
     ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
-    return Planned(plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched, model=section)
+    return Planned(
+        plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched, model=section
+    )
 
 
 def vocab_for_planning(exp: Experiment) -> tuple[int | None, int | None]:

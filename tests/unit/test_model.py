@@ -49,7 +49,14 @@ def test_auto_attention_is_eager_on_cpu_in_bf16_at_short_sequences_only(tmp_path
     scores), and the model built from it runs eager."""
     from trainer.build import make_plan
 
-    cfg = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 512, "vocab_size": 64}
+    cfg = {
+        "model_type": "gpt2",
+        "n_layer": 1,
+        "n_embd": 32,
+        "n_head": 2,
+        "n_positions": 512,
+        "vocab_size": 64,
+    }
     section = config.ModelSection.model_validate({"config": cfg})
     assert section.attn_implementation == "auto"
 

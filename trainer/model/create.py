@@ -25,7 +25,6 @@ from trainer.errors import UserError
 from trainer.files import write_atomic
 from trainer.strategy import ModelInfo
 
-
 # model.attn_implementation: auto. On CPU in bf16, sdpa runs PyTorch's flash-attention kernel for CPU,
 # whose backward takes 4x its forward at short sequences; eager attention (two batched matmuls and a
 # softmax) made whole forward+backward steps 1.1-1.5x faster at 128 and 256 tokens on tiny, a 4x256
@@ -42,13 +41,21 @@ def attention(section: ModelSection, *, seq_len: int, precision: str, device_typ
     if attn != "auto":
         return attn
     short = seq_len <= EAGER_ON_CPU_BF16_UP_TO
-    return "eager" if device_type == "cpu" and precision == "bf16" and short and section.factory is None else None
+    return (
+        "eager"
+        if device_type == "cpu" and precision == "bf16" and short and section.factory is None
+        else None
+    )
 
 
 def resolved(section: ModelSection, *, seq_len: int, precision: str, device_type: str) -> ModelSection:
     """The model section with attn_implementation's auto decided for this run (see attention)."""
     attn = attention(section, seq_len=seq_len, precision=precision, device_type=device_type)
-    return section if attn == section.attn_implementation else section.model_copy(update={"attn_implementation": attn})
+    return (
+        section
+        if attn == section.attn_implementation
+        else section.model_copy(update={"attn_implementation": attn})
+    )
 
 
 def _attn_kwargs(section: ModelSection) -> dict[str, Any]:
