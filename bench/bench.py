@@ -183,6 +183,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "grad_accum": exp.train.grad_accum,
         "steps": exp.train.max_steps,
         "compile": exp.train.compile,
+        "compile_mode": exp.train.compile_mode,
         "chunked_loss": exp.model.chunked_loss,
         "log_every": exp.train.log_every,
         "weight_decay": exp.optim.weight_decay,

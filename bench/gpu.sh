@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements of BENCHMARKS.md in one go, for a machine with one CUDA GPU:
 #
-#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|profile|tests|peer|llama1b]
+#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b]
 #
 # probe:   the environment, --plan on the GPU, and bin/train on the GPT-2 124M experiment at micro
 #          batch 32 and 64 for 40 steps each (tokens/s, MFU and peak memory from metrics.jsonl);
 # sweep:   bin/train alone with and without torch.compile and model.chunked_loss, and at micro 128;
+# modes:   the compiled experiment with train.compile_mode reduce-overhead (CUDA graphs) and
+#          max-autotune, and reduce-overhead with the whole loss;
 # profile: the top GPU kernels of 5 compiled steps (torch.profiler), and the trace, gzipped;
 # compare: bench/bench.py compare for stages 0, 2 and 3 (ours against the raw loop, A B A B);
 # compile: the same for stage 0 with train.compile=true;
@@ -80,6 +82,15 @@ if [[ $what == sweep ]]; then
     probe compiled_whole_loss train.micro_batch_size=64 train.compile=true model.chunked_loss=false
     probe compiled_m128 train.micro_batch_size=128 train.compile=true
     [[ -n ${SWEEP_ALL:-} ]] && probe eager_whole_loss train.micro_batch_size=64 model.chunked_loss=false
+fi
+# modes: torch.compile's modes (train.compile_mode) on the compiled experiment at micro 64: CUDA
+# graphs against the host gap the profile showed (kernels 152 ms of a 183 ms step), and autotuned
+# matmuls; the whole loss with CUDA graphs last.
+if [[ $what == modes ]]; then
+    PROBE_LIMIT=${PROBE_LIMIT:-420}
+    probe compiled_reduce_overhead train.micro_batch_size=64 train.compile=true train.compile_mode=reduce-overhead
+    probe compiled_max_autotune train.micro_batch_size=64 train.compile=true train.compile_mode=max-autotune
+    probe compiled_ro_whole_loss train.micro_batch_size=64 train.compile=true train.compile_mode=reduce-overhead model.chunked_loss=false
 fi
 if [[ $what == tests ]]; then
     timeout ${LIMIT:-120} $PY -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tail -15 | tee "$out/gpu-tests.log"

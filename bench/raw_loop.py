@@ -90,7 +90,8 @@ def main() -> None:
     ]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     if spec.get("compile"):
-        engine.compile()
+        mode = spec.get("compile_mode", "default")
+        engine.compile(compile_kwargs={} if mode == "default" else {"mode": mode})
     seed_all(spec["seed"] + 1 + rank)  # dropout differs per rank
 
     # The data: each epoch a seeded permutation of the packed blocks; each micro step takes the

@@ -253,7 +253,9 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
             )
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
-    engine = Engine(module, planned.ds_config, groups, compile=exp.train.compile)
+    engine = Engine(
+        module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode
+    )
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout
 
@@ -389,7 +391,11 @@ def announce(run: Run) -> None:
         f"model: {strategy.describe_params(planned.info, exp.model.lora)}; precision {plan.precision}"
         + (f"; {planned.info.attn_implementation} attention" if planned.info.attn_implementation else "")
         + ("; chunked loss" if exp.model.chunked_loss else "")
-        + ("; torch.compile" if t.compile else ""),
+        + (
+            f"; torch.compile{'' if t.compile_mode == 'default' else f' ({t.compile_mode})'}"
+            if t.compile
+            else ""
+        ),
         f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",
         f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
         f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)})",

@@ -20,6 +20,7 @@ class Engine:
         ds_config: Mapping[str, Any],
         param_groups: list[dict[str, Any]],
         compile: bool = False,
+        compile_mode: str = "default",
     ) -> None:
         import deepspeed
 
@@ -27,8 +28,8 @@ class Engine:
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups, config=self.ds_config
         )
-        if compile:
-            self.ds.compile()  # torch.compile of the module, wrapped so ZeRO's hooks still run
+        if compile:  # torch.compile of the module, wrapped so ZeRO's hooks still run
+            self.ds.compile(compile_kwargs={} if compile_mode == "default" else {"mode": compile_mode})
         self.device = self.ds.device
         self.on_backward: Any = None  # tests: called after backward, before the optimizer step
         self._record_fp32_grad_norm()

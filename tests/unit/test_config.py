@@ -114,6 +114,17 @@ def test_contradictions_are_reported_with_the_key_to_change(tmp_path):
     assert "train.eval_every: evaluation is asked for but there is no eval data" in text
 
 
+def test_a_compile_mode_without_compile_is_refused():
+    """train.compile_mode names a mode of torch.compile: without train.compile it would do nothing,
+    silently; with it, the experiment loads."""
+    with pytest.raises(ConfigError, match=r"train.compile_mode: reduce-overhead is a mode of torch.compile"):
+        config.load(TINY, ["train.compile_mode=reduce-overhead"])
+    assert (
+        config.load(TINY, ["train.compile=true", "train.compile_mode=max-autotune"]).train.compile_mode
+        == "max-autotune"
+    )
+
+
 def test_seq_len_longer_than_positions(tmp_path):
     with pytest.raises(ConfigError, match=r"data.seq_len: 128 is longer than the model's n_positions=64"):
         config.load(TINY, ["model.config.n_positions=64"])

@@ -191,8 +191,10 @@ def test_cpu_training_keeps_freed_memory_instead_of_faulting_pages_in_every_step
     _, default = _faults(False)
     assert applied == "True"
     # glibc's defaults hand a step's freed activations back to the kernel: thousands of fresh pages a
-    # step (1,700-3,800 measured); kept in the heap, a few dozen
-    assert kept * 5 < default, (kept, default)
+    # step in most processes (1,700-5,100 measured), 566 in about one in four (its dynamic mmap
+    # threshold settles differently); kept in the heap, 38-128. (`kept * 5 < default` failed on
+    # those: 128 * 5 > 566.)
+    assert kept < 300 and kept * 2 < default, (kept, default)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")

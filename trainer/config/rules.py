@@ -45,6 +45,15 @@ def contradictions(exp: Experiment, lines: dict[tuple, int | str] | None = None)
 
 
 @contradiction
+def _compile_mode(exp: Experiment) -> list[tuple[str, str]]:
+    t = exp.train
+    if t.compile_mode != "default" and not t.compile:
+        return [("train.compile_mode", f"{t.compile_mode} is a mode of torch.compile, which is off; set "
+                 "train.compile: true, or remove train.compile_mode")]  # fmt: skip
+    return []
+
+
+@contradiction
 def _model_source(exp: Experiment) -> list[tuple[str, str]]:
     m = exp.model
     given = [k for k in ("config", "pretrained", "factory") if getattr(m, k) is not None]

@@ -263,6 +263,11 @@ class TrainSection(Section):
         False,
         description="torch.compile the model through DeepSpeed's engine.compile() (first steps compile)",
     )
+    compile_mode: choice("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs") = Field(
+        "default",
+        description="torch.compile's mode with train.compile: reduce-overhead adds CUDA graphs (fewer kernel "
+        "launches), max-autotune also tries matmul kernels (longer compile)",
+    )
 
     def sequences_per_step(self, world_size: int) -> int:
         """The global batch: micro_batch_size x world size x grad_accum, the one DeepSpeed sees."""
