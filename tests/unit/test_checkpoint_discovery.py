@@ -105,6 +105,14 @@ def test_compatibility(tmp_path):
     del saved["model"]["chunked_loss"]
     (d / "experiment.yaml").write_text(yaml.safe_dump(saved))
     assert ck.check_compatible(found, config.load(TINY)) == []
+    # Written before model.attn_implementation's default became auto (null then): the same model, so a
+    # resume goes on, as it does onto another kernel.
+    saved["model"]["attn_implementation"] = None
+    (d / "experiment.yaml").write_text(yaml.safe_dump(saved))
+    assert ck.check_compatible(found, config.load(TINY)) == ["model.attn_implementation"]
+    assert ck.check_compatible(found, config.load(TINY, ["model.attn_implementation=eager"])) == [
+        "model.attn_implementation"
+    ]
     with pytest.raises(UserError) as e:
         ck.check_compatible(found, config.load(TINY, ["model.config.n_layer=3", "data.seq_len=64", "seed=1"]))
     text = str(e.value)

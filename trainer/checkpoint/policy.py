@@ -35,6 +35,8 @@ HARMLESS = (
     "train.eval_every",
     "train.eval_batches",
     "train.compile",
+    "train.compile_mode",
+    "model.attn_implementation",  # the same attention, another kernel (auto: eager on CPU in bf16)
     "model.chunked_loss",  # the same loss, computed in chunks
     "model.activation_checkpointing",
     "train.micro_batch_size",
