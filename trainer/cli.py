@@ -265,6 +265,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             f"model: {strategy.describe_params(info, exp.model.lora)} (largest layer {info.largest_layer:,}), "
             f"micro batch {exp.train.micro_batch_size} x seq {exp.data.seq_len}, activation checkpointing "
             f"{'on' if exp.model.activation_checkpointing else 'off'}"
+            + (f", {info.attn_implementation} attention" if info.attn_implementation else "")
             + (", chunked loss" if exp.model.chunked_loss else "")
             + (f", {exp.model.kernels} kernels" if exp.model.kernels != "none" else "")
         )

@@ -139,6 +139,12 @@ class Engine:
         return float(self.ds.get_lr()[0])
 
     @property
+    def applied(self) -> bool:
+        """The last step updated the weights (not an fp16 step skipped for overflow, nor a micro
+        step inside gradient accumulation)."""
+        return bool(self.ds.was_step_applied())
+
+    @property
     def grad_norm(self) -> float | None:
         norm = self.ds.get_global_grad_norm()
         return None if norm is None else float(norm)

@@ -122,8 +122,9 @@ def train(
             checkpointer.minutes_due(), finite, state.step + 1, checkpointer.write_status()
         )
         stop = agreed.stop
-        state.moved = state.moved or engine.lr > 0  # the LR this step applies (the scheduler moves after it)
+        lr = engine.lr  # the LR this step applies (the scheduler moves after it)
         engine.step()
+        state.moved = state.moved or (lr > 0 and engine.applied)
         state.step += 1
         state.samples += samples_per_step
         state.tokens += samples_per_step * tokens_per_sample

@@ -394,7 +394,7 @@ def check_run(run: Run) -> int:
     engine, stream, state, env = run.engine, run.stream, run.state, run.env
     lr = engine.lr  # the first step's (a warmup from 0: the adapter's B matrices stay zero)
     engine.backward_step(engine.forward(stream.next()))
-    state.step, state.moved = 1, lr > 0
+    state.step, state.moved = 1, lr > 0 and engine.applied
     for line in consistency.after_first_step(engine, env.world_size, run.hosts):
         log.info(line)
     probe = torch.from_numpy(run.data.train[: stream.sampler.micro].astype("int64"))

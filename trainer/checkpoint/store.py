@@ -517,7 +517,8 @@ class Store:
         state.samples = int(saved["samples"])
         state.tokens = int(saved["tokens"])
         state.wall_time = float(saved.get("wall_time", 0.0))
-        state.moved = bool(saved.get("moved", state.step > 0))
+        # saved before the flag existed: unknown, so not claimed (the next step with a nonzero LR sets it)
+        state.moved = bool(saved.get("moved", False))
         from trainer.data import Position
 
         pos = saved["data_position"]

@@ -112,7 +112,8 @@ class ModelSection(Section):
     attn_implementation: choice(None, "auto", "eager", "sdpa", "flash_attention_2") = Field(
         "auto",
         description="attention kernel for transformers models; auto = eager on CPU in bf16 with data.seq_len "
-        "<= 256 (measured 1.1-1.5x faster steps there), else the model's default; null keeps the model's default",
+        "<= 256 (measured 1.1-1.5x faster steps there), else (and for factories) the model's default; null keeps "
+        "the model's default",
     )
     chunked_loss: bool = Field(
         False,

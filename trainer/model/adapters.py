@@ -8,8 +8,9 @@ state exist for the adapters only, at every ZeRO stage.
 
 A checkpoint's `adapter/` is peft's format (adapter_config.json, adapter_model.safetensors): the
 trainable parameters gathered (at ZeRO-3 only those, never the whole model) onto rank 0, verified
-(every expected tensor present with its full shape, finite, none of the B matrices all zero once
-the optimizer has stepped: the saved-adapter-is-empty failure of ZeRO-3 trainers), then written.
+(every expected tensor present with its full shape, finite, none of the B matrices all zero once a
+step with a nonzero learning rate was applied, `TrainState.moved`: the saved-adapter-is-empty failure
+of ZeRO-3 trainers), then written.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def verify(state: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], st
         elif not torch.isfinite(t).all():
             problems.append(f"{name}: not finite")
         elif (stepped or "lora_B" not in name) and t.numel() and not t.any():
-            # B starts at zero (the adapter adds nothing at first); the optimizer's first step moves it
+            # B starts at zero (the adapter adds nothing at first); the first applied step with LR > 0 moves it
             problems.append(f"{name}: all zero" + (" after training steps" if stepped else ""))
     return problems
 

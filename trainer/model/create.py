@@ -36,7 +36,8 @@ EAGER_ON_CPU_BF16_UP_TO = 256
 
 def attention(section: ModelSection, *, seq_len: int, precision: str, device_type: str) -> str | None:
     """The attention kernel a run asks transformers for: model.attn_implementation with auto resolved
-    (eager on CPU in bf16 up to EAGER_ON_CPU_BF16_UP_TO tokens, else None: the model's default)."""
+    (eager on CPU in bf16 up to EAGER_ON_CPU_BF16_UP_TO tokens, else None: the model's default; a
+    factory's model is its own and keeps None)."""
     attn = section.attn_implementation
     if attn != "auto":
         return attn
