@@ -38,7 +38,7 @@ if [ -d .whl ] && ! $PY -c "import deepspeed, datasets, pydantic" 2>/dev/null; t
 fi
 EXP=${EXP:-configs/experiments/gpt2-124m.yaml}
 MICRO=${MICRO:-64}
-HEADROOM=${HEADROOM:-0.97}  # whole loss at micro 64: 73.7 GiB of 79.2 on an H100, above the default 0.9
+HEADROOM=${HEADROOM:-0.97}  # eager whole loss at micro 64: 73.7 GiB of 79.2 on an H100, above the default 0.9
 CACHE=/tmp/bench-data
 
 # bin/train alone for 40 steps with the given --set overrides; its log and metrics.jsonl land in

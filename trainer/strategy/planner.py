@@ -96,6 +96,10 @@ TABLE = (_c(0), _c(1), _c(2), _c(2, "cpu"), _c(3), _c(3, "cpu"), _c(3, "nvme"))
 GiB = 2**30
 CUDA_CONTEXT = 1 * GiB  # CUDA context, NCCL and allocator slack on a GPU (not counted on CPU)
 HOST_BUFFER_FACTOR = 1.5  # DeepSpeed estimators' additional_buffer_factor
+# torch.compile's layers keep more for backward than eager's (AOTAutograd's partitioner saves what
+# it chose not to recompute): GPT-2 124M on an H100, bf16, micro 64 and 128 (BENCHMARKS.md), the
+# measured peaks fit 1.21-1.36x the eager count; 1.3 keeps both within 10% and over.
+COMPILED_LAYERS = 1.3
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,7 @@ def activations(
     checkpointing: bool,
     chunked_loss: bool = False,
     kernels: str = "none",
+    compiled: bool = False,
 ) -> int:
     """Activation bytes per rank: per layer s*b*`layer_bytes_per_token`, plus 5*a*s/h x s*b*h
     attention scores with eager attention; with activation checkpointing the layer inputs (2sbh per
@@ -262,7 +267,11 @@ def activations(
     of rows instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus
     the saved gradients towards the hidden states (lp) and the head's weight (fp32); with
     `model.kernels: liger` the chunked loss is Liger's fused linear cross-entropy: chunks of 16-bit
-    logits (about V/h times fewer rows than tokens) and a 16-bit gradient of the head's weight."""
+    logits (about V/h times fewer rows than tokens) and a 16-bit gradient of the head's weight.
+    `compiled` (train.compile): each layer's activations `COMPILED_LAYERS` times eager's, and the whole
+    logits' loss only the logits in the training precision (Inductor fuses the fp32 log-softmax and
+    its gradient into the loss's kernels: 32.39 GiB measured where the eager count, 18 bytes a logit,
+    gave 76 and refused the run)."""
     h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
     if not (h and layers):
         return 0
@@ -270,6 +279,8 @@ def activations(
     scale = lp / 2
     attn = 5 * (a or 1) * s / h if (info.attn_implementation or "eager") == "eager" else 0
     per_layer = s * b * (layer_bytes_per_token(info, lp, kernels) + h * attn * scale)
+    if compiled:
+        per_layer *= COMPILED_LAYERS
     if checkpointing:
         total = 2 * s * b * h * scale * layers + per_layer
     else:
@@ -280,6 +291,8 @@ def activations(
     elif v and chunked_loss:
         rows = min(b * s, loss_chunk_rows(v))
         total += 2 * rows * v * (4 + lp) + b * s * h * lp + v * h * 4
+    elif v and compiled:
+        total += b * s * v * lp
     elif v:
         total += 3 * b * s * v * (lp + 4)
     return int(total)
@@ -577,7 +590,7 @@ def activations_for(exp: Experiment, info: ModelInfo, lp: int, chunked_loss: boo
     m = exp.model
     return activations(
         info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss,
-        m.kernels,
+        m.kernels, compiled=exp.train.compile,
     )  # fmt: skip
 
 
