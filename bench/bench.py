@@ -126,11 +126,11 @@ def median_after(intervals: list[dict[str, Any]], warmup: int, log_every: int) -
 def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, Any]:
     """What the raw loop needs to run exactly what bin/train runs: the DeepSpeed JSON bin/train
     prints for this world size, the model config with the tokenizer's vocabulary, the packed data."""
-    import torch
 
     from trainer import config, data, model
     from trainer.config import thaw
     from trainer.data.stream import resolve_workers
+    from trainer.dist import gpu_present
     from trainer.metrics import flops_per_token
 
     p = subprocess.run(
@@ -157,7 +157,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
     fields.setdefault("vocab_size", built.vocab_size)
     for key in ("bos_token_id", "eos_token_id"):
         fields.setdefault(key, built.eos_id)
-    gpu = torch.cuda.is_available()
+    gpu = gpu_present()  # what bin/train plans with (trainer/cli.py), CUDA_VISIBLE_DEVICES included
     precision = (
         "bf16"
         if ds_config.get("bf16", {}).get("enabled")
@@ -770,6 +770,8 @@ def main() -> int:
         q.add_argument("--cache-dir", default=None, help="tokenized-data cache (default .cache/bench-data)")
         q.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
+    if getattr(a, "cpu", False):  # both sides on CPU on a GPU machine too (torch, DeepSpeed, bin/train)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     res = {
         "compare": compare,
         "peer": peer,

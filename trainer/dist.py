@@ -416,12 +416,23 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def gpus_hidden() -> bool:
+    """CUDA_VISIBLE_DEVICES hides every GPU ("" or a list starting at -1): a CPU run on a GPU machine."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.split(",")[0].strip() in ("", "-1")
+
+
 def device_memory(runtime: Runtime | None = None) -> int | None:
-    """Memory of this rank's GPU, without initialising CUDA when there is no process group yet."""
-    if runtime is not None and runtime.device_type == "cuda":
+    """Memory of this rank's GPU, without initialising CUDA when there is no process group yet; None
+    without one (none here, or CUDA_VISIBLE_DEVICES hides them all, as torch would find none)."""
+    if runtime is not None:
+        if runtime.device_type != "cuda":
+            return None
         import torch
 
         return torch.cuda.get_device_properties(runtime.device).total_memory
+    if gpus_hidden():
+        return None
     try:  # nvidia-smi keeps `--plan` free of CUDA initialisation
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],

@@ -201,3 +201,22 @@ def test_cpu_training_keeps_freed_memory_instead_of_faulting_pages_in_every_step
 def test_a_users_own_malloc_settings_win():
     applied, _ = _faults(True, MALLOC_ARENA_MAX="2")
     assert applied == "False"
+
+
+@pytest.mark.parametrize(
+    "visible,found", [(None, True), ("0", True), ("", False), ("-1", False), ("-1,0", False)]
+)
+def test_hidden_gpus_make_a_cpu_run_on_a_gpu_machine(monkeypatch, tmp_path, visible, found):
+    """`CUDA_VISIBLE_DEVICES=` on a GPU machine: torch finds no GPU, so neither may the planner and
+    set-up (nvidia-smi lists every GPU regardless), or a CPU run is planned for the GPU's memory,
+    with a GPU's attention kernel, and DeepSpeed is left to guess its accelerator."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 81559\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert dist.device_memory() == (81559 * 2**20 if found else None)
+    assert dist.gpu_present() is found
