@@ -187,6 +187,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "chunked_loss": exp.model.chunked_loss,
         "log_every": exp.train.log_every,
         "weight_decay": exp.optim.weight_decay,
+        "warmup_steps": exp.optim.warmup_steps,  # the JSON's warmup_num_steps is DeepSpeed's (at least 2)
         "num_workers": resolve_workers(exp.data.num_workers, "cuda" if gpu else "cpu"),
         "pin_memory": exp.data.pin_memory,
         "persistent_workers": exp.data.persistent_workers,

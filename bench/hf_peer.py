@@ -98,7 +98,7 @@ def main() -> None:
         adam_epsilon=opt["eps"],
         max_grad_norm=ours.get("gradient_clipping", 1.0),
         lr_scheduler_type="cosine" if spec.get("schedule", "cosine") == "cosine" else "linear",
-        warmup_steps=sched.get("warmup_num_steps", 0),
+        warmup_steps=spec.get("warmup_steps", sched.get("warmup_num_steps", 0)),
         bf16=bf16,
         use_cpu=not cuda,
         deepspeed=hf_ds_config(spec["stage"], spec["peer_config"], "bf16" if bf16 else "fp32"),

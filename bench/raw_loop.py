@@ -88,7 +88,9 @@ def main() -> None:
         {"params": decay, "weight_decay": spec["weight_decay"]},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
+    if scheduler is not None:  # as bin/train does (trainer/engine.py: start_schedule)
+        scheduler.step()
     if spec.get("compile"):
         mode = spec.get("compile_mode", "default")
         engine.compile(compile_kwargs={} if mode == "default" else {"mode": mode})

@@ -13,6 +13,26 @@ from typing import Any
 from trainer.model import loss_of
 
 
+def start_schedule(scheduler: Any) -> None:
+    """Step `k` (from 1) applies the LR of DeepSpeed's scheduler iteration k - 1, as the Hugging Face
+    Trainer's schedules do (step 1 at 0 under a warmup of W steps, step k at (k - 1) / W of the peak).
+    DeepSpeed's schedulers start at iteration -1, whose LR (the minimum) the first step applies, and
+    only move to iteration 0 (the minimum again) after it: two steps at LR 0, the peak one step late.
+    One step of the scheduler here, before training, removes that; a resume loads the saved iteration
+    over it."""
+    if scheduler is not None:
+        scheduler.step()
+
+
+def resume_schedule(scheduler: Any) -> None:
+    """After a checkpoint is loaded: the LR of the saved iteration under this run's schedule. The
+    optimizer's state brings back the LR the saved schedule gave, so a re-planned horizon
+    (optim.schedule_steps) or a rescaled peak would otherwise apply one step late; for an unchanged
+    schedule this is the same value."""
+    if scheduler is not None and getattr(scheduler, "last_batch_iteration", -1) >= 0:
+        scheduler.step(scheduler.last_batch_iteration)
+
+
 class Engine:
     def __init__(
         self,
@@ -28,6 +48,7 @@ class Engine:
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups, config=self.ds_config
         )
+        start_schedule(self.scheduler)
         if compile:  # torch.compile of the module, wrapped so ZeRO's hooks still run
             self.ds.compile(compile_kwargs={} if compile_mode == "default" else {"mode": compile_mode})
         self.device = self.ds.device

@@ -129,7 +129,7 @@ def train(
         state.samples += samples_per_step
         state.tokens += samples_per_step * tokens_per_sample
         state.wall_time = wall0 + time.perf_counter() - t_attempt
-        metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens)
+        metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens, lr=lr)
         if evaluator.due(state.step) and not stop:  # a stop's grace period is for the save
             control.heartbeat()
             with metrics.paused():  # step time and throughput count training only

@@ -399,9 +399,9 @@ def check_run(run: Run) -> int:
         log.info(line)
     probe = torch.from_numpy(run.data.train[: stream.sampler.micro].astype("int64"))
 
-    def probe_loss() -> float:
+    def probe_loss() -> float:  # the mean over the batch's targets (eval_loss sums them)
         engine.train(False)
-        loss = float(engine.eval_loss(probe))
+        loss = float(engine.eval_loss(probe)) / max(1.0, float(engine.eval_weight(probe)))
         engine.train(True)
         return loss
 

@@ -140,6 +140,10 @@ def test_check_passes_and_names_a_perturbed_rank(tmp_path):
     for line in ("preflight: all-reduce across 2 ranks", "weights identical on all 2 ranks at start",
                  "gradient norm after the first step agrees", "checkpoint round trip ok", "check passed"):
         assert line in ok.output
+    # the step between save and load moved the weights (at LR 0 it did not, and a load that restored
+    # nothing would have passed): step 2 applies a nonzero LR whatever the warmup
+    saved, moved = re.search(r"loss on a fixed batch (\S+) at save, (\S+) after another step", ok.output).groups()
+    assert saved != moved and "(unchanged" not in ok.output
     assert not (tmp_path / "ok" / "run" / ".check").exists()
     bad, _ = launch(tmp_path / "bad", "torchrun", "perturb@0:rank=1", extra=["--check"])
     assert bad.returncode == 1

@@ -333,3 +333,61 @@ def test_lr_scaling_follows_the_global_batch_not_its_split_over_ranks():
     assert bigger.lr == pytest.approx(8e-3) and bigger.notes[0].startswith(
         "warning: the global batch changed"
     )
+
+
+def applied_lrs(ds: dict, steps: int) -> list[float]:
+    """The LR each optimizer step applies under our JSON's DeepSpeed scheduler, as trainer.engine
+    starts it (one scheduler step after deepspeed.initialize, one after each optimizer step)."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    from trainer.engine import start_schedule
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=ds["optimizer"]["params"]["lr"])
+    sched = getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
+    start_schedule(sched)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("warmup", [0, 5])
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_the_lr_each_step_applies_follows_the_hf_trainers_schedules(schedule, warmup):
+    """Step k applies (k - 1) / W of the peak during a warmup of W steps, and the peak from step 1
+    without one, as transformers' schedules give the Trainer. DeepSpeed's schedulers alone applied
+    their minimum at the first two steps (iteration -1, then 0): LR 0 twice, the peak one step late,
+    and with the default optim.warmup_steps 0 a ramp over 2 steps. WarmupDecayLR (linear) still ramps
+    over 2 steps without a warmup (its warmup_min_lr is also its floor); the decays may differ by a
+    step (DeepSpeed's cosine reaches its floor at the last step)."""
+    import torch
+    import transformers
+
+    lr, total = 2e-3, 20
+    ds, _ = build([f"optim.schedule={schedule}", f"optim.warmup_steps={warmup}", f"optim.lr={lr}",
+                   f"train.max_steps={total}", "optim.min_lr_ratio=0.0"])  # fmt: skip
+    ours = applied_lrs(ds, total)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    hf_sched = {
+        "cosine": transformers.get_cosine_schedule_with_warmup(opt, warmup, total),
+        "linear": transformers.get_linear_schedule_with_warmup(opt, warmup, total),
+        "constant": transformers.get_constant_schedule_with_warmup(opt, warmup),
+    }[schedule]
+    hf = []
+    for _ in range(total):
+        hf.append(opt.param_groups[0]["lr"])
+        opt.step()
+        hf_sched.step()
+    if warmup:
+        assert ours[:warmup] == pytest.approx(hf[:warmup])  # 0, 1/W, 2/W, ... of the peak
+        assert ours[:warmup] == pytest.approx([lr * k / warmup for k in range(warmup)])
+    elif schedule == "linear":
+        assert ours[:2] == pytest.approx([0.0, lr / 2])
+    else:
+        assert ours[0] == pytest.approx(lr) == hf[0]  # the peak at step 1
+    assert ours[1] > 0  # so the round trip of --check moves the weights at its second step
+    after = ours[max(warmup, 2) :]
+    assert after == pytest.approx(hf[max(warmup, 2) :], abs=lr / (total - warmup) * 3.2)  # within a step
+    assert all(a >= b for a, b in zip(after, after[1:], strict=False))

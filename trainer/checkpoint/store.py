@@ -503,6 +503,9 @@ class Store:
             raise reshard.ResumeError(
                 f"resuming from {found.path} failed on rank {self.rank}: {type(e).__name__}: {e}"
             ) from e
+        from trainer.engine import resume_schedule
+
+        resume_schedule(self.engine.scheduler)
         if frozen.guarded(self.exp):  # every rank (ZeRO-3 gathers): the frozen weights are the run's
             self.frozen_digest = self._digest_frozen()
             problem = frozen.mismatch(found.path, rec, self.frozen_digest, frozen.RESUME_FIX) if rec else None

@@ -290,7 +290,12 @@ class OptimSection(Section):
     weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay (not on biases and norms)")
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas")
     eps: float = Field(1e-8, gt=0.0, description="Adam epsilon")
-    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="linear warmup: step k applies (k-1)/warmup_steps of the peak, as the HF Trainer; 0: "
+        "the peak from step 1 (linear schedule: over 2 steps, DeepSpeed's least)",
+    )
     schedule: choice("cosine", "linear", "constant") = Field(
         "cosine", description="decay after warmup (DeepSpeed WarmupCosineLR / WarmupDecayLR / WarmupLR)"
     )

@@ -320,19 +320,24 @@ def _optimizer(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, sche
 def _scheduler(f: _Filler, d: dict[str, Any], exp: Experiment, sched: Schedule) -> None:
     o = exp.optim
     kind = SCHEDULERS[o.schedule]
-    warm = max(1, o.warmup_steps)
+    # DeepSpeed warms up over at least 2 iterations whatever the JSON says. Without a warmup those
+    # start at the peak (step 1 at the full LR, as the Hugging Face Trainer's schedules do), except
+    # for WarmupDecayLR, whose warmup_min_lr is also the floor of its decay: it ramps over 2 steps.
+    warm = max(2, o.warmup_steps)
+    start = 1.0 if o.warmup_steps == 0 and kind != "WarmupDecayLR" else 0.0
+    why_start = "optim.warmup_steps 0: the peak from step 1" if start else "warmup starts at 0"
     horizon = "train.max_steps / optim.schedule_steps"
     f.own(d, "scheduler.type", kind, why="optim.schedule")
-    f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps")
+    f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps (DeepSpeed's least: 2)")
     f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
     if kind == "WarmupCosineLR":
         f.own(d, "scheduler.params.total_num_steps", sched.horizon, why=horizon)
-        f.own(d, "scheduler.params.warmup_min_ratio", 0.0, why="warmup starts at 0")
+        f.own(d, "scheduler.params.warmup_min_ratio", start, why=why_start)
         f.own(d, "scheduler.params.cos_min_ratio", o.min_lr_ratio, why="optim.min_lr_ratio")
         return
     if kind == "WarmupDecayLR":
         f.own(d, "scheduler.params.total_num_steps", sched.horizon, why=horizon)
-    f.own(d, "scheduler.params.warmup_min_lr", 0.0, why="warmup starts at 0")
+    f.own(d, "scheduler.params.warmup_min_lr", start * sched.lr, why=why_start)
     f.own(d, "scheduler.params.warmup_max_lr", sched.lr, why="optim.lr x lr_scaling")
 
 
