@@ -19,6 +19,9 @@ import os
 import sys
 import time
 
+if os.environ.get("TRAINER_CPU") == "1":  # bench.py --cpu: the deepspeed launcher made the GPUs
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # visible again; hide them before torch sees them
+
 import numpy as np
 
 

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+if os.environ.get("TRAINER_CPU") == "1":  # bench.py --cpu: the deepspeed launcher made the GPUs
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # visible again; hide them before torch sees them
+
 import deepspeed
 import numpy as np
 import torch

@@ -263,6 +263,7 @@ def setup(timeout_s: float = 600.0) -> Runtime:
             MASTER_PORT=str(port),
         )
         env = DistEnv(**{**env.__dict__, "master_port": port})
+    hide_gpus_if_asked()
     if not gpu_present():
         keep_freed_memory()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed guessing loudly
@@ -416,10 +417,23 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+ENV_CPU = "TRAINER_CPU"  # 1: a CPU run on a GPU machine (the deepspeed launcher resets CUDA_VISIBLE_DEVICES)
+
+
 def gpus_hidden() -> bool:
-    """CUDA_VISIBLE_DEVICES hides every GPU ("" or a list starting at -1): a CPU run on a GPU machine."""
+    """A CPU run on a GPU machine: TRAINER_CPU=1, or CUDA_VISIBLE_DEVICES hides every GPU ("" or a list
+    starting at -1). The deepspeed launcher sets CUDA_VISIBLE_DEVICES=0,1,... in every rank even when
+    the user hid them, so the supervisor and bench/bench.py --cpu pass TRAINER_CPU=1 as well."""
+    if os.environ.get(ENV_CPU) == "1":
+        return True
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return visible is not None and visible.split(",")[0].strip() in ("", "-1")
+
+
+def hide_gpus_if_asked() -> None:
+    """Under TRAINER_CPU=1, hide the GPUs from torch too (before CUDA's first use)."""
+    if os.environ.get(ENV_CPU) == "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def device_memory(runtime: Runtime | None = None) -> int | None:

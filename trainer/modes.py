@@ -392,8 +392,13 @@ def check_run(run: Run) -> int:
 
     start(run, checks=True)
     engine, stream, state, env = run.engine, run.stream, run.state, run.env
+
+    def one_step() -> None:  # every micro batch of an optimizer step (DeepSpeed updates at the last)
+        for _ in range(run.exp.train.grad_accum):
+            engine.backward_step(engine.forward(stream.next()))
+
     lr = engine.lr  # the first step's (a warmup from 0: the adapter's B matrices stay zero)
-    engine.backward_step(engine.forward(stream.next()))
+    one_step()
     state.step, state.moved = 1, lr > 0 and engine.applied
     for line in consistency.after_first_step(engine, env.world_size, run.hosts):
         log.info(line)
@@ -412,7 +417,7 @@ def check_run(run: Run) -> int:
     )  # fmt: skip
     saved = store.save(state)
     before = probe_loss()
-    engine.backward_step(engine.forward(stream.next()))  # move the weights away
+    one_step()  # move the weights away
     moved = probe_loss()
     store.load(Found(saved, read_state(saved)), state)
     after = probe_loss()

@@ -230,6 +230,10 @@ class Supervisor:
         env = dict(
             os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())}
         )
+        from trainer.dist import ENV_CPU, gpus_hidden
+
+        if gpus_hidden():  # GPUs hidden here stay hidden in the ranks (the deepspeed launcher resets them)
+            env[ENV_CPU] = "1"
         if self.launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
             env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         if self.hostfile:  # the runner forwards only PYTHON*/MV2*/UCX* to the nodes

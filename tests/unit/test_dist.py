@@ -204,9 +204,11 @@ def test_a_users_own_malloc_settings_win():
 
 
 @pytest.mark.parametrize(
-    "visible,found", [(None, True), ("0", True), ("", False), ("-1", False), ("-1,0", False)]
-)
-def test_hidden_gpus_make_a_cpu_run_on_a_gpu_machine(monkeypatch, tmp_path, visible, found):
+    "visible,cpu,found",
+    [(None, None, True), ("0", None, True), ("", None, False), ("-1", None, False), ("-1,0", None, False),
+     ("0,1", "1", False)],  # the deepspeed launcher's ranks: CUDA_VISIBLE_DEVICES reset, TRAINER_CPU kept
+)  # fmt: skip
+def test_hidden_gpus_make_a_cpu_run_on_a_gpu_machine(monkeypatch, tmp_path, visible, cpu, found):
     """`CUDA_VISIBLE_DEVICES=` on a GPU machine: torch finds no GPU, so neither may the planner and
     set-up (nvidia-smi lists every GPU regardless), or a CPU run is planned for the GPU's memory,
     with a GPU's attention kernel, and DeepSpeed is left to guess its accelerator."""
@@ -218,5 +220,12 @@ def test_hidden_gpus_make_a_cpu_run_on_a_gpu_machine(monkeypatch, tmp_path, visi
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    if cpu is None:
+        monkeypatch.delenv(dist.ENV_CPU, raising=False)
+    else:
+        monkeypatch.setenv(dist.ENV_CPU, cpu)
     assert dist.device_memory() == (81559 * 2**20 if found else None)
     assert dist.gpu_present() is found
+    dist.hide_gpus_if_asked()  # set-up: under TRAINER_CPU=1 torch must find none either
+    if cpu == "1":
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""

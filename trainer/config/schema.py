@@ -294,7 +294,7 @@ class OptimSection(Section):
         0,
         ge=0,
         description="linear warmup: step k applies (k-1)/warmup_steps of the peak, as the HF Trainer; 0: "
-        "the peak from step 1 (linear schedule: over 2 steps, DeepSpeed's least)",
+        "the peak from step 1 (linear schedule: 0, then the peak)",
     )
     schedule: choice("cosine", "linear", "constant") = Field(
         "cosine", description="decay after warmup (DeepSpeed WarmupCosineLR / WarmupDecayLR / WarmupLR)"

@@ -320,16 +320,23 @@ def _optimizer(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, sche
 def _scheduler(f: _Filler, d: dict[str, Any], exp: Experiment, sched: Schedule) -> None:
     o = exp.optim
     kind = SCHEDULERS[o.schedule]
-    # DeepSpeed warms up over at least 2 iterations whatever the JSON says. Without a warmup those
-    # start at the peak (step 1 at the full LR, as the Hugging Face Trainer's schedules do), except
-    # for WarmupDecayLR, whose warmup_min_lr is also the floor of its decay: it ramps over 2 steps.
+    # DeepSpeed warms up over at least 2 iterations whatever the JSON says. With a warmup of 0 or 1
+    # step its log-shaped warmup gives 0 then the peak at those two (1 step: 0, then the peak, as the
+    # Hugging Face Trainer); without a warmup they start at the peak (step 1 at the full LR), except
+    # for WarmupDecayLR, whose warmup_min_lr is also the floor of its decay: 0, then the peak.
     warm = max(2, o.warmup_steps)
     start = 1.0 if o.warmup_steps == 0 and kind != "WarmupDecayLR" else 0.0
     why_start = "optim.warmup_steps 0: the peak from step 1" if start else "warmup starts at 0"
     horizon = "train.max_steps / optim.schedule_steps"
     f.own(d, "scheduler.type", kind, why="optim.schedule")
     f.own(d, "scheduler.params.warmup_num_steps", warm, why="optim.warmup_steps (DeepSpeed's least: 2)")
-    f.own(d, "scheduler.params.warmup_type", "linear", why="linear warmup")
+    shape = "linear" if o.warmup_steps >= 2 else "log"
+    f.own(
+        d,
+        "scheduler.params.warmup_type",
+        shape,
+        why="linear warmup (log over DeepSpeed's 2: 0, then the peak)",
+    )
     if kind == "WarmupCosineLR":
         f.own(d, "scheduler.params.total_num_steps", sched.horizon, why=horizon)
         f.own(d, "scheduler.params.warmup_min_ratio", start, why=why_start)
