@@ -771,9 +771,11 @@ def main() -> int:
         q.add_argument("--cache-dir", default=None, help="tokenized-data cache (default .cache/bench-data)")
         q.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
-    if getattr(a, "cpu", False):  # both sides on CPU on a GPU machine too (torch, DeepSpeed, bin/train):
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # here, and in the ranks, whose CUDA_VISIBLE_DEVICES the
-        os.environ["TRAINER_CPU"] = "1"  # deepspeed launcher resets (trainer/dist.py: gpus_hidden)
+    if getattr(a, "cpu", False):  # both sides on CPU on a GPU machine too (torch, DeepSpeed, bin/train)
+        from trainer.dist import ENV_CPU, hide_gpus_if_asked
+
+        os.environ[ENV_CPU] = "1"  # for the ranks too, whose CUDA_VISIBLE_DEVICES the launcher resets
+        hide_gpus_if_asked()
     res = {
         "compare": compare,
         "peer": peer,

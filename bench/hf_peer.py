@@ -80,7 +80,6 @@ def main() -> None:
 
     ours = spec["ds_config"]
     opt = ours["optimizer"]["params"]
-    sched = ours.get("scheduler", {}).get("params", {})
     bf16 = bool(ours.get("bf16", {}).get("enabled"))
     torch.manual_seed(spec["seed"])
     hf_args = dict(spec.get("hf_args", {}))  # bench.py peer --hf-variants: the Trainer's own speed options
@@ -101,7 +100,7 @@ def main() -> None:
         adam_epsilon=opt["eps"],
         max_grad_norm=ours.get("gradient_clipping", 1.0),
         lr_scheduler_type="cosine" if spec.get("schedule", "cosine") == "cosine" else "linear",
-        warmup_steps=spec.get("warmup_steps", sched.get("warmup_num_steps", 0)),
+        warmup_steps=spec["warmup_steps"],  # the experiment's (the JSON's is DeepSpeed's, at least 2)
         bf16=bf16,
         use_cpu=not cuda,
         deepspeed=hf_ds_config(spec["stage"], spec["peer_config"], "bf16" if bf16 else "fp32"),

@@ -439,13 +439,11 @@ def hide_gpus_if_asked() -> None:
 def device_memory(runtime: Runtime | None = None) -> int | None:
     """Memory of this rank's GPU, without initialising CUDA when there is no process group yet; None
     without one (none here, or CUDA_VISIBLE_DEVICES hides them all, as torch would find none)."""
-    if runtime is not None:
-        if runtime.device_type != "cuda":
-            return None
+    if runtime is not None and runtime.device_type == "cuda":
         import torch
 
         return torch.cuda.get_device_properties(runtime.device).total_memory
-    if gpus_hidden():
+    if runtime is not None or gpus_hidden():
         return None
     try:  # nvidia-smi keeps `--plan` free of CUDA initialisation
         out = subprocess.run(

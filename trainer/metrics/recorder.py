@@ -78,7 +78,7 @@ class Metrics:
         # metrics.jsonl and wandb hold the whole history.
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
         self.tokens = 0  # tokens trained so far (all ranks, resumed attempts included)
-        self.lr: float | None = None  # the LR the last step applied
+        self.lr = 0.0  # the LR the last step applied
         self.extra: Any = None  # a callable adding fields to each training record (tokens per source)
         self.last_loss: float | None = None
         self.first_loss: float | None = None
@@ -95,7 +95,7 @@ class Metrics:
         return next((s.id for s in self.sinks if hasattr(s, "id")), None)
 
     def step(
-        self, step: int, loss: Any, data_wait: float, engine: Any, tokens: int = 0, lr: float | None = None
+        self, step: int, loss: Any, data_wait: float, engine: Any, *, lr: float, tokens: int = 0
     ) -> dict[str, Any] | None:
         """Account one optimizer step; at a log step, reduce across ranks and record a line. `lr`: the
         LR this step applied (read before DeepSpeed's step; the engine's is the next step's by now)."""
@@ -141,7 +141,7 @@ class Metrics:
             "step": step,
             "tokens": self.tokens,
             "loss": loss,
-            "lr": engine.lr if self.lr is None else self.lr,
+            "lr": self.lr,
             "grad_norm": engine.grad_norm,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": self.samples_per_step * iv.steps / elapsed,
