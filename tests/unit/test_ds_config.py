@@ -206,6 +206,23 @@ def test_template_that_contradicts_the_experiment_lists_every_mismatch(tmp_path)
         assert key in text, f"{key!r} not in {text}"
 
 
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_the_loop_owns_gradient_accumulation(tmp_path, value):
+    # bin/train calls the engine's backward and step at every micro batch: with DeepSpeed's managed
+    # accumulation off, every micro batch would be an update, silently.
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"managed_gradient_accumulation": value, "zero_optimization": {"stage": 2}}))
+    overrides = [f"strategy.deepspeed={p}", "train.grad_accum=4"]
+    if value is False:
+        with pytest.raises(
+            UserError, match=r"managed_gradient_accumulation: template says false.*grad_accum 4"
+        ):
+            build(overrides)
+    else:
+        ds, _ = build(overrides)
+        assert ds["managed_gradient_accumulation"] is True
+
+
 def test_unknown_top_level_template_key_is_rejected(tmp_path):
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"train_batch_sizee": 8, "zero_optimization": {"stage": 0}}))

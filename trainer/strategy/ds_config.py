@@ -277,6 +277,11 @@ def _batch_and_precision(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: 
     f.own(d, "gradient_accumulation_steps", t.grad_accum, why="train.grad_accum")
     f.own(d, "train_batch_size", t.sequences_per_step(world), why=why_batch)
     f.own(d, "gradient_clipping", t.grad_clip, why="train.grad_clip")
+    if "managed_gradient_accumulation" in d:
+        # The loop calls the engine's backward and step at every micro batch and relies on DeepSpeed to
+        # apply the update only at the accumulation boundary; false would update at every micro batch.
+        f.own(d, "managed_gradient_accumulation", True, why=f"train.grad_accum {t.grad_accum}: DeepSpeed "
+              "counts the micro batches of bin/train's loop")  # fmt: skip
     precision = plan_.precision
     why = f"train.precision resolves to {precision}"
     f.own(d, "bf16.enabled", precision == "bf16", why=why)
