@@ -123,10 +123,11 @@ def check_memory(r: Result, name: str, grads_bound: bool = False) -> None:
     forward/backward: the resident parameters are compared. At stages 1-2 DeepSpeed's gradient
     partition buffer holds whole gradients of the parameters that straddle a partition boundary, one
     parameter more than P/N (14% on this tiny model, negligible on a real one), so each category
-    gets 15%. `grads_bound`: the planned gradients are an upper bound only (bf16 at stages 1-3:
-    the planner, as DeepSpeed's estimator, counts an fp32 gradient partition beside the bf16 one;
-    DeepSpeed 0.19 builds it only inside each group's update, after this census), and the total is
-    compared without them."""
+    gets 15%. `grads_bound`: the planned gradients are an upper bound only (bf16 at stage 3: the
+    planner, as DeepSpeed's estimator, counts an fp32 gradient partition beside the bf16 one;
+    DeepSpeed 0.19 builds it only inside each group's update, after this census; at stages 1-2 the
+    planner counts it as the step's own, `planner.step_bytes`), and the total is compared without
+    them."""
     for rep in r.rank_reports():
         measured, planned = rep["memory"], dict(rep["plan"]["estimate_bytes"])
         planned["params"] -= planned["gathered_layer"]

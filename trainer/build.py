@@ -398,7 +398,8 @@ def announce(run: Run) -> None:
         ),
         f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",
         f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
-        f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)})",
+        f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)}, "
+        f"step {format_size(est.step)})",
         f"batch: micro {t.micro_batch_size} x world {env.world_size} x grad_accum {t.grad_accum} = {samples} "
         f"sequences = {samples * exp.data.seq_len:,} tokens per step",
         f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "

@@ -31,6 +31,7 @@ from trainer.strategy.planner import (
     next_rung,
     plan,
     resolve_precision,
+    step_bytes,
 )
 
 __all__ = [
@@ -60,5 +61,6 @@ __all__ = [
     "resolve_precision",
     "scaled_lr",
     "schedule",
+    "step_bytes",
     "template_for",
 ]

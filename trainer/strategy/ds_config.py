@@ -28,6 +28,7 @@ from trainer.strategy.planner import (
     Plan,
     device_of,
     is_number,
+    optimizer_implementation,
     overlap_comm,
     zero_sizes,
 )
@@ -160,15 +161,6 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
-
-
-def optimizer_implementation(choice: str, device_type: str, offload: str) -> str:
-    """auto: DeepSpeed's fused Adam on GPU and DeepSpeedCPUAdam with offload (the fast paths); torch's
-    AdamW on a CPU device, where DeepSpeed's SIMD kernel rounds differently depending on where a
-    reloaded tensor lands in memory, which would make resumed runs differ in the last bit."""
-    if choice != "auto":
-        return choice
-    return "deepspeed" if device_type == "cuda" or offload != "none" else "torch"
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ class Estimate:
     fits_host: bool = True
 
     gather: int = 0  # stage 3: the gathered layer inside `params` (transient, 4 x largest layer)
+    step: int = 0  # allocated only during the optimizer step, when the activations are freed (`step_bytes`)
     snapshot: int = 0  # checkpoint.async: the host copy of a save, per node (counted in `host`)
 
     @property
@@ -125,7 +126,9 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations + self.buffers
+        # The step's fp32 gradients are made after the backward pass has freed the activations: the
+        # peak is the larger of the two, not their sum.
+        return self.model_states + max(self.activations, self.step) + self.buffers
 
     @property
     def fits(self) -> bool:
@@ -143,13 +146,15 @@ def model_states(
     trainable: int | None = None,
     persistent: int = 0,
 ) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes per rank for Adam, following DeepSpeed's estimators.
+    """(params, grads, optimizer) bytes per rank for Adam that live through the backward pass,
+    following DeepSpeed's estimators.
 
     p parameters, n data-parallel ranks, lp bytes per low-precision value (2 for bf16/fp16, 4 for
     fp32). Mixed precision keeps an fp32 master copy (4), the optimizer its state (`state_bytes`: Adam's
-    two fp32 moments, 8; see trainer/optimizers.py) and ZeRO
-    keeps fp32 gradient partitions (4). With lp=2 this gives DeepSpeed's figures: stage 0: 16P,
-    stage 2: 2P + 18P/N, stage 3: 18P/N + 4 x largest layer (a gathered layer, counted with the
+    two fp32 moments, 8; see trainer/optimizers.py) and ZeRO fp32 gradient partitions (4): at stage 3
+    through the backward pass, at stages 1 and 2 only during the step (`step_bytes`). With lp=2 this
+    plus `step_bytes` at stages 1/2 gives DeepSpeed's figures: stage 0: 16P, stage 2: 2P + 18P/N,
+    stage 3: 18P/N + 4 x largest layer (a gathered layer, counted with the
     parameters as DeepSpeed does); offload moves the optimizer (and at stage 3 the parameters) off
     the device. Stage 1 keeps full gradients only between micro steps (grad_accum > 1); at the
     accumulation boundary DeepSpeed reduces them into partitions during backward, as stage 2 does.
@@ -166,9 +171,9 @@ def model_states(
         params, grads, optim = lp * p, lp * t, (master if lp < 4 else 0) * t + moments * t
     elif c.stage == 1:
         full = lp * t if grad_accum > 1 else lp * t / n
-        params, grads, optim = lp * p, full + fp32_grads * t / n, (master + moments) * t / n
+        params, grads, optim = lp * p, full, (master + moments) * t / n
     elif c.stage == 2:
-        params, grads, optim = lp * p, (lp + fp32_grads) * t / n, (master + moments) * t / n
+        params, grads, optim = lp * p, lp * t / n, (master + moments) * t / n
     else:
         # own shard, the persistent small tensors also whole, one gathered layer (DeepSpeed: 4 x largest)
         params = lp * p / n + lp * persistent + 4 * largest
@@ -177,12 +182,40 @@ def model_states(
     if c.offload != "none":
         optim = 0
         grads = 0 if c.stage == 2 else grads / 2  # fp32 gradient partitions move to the host
-        if c.stage == 2:
-            grads = 0
         if c.offload_params:
             params = 4 * largest
             grads = 0
     return int(params), int(grads), int(optim)
+
+
+def optimizer_implementation(choice: str, device_type: str, offload: str) -> str:
+    """auto: DeepSpeed's fused Adam on GPU and DeepSpeedCPUAdam with offload (the fast paths); torch's
+    AdamW on a CPU device, where DeepSpeed's SIMD kernel rounds differently depending on where a
+    reloaded tensor lands in memory, which would make resumed runs differ in the last bit."""
+    if choice != "auto":
+        return choice
+    return "deepspeed" if device_type == "cuda" or offload != "none" else "torch"
+
+
+def step_bytes(c: Candidate, t: int, n: int, lp: int, fused_wrapper: bool) -> int:
+    """Device bytes per rank the optimizer step allocates for itself, after the backward pass has
+    freed the activations: the peak is the larger of the two, not their sum (`Estimate.total`).
+
+    t trainable parameters, n ranks. With mixed precision, stages 1 and 2 flatten the partition's
+    low-precision gradients and cast that to the fp32 gradient partition at the step, and free both
+    after (lp + 4 bytes a parameter over n; deepspeed/runtime/zero/stage_1_and_2.py, `step`). Stage 0
+    casts every gradient to fp32 for its master weights (4 bytes a parameter); DeepSpeed's fused
+    wrapper (FP16_Optimizer, taken with its FusedAdam, the GPU default) also flattens the copies into
+    one buffer while they live (8). `bench/step_memory.py` measures these on CPU (6.00, 4.00 and 8.00
+    bytes a parameter in bf16, `tests/dist/test_step_memory.py`).
+    Counted with the activations before, stage 2 on one rank was planned 17.5% over the H100's peak
+    of a 1B Llama, which is stage 0's to the byte. fp32 training, offload (the gradients go to the
+    host) and stage 3 (its fp32 partitions are counted through the backward pass): nothing more."""
+    if lp == 4 or c.offload != "none" or c.stage == 3:
+        return 0
+    if c.stage == 0:
+        return (8 if fused_wrapper else 4) * t
+    return (lp + 4) * t // n
 
 
 def host_needs(
@@ -441,6 +474,7 @@ class Plan:
             "grads",
             "optimizer",
             "activations",
+            "step",
             "buffers",
             "total/rank",
             "host/node",
@@ -457,7 +491,16 @@ class Plan:
                     e.candidate.name,
                     *(
                         format_size(x)
-                        for x in (e.params, e.grads, e.optimizer, e.activations, e.buffers, e.total, e.host)
+                        for x in (
+                            e.params,
+                            e.grads,
+                            e.optimizer,
+                            e.activations,
+                            e.step,
+                            e.buffers,
+                            e.total,
+                            e.host,
+                        )
                     ),
                     fits + mark,
                 )
@@ -489,6 +532,7 @@ class Plan:
                 "grads": e.grads,
                 "optimizer": e.optimizer,
                 "activations": e.activations,
+                "step": e.step,
                 "buffers": e.buffers,
                 "total": e.total,
                 "host_per_node": e.host,
@@ -633,6 +677,10 @@ def estimate_all(
             persistent,
         )
         buf = buffers(c, info, lp, on_gpu, template)
+        impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
+        fused_wrapper = OPTIMIZERS[exp.optim.name].adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
+        trainable = info.params if info.trainable is None else info.trainable
+        step = step_bytes(c, trainable, world_size, lp, fused_wrapper)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
         snap = 0
         if exp.checkpoint.async_ is not False:
@@ -644,10 +692,11 @@ def estimate_all(
         out.append(
             Estimate(
                 c, par, grad, opt, act, buf, host + snap,
-                fits_device=par + grad + opt + act + buf <= budget and nvme_ok,
+                fits_device=par + grad + opt + max(act, step) + buf <= budget and nvme_ok,
                 fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
                 gather=4 * info.largest_layer if c.stage == 3 else 0,
                 snapshot=snap,
+                step=step,
             )
         )  # fmt: skip
     return out

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The memory DeepSpeed's optimizer step allocates for itself, measured on CPU, against the planner's
+`step_bytes`: one process, one rank, bf16, the DeepSpeed JSON bin/train would build (the tiny
+experiment widened to 768, micro 1 x 32 tokens, so that the activations are small beside the
+parameters). Prints a JSON line per case:
+
+    bench/step_memory.py 0:torch 0:deepspeed 2:torch      # STAGE:optim.implementation ...
+
+"measured" is the most bytes malloc had handed out during `engine.step()` (a thread samples glibc's
+mallinfo2: live allocations, not the pages the heap keeps) less what was live when the step began,
+the highest over steps 3 and 4 (the optimizer's state exists from the first step). The forward and
+backward's peak above the bytes live before them is printed beside it.
+"""
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _Mallinfo2
+
+
+def live() -> int:
+    """Bytes malloc has handed out and not had back (small blocks and mmapped ones)."""
+    m = _libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
+class Peak:
+    """The highest `live()` since the last `reset`, sampled by a thread (torch's kernels release the GIL)."""
+
+    def __init__(self) -> None:
+        self.value = live()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            value = live()
+            if value > self.value:
+                self.value = value
+            time.sleep(0.0002)
+
+    def reset(self) -> int:
+        time.sleep(0.02)  # let the sampler see the end of what ran
+        now = live()
+        self.value = now
+        return now
+
+    def since(self, start: int) -> int:
+        time.sleep(0.02)
+        return max(self.value, live()) - start
+
+
+def case(stage: int, implementation: str, peak: Peak) -> dict:
+    import deepspeed
+    import torch
+
+    from trainer import config, model, strategy
+
+    exp = config.load(
+        "configs/experiments/tiny.yaml",
+        [f"strategy.zero_stage={stage}", f"optim.implementation={implementation}", "train.precision=bf16",
+         "train.micro_batch_size=1", "data.seq_len=32", "model.config.n_embd=768", "model.config.n_head=12",
+         "strategy.justification=measuring", "checkpoint.async=false"],
+    )  # fmt: skip
+    info = model.info(exp.model, 257, 256)
+    plan = strategy.plan(
+        exp, info, world_size=1, gpus_per_node=1, device_type="cpu", device_memory=64 * 2**30,
+        host_memory=64 * 2**30, precision="bf16",
+    )  # fmt: skip
+    path, template = strategy.template_for(exp, plan.candidate)
+    ds = strategy.ds_config(exp, plan, info, template, path)
+    torch.manual_seed(0)
+    module = model.build(exp.model, vocab_size=257, eos_id=256, seq_len=32, ds_config=ds)
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=model.param_groups(module, exp.optim.weight_decay), config=ds
+    )
+    x = torch.randint(0, 257, (1, 32))
+    backward, step = [], []
+    for _ in range(4):
+        start = peak.reset()
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        backward.append(peak.since(start))
+        start = peak.reset()
+        engine.step()
+        step.append(peak.since(start))
+    engine.destroy()
+    return {
+        "stage": stage,
+        "implementation": implementation,
+        "optimizer": type(engine.optimizer).__name__,
+        "params": info.params,
+        "measured": max(step[2:]),
+        "planned": plan.estimate.step,
+        "forward_backward": max(backward[2:]),
+    }
+
+
+def main() -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29613")
+    import torch
+
+    torch.set_num_threads(1)
+    peak = Peak()
+    for arg in sys.argv[1:] or ["0:torch", "0:deepspeed", "2:torch"]:
+        stage, implementation = arg.split(":")
+        out = case(int(stage), implementation, peak)
+        p = out["params"]
+        print(json.dumps(out), f"# step: {out['measured'] / p:.2f} bytes a parameter measured, "
+              f"{out['planned'] / p:.2f} planned", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
