@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of BENCHMARKS.md in one go, for a machine with one CUDA GPU:
 #
-#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b]
+#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b|stepmem]
 #
 # probe:   the environment, --plan on the GPU, and bin/train on the GPT-2 124M experiment at micro
 #          batch 32 and 64 for 40 steps each (tokens/s, MFU and peak memory from metrics.jsonl);
@@ -17,6 +17,8 @@
 # llama1b: configs/experiments/llama-1b.yaml at stages 0, 2 and 3 (micro 8, chunked loss) without
 #          Liger, the whole loss against the chunked one at micro 4, and with Liger-Kernel's kernels
 #          (the experiment's model.kernels: liger, whose chunked loss is Liger's fused one).
+# stepmem: bench/step_memory.py --cuda: what the optimizer step allocates for itself at stage 0
+#          (DeepSpeed's fused wrapper and the unfused one) and stage 2, against the planner's step column.
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry) is installed into /tmp/site first, unless they import already.
 set -uo pipefail
@@ -91,6 +93,9 @@ if [[ $what == modes ]]; then
     probe compiled_reduce_overhead train.micro_batch_size=64 train.compile=true train.compile_mode=reduce-overhead
     probe compiled_max_autotune train.micro_batch_size=64 train.compile=true train.compile_mode=max-autotune
     probe compiled_ro_whole_loss train.micro_batch_size=64 train.compile=true train.compile_mode=reduce-overhead model.chunked_loss=false
+fi
+if [[ $what == stepmem ]]; then
+    timeout ${LIMIT:-240} $PY bench/step_memory.py --cuda 0:auto 0:torch 2:auto 2>&1 | grep -E "^\{|Error|error" | tee "$out/stepmem.log"
 fi
 if [[ $what == tests ]]; then
     timeout ${LIMIT:-120} $PY -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tail -15 | tee "$out/gpu-tests.log"

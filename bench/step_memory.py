@@ -5,11 +5,13 @@ experiment widened to 768, micro 1 x 32 tokens, so that the activations are smal
 parameters). Prints a JSON line per case:
 
     bench/step_memory.py 0:torch 0:deepspeed 2:torch      # STAGE:optim.implementation ...
+    bench/step_memory.py --cuda 0:auto 2:auto 0:torch     # on GPU 0 (bench/gpu.sh OUT stepmem)
 
 "measured" is the most bytes malloc had handed out during `engine.step()` (a thread samples glibc's
-mallinfo2: live allocations, not the pages the heap keeps) less what was live when the step began,
-the highest over steps 3 and 4 (the optimizer's state exists from the first step). The forward and
-backward's peak above the bytes live before them is printed beside it.
+mallinfo2: live allocations, not the pages the heap keeps; with --cuda, the CUDA allocator's peak)
+less what was live when the step began, the highest over steps 3 and 4 (the optimizer's state
+exists from the first step). The forward and backward's peak above the bytes live before them is
+printed beside it.
 """
 
 import ctypes
@@ -65,7 +67,25 @@ class Peak:
         return max(self.value, live()) - start
 
 
-def case(stage: int, implementation: str, peak: Peak) -> dict:
+class CudaPeak:
+    """The CUDA caching allocator's own count of allocated bytes and its peak."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.cuda = torch.cuda
+
+    def reset(self) -> int:
+        self.cuda.synchronize()
+        self.cuda.reset_peak_memory_stats()
+        return self.cuda.memory_allocated()
+
+    def since(self, start: int) -> int:
+        self.cuda.synchronize()
+        return self.cuda.max_memory_allocated() - start
+
+
+def case(stage: int, implementation: str, peak: Peak | CudaPeak, device: str) -> dict:
     import deepspeed
     import torch
 
@@ -79,7 +99,7 @@ def case(stage: int, implementation: str, peak: Peak) -> dict:
     )  # fmt: skip
     info = model.info(exp.model, 257, 256)
     plan = strategy.plan(
-        exp, info, world_size=1, gpus_per_node=1, device_type="cpu", device_memory=64 * 2**30,
+        exp, info, world_size=1, gpus_per_node=1, device_type=device, device_memory=64 * 2**30,
         host_memory=64 * 2**30, precision="bf16",
     )  # fmt: skip
     path, template = strategy.template_for(exp, plan.candidate)
@@ -89,7 +109,7 @@ def case(stage: int, implementation: str, peak: Peak) -> dict:
     engine, *_ = deepspeed.initialize(
         model=module, model_parameters=model.param_groups(module, exp.optim.weight_decay), config=ds
     )
-    x = torch.randint(0, 257, (1, 32))
+    x = torch.randint(0, 257, (1, 32), device=engine.device)
     backward, step = [], []
     for _ in range(4):
         start = peak.reset()
@@ -113,13 +133,18 @@ def case(stage: int, implementation: str, peak: Peak) -> dict:
 def main() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29613")
+    args = sys.argv[1:]
+    device = "cuda" if "--cuda" in args else "cpu"
+    args = [a for a in args if a != "--cuda"]
+    if device == "cpu":  # a CPU run on a GPU machine too: DeepSpeed's CPU accelerator, no CUDA
+        os.environ.update(TRAINER_CPU="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     import torch
 
     torch.set_num_threads(1)
-    peak = Peak()
-    for arg in sys.argv[1:] or ["0:torch", "0:deepspeed", "2:torch"]:
+    peak = CudaPeak() if device == "cuda" else Peak()
+    for arg in args or ["0:torch", "0:deepspeed", "2:torch"]:
         stage, implementation = arg.split(":")
-        out = case(int(stage), implementation, peak)
+        out = case(int(stage), implementation, peak, device)
         p = out["params"]
         print(json.dumps(out), f"# step: {out['measured'] / p:.2f} bytes a parameter measured, "
               f"{out['planned'] / p:.2f} planned", flush=True)  # fmt: skip
