@@ -17,7 +17,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(sys.platform != "linux", reas
 
 
 def test_the_step_allocates_what_the_planner_counts():
-    cases = ["0:torch", "0:deepspeed", "2:torch"]
+    # Stage 0 with DeepSpeed's fused wrapper (8 bytes a parameter, `bench/step_memory.py 0:deepspeed`:
+    # 7.99 measured, BENCHMARKS.md) is left to the benchmark: its CPU FusedAdam is a C++ op built on
+    # first use, a minute on a fresh machine.
+    cases = ["0:torch", "2:torch"]
     p = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "step_memory.py"), *cases],
         cwd=ROOT, env=env_for(1, {"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}),
@@ -26,10 +29,10 @@ def test_the_step_allocates_what_the_planner_counts():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line.split(" # ")[0]) for line in p.stdout.splitlines() if line.startswith("{")]
     by = {(r["stage"], r["implementation"]): r for r in rows}
-    assert set(by) == {(0, "torch"), (0, "deepspeed"), (2, "torch")}, p.stdout
-    # The wrapper each case takes: the unfused one with torch's AdamW, the fused one with DeepSpeed's.
+    assert set(by) == {(0, "torch"), (2, "torch")}, p.stdout
+    # The wrappers: stage 0's unfused one (torch's AdamW), stage 2's ZeRO optimizer.
     assert by[0, "torch"]["optimizer"] == "FP16_UnfusedOptimizer"
-    assert by[0, "deepspeed"]["optimizer"] == "FP16_Optimizer"
+    assert by[2, "torch"]["optimizer"] == "DeepSpeedZeroOptimizer"
     for r in rows:
         per_param = r["measured"] / r["params"]
         assert r["planned"] == pytest.approx(r["measured"], rel=0.02), (r, per_param)

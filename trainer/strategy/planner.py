@@ -206,8 +206,8 @@ def step_bytes(c: Candidate, t: int, n: int, lp: int, fused_wrapper: bool) -> in
     after (lp + 4 bytes a parameter over n; deepspeed/runtime/zero/stage_1_and_2.py, `step`). Stage 0
     casts every gradient to fp32 for its master weights (4 bytes a parameter); DeepSpeed's fused
     wrapper (FP16_Optimizer, taken with its FusedAdam, the GPU default) also flattens the copies into
-    one buffer while they live (8). `bench/step_memory.py` measures these on CPU (6.00, 4.00 and 8.00
-    bytes a parameter in bf16, `tests/dist/test_step_memory.py`).
+    one buffer while they live (8). `bench/step_memory.py` measures these on CPU in bf16: 5.99, 4.00
+    and 7.99 bytes a parameter (`tests/dist/test_step_memory.py` holds the first two).
     Counted with the activations before, stage 2 on one rank was planned 17.5% over the H100's peak
     of a 1B Llama, which is stage 0's to the byte. fp32 training, offload (the gradients go to the
     host) and stage 3 (its fp32 partitions are counted through the backward pass): nothing more."""
