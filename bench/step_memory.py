@@ -4,14 +4,15 @@
 experiment widened to 768, micro 1 x 32 tokens, so that the activations are small beside the
 parameters). Prints a JSON line per case:
 
-    bench/step_memory.py 0:torch 0:deepspeed 2:torch      # STAGE:optim.implementation ...
+    bench/step_memory.py 0:torch 0:deepspeed 2:torch      # STAGE:optim.implementation[:PRECISION[:GRAD_ACCUM]]
+    bench/step_memory.py 2:torch:fp32 3:torch 2:torch:bf16:2
     bench/step_memory.py --cuda 0:auto 2:auto 0:torch     # on GPU 0 (bench/gpu.sh OUT stepmem)
 
 "measured" is the most bytes malloc had handed out during `engine.step()` (a thread samples glibc's
 mallinfo2: live allocations, not the pages the heap keeps; with --cuda, the CUDA allocator's peak)
 less what was live when the step began, the highest over steps 3 and 4 (the optimizer's state
-exists from the first step). The forward and backward's peak above the bytes live before them is
-printed beside it.
+exists from the first step). "forward_backward" is the peak of a step's forward and backward passes
+(all its micro batches) above the bytes live before its first.
 """
 
 import ctypes
@@ -85,7 +86,9 @@ class CudaPeak:
         return self.cuda.max_memory_allocated() - start
 
 
-def case(stage: int, implementation: str, peak: Peak | CudaPeak, device: str) -> dict:
+def case(
+    stage: int, implementation: str, precision: str, accum: int, peak: Peak | CudaPeak, device: str
+) -> dict:
     import deepspeed
     import torch
 
@@ -93,14 +96,15 @@ def case(stage: int, implementation: str, peak: Peak | CudaPeak, device: str) ->
 
     exp = config.load(
         "configs/experiments/tiny.yaml",
-        [f"strategy.zero_stage={stage}", f"optim.implementation={implementation}", "train.precision=bf16",
+        [f"strategy.zero_stage={stage}", f"optim.implementation={implementation}", f"train.precision={precision}",
+         f"train.grad_accum={accum}",
          "train.micro_batch_size=1", "data.seq_len=32", "model.config.n_embd=768", "model.config.n_head=12",
          "strategy.justification=measuring", "checkpoint.async=false"],
     )  # fmt: skip
     info = model.info(exp.model, 257, 256)
     plan = strategy.plan(
         exp, info, world_size=1, gpus_per_node=1, device_type=device, device_memory=64 * 2**30,
-        host_memory=64 * 2**30, precision="bf16",
+        host_memory=64 * 2**30, precision=precision,
     )  # fmt: skip
     path, template = strategy.template_for(exp, plan.candidate)
     ds = strategy.ds_config(exp, plan, info, template, path)
@@ -113,7 +117,10 @@ def case(stage: int, implementation: str, peak: Peak | CudaPeak, device: str) ->
     backward, step = [], []
     for _ in range(4):
         start = peak.reset()
-        engine.backward(engine(input_ids=x, labels=x).loss)
+        for micro in range(accum):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            if micro < accum - 1:
+                engine.step()  # not a boundary: nothing is applied
         backward.append(peak.since(start))
         start = peak.reset()
         engine.step()
@@ -122,10 +129,13 @@ def case(stage: int, implementation: str, peak: Peak | CudaPeak, device: str) ->
     return {
         "stage": stage,
         "implementation": implementation,
+        "precision": precision,
+        "grad_accum": accum,
         "optimizer": type(engine.optimizer).__name__,
         "params": info.params,
         "measured": max(step[2:]),
         "planned": plan.estimate.step,
+        "planned_grads": plan.estimate.grads,
         "forward_backward": max(backward[2:]),
     }
 
@@ -143,8 +153,11 @@ def main() -> None:
     torch.set_num_threads(1)
     peak = CudaPeak() if device == "cuda" else Peak()
     for arg in args or ["0:torch", "0:deepspeed", "2:torch"]:
-        stage, implementation = arg.split(":")
-        out = case(int(stage), implementation, peak, device)
+        parts = arg.split(":")
+        stage, implementation = parts[:2]
+        precision = parts[2] if len(parts) > 2 else "bf16"
+        accum = parts[3] if len(parts) > 3 else "1"
+        out = case(int(stage), implementation, precision, int(accum), peak, device)
         p = out["params"]
         print(json.dumps(out), f"# step: {out['measured'] / p:.2f} bytes a parameter measured, "
               f"{out['planned'] / p:.2f} planned", flush=True)  # fmt: skip

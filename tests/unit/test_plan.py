@@ -98,11 +98,12 @@ def test_model_states_agree_with_deepspeeds_estimators(gpt2, ranks):
     _, z3_off, _ = estimate_zero3_model_states_mem_needs(
         P, L, ranks, 1, cpu_offload=True, cpu_offload_params=True
     )
-    # DeepSpeed's stage-2 figure holds the fp32 gradient partition, which the planner counts at the
-    # step (`step_bytes`, after the activations are freed) with the flattened bf16 copy it is made from
-    z2_fp32_grads = 4 * P / ranks
+    # DeepSpeed's figures hold an fp32 gradient partition that exists only at the step, where the
+    # planner counts it (`step_bytes`, with the flattened bf16 copy it is made from): at stage 2 beside
+    # the bf16 partition (2 + 4 of its 18 bytes), at stage 3 instead of it (its 18 = 2 + 4 + 12; the
+    # bf16 partition is stage 3's gradient buffer through the backward pass)
     assert strategy.step_bytes(planner._c(2), P, ranks, 2, fused_wrapper=True) == (2 + 4) * P // ranks
-    for mine, theirs in [(ours(2) + z2_fp32_grads, z2), (ours(2, "cpu"), z2_off), (ours(3), z3),
+    for mine, theirs in [(ours(2) + 4 * P / ranks, z2), (ours(2, "cpu"), z2_off), (ours(3) + 2 * P / ranks, z3),
                          (ours(3, "cpu"), z3_off)]:  # fmt: skip
         assert mine == pytest.approx(theirs, rel=0.05)
     assert ours(0) == 16 * P  # DDP with mixed-precision Adam
@@ -124,17 +125,22 @@ def expected_rung(info, ranks, micro, seq, checkpointing, device=80 * GiB, headr
 
     P, L = info.params, info.largest_layer
     act = activations(info, micro, seq, checkpointing)
+    # DeepSpeed's estimators, with the memory of the step apart (made after the activations are freed):
+    # stage 0's wrapper casts the gradients to fp32 and flattens them (FusedAdam, 8P); stages 2 and 3
+    # make the fp32 gradient partition from a flattened bf16 copy (6P/N; DeepSpeed counts it as 4P/N
+    # beside the bf16 partition at stage 2, instead of it at stage 3).
     states = {
-        "zero0": 16 * P,
-        "zero2": estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=False)[1],
-        "zero3": estimate_zero3_model_states_mem_needs(P, L, ranks, 1, cpu_offload=False)[1],
-        "zero3+cpu": estimate_zero3_model_states_mem_needs(
-            P, L, ranks, 1, cpu_offload=True, cpu_offload_params=True
-        )[1],
-    }
-    for name, ms in states.items():
+        "zero0": (16 * P, 8 * P),
+        "zero2": (estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=False)[1] - 4 * P / ranks,
+                  6 * P / ranks),
+        "zero3": (estimate_zero3_model_states_mem_needs(P, L, ranks, 1, cpu_offload=False)[1] - 2 * P / ranks,
+                  6 * min(10**9, P / ranks)),
+        "zero3+cpu": (estimate_zero3_model_states_mem_needs(P, L, ranks, 1, cpu_offload=True,
+                                                            cpu_offload_params=True)[1], 0),
+    }  # fmt: skip
+    for name, (ms, step) in states.items():
         # The planner also counts fixed buffers: 1 GiB CUDA context + communication buckets (<2 GiB).
-        if ms + act + 3 * GiB <= headroom * device:
+        if ms + max(act, step) + 3 * GiB <= headroom * device:
             return name
     return "zero3+nvme"
 
@@ -257,7 +263,7 @@ def test_the_first_rung_that_fits_is_chosen():
     """With device memory just above each rung's estimate, that rung is chosen: 0 -> 2 -> 3 -> 3+cpu
     (on GPUs, 8 ranks). On 2 GPUs, ZeRO-2's two reduce buckets (overlap_comm; as large as this small
     model, as DeepSpeed allocates them) cost more than the partitions save, and zero2 is not below
-    zero0; on CPU (overlap_comm off: one bucket) it is not above it."""
+    zero0; on CPU (overlap_comm off) one bucket fewer."""
     sets = ("train.micro_batch_size=1", "data.seq_len=16")
     gpu = {"world": 8, "device_type": "cuda"}
     by = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB, **gpu).estimates}
@@ -269,9 +275,8 @@ def test_the_first_rung_that_fits_is_chosen():
     two = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB, device_type="cuda").estimates}
     assert two["zero2"] > two["zero0"]
     cpu = {e.candidate.name: e.total for e in tiny_plan(*sets, device=64 * GiB).estimates}
-    # one bucket of the model's 1M fp32 elements fewer, and zero2 no longer above zero0
+    # one bucket of the model's 1M fp32 elements fewer
     assert cpu["zero2"] - cpu["zero0"] == two["zero2"] - two["zero0"] - 4 * 10**6
-    assert cpu["zero2"] <= cpu["zero0"]
 
 
 def test_summary_for_trainer_state():
@@ -379,13 +384,12 @@ LLAMA_1B_ON_H100 = [
     (0, 4, {}, 37_127_171_584),
     (3, 8, {}, 55_011_085_824),
     (0, 8, {"model.kernels": "liger"}, 38_165_597_184),  # Liger's layers and fused linear cross-entropy
+    (3, 8, {"model.kernels": "liger"}, 41_636_382_208),
 ]
 # Over-predicted by more (the safe side): the whole logits of transformers' loss (about 11 bytes per
-# logit measured against the 18 counted: +21%), Liger at stage 3 (+11%: Liger's layers keep about
-# 35h, counted as 39h).
+# logit measured against the 18 counted: +21%).
 LLAMA_1B_OVER = [
     (0, 4, {"model.chunked_loss": "false"}, 44_357_402_112),
-    (3, 8, {"model.kernels": "liger"}, 41_636_382_208),
 ]
 
 

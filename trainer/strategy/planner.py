@@ -11,6 +11,7 @@ Nothing here imports torch or deepspeed: planning runs anywhere, in well under a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -147,17 +148,21 @@ def model_states(
     persistent: int = 0,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for Adam that live through the backward pass,
-    following DeepSpeed's estimators.
+    following DeepSpeed's estimators, less the fp32 gradient partitions ZeRO makes only at the step
+    (`step_bytes`).
 
     p parameters, n data-parallel ranks, lp bytes per low-precision value (2 for bf16/fp16, 4 for
     fp32). Mixed precision keeps an fp32 master copy (4), the optimizer its state (`state_bytes`: Adam's
-    two fp32 moments, 8; see trainer/optimizers.py) and ZeRO fp32 gradient partitions (4): at stage 3
-    through the backward pass, at stages 1 and 2 only during the step (`step_bytes`). With lp=2 this
-    plus `step_bytes` at stages 1/2 gives DeepSpeed's figures: stage 0: 16P, stage 2: 2P + 18P/N,
-    stage 3: 18P/N + 4 x largest layer (a gathered layer, counted with the
-    parameters as DeepSpeed does); offload moves the optimizer (and at stage 3 the parameters) off
-    the device. Stage 1 keeps full gradients only between micro steps (grad_accum > 1); at the
-    accumulation boundary DeepSpeed reduces them into partitions during backward, as stage 2 does.
+    two fp32 moments, 8; see trainer/optimizers.py) and the gradients in the training precision. With
+    lp=2: stage 0: 16P, stage 2: 2P + 14P/N, stage 3: 16P/N + 4 x largest layer (a gathered layer,
+    counted with the parameters as DeepSpeed does); DeepSpeed's estimators count an fp32 gradient
+    partition beside these (4P/N more at stages 2 and 3), which exists only during the step.
+    Offload moves the optimizer (and at stage 3 the parameters) off the device. Stage 1 keeps full
+    gradients only between micro steps (grad_accum > 1); at the accumulation boundary DeepSpeed
+    reduces them into partitions during backward, as stage 2 does. Stage 2 with grad_accum > 1 holds
+    two partitions of gradients during every backward pass but the first: the accumulated one and the
+    buffer the new micro batch's reduced gradients land in (stage_1_and_2.py: `_release_ipg_buffers`
+    drops the buffer, `all_grad_tensors` keeps its views, the next backward allocates another).
     `trainable` (model.lora): only these have gradients, master weights and optimizer state; the frozen
     rest are weights in the training precision (partitioned at stage 3 like the others).
     `persistent`: at stage 3, the elements of the tensors small enough to be kept whole on every rank
@@ -166,22 +171,22 @@ def model_states(
     t = p if trainable is None else trainable
     master = 4  # fp32 master weights (a separate fp32 copy in DeepSpeed's ZeRO even for fp32 models)
     moments = state_bytes
-    fp32_grads = 4 if lp < 4 else 0
     if c.stage == 0:
         params, grads, optim = lp * p, lp * t, (master if lp < 4 else 0) * t + moments * t
     elif c.stage == 1:
         full = lp * t if grad_accum > 1 else lp * t / n
         params, grads, optim = lp * p, full, (master + moments) * t / n
     elif c.stage == 2:
-        params, grads, optim = lp * p, lp * t / n, (master + moments) * t / n
+        params, grads, optim = lp * p, (2 if grad_accum > 1 else 1) * lp * t / n, (master + moments) * t / n
     else:
-        # own shard, the persistent small tensors also whole, one gathered layer (DeepSpeed: 4 x largest)
+        # own shard, the persistent small tensors also whole, one gathered layer (DeepSpeed: 4 x largest);
+        # the gradient partitions in the training precision (stage3.py: grad_partitions_flat_buffer)
         params = lp * p / n + lp * persistent + 4 * largest
-        grads = (lp if lp == 4 else fp32_grads) * t / n
+        grads = lp * t / n
         optim = (master + moments) * t / n
     if c.offload != "none":
         optim = 0
-        grads = 0 if c.stage == 2 else grads / 2  # fp32 gradient partitions move to the host
+        grads = 0 if c.stage == 2 else grads / 2
         if c.offload_params:
             params = 4 * largest
             grads = 0
@@ -197,25 +202,39 @@ def optimizer_implementation(choice: str, device_type: str, offload: str) -> str
     return "deepspeed" if device_type == "cuda" or offload != "none" else "torch"
 
 
-def step_bytes(c: Candidate, t: int, n: int, lp: int, fused_wrapper: bool) -> int:
+def step_bytes(
+    c: Candidate,
+    t: int,
+    n: int,
+    lp: int,
+    fused_wrapper: bool,
+    largest_tensor: int = 0,
+    sub_group: int = 1_000_000_000,
+) -> int:
     """Device bytes per rank the optimizer step allocates for itself, after the backward pass has
     freed the activations: the peak is the larger of the two, not their sum (`Estimate.total`).
 
-    t trainable parameters, n ranks. With mixed precision, stages 1 and 2 flatten the partition's
-    low-precision gradients and cast that to the fp32 gradient partition at the step, and free both
-    after (lp + 4 bytes a parameter over n; deepspeed/runtime/zero/stage_1_and_2.py, `step`). Stage 0
-    casts every gradient to fp32 for its master weights (4 bytes a parameter); DeepSpeed's fused
-    wrapper (FP16_Optimizer, taken with its FusedAdam, the GPU default) also flattens the copies into
-    one buffer while they live (8). `bench/step_memory.py` measures these on CPU in bf16: 5.99, 4.00
-    and 7.99 bytes a parameter (`tests/dist/test_step_memory.py` holds the first two).
-    Counted with the activations before, stage 2 on one rank was planned 17.5% over the H100's peak
-    of a 1B Llama, which is stage 0's to the byte. fp32 training, offload (the gradients go to the
-    host) and stage 3 (its fp32 partitions are counted through the backward pass): nothing more."""
-    if lp == 4 or c.offload != "none" or c.stage == 3:
+    t trainable parameters, n ranks. Stages 1 and 2 flatten the partition's gradients and cast that
+    to the fp32 gradient partition at the step, and free both after: lp + 4 bytes a parameter over n
+    with mixed precision, 4 in fp32 (the cast of an fp32 tensor is the tensor itself;
+    deepspeed/runtime/zero/stage_1_and_2.py, `step`). Before that, the gradient norm casts each
+    gradient to fp64 in turn (8 bytes an element of the largest tensor). Stage 3 does the same per
+    sub-group (`zero_optimization.sub_group_size`, DeepSpeed's default 1e9 elements; stage3.py,
+    `_prepare_fp32_grad_for_sub_group`). Stage 0 with mixed precision casts every gradient to fp32
+    for its master weights (4 bytes a parameter); DeepSpeed's fused wrapper (FP16_Optimizer, taken
+    with its FusedAdam, the GPU default) also flattens the copies into one buffer while they live
+    (8); in fp32 there is no wrapper. With offload the gradients go to the host. `bench/step_memory.py`
+    measures these on CPU (BENCHMARKS.md, "The optimizer step's own memory"); counted with the
+    activations before, stage 2 on one rank was planned 17.5% over the H100's peak of a 1B Llama,
+    which is stage 0's to the byte."""
+    if c.offload != "none":
         return 0
     if c.stage == 0:
-        return (8 if fused_wrapper else 4) * t
-    return (lp + 4) * t // n
+        return 0 if lp == 4 else (8 if fused_wrapper else 4) * t
+    cast = lp + 4 if lp < 4 else 4
+    if c.stage == 3:
+        return cast * min(sub_group, math.ceil(t / n))
+    return max(cast * t // n, 8 * min(largest_tensor, math.ceil(t / n)))
 
 
 def host_needs(
@@ -660,6 +679,7 @@ def estimate_all(
     if want_stage == 3 and want_offload not in (None, "none") and not offload_params:
         table.insert(table.index(_c(3, want_offload)), Candidate(3, want_offload, False))
     out = []
+    sub_group = _number(zero_section(template).get("sub_group_size"), 1_000_000_000)
     for c in table:
         persistent = 0
         if c.stage == 3:
@@ -680,7 +700,8 @@ def estimate_all(
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
         fused_wrapper = OPTIMIZERS[exp.optim.name].adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         trainable = info.params if info.trainable is None else info.trainable
-        step = step_bytes(c, trainable, world_size, lp, fused_wrapper)
+        largest_tensor = max(info.param_sizes, default=info.largest_layer)
+        step = step_bytes(c, trainable, world_size, lp, fused_wrapper, largest_tensor, sub_group)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
         snap = 0
         if exp.checkpoint.async_ is not False:
@@ -689,16 +710,14 @@ def estimate_all(
         # checkpoint.async: true needs the copy's room; auto goes synchronous where it would not fit
         need = host + snap if exp.checkpoint.async_ is True else host
         nvme_ok = c.offload != "nvme" or bool(exp.strategy.nvme_path) or want_offload == "nvme"
-        out.append(
-            Estimate(
-                c, par, grad, opt, act, buf, host + snap,
-                fits_device=par + grad + opt + max(act, step) + buf <= budget and nvme_ok,
-                fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
-                gather=4 * info.largest_layer if c.stage == 3 else 0,
-                snapshot=snap,
-                step=step,
-            )
+        e = Estimate(
+            c, par, grad, opt, act, buf, host + snap,
+            fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
+            gather=4 * info.largest_layer if c.stage == 3 else 0,
+            snapshot=snap,
+            step=step,
         )  # fmt: skip
+        out.append(dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok))
     return out
 
 
@@ -810,7 +829,7 @@ def _chunked_loss_hint(
     for e in ladder:
         if e.fits or e.candidate.offload == "nvme":
             return ""  # the rungs below the chosen one would not fit even without the logits
-        if e.fits_host and e.total - saved <= budget:
+        if e.fits_host and dataclasses.replace(e, activations=e.activations - saved).total <= budget:
             return (
                 f"set model.chunked_loss: true (no whole logits: {format_size(saved)} less per rank) "
                 f"and {e.candidate.name} fits"
