@@ -44,27 +44,33 @@ def live() -> int:
 
 
 class Peak:
-    """The highest `live()` since the last `reset`, sampled by a thread (torch's kernels release the GIL)."""
+    """The highest `live()` between `reset` and `since`, sampled by a thread (torch's kernels release
+    the GIL). The thread sleeps outside those windows: each sample takes malloc's arena locks, which
+    slowed everything else (the set-up included) on a loaded machine."""
 
     def __init__(self) -> None:
         self.value = live()
+        self.on = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
-        while True:
+        while self.on.wait():
             value = live()
             if value > self.value:
                 self.value = value
             time.sleep(0.0002)
 
     def reset(self) -> int:
-        time.sleep(0.02)  # let the sampler see the end of what ran
+        self.on.clear()
+        time.sleep(0.01)  # the sample in flight lands before the new start
         now = live()
         self.value = now
+        self.on.set()
         return now
 
     def since(self, start: int) -> int:
-        time.sleep(0.02)
+        time.sleep(0.02)  # the sampler sees the end of what ran
+        self.on.clear()
         return max(self.value, live()) - start
 
 
