@@ -14,6 +14,8 @@
 # tests:   pytest -m gpu;
 # peer:    bench/bench.py peer at stage 0 on GPT-2 124M (micro 32): bin/train with train.compile=true
 #          against the HF Trainer as configured by default and with its torch_compile option;
+#          PEER_SET="model.chunked_loss=false ..." adds overrides (both sides get the model, data
+#          and batch they name; model.chunked_loss and train.compile* are bin/train's alone);
 # llama1b: configs/experiments/llama-1b.yaml at stages 0, 2 and 3 (micro 8, chunked loss) without
 #          Liger, the whole loss against the chunked one at micro 4, and with Liger-Kernel's kernels
 #          (the experiment's model.kernels: liger, whose chunked loss is Liger's fused one).
@@ -103,6 +105,7 @@ fi
 if [[ $what == peer ]]; then
     timeout ${LIMIT:-400} $PY bench/bench.py peer --stages ${STAGES:-0} --rounds ${ROUNDS:-1} --steps ${STEPS:-40} --warmup 15 \
         --set train.micro_batch_size=${MICRO_PEER:-32} --set train.compile=${COMPILE:-true} --set strategy.headroom=$HEADROOM \
+        $(for x in ${PEER_SET:-}; do printf -- '--set %s ' "$x"; done) \
         --hf-variants ${HF_VARIANTS:-default torch_compile=true} --json "$out/peer.json" 2>&1 | tee "$out/peer.log"
 fi
 if [[ $what == llama1b ]]; then
