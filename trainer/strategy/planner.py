@@ -202,6 +202,9 @@ def optimizer_implementation(choice: str, device_type: str, offload: str) -> str
     return "deepspeed" if device_type == "cuda" or offload != "none" else "torch"
 
 
+SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size (elements)
+
+
 def step_bytes(
     c: Candidate,
     t: int,
@@ -209,7 +212,7 @@ def step_bytes(
     lp: int,
     fused_wrapper: bool,
     largest_tensor: int = 0,
-    sub_group: int = 1_000_000_000,
+    sub_group: int = SUB_GROUP_SIZE,
 ) -> int:
     """Device bytes per rank the optimizer step allocates for itself, after the backward pass has
     freed the activations: the peak is the larger of the two, not their sum (`Estimate.total`).
@@ -679,7 +682,11 @@ def estimate_all(
     if want_stage == 3 and want_offload not in (None, "none") and not offload_params:
         table.insert(table.index(_c(3, want_offload)), Candidate(3, want_offload, False))
     out = []
-    sub_group = _number(zero_section(template).get("sub_group_size"), 1_000_000_000)
+    # what the optimizer step allocates (`step_bytes`) depends on the candidate through its offload
+    sub_group = _number(zero_section(template).get("sub_group_size"), SUB_GROUP_SIZE)
+    adam = OPTIMIZERS[exp.optim.name].adam
+    trainable = info.params if info.trainable is None else info.trainable
+    largest_tensor = max(info.param_sizes, default=info.largest_layer)
     for c in table:
         persistent = 0
         if c.stage == 3:
@@ -698,9 +705,7 @@ def estimate_all(
         )
         buf = buffers(c, info, lp, on_gpu, template)
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
-        fused_wrapper = OPTIMIZERS[exp.optim.name].adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
-        trainable = info.params if info.trainable is None else info.trainable
-        largest_tensor = max(info.param_sizes, default=info.largest_layer)
+        fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         step = step_bytes(c, trainable, world_size, lp, fused_wrapper, largest_tensor, sub_group)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
         snap = 0
