@@ -377,7 +377,7 @@ def peer(a: argparse.Namespace) -> dict[str, Any]:
     gpu = torch.cuda.is_available() and not a.cpu
     nproc = a.nproc or (torch.cuda.device_count() if gpu else 2)
     experiment, _ = job(a, gpu)
-    shapes = a.shapes or (["gpt2-124m"] if gpu else list(PEER_SHAPES))
+    shapes = a.shapes or ([experiment.stem] if gpu else list(PEER_SHAPES))
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
     cache = Path(a.cache_dir or ROOT / ".cache" / "bench-data")
     print(

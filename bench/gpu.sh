@@ -16,9 +16,14 @@
 #          against the HF Trainer as configured by default and with its torch_compile option;
 #          PEER_SET="model.chunked_loss=false ..." adds overrides (both sides get the model, data
 #          and batch they name; model.chunked_loss and train.compile* are bin/train's alone);
-# llama1b: configs/experiments/llama-1b.yaml at stages 0, 2 and 3 (micro 8, chunked loss) without
+# llama1b: configs/experiments/llama-1b.yaml at stages 0, 2 and 3 (micro 8 as in the 2026-11-24 table) without
 #          Liger, the whole loss against the chunked one at micro 4, and with Liger-Kernel's kernels
 #          (the experiment's model.kernels: liger, whose chunked loss is Liger's fused one).
+# levers:  the Llama 1B levers toward 50% MFU at stage 0 and 40% at stage 3 (Liger everywhere):
+#          micro 16 against 8, gradient accumulation 4 (the optimizer step amortised, as users'
+#          global batches do), stage 2, and a profile of micro 16 (torch.compile over Liger's kernels
+#          went non-finite at step 4 and is refused since). LEVERS="name:stage:micro:accum[:k=v,...]".
+#          Each probe's results are also appended to OUT/levers.jsonl (one line a probe).
 # stepmem: bench/step_memory.py --cuda: what the optimizer step allocates for itself at stage 0
 #          (DeepSpeed's fused wrapper and the unfused one) and stage 2, against the planner's step column.
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
@@ -36,6 +41,10 @@ if command -v nvidia-smi > /dev/null; then
     export TORCH_CUDA_ARCH_LIST
 fi
 PY=python3
+# A JIT cache carried from an earlier machine (TORCH_EXTENSIONS_DIR, FusedAdam built there: a minute
+# saved) must not hold a build's lock file: a tarball made while a build ran had one on 2026-11-25, and
+# every run then waited on it until the call's limit (10 minutes of the lease lost).
+[ -n "${TORCH_EXTENSIONS_DIR:-}" ] && find "$TORCH_EXTENSIONS_DIR" -name lock -type f -delete 2>/dev/null
 if [ -d .whl ] && ! $PY -c "import deepspeed, datasets, pydantic" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -96,6 +105,26 @@ if [[ $what == modes ]]; then
     probe compiled_max_autotune train.micro_batch_size=64 train.compile=true train.compile_mode=max-autotune
     probe compiled_ro_whole_loss train.micro_batch_size=64 train.compile=true train.compile_mode=reduce-overhead model.chunked_loss=false
 fi
+if [[ $what == levers ]]; then
+    EXP=${LEVERS_EXP:-configs/experiments/llama-1b.yaml}
+    PROBE_STEPS=${PROBE_STEPS:-25}
+    for spec in ${LEVERS:-z0_m16:0:16:1 z3_m16:3:16:1 z0_m8:0:8:1 z0_m16_ga4:0:16:4 z3_m16_ga4:3:16:4 z2_m16:2:16:1}; do
+        IFS=: read -r name stage micro ga extra <<< "$spec"
+        steps=$PROBE_STEPS; [[ $ga -gt 1 ]] && steps=15
+        PROBE_STEPS=$steps probe "l1b_$name" strategy.zero_stage=$stage train.micro_batch_size=$micro train.grad_accum=$ga ${extra//,/ }
+        $PY - "$out/l1b_$name.jsonl" "$out/l1b_$name.log" "$name" >> "$out/levers.jsonl" <<'EOF2'
+import json, re, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"tokens_per_s"' in l] if __import__("os").path.exists(sys.argv[1]) else []
+log = open(sys.argv[2]).read()
+plan = re.findall(r"strategy: ([^\n]*)", log)
+last = rows[-1] if rows else {}
+print(json.dumps({"name": sys.argv[3], **{k: last.get(k) for k in ("step", "loss", "step_time_s", "tokens_per_s", "mfu", "peak_memory_bytes", "data_wait_share")}, "plan": plan[:1]}))
+EOF2
+    done
+    if [[ -z ${NO_LEVER_PROFILE:-} ]]; then
+        EXP=configs/experiments/llama-1b.yaml COMPILE=false MICRO_PROFILE=16 PROBE_LIMIT=150 bash "$0" "$out" profile
+    fi
+fi
 if [[ $what == stepmem ]]; then
     timeout ${LIMIT:-240} $PY bench/step_memory.py --cuda 0:auto 0:torch 2:auto 2>&1 | grep -E "^\{|Error|error" | tee "$out/stepmem.log"
 fi
@@ -112,14 +141,14 @@ if [[ $what == llama1b ]]; then
     EXP=configs/experiments/llama-1b.yaml
     PROBE_STEPS=${PROBE_STEPS:-30}
     $PY bin/train $EXP --plan --set data.cache_dir=$CACHE --set strategy.headroom=$HEADROOM 2>&1 | tee "$out/plan-1b.txt"
-    probe l1b_z0 strategy.zero_stage=0 model.kernels=none
-    probe l1b_z2 strategy.zero_stage=2 model.kernels=none
-    probe l1b_z3 strategy.zero_stage=3 model.kernels=none
+    probe l1b_z0 train.micro_batch_size=8 strategy.zero_stage=0 model.kernels=none
+    probe l1b_z2 train.micro_batch_size=8 strategy.zero_stage=2 model.kernels=none
+    probe l1b_z3 train.micro_batch_size=8 strategy.zero_stage=3 model.kernels=none
     probe l1b_z0_m4_whole strategy.zero_stage=0 train.micro_batch_size=4 model.chunked_loss=false model.kernels=none
     probe l1b_z0_m4 strategy.zero_stage=0 train.micro_batch_size=4 model.kernels=none
-    probe l1b_z0_liger strategy.zero_stage=0 model.kernels=liger
-    probe l1b_z2_liger strategy.zero_stage=2 model.kernels=liger
-    probe l1b_z3_liger strategy.zero_stage=3 model.kernels=liger
+    probe l1b_z0_liger train.micro_batch_size=8 strategy.zero_stage=0 model.kernels=liger
+    probe l1b_z2_liger train.micro_batch_size=8 strategy.zero_stage=2 model.kernels=liger
+    probe l1b_z3_liger train.micro_batch_size=8 strategy.zero_stage=3 model.kernels=liger
 fi
 # profile: torch.profiler over 5 steps after 3 (--profile) of the compiled experiment: the top
 # kernels by GPU time, the time by kind of work and how busy the GPU was.

@@ -114,6 +114,15 @@ def test_contradictions_are_reported_with_the_key_to_change(tmp_path):
     assert "train.eval_every: evaluation is asked for but there is no eval data" in text
 
 
+def test_compile_over_liger_kernels_is_refused():
+    """torch.compile over Liger's Triton kernels trained the 1B Llama to a non-finite loss on an H100:
+    the pair is refused with the reason, each alone is accepted."""
+    with pytest.raises(ConfigError, match=r"train.compile: torch.compile over Liger-Kernel"):
+        config.load(TINY, ["train.compile=true", "model.kernels=liger"])
+    assert config.load(TINY, ["model.kernels=liger"]).model.kernels == "liger"
+    assert config.load(TINY, ["train.compile=true"]).train.compile
+
+
 def test_a_compile_mode_without_compile_is_refused():
     """train.compile_mode names a mode of torch.compile: without train.compile it would do nothing,
     silently; with it, the experiment loads."""

@@ -385,6 +385,12 @@ LLAMA_1B_ON_H100 = [
     (3, 8, {}, 55_011_085_824),
     (0, 8, {"model.kernels": "liger"}, 38_165_597_184),  # Liger's layers and fused linear cross-entropy
     (3, 8, {"model.kernels": "liger"}, 41_636_382_208),
+    # 2026-11-25 (bench/results/gpu-2026-11-25): micro 16, the experiment's setting since, and with
+    # gradient accumulation 4 (stage 0 keeps its fp32 gradient buffer across the micro batches)
+    (0, 16, {"model.kernels": "liger"}, 58_401_147_904),
+    (3, 16, {"model.kernels": "liger"}, 61_871_591_424),
+    (0, 16, {"model.kernels": "liger", "train.grad_accum": 4}, 60_872_773_632),
+    (3, 16, {"model.kernels": "liger", "train.grad_accum": 4}, 61_871_592_448),
 ]
 # Over-predicted by more (the safe side): the whole logits of transformers' loss (about 11 bytes per
 # logit measured against the 18 counted: +21%).

@@ -50,6 +50,13 @@ def _compile_mode(exp: Experiment) -> list[tuple[str, str]]:
     if t.compile_mode != "default" and not t.compile:
         return [("train.compile_mode", f"{t.compile_mode} is a mode of torch.compile, which is off; set "
                  "train.compile: true, or remove train.compile_mode")]  # fmt: skip
+    if t.compile and exp.model.kernels == "liger":
+        # measured on an H100 (BENCHMARKS.md, 2026-11-25): torch 2.11's Triton-kernel wrapper cannot
+        # analyse Liger 0.8.5's kernels ("assuming every input is mutated") and the loss of the Llama 1B
+        # went non-finite at step 4; Liger's kernels alone were the faster setting anyway
+        return [("train.compile", "torch.compile over Liger-Kernel's Triton kernels (model.kernels: liger) "
+                 "trained to a non-finite loss at step 4 on an H100 (BENCHMARKS.md); set train.compile: "
+                 "false (Liger's fused kernels are the faster of the two), or model.kernels: none")]  # fmt: skip
     return []
 
 
