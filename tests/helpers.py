@@ -433,3 +433,63 @@ def chat_data(path: Path, rows: int = 400) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(out) + "\n")
     return path
+
+
+# ----------------------------------------------------------------------------- real chat templates
+
+TOKENIZERS = ROOT / ".cache" / "tokenizers"  # scripts/fetch_tokenizers.py (make tokenizers)
+# The published tokenizers and templates of four families, and a tiny model of each, of the same vocabulary.
+FAMILIES = {
+    "llama3_2": {"model_type": "llama"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 8},
+    "gemma3": {"model_type": "gemma3_text", "head_dim": 8, "sliding_window": 64},
+    "mistral_nemo": {"model_type": "mistral", "head_dim": 8},
+}
+
+
+def tokenizer_dir(name: str) -> Path:
+    import pytest
+
+    path = TOKENIZERS / name
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"{path} is missing: run `make tokenizers` (scripts/fetch_tokenizers.py) first")
+    return path
+
+
+def family_sets(name: str, data: Path, **kw: Any) -> dict[str, Any]:
+    """bin/train overrides for a tiny model of the family on chat data, with the family's tokenizer."""
+    model = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True,
+             **FAMILIES[name]}  # fmt: skip
+    return {
+        "model.config": model,
+        "data.tokenizer": str(tokenizer_dir(name)),
+        "data.train.files": str(data),
+        "data.train.kind": "chat",
+        "data.seq_len": 192,
+        "data.eval_fraction": 0,
+        "data.num_workers": 0,
+        "data.chat_template_kwargs": {
+            "date_string": "26 Jul 2024"
+        },  # Llama 3's template dates its system prompt
+        "train.micro_batch_size": 2,
+        "train.precision": "fp32",
+        "train.log_every": 5,
+        "train.eval_every": 0,
+        "train.eval_prompts": [],
+        "optim.lr": 1e-2,
+        "optim.warmup_steps": 0,
+        "checkpoint.save_final": False,
+        **kw,
+    }
+
+
+def real_chat_data(path: Path, rows: int = 60, system: bool = True, tools: bool = False, seed: int = 0,
+                   random_users: bool = False) -> Path:  # fmt: skip
+    """Chat JSONL (scripts/make_chat_samples.py): 1-3 exchanges with fixed answers, a system prompt in
+    every other conversation, every third a tool call where `tools`; user turns of random letters
+    answered "Noted." where `random_users`."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_chat_samples import conversations, write
+
+    return write(path, conversations(rows, system, tools, seed, random_users))

@@ -222,12 +222,6 @@ def claim_and_agree(exp: Experiment, runtime: Any, resume: Any) -> tuple[Any, li
     return data, hosts, notes
 
 
-# data.packing: model types whose transformers implementation builds per-example causal masks from
-# packed position ids (no attention mask, no cache): gpt2 and llama are tested (tests/unit/test_packing.py),
-# mistral and the qwen models share llama's mask code.
-PACKED_POSITION_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3"})
-
-
 def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> tuple[Any, Any]:
     """The model (identical initial weights on every rank; at ZeRO-3 never whole on one) and the
     DeepSpeed engine around it; then the RNG per rank (dropout differs between ranks)."""
@@ -235,6 +229,8 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
     from trainer.checkpoint.reshard import names_and_aliases
     from trainer.engine import Engine
 
+    if data.supervised and exp.data.packing:
+        data.packing = packing_verdict(exp, planned.model or exp.model, data)
     dist.seed_all(exp.seed)
     module = model.build(
         planned.model or exp.model,
@@ -243,14 +239,6 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
         seq_len=exp.data.seq_len,
         ds_config=planned.ds_config,
     )
-    if data.supervised and exp.data.packing:
-        kind = getattr(getattr(module, "config", None), "model_type", None)
-        if kind not in PACKED_POSITION_TYPES:
-            raise UserError(
-                f"data.packing: packed examples (fine-tuning, or data.separate_documents) are kept apart by restarting position ids, which "
-                f"this project has verified for {', '.join(sorted(PACKED_POSITION_TYPES))}, not for model type "
-                f"'{kind}'; set data.packing: false (one example per sequence)"
-            )
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     engine = Engine(
@@ -260,17 +248,42 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
     return engine, layout
 
 
+def packing_verdict(exp: Experiment, section: Any, data: Any) -> str:
+    """data.packing: whether packed examples train as their examples one by one for this model family
+    (`section`: the model section, attention resolved; trainer/model/packing.py: checked here once per
+    family and kernel, cached); refused with the measured difference where they do not."""
+    from trainer import model
+    from trainer.model.packing import verdict
+
+    why = (
+        "packed examples (fine-tuning, or data.separate_documents) are kept apart by restarting position ids"
+    )
+    if section.factory is not None:
+        raise UserError(
+            f"data.packing: {why}, which cannot be checked for a factory's model; set data.packing: false "
+            "(one example per sequence)"
+        )
+    v = verdict(model.hf_config(section, data.vocab_size, data.eos_id), section.attn_implementation,
+                exp.data.cache_dir)  # fmt: skip
+    if not v["packs"]:
+        raise UserError(
+            f"data.packing: {why}; checked here: {v['why']}; set data.packing: false (one example per sequence)"
+        )
+    return v["why"]
+
+
 def eval_prompts(exp: Experiment, data: Any) -> list[str]:
     """train.eval_prompts as the model sees them: for chat data, each a user turn rendered with the
     chat template and its generation prompt."""
     if exp.data.kind != "chat":
         return list(exp.train.eval_prompts)
-    from trainer.data.chat import render_text
-    from trainer.data.examples import chat_template
+    from trainer.data.examples import chat_profile
 
-    template = chat_template(exp.data, data.tokenizer)
-    user = [[{"role": "user", "content": p}] for p in exp.train.eval_prompts]
-    return [render_text(data.tokenizer, template, turn, generation_prompt=True) for turn in user]
+    p = chat_profile(exp.data, data.tokenizer)
+    return [
+        p.render(data.tokenizer, [{"role": "user", "content": q}], prompt=True)
+        for q in exp.train.eval_prompts
+    ]
 
 
 def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tuple[Any, Any]:
@@ -413,9 +426,18 @@ def announce(run: Run) -> None:
         ]
         lines.insert(-1, "mixture: " + "; ".join(parts) + "; each epoch takes every source's share by weight")
     if data.finetune:
-        from trainer.data.examples import describe
+        from trainer.data.examples import describe, describe_template
 
         lines.insert(-1, describe(data.finetune))
+        if describe_template(data.finetune):
+            lines.insert(-1, describe_template(data.finetune))
+        if data.packing:
+            lines.insert(-1, f"packing: {data.packing}")
+        shares = run.stream.padding()
+        if shares is not None and not exp.data.packing:
+            lines.insert(-1, f"padding: {shares[0]:.1%} of an epoch's tokens padded to seq_len {exp.data.seq_len}, "
+                         f"{shares[1]:.1%} as fed (each micro batch padded to its longest"
+                         f"{'; grouped by length' if exp.data.group_by_length else ''})")  # fmt: skip
         if data.finetune.get("example"):
             lines.insert(-1, f"example (targets in [[ ]]): {data.finetune['example']}")
     for line in lines:

@@ -35,6 +35,7 @@ examples:
   bin/train configs/experiments/tiny.yaml --set train.max_steps=50 --set strategy.zero_stage=2
   bin/train configs/experiments/tiny.yaml --print-config
   bin/train configs/experiments/tiny.yaml --prepare-data
+  bin/train configs/experiments/tiny-sft.yaml --preview-data 2
   bin/train configs/experiments/tiny.yaml --overfit-batch --set train.max_steps=150
   bin/train configs/experiments/llama7b.yaml --plan --world-size 8 --set strategy.device_memory=80GB
   deepspeed --num_gpus 2 bin/train configs/experiments/tiny.yaml
@@ -110,6 +111,16 @@ def parser() -> argparse.ArgumentParser:
         "launcher, no process group, no DeepSpeed): the training job finds the cache",
     )
     modes.add_argument(
+        "--preview-data",
+        nargs="?",
+        const=3,
+        type=int,
+        metavar="N",
+        help="build (or read) the data cache and show the data as it will train: counts, the chat template's "
+        "strategy, packing, padding and the first N examples (default 3) with their targets in [[ ]], then exit "
+        "(no launcher, no process group)",
+    )
+    modes.add_argument(
         "--dry-run",
         action="store_true",
         help="build everything (and load a checkpoint to resume), take no step",
@@ -170,6 +181,8 @@ def _main(argv: list[str] | None = None) -> int:
         exp = config_mod.load(args.experiment, args.overrides)
         if args.prepare_data:
             return prepare_data_command(exp)
+        if args.preview_data is not None:
+            return preview_data_command(exp, args)
         mode = next((m for m in MODES if getattr(args, m)), None)
         if mode in SUBDIR:
             if args.resume:
@@ -295,6 +308,38 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
         f"({tokens:,} tokens) in {d.cache_path}, {done}; a job with the same "
         "data.* settings and data.cache_dir reads it"
     )
+    return 0
+
+
+def preview_data_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
+    """--preview-data [N]: the data as it will train (trainer/data/preview.py)."""
+    from trainer import data as data_mod
+    from trainer.build import packing_verdict
+    from trainer.data.preview import preview
+    from trainer.dist import cpu_cores, detect
+
+    if detect().world_size > 1:
+        raise UserError(
+            "--preview-data reads the data on this machine, without a launcher: run it on its own"
+        )
+    if args.preview_data < 0:
+        raise UserError(f"--preview-data: {args.preview_data} examples; give a count of 0 or more")
+    d = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=False)
+    packing = None
+    if d.supervised and exp.data.packing:
+        from trainer.dist import gpu_present
+        from trainer.model import resolved
+
+        device = "cuda" if gpu_present() else "cpu"
+        precision = (
+            exp.train.precision if exp.train.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
+        )
+        section = resolved(exp.model, seq_len=exp.data.seq_len, precision=precision, device_type=device)
+        try:
+            packing = packing_verdict(exp, section, d)
+        except UserError as e:  # shown with the data: training would stop here
+            packing = f"not possible: {e}"
+    print(preview(exp, d, args.preview_data, args.world_size or 1, packing))
     return 0
 
 

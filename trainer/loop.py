@@ -104,6 +104,7 @@ def train(
         control.before_step(state.step + 1)  # injected faults (tests), watchdog heartbeat
         loss, wait, finite = 0.0, 0.0, None
         per_micro = stream.loss_denominator(grad_accum)  # fine-tuning: the step's targets, all ranks
+        fed = stream.step_tokens(grad_accum)  # fine-tuning: batches are as wide as their longest row
         for i in range(grad_accum):
             t = time.perf_counter()
             batch = stream.next()
@@ -127,7 +128,7 @@ def train(
         state.moved = state.moved or (lr > 0 and engine.applied)
         state.step += 1
         state.samples += samples_per_step
-        state.tokens += samples_per_step * tokens_per_sample
+        state.tokens += samples_per_step * tokens_per_sample if fed is None else fed
         state.wall_time = wall0 + time.perf_counter() - t_attempt
         metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens, lr=lr)
         if evaluator.due(state.step) and not stop:  # a stop's grace period is for the save

@@ -47,6 +47,9 @@ class FixedBatch:
     def loss_denominator(self, micro_steps: int) -> None:
         return None  # each micro batch's own mean: the same batch every step
 
+    def step_tokens(self, micro_steps: int) -> None:
+        return None  # counted as seq_len wide
+
     def next(self) -> Any:
         if self.record is not None:
             from trainer.consistency import row_digest

@@ -154,9 +154,95 @@ CASES = {
             "model.config.word_embed_proj_dim=32",
             "model.config.max_position_embeddings=256",
         ),  # fmt: skip
-        ["data.packing", "not for model type 'opt'", "set data.packing: false"],
+        [
+            "data.packing",
+            "model type 'opt'",
+            "does not train as its examples one by one",
+            "set data.packing: false",
+        ],
+    ),
+    "a chat template that is not Jinja": (
+        lambda t: tiny(
+            t,
+            f"data.train.files={_chat(t)}",
+            "data.train.kind=chat",
+            f"data.chat_template={_text(t, 'bad.jinja', '{% for m in %}{{ m }}{% endfor %}')}",
+        ),  # fmt: skip
+        ["data.chat_template", "bad.jinja", "is not valid Jinja", "line 1"],
+    ),
+    "a conversation with an unknown role names its file and line": (
+        lambda t: tiny(t, f"data.train.files={_bad_chat(t)}", "data.train.kind=chat"),
+        ["bad_chat.jsonl:3", "message 1 has role 'bot'", "format_map.roles"],
+    ),
+    "a tool call the template never reads": (
+        lambda t: tiny(t, f"data.train.files={_tool_chat(t)}", "data.train.kind=chat"),
+        [
+            "tool_chat.jsonl:1",
+            "message 1 has 'tool_calls', which the chat template never reads",
+            "data.chat_template",
+        ],
+    ),
+    "formatting on text": (
+        lambda t: tiny(t, "data.train.formatting=sharegpt"),
+        ["data.train.formatting", "set data.train.kind: chat"],
+    ),
+    "a format_map key the formatting does not have": (
+        lambda t: tiny(
+            t,
+            f"data.train.files={_chat(t)}",
+            "data.train.kind=chat",
+            "data.train.formatting=sharegpt",
+            'data.train.format_map={"speaker": "who"}',
+        ),  # fmt: skip
+        ["data.train.format_map.speaker", "not a key of formatting sharegpt", "role, content, roles, system"],
+    ),
+    "a role map to no role": (
+        lambda t: tiny(
+            t,
+            f"data.train.files={_chat(t)}",
+            "data.train.kind=chat",
+            'data.train.format_map={"roles": {"bot": "robot"}}',
+        ),  # fmt: skip
+        ["data.train.format_map.roles.bot", "'robot' is not a role"],
+    ),
+    "multi_turn nonsense": (
+        lambda t: tiny(t, "data.multi_turn=sometimes"),
+        ["data.multi_turn", "all", "each", "last"],
+    ),
+    "group_by_length with packing": (
+        lambda t: tiny(
+            t, f"data.train.files={_chat(t)}", "data.train.kind=chat", "data.group_by_length=true"
+        ),
+        ["data.group_by_length", "data.packing: false"],
+    ),
+    "a negative preview": (
+        lambda t: [*tiny(t), "--preview-data", "-1"],
+        ["--preview-data", "give a count of 0 or more"],
     ),
 }
+
+
+def _text(t, name, text):
+    p = t / name
+    p.write_text(text)
+    return p
+
+
+def _bad_chat(t):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}
+    return _text(t, "bad_chat.jsonl", "\n".join(json.dumps(x) for x in (good, good, bad, good)) + "\n")
+
+
+def _tool_chat(t):
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    row = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+    }
+    return _text(t, "tool_chat.jsonl", json.dumps(row) + "\n")
 
 
 def _chat(t):

@@ -7,7 +7,7 @@ import pytest
 from trainer.data.chat import (
     BYTE_TEMPLATE,
     Example,
-    check_messages,
+    check_conversation,
     render_chat,
     render_prompt_completion,
     template_for,
@@ -75,7 +75,7 @@ def prompt_text(ex: Example, tok) -> str:
 
 
 def test_chatml_with_generation_markers(tok):
-    ex = render_chat(CONVERSATION, tok, CHATML)
+    (ex,) = render_chat(CONVERSATION, tok, CHATML)
     assert targets_text(ex, tok) == "".join(a + "<|im_end|>" for a in ANSWERS)
     # transformers' own mask from the generation markers: the same tokens
     hf = tok.apply_chat_template(
@@ -86,7 +86,7 @@ def test_chatml_with_generation_markers(tok):
 
 
 def test_llama3_without_generation_markers(tok):
-    ex = render_chat(CONVERSATION, tok, LLAMA3)
+    (ex,) = render_chat(CONVERSATION, tok, LLAMA3)
     assert targets_text(ex, tok) == "".join(a + "<|eot_id|>" for a in ANSWERS)
     assert (
         ex.ids
@@ -100,7 +100,7 @@ def test_llama3_without_generation_markers(tok):
 def test_a_users_jinja_file(tok, tmp_path):
     path = tmp_path / "mistral.jinja"
     path.write_text(MISTRAL_FILE)
-    ex = render_chat(CONVERSATION, tok, path.read_text())
+    (ex,) = render_chat(CONVERSATION, tok, path.read_text())
     eos = tok.eos_token
     assert targets_text(ex, tok) == "".join(f" {a}{eos}" for a in ANSWERS)
     prompt = prompt_text(ex, tok)
@@ -111,7 +111,7 @@ def test_a_users_jinja_file(tok, tmp_path):
 def test_the_built_in_template_of_the_byte_tokenizer():
     tok = byte_tokenizer()
     assert template_for(tok, None) == BYTE_TEMPLATE
-    ex = render_chat(CONVERSATION, tok, BYTE_TEMPLATE)
+    (ex,) = render_chat(CONVERSATION, tok, BYTE_TEMPLATE)
     assert targets_text(ex, tok) == "".join(a + "<|endoftext|>" for a in ANSWERS)
     assert ex.show(tok).startswith("<|system|>\\nAnswer in one sentence.\\n<|user|>\\n")
     assert "<|assistant|>\\n[[The number of items in a container.<|endoftext|>]]\\n" in ex.show(tok)
@@ -123,7 +123,7 @@ def test_a_tokenizer_without_a_template_needs_one(tok):
 
 
 def test_truncation_keeps_the_start_and_as_much_of_the_answer_as_fits(tok):
-    ex = render_chat(CONVERSATION[:3], tok, CHATML)
+    (ex,) = render_chat(CONVERSATION[:3], tok, CHATML)
     first = ex.targets.index(True)
     cut = ex.truncated(first + 10)
     assert cut.ids == ex.ids[: first + 10] and targets_text(cut, tok) == ANSWERS[0][:10]
@@ -131,19 +131,38 @@ def test_truncation_keeps_the_start_and_as_much_of_the_answer_as_fits(tok):
 
 
 def test_train_on_prompt_trains_on_every_token(tok):
-    ex = render_chat(CONVERSATION, tok, CHATML, train_on_prompt=True)
-    assert all(ex.targets) and ex.ids == render_chat(CONVERSATION, tok, CHATML).ids
+    (ex,) = render_chat(CONVERSATION, tok, CHATML, train_on_prompt=True)
+    assert all(ex.targets) and ex.ids == render_chat(CONVERSATION, tok, CHATML)[0].ids
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
-    # only the last assistant turn is shown in full (as templates that drop earlier reasoning do)
-    rewriting = (
-        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\\n...<|im_end|>\\n' }}"
-        "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    )
-    with pytest.raises(UserError, match="renders turn 2 differently once later turns follow"):
-        render_chat(CONVERSATION, tok, rewriting)
+# Only the last assistant turn is shown in full (as templates that drop earlier reasoning do).
+REWRITING = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\\n...<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_history_trains_each_turn_as_inference_sees_it(tok):
+    """auto picks `each` by probing the template: turn 1 is trained in a conversation that ends with
+    it; turn 2 after the history as the template renders history ('...'), as a second request would."""
+    first, second = render_chat(CONVERSATION, tok, REWRITING)
+    assert targets_text(first, tok) == ANSWERS[0] + "<|im_end|>"
+    assert targets_text(second, tok) == ANSWERS[1] + "<|im_end|>"
+    assert "<|im_start|>assistant\n...<|im_end|>" in prompt_text(second, tok)
+    assert "And for a str?" not in tok.decode(first.ids)
+    (last,) = render_chat(CONVERSATION, tok, REWRITING, multi_turn="last")
+    assert last.ids == second.ids and last.targets == second.targets
+    with pytest.raises(UserError, match="set data.multi_turn: each"):
+        render_chat(CONVERSATION, tok, REWRITING, multi_turn="all")
+
+
+def test_a_consistent_template_renders_once_under_every_strategy_but_last(tok):
+    (one,) = render_chat(CONVERSATION, tok, CHATML, multi_turn="all")
+    assert render_chat(CONVERSATION, tok, CHATML) == [one]
+    each = render_chat(CONVERSATION, tok, CHATML, multi_turn="each")
+    assert [targets_text(e, tok) for e in each] == [a + "<|im_end|>" for a in ANSWERS]
+    assert each[1].ids == one.ids  # the last turn's example is the whole conversation
 
 
 def test_prompt_completion(tok):
@@ -157,11 +176,30 @@ def test_prompt_completion(tok):
     [
         ([], "non-empty list"),
         ("hello", "non-empty list"),
-        ([{"role": "user"}], "not a {role, content} mapping"),
+        ([{"content": "x"}], "not a {role, content} mapping"),
+        ([{"role": "user"}], "neither content nor tool_calls"),
         ([{"role": "bot", "content": "x"}], "role 'bot'"),
         ([{"role": "user", "content": "x"}], "no assistant message"),
+        ([{"role": "assistant", "content": "x"}], "nothing before it to answer"),
+        ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "content is int"),
+        (
+            [
+                {"role": "user", "content": [{"type": "image", "url": "x"}]},
+                {"role": "assistant", "content": "x"},
+            ],
+            "of type 'image'",
+        ),
+        (
+            [{"role": "user", "content": "x", "training": True}, {"role": "assistant", "content": "x"}],
+            "only assistant turns are targets",
+        ),
+        (
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x", "training": False}],
+            "no assistant message",
+        ),
     ],
 )
 def test_bad_conversations_are_named(messages, error):
-    with pytest.raises(UserError, match=error):
-        check_messages(messages, "data.train row 3")
+    with pytest.raises(UserError, match=error) as e:
+        check_conversation(messages, "data/chat.jsonl:3")
+    assert "data/chat.jsonl:3" in str(e.value)

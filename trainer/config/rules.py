@@ -113,6 +113,7 @@ def _data_sources(exp: Experiment) -> list[tuple[str, str]]:
     for key, src in [*exp.data.sources, ("data.eval", exp.data.eval)]:
         if src is None:
             continue
+        out += _formatting(key, src)
         n = (src.files is not None) + (src.hub is not None)
         if n != 1:
             out.append((key, "give exactly one of files (local globs) or hub (a dataset id)"))
@@ -126,6 +127,51 @@ def _data_sources(exp: Experiment) -> list[tuple[str, str]]:
         out.append(
             ("data.eval_fraction", "data.eval is given, so no training data is held out; remove one of them")
         )
+    return out
+
+
+def _formatting(key: str, src: Any) -> list[tuple[str, str]]:
+    """A source's formatting and format_map: for kind chat, with the keys its preset takes."""
+    from trainer.data.chat import ROLES
+    from trainer.data.formats import MAP_KEYS
+
+    out = []
+    if src.formatting is not None and src.kind != "chat":
+        out.append((f"{key}.formatting", f"{src.formatting} gives conversations: set {key}.kind: chat"))
+    if src.format_map and src.kind != "chat":
+        out.append((f"{key}.format_map", f"renames the keys of chat data; {key}.kind is {src.kind}"))
+        return out
+    allowed = MAP_KEYS[src.formatting or "openai"]
+    for k, v in src.format_map.items():
+        if k not in allowed:
+            out.append((f"{key}.format_map.{k}", f"not a key of formatting {src.formatting or 'openai'} "
+                        f"(it takes {', '.join(allowed)})"))  # fmt: skip
+        elif k == "roles":
+            if not isinstance(v, Mapping):
+                out.append((f"{key}.format_map.roles", "give a mapping from the data's roles to "
+                            f"{', '.join(ROLES)}"))  # fmt: skip
+                continue
+            for name, role in v.items():
+                if role not in ROLES:
+                    out.append(
+                        (f"{key}.format_map.roles.{name}", f"'{role}' is not a role ({', '.join(ROLES)})")
+                    )
+        elif not isinstance(v, str) or not v:
+            out.append((f"{key}.format_map.{k}", f"give the name of the key or column, found {v!r}"))
+    return out
+
+
+@contradiction
+def _chat_settings(exp: Experiment) -> list[tuple[str, str]]:
+    d, out = exp.data, []
+    if d.kind == "text":
+        for name in ("chat_template", "multi_turn", "chat_template_kwargs"):
+            if name in d.model_fields_set and getattr(d, name) not in (None, "auto", {}):
+                out.append((f"data.{name}", "applies to chat data (kind chat, or prompt_completion of "
+                            "messages); data.train.kind is text"))  # fmt: skip
+    if d.group_by_length and (d.packing or d.kind == "text"):
+        out.append(("data.group_by_length", "orders examples padded one to a sequence: it needs a fine-tuning "
+                    "kind and data.packing: false"))  # fmt: skip
     return out
 
 

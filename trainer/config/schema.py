@@ -153,11 +153,30 @@ class DataSource(Section):
         "text",
         description="what a row holds: text (documents packed end to end, every token trained), "
         "prompt_completion (prompt_field + completion_field, the loss on the completion) or chat "
-        "(messages_field, a list of {role, content}: the loss on assistant turns); see README: Fine-tuning",
+        "(messages_field, OpenAI-style messages passed to the chat template as they are: the loss on assistant "
+        "turns); see README: Fine-tuning",
     )
     prompt_field: str = Field("prompt", description="kind prompt_completion: the prompt's column")
     completion_field: str = Field("completion", description="kind prompt_completion: the completion's column")
-    messages_field: str = Field("messages", description="kind chat: the column of {role, content} lists")
+    messages_field: str = Field(
+        "messages", description="kind chat: the column of message lists (sharegpt: conversations)"
+    )
+    tools_field: str = Field(
+        "tools",
+        description="kind chat: the column of each example's tool schemas, passed to the chat template as "
+        "tools= (a list, or a JSON string of one); used where the data has it",
+    )
+    formatting: choice(None, "openai", "sharegpt", "alpaca") = Field(
+        None,
+        description="kind chat: how rows hold conversations: null/openai = OpenAI-style messages (content "
+        "strings or parts, tool_calls...), sharegpt = conversations of {from, value}, alpaca = instruction/"
+        "input/output; see README: Fine-tuning",
+    )
+    format_map: FrozenMapping = Field(
+        default_factory=dict,
+        description="kind chat: renames for the formatting's keys: role, content, roles (data's role -> "
+        "system/user/assistant/tool), system (a column); alpaca: instruction, input, output, system, history",
+    )
     weight: float = Field(
         1.0,
         gt=0,
@@ -204,10 +223,28 @@ class DataSection(Section):
         False,
         description="fine-tuning kinds: train on prompt / system / user tokens too (default: answers only)",
     )
+    multi_turn: choice("auto", "all", "each", "last") = Field(
+        "auto",
+        description="chat data with several assistant turns: all = render once, train every turn; each = one "
+        "example per turn, rendered as inference sees it (for templates that rewrite history, e.g. Qwen3's "
+        "<think>); last = the final turn only; auto = all where the template renders turns consistently, "
+        "else each (tested on the template at start)",
+    )
+    chat_template_kwargs: FrozenMapping = Field(
+        default_factory=dict,
+        description="extra variables for the chat template (apply_chat_template's kwargs), e.g. "
+        "{enable_thinking: false} or {date_string: 26 Jul 2024}",
+    )
+    group_by_length: bool = Field(
+        False,
+        description="packing: false: order each run of 1024 sequences of the shuffled epoch by length, so "
+        "that micro batches (padded to their longest) waste little on padding",
+    )
     packing: bool = Field(
         True,
         description="fine-tuning kinds (and separate_documents): several examples per sequence, each attending "
-        "only to itself (position ids restart); false = one example per sequence, padded",
+        "only to itself (position ids restart); false = one example per sequence, each micro batch padded to its "
+        "longest",
     )
 
     @property

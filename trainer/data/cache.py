@@ -48,10 +48,12 @@ class Data:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     finetune: dict[str, Any] | None = None  # fine-tuning kinds: what was kept, truncated, dropped
     targets: np.ndarray | None = None  # fine-tuning kinds: target tokens per training row (the loss's count)
+    lengths: np.ndarray | None = None  # fine-tuning kinds: per row, the last target's position + 1
     mixture: list[dict[str, Any]] | None = (
         None  # several sources: each one's name, weight, sequences (in order)
     )
     tokens: int | None = None  # real tokens in train and eval (not padding), where the cache knows
+    packing: str | None = None  # packed fine-tuning rows: why this model family may pack (the check's words)
 
     @property
     def supervised(self) -> bool:
@@ -96,9 +98,8 @@ def build(
     if section.kind != "text" or section.separate_documents:
         from trainer.data.examples import chat_template
 
-        template = chat_template(section, tok)
         key["finetune"] = {
-            "template": hashlib.sha256(template.encode()).hexdigest()[:16] if template else None,
+            "template": chat_template(section, tok),  # the template, its kwargs and multi_turn
             "train_on_prompt": section.train_on_prompt,
             "packing": section.packing,
             "truncation": section.truncation,
@@ -140,7 +141,17 @@ def build(
         mixture=meta.get("mixture"),
         tokens=meta.get("tokens", (meta.get("finetune") or {}).get("tokens")),
         targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
+        lengths=row_lengths(train) if train.ndim == 3 else None,
     )
+
+
+def row_lengths(rows: np.ndarray) -> np.ndarray:
+    """Fine-tuning rows: each row's last target position + 1. What follows in a row is padding or an
+    untrained tail, which nothing before it attends to: a batch needs only its rows' longest."""
+    labels = np.asarray(rows[:, 1, :])
+    has = labels != IGNORE
+    last = labels.shape[1] - np.argmax(has[:, ::-1], axis=1)
+    return np.where(has.any(axis=1), last, 1).astype(np.int32)
 
 
 def file_digest(path: Path, chunk: int = 1 << 24) -> str:
@@ -343,7 +354,16 @@ def _build_mixture_cache(
         sums = {f: sum(s[f] for s in stats) for f in ("examples", "kept", "truncated", "dropped_too_long",
                                                          "dropped_no_target", "tokens", "target_tokens", "rows")}  # fmt: skip
         meta["finetune"] = {**sums, "kind": stats[0]["kind"], "example": stats[0]["example"],
-                            "padding_share": 1 - sums["tokens"] / (sums["rows"] * section.seq_len)}  # fmt: skip
+                            "padding_share": 1 - sums["tokens"] / (sums["rows"] * section.seq_len),
+                            "conversations": sum(s.get("conversations", s["examples"]) for s in stats)}  # fmt: skip
+        templates = [s["template"] for s in stats if s.get("template")]
+        if templates:
+            unread: dict[str, int] = {}
+            for t in templates:
+                for k, n in t["unread_keys"].items():
+                    unread[k] = unread.get(k, 0) + n
+            meta["finetune"]["template"] = {**templates[0], "unread_keys": unread,
+                                            "turn_by_turn": sum(t["turn_by_turn"] for t in templates)}  # fmt: skip
     _publish(
         final,
         lambda d: _save_rows(d, all_train),

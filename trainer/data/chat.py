@@ -1,20 +1,28 @@
 """Fine-tuning examples -> token ids and the tokens the loss trains on (the targets).
 
-- `chat`: a list of `{role, content}` messages rendered with a chat template (the tokenizer's, a
-  user's `.jinja` file, or BYTE_TEMPLATE for the built-in byte tokenizer). The targets are each
-  assistant message's tokens up to and including its end-of-turn token; system and user turns, and
-  the template's own markup, never are.
+- `chat`: a conversation, passed to the chat template as the data holds it: every key of every
+  message (`tool_calls`, `tool_call_id`, `name`, `reasoning_content`, `thinking`...), content parts
+  and the example's tool schemas (`tools=`). The targets are each trained assistant turn's tokens up
+  to and including its end-of-turn token; system, user and tool turns and the template's own markup
+  never are (unless data.train_on_prompt). A message `training: false` (Axolotl's key) keeps an
+  assistant turn as context only.
 - `prompt_completion`: the prompt's tokens, then the completion's and an EOS; the targets are the
-  completion and the EOS.
+  completion and the EOS. Lists of messages (TRL's conversational form) render as a chat whose
+  completion's assistant turns are the targets.
 
-The targets come from where the template itself puts each assistant message, never from searching
-the text for the message: rendering the conversation up to the assistant turn with the generation
-prompt gives where the turn starts, rendering it with the turn gives where it ends (in characters of
-the full rendering, which must start with both; a template that renders earlier turns differently
-once later ones follow is refused). The full rendering is tokenized once, with character offsets, and
-a token is a target when it starts inside an assistant turn, up to the turn's last special token
-(the end-of-turn: `<|im_end|>`, `<|eot_id|>`, EOS), so text the template adds after it (a newline)
-is not. A template with generation markers (`{% generation %}`) gives the same targets.
+The targets come from where the template itself puts each assistant turn, never from searching the
+text: rendering the conversation up to the turn with the generation prompt gives where the turn
+starts, rendering it with the turn gives where it ends. The rendering is tokenized with character
+offsets, and a token is a target when it starts inside the turn, up to the turn's last special token
+(the end-of-turn: `<|im_end|>`, `<|eot_id|>`, EOS), so text the template adds after it is not.
+
+How a conversation of several assistant turns becomes examples is the template profile's strategy
+(trainer/data/templates.py, data.multi_turn): `all` renders it once and trains every turn (the
+turn's rendering must then be the same with later turns after it, or the template's generation
+markers must say where it is); `each` makes one example per turn, rendered as inference sees it (the
+history as the template renders history, the turn as it renders the last one: Qwen3's `<think>`
+block included); `last` trains the final turn only. Under auto, a conversation on which a consistent
+template still renders a turn otherwise is rendered turn by turn too, and counted.
 
 Truncation keeps the example's start (the prompt's start, then as much of the answer as fits);
 an example with no target left is dropped, and counted by the caller.
@@ -22,10 +30,12 @@ an example with no target left is dropped, and counted by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.data.templates import Profile
 from trainer.errors import UserError
 
 # The built-in byte tokenizer's template: role markers in plain bytes, each assistant turn ending
@@ -38,7 +48,10 @@ BYTE_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+TRAINING = "training"  # a message's own flag: false keeps an assistant turn out of the targets
+# Keys whose loss would change what the model learns to do: refused when the template never reads them.
+MEANINGFUL = ("tool_calls", "tool_call_id", "reasoning_content", "thinking", "name", "tool_name")
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,7 @@ class Example:
         """The first `seq_len` tokens (the prompt's start and as much of the answer as fits)."""
         return Example(self.ids[:seq_len], self.targets[:seq_len])
 
-    def show(self, tok: Any, limit: int = 400) -> str:
+    def show(self, tok: Any, limit: int | None = 400) -> str:
         """The rendered example with its targets in [[...]] (the banner line), shortened to `limit`
         characters."""
         out, run, inside = [], [], False
@@ -71,7 +84,18 @@ class Example:
             text = tok.decode(run)
             out.append(f"[[{text}]]" if inside else text)
         shown = "".join(out).replace("\n", "\\n")
-        return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+        return shown if limit is None or len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A checked conversation: its messages as the data holds them (less the `training` flag), the
+    example's tool schemas, and which assistant messages are trained."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None
+    trained: tuple[int, ...]
+    where: str
 
 
 def template_for(tok: Any, template: str | None, source: str = "data.chat_template") -> str:
@@ -89,61 +113,125 @@ def template_for(tok: Any, template: str | None, source: str = "data.chat_templa
     )
 
 
-def render_text(
-    tok: Any, template: str, messages: Sequence[Mapping[str, Any]], generation_prompt: bool = False
-) -> str:
-    """The conversation as the template renders it (text; with the assistant's generation prompt)."""
-    return tok.apply_chat_template(
-        list(messages), chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
-    )
+def _check_content(content: Any, n: int, where: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise UserError(
+            f"{where}: message {n}: content is {type(content).__name__}; give a string or a list of content "
+            'parts [{"type": "text", "text": ...}]'
+        )
+    for k, part in enumerate(content):
+        if not isinstance(part, Mapping) or "type" not in part:
+            raise UserError(
+                f"{where}: message {n}: content part {k} is not a {{type, ...}} mapping: {str(part)[:80]}"
+            )
+        if part["type"] != "text":
+            raise UserError(
+                f"{where}: message {n}: content part {k} is of type '{part['type']}'; this trains text models, "
+                "so only text parts can be trained on: remove the example or the part"
+            )
+        if not isinstance(part.get("text"), str):
+            raise UserError(f"{where}: message {n}: text part {k} has no string 'text'")
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
-    """A conversation as the data holds it, checked: a list of {role, content} with known roles and
-    at least one assistant message."""
+def check_conversation(
+    messages: Any, where: str, tools: Any = None, completion_from: int | None = None
+) -> Conversation:
+    """A conversation as the data holds it, checked: a list of messages with known roles, contents that
+    are strings, None (a tool call's) or text parts, and at least one trained assistant message.
+    `completion_from`: TRL's prompt/completion form, only assistant turns from this index are trained."""
     if not isinstance(messages, list) or not messages:
         raise UserError(
             f"{where}: expected a non-empty list of {{role, content}} messages, got {type(messages).__name__}"
         )
-    out = []
+    out, trained = [], []
     for n, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+        if not isinstance(m, Mapping) or m.get("role") is None:
             raise UserError(f"{where}: message {n} is not a {{role, content}} mapping: {str(m)[:80]}")
         if m["role"] not in ROLES:
-            raise UserError(f"{where}: message {n} has role '{m['role']}'; roles are {', '.join(ROLES)}")
-        out.append({"role": str(m["role"]), "content": str(m["content"] or "")})
-    if not any(m["role"] == "assistant" for m in out):
-        raise UserError(f"{where}: no assistant message: nothing to train on")
-    return out
-
-
-def render_chat(
-    messages: Sequence[Mapping[str, Any]],
-    tok: Any,
-    template: str,
-    *,
-    train_on_prompt: bool = False,
-) -> Example:
-    """A conversation -> ids and targets (see the module docstring)."""
-    full = render_text(tok, template, messages)
-    spans = []  # (start, end) characters of each assistant turn in `full`
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = render_text(tok, template, messages[:i], True)
-        upto = render_text(tok, template, messages[: i + 1])
-        if not (upto.startswith(before) and full.startswith(upto)):
             raise UserError(
-                f"data.chat_template: the template renders turn {i} differently once later turns follow, so "
-                "where each assistant turn lies cannot be known (a template that rewrites earlier turns, e.g. "
-                "dropping their reasoning); give a template that renders each turn the same way: "
-                "data.chat_template: FILE.jinja"
+                f"{where}: message {n} has role '{m['role']}'; roles are {', '.join(ROLES)} (map others with "
+                "format_map.roles)"
             )
-        spans.append((len(before), len(upto)))
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        if "content" not in m and not m.get("tool_calls"):
+            raise UserError(f"{where}: message {n} has neither content nor tool_calls")
+        _check_content(m.get("content"), n, where)
+        flag = m.get(TRAINING, True)
+        if not isinstance(flag, bool):
+            raise UserError(f"{where}: message {n}: {TRAINING} is {flag!r}; give true or false")
+        if TRAINING in m and m["role"] != "assistant" and flag:
+            raise UserError(
+                f"{where}: message {n}: {TRAINING}: true on a {m['role']} message; only assistant turns are "
+                "targets (data.train_on_prompt trains on everything)"
+            )
+        if m["role"] == "assistant" and flag and (completion_from is None or n >= completion_from):
+            if n == 0:
+                raise UserError(
+                    f"{where}: message 0 is an assistant turn with nothing before it to answer; add the turn "
+                    f"that prompts it, or give it {TRAINING}: false"
+                )
+            trained.append(n)
+        out.append({k: v for k, v in m.items() if k != TRAINING})
+    if not trained:
+        raise UserError(f"{where}: no assistant message to train on")
+    if isinstance(tools, str):  # data sets often hold the schemas as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise UserError(
+                f"{where}: tools is a string that is not JSON ({e}); give a list of tool schemas"
+            ) from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+        raise UserError(
+            f"{where}: tools must be a list of tool schemas (mappings), got {type(tools).__name__}"
+        )
+    return Conversation(out, tools or None, tuple(trained), where)
+
+
+def prepared(conv: Conversation, p: Profile) -> tuple[Conversation, set[str]]:
+    """The conversation as the template takes it: text parts joined where the template does not read
+    parts. Refused: a meaningful key (tool calls, reasoning...) or tools the template never reads.
+    Returns the other keys the template never reads (reported, not refused)."""
+    unread: set[str] = set()
+    messages = []
+    for n, m in enumerate(conv.messages):
+        for key in m.keys() - {"role", "content"} - p.reads:
+            if key in MEANINGFUL and m[key] not in (None, "", []):
+                raise UserError(
+                    f"{conv.where}: message {n} has '{key}', which the chat template never reads: it would "
+                    f"render without it and train on a turn that lost it; give a template that renders it "
+                    f"(data.chat_template) or remove the key"
+                )
+            unread.add(key)
+        content = m.get("content")
+        if isinstance(content, list) and not p.renders_parts:
+            m = {**m, "content": "\n".join(part["text"] for part in content)}
+        messages.append(m)
+    if conv.tools and not p.reads_tools:
+        raise UserError(
+            f"{conv.where}: the example has tools, which the chat template never reads; give a template "
+            "with tool support (data.chat_template) or remove them"
+        )
+    return Conversation(messages, conv.tools, conv.trained, conv.where), unread
+
+
+def _render(p: Profile, tok: Any, conv: Conversation, upto: int | None = None, prompt: bool = False) -> str:
+    messages = conv.messages if upto is None else conv.messages[:upto]
+    try:
+        return p.render(tok, messages, conv.tools, prompt)
+    except Exception as e:  # noqa: BLE001 (jinja2's errors and the template's raise_exception)
+        raise UserError(
+            f"{conv.where}: the chat template cannot render this conversation ({type(e).__name__}: {e}); "
+            "fix the example or give a template that renders it: data.chat_template"
+        ) from None
+
+
+def _targets(tok: Any, text: str, spans: list[tuple[int, int]], train_on_prompt: bool) -> Example:
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     if train_on_prompt:
-        return Example(list(ids), [True] * len(ids))
+        return Example(ids, [True] * len(ids))
     special = set(tok.all_special_ids)
     targets = [False] * len(ids)
     for start, end in spans:
@@ -153,7 +241,85 @@ def render_chat(
         for j in inside:
             if j <= last:
                 targets[j] = True
-    return Example(list(ids), targets)
+    return Example(ids, targets)
+
+
+def _turn(p: Profile, tok: Any, conv: Conversation, i: int) -> tuple[str, str] | None:
+    """(the rendering up to turn i with the generation prompt, the rendering with turn i last), or None
+    when the first is not the start of the second."""
+    before = _render(p, tok, conv, i, prompt=True)
+    upto = _render(p, tok, conv, i + 1)
+    return (before, upto) if upto.startswith(before) else None
+
+
+def render_each(
+    p: Profile, tok: Any, conv: Conversation, turns: tuple[int, ...], train_on_prompt: bool
+) -> list[Example]:
+    """One example per turn in `turns`: the conversation up to it, the turn rendered as the last."""
+    out = []
+    for i in turns:
+        found = _turn(p, tok, conv, i)
+        if found is None:
+            raise UserError(
+                f"{conv.where}: the chat template renders the prompt of assistant turn {i} otherwise once the "
+                "turn follows it (the prompt with the generation prompt is not the start of the conversation "
+                "with the answer: e.g. a system prompt the template drops when the last message is an "
+                "answer), so where the answer lies cannot be known; give a template that keeps it: "
+                "data.chat_template"
+            )
+        before, upto = found
+        out.append(_targets(tok, upto, [(len(before), len(upto))], train_on_prompt))
+    return out
+
+
+def render_all(p: Profile, tok: Any, conv: Conversation, train_on_prompt: bool) -> Example | None:
+    """The conversation rendered once, every trained turn a target; None when a turn's rendering changes
+    once later turns follow (and the template has no generation markers to say where it lies)."""
+    full = _render(p, tok, conv)
+    spans = []
+    for i in conv.trained:
+        found = _turn(p, tok, conv, i)
+        if found is None or not full.startswith(found[1]):
+            return _marked(p, tok, conv, train_on_prompt) if p.markers else None
+        spans.append((len(found[0]), len(found[1])))
+    return _targets(tok, full, spans, train_on_prompt)
+
+
+def _marked(p: Profile, tok: Any, conv: Conversation, train_on_prompt: bool) -> Example:
+    """The template's own generation markers say where the assistant turns are (every one of them:
+    the markers cannot tell a `training: false` turn)."""
+    if len(conv.trained) != sum(m["role"] == "assistant" for m in conv.messages):
+        raise UserError(
+            f"{conv.where}: {TRAINING}: false needs the turns rendered one by one, and this template rewrites "
+            "history: set data.multi_turn: each"
+        )
+    out = tok.apply_chat_template(
+        conv.messages, tools=conv.tools, chat_template=p.text, tokenize=True, return_dict=True,
+        return_assistant_tokens_mask=True, **dict(p.kwargs),
+    )  # fmt: skip
+    ids = list(out["input_ids"])
+    return Example(ids, [True] * len(ids) if train_on_prompt else [bool(x) for x in out["assistant_masks"]])
+
+
+def render_conversation(
+    conv: Conversation, tok: Any, p: Profile, *, train_on_prompt: bool = False
+) -> tuple[list[Example], bool]:
+    """A checked conversation -> its examples under the profile's strategy, and whether (auto) it had to
+    be rendered turn by turn although the template passed the probe."""
+    if p.strategy == "last":
+        return render_each(p, tok, conv, conv.trained[-1:], train_on_prompt), False
+    if p.strategy == "each":
+        return render_each(p, tok, conv, conv.trained, train_on_prompt), False
+    ex = render_all(p, tok, conv, train_on_prompt)
+    if ex is not None:
+        return [ex], False
+    if p.why.startswith("auto"):
+        return render_each(p, tok, conv, conv.trained, train_on_prompt), True
+    raise UserError(
+        f"{conv.where}: the chat template renders an assistant turn of this conversation otherwise once later "
+        "turns follow (it rewrites history), so one rendering cannot train every turn as inference sees it; "
+        "set data.multi_turn: each (one example per turn) or last"
+    )
 
 
 def render_prompt_completion(
@@ -163,3 +329,22 @@ def render_prompt_completion(
     p = tok(prompt, add_special_tokens=False)["input_ids"]
     c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return Example(p + c, [train_on_prompt] * len(p) + [True] * len(c))
+
+
+def render_chat(
+    messages: Any,
+    tok: Any,
+    template: str,
+    *,
+    train_on_prompt: bool = False,
+    multi_turn: str = "auto",
+    tools: Any = None,
+    kwargs: Mapping[str, Any] | None = None,
+    where: str = "conversation",
+) -> list[Example]:
+    """One conversation as data holds it -> its examples (the template profiled for it alone)."""
+    from trainer.data.templates import profile
+
+    p = profile(tok, template, kwargs or {}, multi_turn, "data.chat_template")
+    conv, _ = prepared(check_conversation(messages, where, tools), p)
+    return render_conversation(conv, tok, p, train_on_prompt=train_on_prompt)[0]

@@ -8,31 +8,74 @@ pieces of seq_len when longer, none lost) is an example whose every token is a t
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from trainer.config import DataSection, DataSource
-from trainer.data.chat import Example, check_messages, render_chat, render_prompt_completion, template_for
+from trainer.data import formats
+from trainer.data.chat import (
+    Example,
+    check_conversation,
+    prepared,
+    render_conversation,
+    render_prompt_completion,
+    template_for,
+)
 from trainer.data.pack import pack_examples, tokenize_documents
+from trainer.data.templates import Profile, load_template, profile
 from trainer.errors import UserError
 
 
-def chat_template(section: DataSection, tok: Any) -> str | None:
-    """The template chat data renders with (None for other kinds)."""
-    if section.kind != "chat" and (section.eval is None or section.eval.kind != "chat"):
-        return None
-    text = None
-    if section.chat_template:
-        path = Path(section.chat_template).expanduser()
+def chat_profile(section: DataSection, tok: Any, required: bool = True) -> Profile | None:
+    """The chat template's profile (trainer/data/templates.py), for chat data (and conversational
+    prompt/completion data); None where the data needs none, or (`required` False) the tokenizer has none."""
+    if not required and not section.chat_template:
         try:
-            text = path.read_text()
-        except OSError as e:
+            template_for(tok, None)
+        except UserError:
+            return None
+    text, source = load_template(section, tok)
+    return profile(tok, text, section.chat_template_kwargs, section.multi_turn, source)
+
+
+def chat_template(section: DataSection, tok: Any) -> str | None:
+    """The profile's digest for the data cache's key (None for text)."""
+    if section.kind == "text" and (section.eval is None or section.eval.kind == "text"):
+        return None
+    p = chat_profile(section, tok, required=section.kind == "chat")
+    return p.digest if p is not None else None
+
+
+class _Counts:
+    """What build_rows counts for the banner and the cache's meta.json."""
+
+    def __init__(self) -> None:
+        self.truncated = self.dropped_long = self.no_target = self.tokens = self.targets = 0
+        self.rows = self.turn_by_turn = 0
+        self.unread: dict[str, int] = {}
+
+
+def _examples(row: Any, n: int, src: DataSource, section: DataSection, tok: Any, where: Any,
+              prof: list[Profile | None], c: _Counts) -> list[Example]:  # fmt: skip
+    """One row of the raw data -> its examples."""
+    if src.kind == "prompt_completion" and not formats.is_conversational(row, src):
+        prompt, completion = row[src.prompt_field], row[src.completion_field]
+        if not isinstance(prompt, str) or not isinstance(completion, str):
             raise UserError(
-                f"data.chat_template: cannot read {path}: {e.strerror}; give a .jinja file"
-            ) from None
-    return template_for(tok, text)
+                f"{where(n)}: {src.prompt_field} and {src.completion_field} must both be strings or both lists of messages"
+            )
+        return [render_prompt_completion(prompt, completion, tok, train_on_prompt=section.train_on_prompt)]
+    if prof[0] is None:
+        prof[0] = chat_profile(section, tok)
+    messages, tools, completion_from = formats.conversation(row, src, where(n))
+    conv = check_conversation(messages, where(n), tools, completion_from)
+    conv, unread = prepared(conv, prof[0])
+    for key in unread:
+        c.unread[key] = c.unread.get(key, 0) + 1
+    out, fell_back = render_conversation(conv, tok, prof[0], train_on_prompt=section.train_on_prompt)
+    c.turn_by_turn += fell_back
+    return out
 
 
 def build_rows(
@@ -40,44 +83,42 @@ def build_rows(
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """(rows (n, 3, seq_len) int32, statistics)."""
     seq_len = section.seq_len
-    template = chat_template(section, tok) if src.kind == "chat" else None
     if src.kind == "text":
         return _document_rows(raw, tok, section, src, key)
-    kept, shown = [], None
-    truncated = dropped_long = no_target = tokens = targets = 0
+    where = formats.locator(src, key)
+    prof: list[Profile | None] = [chat_profile(section, tok) if src.kind == "chat" else None]
+    kept, shown, c = [], None, _Counts()
     for n, row in enumerate(raw):
-        where = f"{key} row {n}"
-        if src.kind == "chat":
-            ex = render_chat(check_messages(row[src.messages_field], where), tok, template,
-                             train_on_prompt=section.train_on_prompt)  # fmt: skip
-        else:
-            prompt, completion = row[src.prompt_field], row[src.completion_field]
-            if not isinstance(prompt, str) or not isinstance(completion, str):
-                raise UserError(f"{where}: {src.prompt_field} and {src.completion_field} must be strings")
-            ex = render_prompt_completion(prompt, completion, tok, train_on_prompt=section.train_on_prompt)
-        if len(ex.ids) > seq_len:
-            if section.truncation == "drop":
-                dropped_long += 1
+        c.rows += 1
+        for ex in _examples(row, n, src, section, tok, where, prof, c):
+            if len(ex.ids) > seq_len:
+                if section.truncation == "drop":
+                    c.dropped_long += 1
+                    continue
+                ex = ex.truncated(seq_len)
+                c.truncated += 1
+            if not any(ex.targets[1:]):  # the first token of a row is never a target
+                c.no_target += 1
                 continue
-            ex = ex.truncated(seq_len)
-            truncated += 1
-        if not any(ex.targets[1:]):  # the first token of a row is never a target
-            no_target += 1
-            continue
-        if shown is None:
-            shown = ex.show(tok)
-        kept.append(ex)
-        tokens += len(ex.ids)
-        targets += sum(ex.targets[1:])
+            if shown is None:
+                shown = ex.show(tok)
+            kept.append(ex)
+            c.tokens += len(ex.ids)
+            c.targets += sum(ex.targets[1:])
     if not kept:
         raise UserError(
-            f"{key}: no example with a token to train on ({truncated} truncated, {dropped_long} longer than "
-            f"data.seq_len {seq_len} dropped, {no_target} with no target left); raise data.seq_len"
+            f"{key}: no example with a token to train on ({c.truncated} truncated, {c.dropped_long} longer than "
+            f"data.seq_len {seq_len} dropped, {c.no_target} with no target left); raise data.seq_len"
         )
     rows = _pack(kept, tok, section)
-    stats = _stats(src.kind, rows, seq_len, examples=len(kept) + dropped_long + no_target, kept=len(kept),
-                   tokens=tokens, targets=targets, example=shown, truncated=truncated,
-                   dropped_too_long=dropped_long, dropped_no_target=no_target)  # fmt: skip
+    stats = _stats(src.kind, rows, seq_len, examples=len(kept) + c.dropped_long + c.no_target, kept=len(kept),
+                   tokens=c.tokens, targets=c.targets, example=shown, truncated=c.truncated,
+                   dropped_too_long=c.dropped_long, dropped_no_target=c.no_target)  # fmt: skip
+    stats["conversations"] = c.rows
+    if prof[0] is not None:
+        p = prof[0]
+        stats["template"] = {"strategy": p.strategy, "why": p.why, "parts": p.renders_parts, "dated": p.dated,
+                             "turn_by_turn": c.turn_by_turn, "unread_keys": c.unread}  # fmt: skip
     return rows, stats
 
 
@@ -132,6 +173,27 @@ def _document_rows(
                         targets=targets, example=None, split=split)  # fmt: skip
 
 
+def describe_template(stats: dict[str, Any]) -> str | None:
+    """The chat template's strategy and what it did to the data, for the banner (None without one)."""
+    t = stats.get("template")
+    if not t:
+        return None
+    out = f"chat template: multi_turn {t['strategy']} ({t['why']})"
+    if t.get("turn_by_turn"):
+        out += f"; {t['turn_by_turn']:,} conversations rendered turn by turn (the template rewrote their history)"
+    if not t.get("parts"):
+        out += "; content parts are joined to text (the template reads content as a string)"
+    if t.get("dated"):
+        out += (
+            "; the template renders today's date (strftime_now): the rendered data changes from day to day "
+            "unless data.chat_template_kwargs.date_string is set"
+        )
+    if t.get("unread_keys"):
+        keys = ", ".join(f"{k} ({n:,} rows)" for k, n in sorted(t["unread_keys"].items()))
+        out += f"; message keys the template never reads, so not rendered: {keys}"
+    return out
+
+
 def describe(stats: dict[str, Any]) -> str:
     """One line for the banner."""
     if stats["kind"] == "text":
@@ -140,8 +202,10 @@ def describe(stats: dict[str, Any]) -> str:
             f"a sequence, continued in the next) in {stats['rows']:,} sequences; {stats['tokens']:,} tokens, "
             f"{stats['target_tokens']:,} targets, padding {stats['padding_share']:.1%}"
         )
+    convs = stats.get("conversations")
+    made = f" made from {convs:,} rows" if convs is not None and convs != stats["examples"] else ""
     return (
-        f"fine-tuning data ({stats['kind']}): {stats['kept']:,} of {stats['examples']:,} examples in {stats['rows']:,} "
+        f"fine-tuning data ({stats['kind']}): {stats['kept']:,} of {stats['examples']:,} examples{made} in {stats['rows']:,} "
         f"sequences ({stats['truncated']:,} truncated, {stats['dropped_too_long']:,} too long dropped, "
         f"{stats['dropped_no_target']:,} with no target left dropped); target tokens {stats['target_tokens']:,} = "
         f"{stats['target_tokens'] / max(1, stats['tokens']):.1%} of {stats['tokens']:,}, padding "

@@ -63,18 +63,24 @@ def source_key(src: DataSource, key: str) -> dict[str, Any]:
 
 
 def _fields(src: DataSource) -> dict[str, Any]:
-    """The columns a source's kind reads (text: only text_field, so text caches keep their key)."""
+    """The columns a source's kind reads and how (text: only text_field, so text caches keep their key)."""
+    from trainer.config import thaw
+    from trainer.data.formats import required_columns
+
     if src.kind == "text":
         return {"text_field": src.text_field}
-    return {"kind": src.kind, "columns": columns(src)}
+    return {"kind": src.kind, "columns": [c for _, c in required_columns(src)], "tools": src.tools_field,
+            "formatting": src.formatting, "format_map": thaw(src.format_map)}  # fmt: skip
 
 
-def columns(src: DataSource) -> list[str]:
-    return {
-        "text": [src.text_field],
-        "prompt_completion": [src.prompt_field, src.completion_field],
-        "chat": [src.messages_field],
-    }[src.kind]
+def open_text(path: str) -> Any:
+    """A text file, decompressed by its extension (.gz, .bz2, .xz)."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(Path(path).suffix, open)
+    return opener(path, "rt", encoding="utf-8")
 
 
 def load_raw(src: DataSource, key: str) -> Any:
@@ -103,12 +109,13 @@ def load_raw(src: DataSource, key: str) -> Any:
             raise UserError(
                 f"{key}.hub: cannot load '{src.hub}' (split {src.split}): {str(e).splitlines()[0]}"
             ) from None
-    names = {"text": ["text_field"], "prompt_completion": ["prompt_field", "completion_field"],
-             "chat": ["messages_field"]}[src.kind]  # fmt: skip
-    for name, column in zip(names, columns(src), strict=True):
+    from trainer.data.formats import required_columns
+
+    for name, column in required_columns(src):
         if column not in ds.column_names:
+            how = f"{key}.formatting: {src.formatting}" if src.formatting else f"{key}.kind: {src.kind}"
             raise UserError(
-                f"{key}.{name}: '{column}' is not a column of the data ({key}.kind: {src.kind}); its columns are "
+                f"{key}.{name}: '{column}' is not a column of the data ({how}); its columns are "
                 f"{', '.join(ds.column_names)}"
             )
     return ds

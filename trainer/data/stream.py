@@ -14,7 +14,7 @@ import numpy as np
 
 from trainer.config import DataSection
 from trainer.data.cache import Data
-from trainer.data.pack import as_rows
+from trainer.data.pack import IGNORE, as_rows
 from trainer.errors import UserError
 
 
@@ -34,6 +34,7 @@ class RankSampler:
         seed: int,
         shuffle: bool,
         mixture: tuple[list[int], list[float]] | None = None,
+        lengths: np.ndarray | None = None,
     ) -> None:
         self.n, self.rank, self.world, self.micro, self.seed, self.shuffle = (
             n,
@@ -44,6 +45,7 @@ class RankSampler:
             shuffle,
         )
         self.mixture = mixture  # (sequences per source, in the data's order; weights)
+        self.lengths = lengths  # data.group_by_length: each row's length, to order by within groups
         self.epoch = 0
         self.start = 0
 
@@ -52,10 +54,12 @@ class RankSampler:
 
     def order(self, epoch: int) -> np.ndarray:
         if self.mixture is not None:
-            return mixture_order(*self.mixture, self.seed, epoch, self.shuffle)
-        if not self.shuffle:
-            return np.arange(self.n)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            out = mixture_order(*self.mixture, self.seed, epoch, self.shuffle)
+        elif not self.shuffle:
+            out = np.arange(self.n)
+        else:
+            out = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return out if self.lengths is None else grouped(out, self.lengths)
 
     @property
     def global_batch(self) -> int:
@@ -72,6 +76,36 @@ class RankSampler:
 
     def __len__(self) -> int:
         return ((self.n - self.start) // self.global_batch) * self.micro
+
+
+GROUP = 1024  # data.group_by_length: rows ordered by length within each run of this many
+
+
+def grouped(order: np.ndarray, lengths: np.ndarray, group: int = GROUP) -> np.ndarray:
+    """data.group_by_length: each run of `group` rows of the epoch's order sorted by length, longest
+    first (stable), so that a micro batch's rows are alike in length. Fixed runs, not a multiple of
+    the global batch: the order stays independent of the world size."""
+    out = order.copy()
+    for at in range(0, len(out), group):
+        part = out[at : at + group]
+        out[at : at + group] = part[np.argsort(-np.asarray(lengths)[part], kind="stable")]
+    return out
+
+
+def micro_widths(rows: np.ndarray, lengths: np.ndarray, world: int, micro: int) -> np.ndarray:
+    """The width of each micro batch of `rows` (whole global batches in order): its longest row."""
+    steps = len(rows) // (world * micro)
+    lens = np.asarray(lengths)[rows[: steps * world * micro]].reshape(steps, world, micro)
+    return lens.max(axis=2)
+
+
+def padding_shares(sampler: RankSampler, lengths: np.ndarray, seq_len: int) -> tuple[float, float]:
+    """The padding share of the first epoch's batches were every row seq_len wide, and as fed (each
+    micro batch as wide as its longest row; data.group_by_length orders for it)."""
+    rows = sampler.order(0)[: sampler.steps_per_epoch() * sampler.global_batch]
+    real = int(np.asarray(lengths)[rows].sum())
+    fed = int(micro_widths(rows, lengths, sampler.world, sampler.micro).sum()) * sampler.micro
+    return 1 - real / max(1, len(rows) * seq_len), 1 - real / max(fed, 1)
 
 
 def shares(total: int, weights: list[float]) -> np.ndarray:
@@ -121,7 +155,11 @@ def _collate(rows: Any) -> Any:
     arr = np.asarray(rows) if not isinstance(rows, np.ndarray) else rows
     if arr.ndim == 2 and arr[:, -1].min() < 0:  # the padded last block of text (pack.fill_blocks)
         arr = as_rows(arr)
-    return torch.from_numpy(arr.astype(np.int64, copy=False))
+    elif arr.ndim == 3:  # fine-tuning rows: as wide as the longest's last target (cache.row_lengths)
+        has = arr[:, 1, :] != IGNORE
+        width = int(arr.shape[2] - np.argmax(has.any(axis=0)[::-1])) if has.any() else 1
+        arr = arr[:, :, :width]
+    return torch.from_numpy(np.ascontiguousarray(arr).astype(np.int64, copy=False))
 
 
 def auto_workers(cores_per_rank: int, device_type: str) -> int:
@@ -193,7 +231,9 @@ class TrainStream:
         self.sampler = RankSampler(
             len(data.train), rank, world, micro, seed, section.shuffle,
             mixture=([m["sequences"] for m in mix], [m["weight"] for m in mix]) if mix else None,
+            lengths=data.lengths if section.group_by_length else None,
         )  # fmt: skip
+        self.lengths = data.lengths  # fine-tuning rows: each batch is as wide as its longest row
         self.sources = [m["source"] for m in mix] if mix else None
         self.seq_len = data.seq_len
         if self.sampler.steps_per_epoch() == 0:
@@ -253,6 +293,31 @@ class TrainStream:
         counts = counts + np.bincount(seen, minlength=len(sizes))
         return {name: int(c) * self.seq_len for name, c in zip(self.sources, counts, strict=True)}
 
+    def _ahead(self, micro_steps: int) -> Iterator[np.ndarray]:
+        """The rows of every rank in each of the next `micro_steps` micro batches (global batches in
+        order; known without communication: the order is global)."""
+        gb, n = self.sampler.global_batch, self.sampler.n
+        epoch, sample = self.position.epoch, self.position.sample
+        for _ in range(micro_steps):
+            if sample + gb > n:  # as next(): an epoch yields whole global batches only
+                epoch, sample = epoch + 1, 0
+            if epoch not in self._orders:
+                self._orders = {epoch: self.sampler.order(epoch)}
+            yield self._orders[epoch][sample : sample + gb]
+            sample += gb
+
+    def step_tokens(self, micro_steps: int) -> int | None:
+        """Fine-tuning rows: the tokens every rank feeds the model in the next step (each micro batch as
+        wide as its longest row), for throughput and MFU; None for token blocks (all seq_len wide)."""
+        if self.lengths is None:
+            return None
+        w, m = self.sampler.world, self.sampler.micro
+        return sum(int(micro_widths(rows, self.lengths, w, m).sum()) * m for rows in self._ahead(micro_steps))
+
+    def padding(self) -> tuple[float, float] | None:
+        """Fine-tuning rows: the padding share of the first epoch (padding_shares)."""
+        return None if self.lengths is None else padding_shares(self.sampler, self.lengths, self.seq_len)
+
     def loss_denominator(self, micro_steps: int) -> float | None:
         """Fine-tuning rows: the target tokens of the next `micro_steps` micro batches of every rank
         (known here without communication: the order is global), divided by ranks x micro steps.
@@ -262,15 +327,7 @@ class TrainStream:
         one (pack.fill_blocks): every micro batch has the same number of targets, its mean is that."""
         if self.targets is None:
             return None
-        gb, n = self.sampler.global_batch, self.sampler.n
-        epoch, sample, total = self.position.epoch, self.position.sample, 0
-        for _ in range(micro_steps):
-            if sample + gb > n:  # as next(): an epoch yields whole global batches only
-                epoch, sample = epoch + 1, 0
-            if epoch not in self._orders:
-                self._orders = {epoch: self.sampler.order(epoch)}
-            total += int(self.targets[self._orders[epoch][sample : sample + gb]].sum())
-            sample += gb
+        total = sum(int(self.targets[rows].sum()) for rows in self._ahead(micro_steps))
         return max(total, 1) / (self.sampler.world * micro_steps)
 
 

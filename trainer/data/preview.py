@@ -1,0 +1,89 @@
+"""`bin/train EXP.yaml --preview-data [N]`: the data as it will train, before any GPU hour is spent.
+
+The data cache is built (or read) as training would, then shown: what was kept, truncated and
+dropped per the banner's counts, the chat template's strategy and why, whether this model family may
+pack, the padding share, and the first N examples in the order the first epoch takes them (rows
+split into their packed examples), each as text with its targets in [[ ]] and as tokens, `|`
+between them, the targets' runs in [[ ]]. No launcher, no process group, no model weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainer.config import Experiment
+from trainer.data.chat import Example
+from trainer.data.pack import IGNORE
+
+
+def examples_of(row: np.ndarray) -> list[Example]:
+    """A cached row [input_ids, labels, position_ids] -> its examples (positions restart at each), the
+    padding after the last target left out."""
+    ids, labels, pos = (np.asarray(x).tolist() for x in row)
+    starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    out = []
+    for a, b in zip(starts, starts[1:], strict=False):
+        targets = [lab != IGNORE for lab in labels[a:b]]
+        if any(targets):
+            out.append(Example(ids[a:b], targets))
+    return out
+
+
+def token_view(ex: Example, tok: Any) -> str:
+    """The example's tokens, `|` between them, each run of targets in [[ ]]."""
+    out, inside = [], False
+    for i, t in zip(ex.ids, ex.targets, strict=True):
+        piece = tok.decode([i]).replace("\n", "\\n")
+        if t and not inside:
+            out.append("[[")
+        elif inside and not t:
+            out.append("]]")
+        inside = t
+        out.append(piece + "|")
+    return "|" + "".join(out) + ("]]" if inside else "")
+
+
+def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | None) -> str:
+    """The report --preview-data prints."""
+    from trainer.data.examples import describe, describe_template
+    from trainer.data.stream import RankSampler, padding_shares
+
+    d = exp.data
+    lines = [f"data: {len(data.train):,} training sequences of {d.seq_len} tokens in {data.cache_path}"]
+    if data.mixture:
+        lines.append("mixture: " + "; ".join(f"{m['source']} (weight {m['weight']:g}, {m['sequences']:,} sequences)"
+                                              for m in data.mixture))  # fmt: skip
+    if not data.supervised:
+        lines.append("text: documents packed end to end, every token a target")
+        return "\n".join(lines)
+    lines.append(describe(data.finetune))
+    if describe_template(data.finetune):
+        lines.append(describe_template(data.finetune))
+    lines.append(f"packing: {packing}" if d.packing else "packing: off, one example per sequence")
+    mix = data.mixture
+    sampler = RankSampler(
+        len(data.train), 0, world_size, exp.train.micro_batch_size, exp.seed, d.shuffle,
+        mixture=([m["sequences"] for m in mix], [m["weight"] for m in mix]) if mix else None,
+        lengths=data.lengths if d.group_by_length else None,
+    )  # fmt: skip
+    order = sampler.order(0)
+    before, fed = padding_shares(sampler, data.lengths, d.seq_len)
+    lines.append(
+        f"padding: {before:.1%} of the first epoch's tokens padded to seq_len, {fed:.1%} as fed (micro batch "
+        f"{exp.train.micro_batch_size} x {world_size} rank(s), each micro batch padded to its longest"
+        f"{'; grouped by length' if d.group_by_length else ''})"
+    )
+    shown = 0
+    for r in order:
+        for ex in examples_of(data.train[r]):
+            if shown == n:
+                return "\n".join(lines)
+            shown += 1
+            lines += [
+                "",
+                f"example {shown} (sequence {int(r)}; {len(ex.ids)} tokens, {sum(ex.targets[1:])} targets):",
+                ex.show(data.tokenizer, limit=None),
+                "tokens: " + token_view(ex, data.tokenizer),
+            ]
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""What a chat template does, found by testing it (never by the model's name): the profile that chat
+rendering (trainer/data/chat.py) follows.
+
+- **History**: a probe conversation of three assistant turns is rendered whole and turn by turn. A
+  template that renders every assistant turn the same whether or not later turns follow is
+  *consistent*: one rendering of the whole conversation trains every turn (`data.multi_turn: all`).
+  One that renders the last assistant turn otherwise than earlier ones rewrites history (Qwen3 and
+  other reasoning templates add a `<think>` block to the last turn only; some drop or move the system
+  prompt): each assistant turn becomes its own example, rendered as inference sees it (`each`).
+- **Content parts**: OpenAI-style `[{"type": "text", "text": ...}]` content either renders as its text
+  (Gemma 3's template reads the parts) or the template would print the list's Python repr or fail
+  (most templates read `message.content` as a string): then the text parts are joined with a newline
+  (as vLLM serves them) before rendering.
+- **Keys read**: every `x.name` / `x['name']` the template mentions; a key of the data that the
+  template never mentions (say `tool_calls` under a template without tool support) would render as
+  nothing, so chat.py refuses or reports it instead of training on a turn that lost it.
+- **Generation markers** (`{% generation %}`), `tools`, and today's date (`strftime_now`, which makes
+  the rendered data change from day to day unless `data.chat_template_kwargs.date_string` is set).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.errors import UserError
+
+STRATEGIES = ("all", "each", "last")
+
+# The probe: a system prompt and three exchanges, each answer with reasoning where the template reads it.
+_PROBE_TURNS = [
+    ("What is 1 + 1?", "It is 2."),
+    ("And 2 + 2?", "It is 4."),
+    ("And 3 + 3?", "It is 6."),
+]
+_PROBE_REASONING = "Add the two numbers."
+_PART_MARKS = ("probe-part-one", "probe-part-two")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What `profile` found out about a template (and the strategy chosen for multi-turn data)."""
+
+    text: str
+    kwargs: Mapping[str, Any]  # data.chat_template_kwargs, passed to every rendering
+    strategy: str  # all | each | last
+    why: str  # why this strategy: said at start and in --preview-data
+    consistent: bool  # the probe rendered every assistant turn the same with later turns after it
+    renders_parts: bool  # content parts render as their text without joining them first
+    reads: frozenset[str] = field(default_factory=frozenset)  # names the template reads off any object
+    reads_tools: bool = False
+    markers: bool = False  # {% generation %} blocks
+    dated: bool = False  # renders today's date unless kwargs give one
+
+    @property
+    def digest(self) -> str:
+        """Identifies the rendering for the data cache: template, kwargs and strategy."""
+        blob = json.dumps([self.text, dict(self.kwargs), self.strategy], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def render(
+        self, tok: Any, messages: list[dict[str, Any]], tools: list | None = None, prompt: bool = False
+    ) -> str:
+        """The messages as this template renders them (with the assistant's generation prompt)."""
+        return tok.apply_chat_template(
+            messages, tools=tools, chat_template=self.text, tokenize=False,
+            add_generation_prompt=prompt, **dict(self.kwargs),
+        )  # fmt: skip
+
+
+def names_read(template: str) -> tuple[frozenset[str], bool]:
+    """(attribute and item names the template reads anywhere, whether it reads `tools`): from its syntax
+    tree, so that a name in a string or a comment does not count."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        # transformers' own environment has its generation tag; strip it to read the names
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(
+            re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)
+        )
+    names = {n.attr for n in tree.find_all(nodes.Getattr)}
+    names |= {n.arg.value for n in tree.find_all(nodes.Getitem) if isinstance(n.arg, nodes.Const)}
+    names |= {  # message.get('key')
+        c.args[0].value
+        for c in tree.find_all(nodes.Call)
+        if isinstance(c.node, nodes.Getattr)
+        and c.node.attr == "get"
+        and c.args
+        and isinstance(c.args[0], nodes.Const)
+    }
+    tools = any(n.name == "tools" for n in tree.find_all(nodes.Name))
+    return frozenset(x for x in names if isinstance(x, str)), tools
+
+
+def check_syntax(template: str, source: str) -> None:
+    """A template that is not valid Jinja: exit 2 naming where it came from and the line."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except Exception as e:  # noqa: BLE001 (jinja2's TemplateSyntaxError, or transformers' own checks)
+        line = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise UserError(
+            f"{source}: the chat template is not valid Jinja ({type(e).__name__}{line}: {e}); fix the template "
+            "or give another: data.chat_template: FILE.jinja"
+        ) from None
+
+
+def profile(tok: Any, template: str, kwargs: Mapping[str, Any], multi_turn: str, source: str) -> Profile:
+    """Test `template` (see the module docstring) and choose the multi-turn strategy: `multi_turn` as
+    set, or for auto `all` where the template is consistent and `each` where it is not."""
+    check_syntax(template, source)
+    reads, reads_tools = names_read(template)
+    base = Profile(
+        text=template, kwargs=dict(kwargs), strategy="all", why="", consistent=False, renders_parts=False,
+        reads=reads, reads_tools=reads_tools,
+        markers=re.search(r"{%-?\s*generation\s*-?%}", template) is not None,
+        dated="strftime_now" in template and "date_string" not in kwargs,
+    )  # fmt: skip
+    consistent, turn, error = _probe_history(tok, base)
+    parts = _probe_parts(tok, base)
+    if multi_turn != "auto":
+        strategy, why = multi_turn, f"data.multi_turn: {multi_turn}"
+        if multi_turn == "all" and not consistent and not base.markers:
+            why += (
+                f" (the template renders message {turn} of a probe conversation otherwise once later "
+                "turns follow: a conversation where that shows is refused)"
+            )
+    elif consistent:
+        strategy = "all"
+        why = "auto: the template renders each assistant turn the same whether or not later turns follow, so one rendering trains every turn"
+    else:
+        strategy = "each"
+        why = (
+            "auto: the template renders the last assistant turn otherwise than earlier ones"
+            + (f" (probe message {turn})" if turn is not None else f" (the probe failed: {error})")
+            + ", so each assistant turn is its own example, rendered as inference sees it"
+        )
+    return Profile(**{**base.__dict__, "strategy": strategy, "why": why, "consistent": consistent,
+                      "renders_parts": parts})  # fmt: skip
+
+
+def _probe_messages(p: Profile, system: bool) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"role": "system", "content": "You answer briefly."}] if system else []
+    for q, a in _PROBE_TURNS:
+        answer: dict[str, Any] = {"role": "assistant", "content": a}
+        for key in ("reasoning_content", "thinking"):
+            if key in p.reads:
+                answer[key] = _PROBE_REASONING
+        out += [{"role": "user", "content": q}, answer]
+    return out
+
+
+def _probe_history(tok: Any, p: Profile) -> tuple[bool, int | None, str | None]:
+    """(consistent, the first assistant turn rendered otherwise, an error the probe met)."""
+    error = None
+    for system in (True, False):  # some templates refuse a system prompt
+        messages = _probe_messages(p, system)
+        try:
+            full = p.render(tok, messages)
+            for i, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                before = p.render(tok, messages[:i], prompt=True)
+                upto = p.render(tok, messages[: i + 1])
+                if not (upto.startswith(before) and full.startswith(upto)):
+                    return False, i, None
+            return True, None, None
+        except Exception as e:  # noqa: BLE001 (whatever the template raises)
+            error = f"{type(e).__name__}: {e}"
+    return False, None, error
+
+
+def _probe_parts(tok: Any, p: Profile) -> bool:
+    """Whether content parts render as their text (each part's text there, no Python repr of the list)."""
+    parts = [{"type": "text", "text": _PART_MARKS[0]}, {"type": "text", "text": _PART_MARKS[1]}]
+    try:
+        text = p.render(tok, [{"role": "user", "content": parts}, {"role": "assistant", "content": "Yes."}])
+    except Exception:  # noqa: BLE001 (a template that reads content as a string may raise)
+        return False
+    return all(m in text for m in _PART_MARKS) and "'type'" not in text and '"type"' not in text
+
+
+def load_template(section: Any, tok: Any) -> tuple[str, str]:
+    """(the template text chat data renders with, where it came from): data.chat_template's file, else the
+    tokenizer's, else (the byte tokenizer) the built-in one."""
+    from pathlib import Path
+
+    from trainer.data.chat import template_for
+
+    if section.chat_template:
+        path = Path(section.chat_template).expanduser()
+        try:
+            return path.read_text(), f"data.chat_template ({path})"
+        except OSError as e:
+            raise UserError(
+                f"data.chat_template: cannot read {path}: {e.strerror}; give a .jinja file"
+            ) from None
+    return template_for(tok, None), f"data.tokenizer ({section.tokenizer})'s chat template"
