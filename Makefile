@@ -53,7 +53,7 @@ tiny-sft-lora: setup                         ## tiny-sft with LoRA adapters on t
 # files are collected first (testpaths) so that the small ones fill the gaps at the end.
 # -rP shows what passing tests print: the measured figures (kill-to-exit times, memory against the plan).
 test: setup tokenizers                       ## every test: unit, e2e, 2-rank launcher tests
-	$(PY) -m pytest -q -rP -n $(TEST_WORKERS) --dist loadfile --durations=25
+	TRAINER_REQUIRE_TOKENIZERS=1 $(PY) -m pytest -q -rP -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup                             ## unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit

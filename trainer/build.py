@@ -241,9 +241,11 @@ def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> 
     )
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
+    attn = (planned.model or exp.model).attn_implementation
     engine = Engine(
-        module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode
-    )
+        module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode,
+        one_row=data.supervised and attn == "flash_attention_2",
+    )  # fmt: skip
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout
 
@@ -286,6 +288,9 @@ def eval_prompts(exp: Experiment, data: Any) -> list[str]:
     ]
 
 
+WIDTH_MULTIPLE_COMPILED = 64
+
+
 def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tuple[Any, Any]:
     """This rank's training stream and the evaluator over its share of the eval set."""
     from trainer import data as data_mod
@@ -297,6 +302,9 @@ def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tu
         "world": env.world_size,
         "micro": t.micro_batch_size,
         "device_type": runtime.device_type,
+        # fine-tuning batches are as wide as their longest row; under torch.compile a multiple of 64, so
+        # that few shapes are compiled (CUDA graphs record one per shape)
+        "width_multiple": WIDTH_MULTIPLE_COMPILED if t.compile else 1,
     }
     stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, **where)
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)

@@ -33,6 +33,11 @@ def resume_schedule(scheduler: Any) -> None:
         scheduler.step(scheduler.last_batch_iteration)
 
 
+def as_one_row(batch: Any) -> Any:
+    """Fine-tuning rows (micro, 3, width) -> one row (1, 3, micro x width), the rows end to end."""
+    return batch.transpose(0, 1).reshape(batch.shape[1], -1).unsqueeze(0)
+
+
 class Engine:
     def __init__(
         self,
@@ -41,6 +46,7 @@ class Engine:
         param_groups: list[dict[str, Any]],
         compile: bool = False,
         compile_mode: str = "default",
+        one_row: bool = False,
     ) -> None:
         import deepspeed
 
@@ -53,6 +59,10 @@ class Engine:
             self.ds.compile(compile_kwargs={} if compile_mode == "default" else {"mode": compile_mode})
         self.device = self.ds.device
         self.on_backward: Any = None  # tests: called after backward, before the optimizer step
+        # flash_attention_2 keeps packed examples apart only in a batch of one row (transformers'
+        # _is_packed_sequence): fine-tuning rows go in as one row, each starting an example (no target
+        # crosses: a row's first label is never a target), the padding a few sequences of its own
+        self.one_row = one_row
         self._record_fp32_grad_norm()
 
     def _record_fp32_grad_norm(self) -> None:
@@ -84,6 +94,8 @@ class Engine:
         if batch.dim() == 2:  # every token a target: their mean, unless a padded block is in the data
             extra = {} if num_items is None else {"num_items_in_batch": num_items}
             return loss_of(self.ds(input_ids=batch, labels=batch, use_cache=False, **extra))
+        if self.one_row:
+            batch = as_one_row(batch)
         return loss_of(
             self.ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
                     num_items_in_batch=num_items)

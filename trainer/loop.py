@@ -128,9 +128,10 @@ def train(
         state.moved = state.moved or (lr > 0 and engine.applied)
         state.step += 1
         state.samples += samples_per_step
-        state.tokens += samples_per_step * tokens_per_sample if fed is None else fed
+        fed = samples_per_step * tokens_per_sample if fed is None else fed
+        state.tokens += fed
         state.wall_time = wall0 + time.perf_counter() - t_attempt
-        metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens, lr=lr)
+        metrics.step(state.step, loss / grad_accum, wait, engine, tokens=state.tokens, lr=lr, fed=fed)
         if evaluator.due(state.step) and not stop:  # a stop's grace period is for the save
             control.heartbeat()
             with metrics.paused():  # step time and throughput count training only

@@ -47,8 +47,12 @@ class FixedBatch:
     def loss_denominator(self, micro_steps: int) -> None:
         return None  # each micro batch's own mean: the same batch every step
 
-    def step_tokens(self, micro_steps: int) -> None:
-        return None  # counted as seq_len wide
+    def step_tokens(self, micro_steps: int) -> int | None:
+        """Fine-tuning rows: this rank's batch as fed, counted for every rank (the ranks' batches differ
+        in width; --overfit-batch does not gather them)."""
+        if self.batch.dim() != 3:
+            return None
+        return int(self.batch.shape[0] * self.batch.shape[-1]) * self.sampler.world * micro_steps
 
     def next(self) -> Any:
         if self.record is not None:

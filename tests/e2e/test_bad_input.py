@@ -178,7 +178,7 @@ CASES = {
         lambda t: tiny(t, f"data.train.files={_tool_chat(t)}", "data.train.kind=chat"),
         [
             "tool_chat.jsonl:1",
-            "message 1 has 'tool_calls', which the chat template never reads",
+            "message 1 has 'tool_calls', which the chat template never renders",
             "data.chat_template",
         ],
     ),

@@ -12,30 +12,20 @@ to the last turn only; Mistral moves the system prompt to the last user turn: mu
 import json
 
 import pytest
-from helpers import FAMILIES, TINY, family_sets, real_chat_data, tokenizer_dir, train, yaml_value
+from helpers import (
+    EXPECTED,
+    FAMILIES,
+    TINY,
+    data_for,
+    family_sets,
+    real_chat_data,
+    sets_for,
+    tokenizer_dir,
+    train,
+    yaml_value,
+)
 
 pytestmark = pytest.mark.e2e
-
-# (the answer's rendering before its content, end-of-turn token, the strategy auto must choose)
-EXPECTED = {
-    "llama3_2": ("", "<|eot_id|>", "all"),
-    "qwen3": ("<think>\n\n</think>\n\n", "<|im_end|>", "each"),
-    "gemma3": ("", "<end_of_turn>", "all"),
-    "mistral_nemo": ("", "</s>", "each"),
-}
-
-
-def data_for(name, tmp_path, rows=30):
-    # Mistral's template puts the system prompt in the last user turn only, and drops it once the
-    # conversation ends with an answer: refused (test_a_template_that_drops_the_system_prompt_...).
-    return real_chat_data(
-        tmp_path / f"{name}.jsonl", rows=rows, system=name != "mistral_nemo", tools=name == "qwen3"
-    )
-
-
-def sets_for(name, path, tmp_path, **kw):
-    seq = {"data.seq_len": 384} if name == "qwen3" else {}  # the tool schemas take 200 tokens
-    return family_sets(name, path, **{"data.cache_dir": str(tmp_path / "cache"), **seq, **kw})
 
 
 def built(name, path, tmp_path, **sets):
@@ -101,25 +91,6 @@ def test_the_targets_are_the_answers_and_their_end_of_turn_token_by_token(name, 
                 assert m["content"] in text, m
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_each_family_trains_packed(name, tmp_path):
-    """bin/train on the family's tokenizer and template, packed: the banner names the strategy and why,
-    and the project's own packing check for the family; the loss falls."""
-    path = data_for(name, tmp_path, rows=40)
-    r = train(
-        tmp_path, sets_for(name, path, tmp_path, **{"train.max_steps": 12, "train.log_every": 4}), debug=False
-    )
-    assert f"chat template: multi_turn {EXPECTED[name][2]} (auto: " in r.output, r.output[-3000:]
-    model_type = FAMILIES[name]["model_type"]
-    assert (
-        f"packing: model type '{model_type}' with sdpa attention: a packed row trains as its examples one by one"
-        in r.output
-    )
-    steps = sorted(r.losses)
-    print(name, {k: round(v, 3) for k, v in r.losses.items()})
-    assert r.losses[steps[-1]] < r.losses[steps[0]] - 2, r.losses  # from ln(vocab), about 12
-
-
 def test_a_template_that_drops_the_system_prompt_from_answered_turns_is_refused(tmp_path):
     """Mistral Nemo's template puts the system prompt in the last user turn, and drops it when the
     conversation ends with an answer: where the prompt of a turn lies cannot be known. Refused with the
@@ -133,25 +104,9 @@ def test_a_template_that_drops_the_system_prompt_from_answered_turns_is_refused(
     )
 
 
-def test_masking_learns_fixed_answers_to_random_questions_and_train_on_prompt_cannot(tmp_path):
-    """A black box: user turns of random letters, every answer the same, Qwen3 (one example per turn,
-    with its <think> block). With the answers as targets the loss falls below 0.1; training on the
-    random prompts too, it stays above 1."""
-    path = real_chat_data(tmp_path / "b.jsonl", rows=120, system=True, random_users=True)
-    sets = family_sets("qwen3", path, **{"train.max_steps": 35, "train.micro_batch_size": 4, "data.seq_len": 128,
-                                         "model.config.hidden_size": 64, "model.config.intermediate_size": 128,
-                                         "optim.schedule": "constant",
-                                         "data.cache_dir": str(tmp_path / "cache")})  # fmt: skip
-    masked = train(tmp_path / "masked", sets, debug=False)
-    everything = train(tmp_path / "all", {**sets, "data.train_on_prompt": True}, debug=False)
-    print("answers only:", {k: round(v, 3) for k, v in masked.losses.items()})
-    print("train_on_prompt:", {k: round(v, 3) for k, v in everything.losses.items()})
-    assert masked.losses[max(masked.losses)] < 0.1, masked.losses
-    assert min(everything.losses.values()) > 1, everything.losses
-
-
-def test_a_tool_call_trains_and_the_preview_shows_its_tokens_as_targets(tmp_path):
-    """Qwen3, a conversation with the tools' schemas, an assistant tool call, its result and the answer:
+def test_the_preview_shows_a_tool_calls_tokens_as_targets(tmp_path):
+    """Qwen3, a conversation with the tools' schemas, an assistant tool call, its result and the answer
+    (test_real_templates_train.py trains on such):
     --preview-data shows the schemas and the result as prompt, the call (with the empty <think> block the
     template gives a last turn) and the answer as targets, token by token."""
     path = real_chat_data(tmp_path / "t.jsonl", rows=1, system=False, tools=True)  # row 0: the tool call
@@ -172,38 +127,6 @@ def test_a_tool_call_trains_and_the_preview_shows_its_tokens_as_targets(tmp_path
     assert '{"type": "function", "function": {"name": "get_weather"' in out  # the schema, in the prompt
     assert "[[<think>\\n\\n</think>\\n\\nIt is sunny in " in out and "<tool_response>\\nsunny in " in out
     assert "tokens: |<|im_start|>|" in out and "|[[<think>|" in out
-    tokenizer_dir("qwen3")
-
-
-def test_gemma3_without_packing_pads_each_micro_batch_to_its_longest(tmp_path):
-    """data.packing: false on Gemma 3's chat data: each example alone in a row of seq_len, but a micro
-    batch is only as wide as its longest example (and data.group_by_length makes them alike): the
-    banner reports the padding share both ways, the run trains on the narrower batches."""
-    import re
-
-    from helpers import bin_train
-
-    path = data_for("gemma3", tmp_path, rows=48)
-    sets = sets_for("gemma3", path, tmp_path, **{"data.packing": False, "train.micro_batch_size": 4,
-                                                 "train.max_steps": 4, "train.log_every": 2})  # fmt: skip
-    args = [TINY, *[x for k, v in sets.items() for x in ("--set", f"{k}={yaml_value(v)}")]]
-    p = bin_train(*args, "--set", f"run_dir={tmp_path / 'p'}", "--preview-data", "0")
-    plain = re.search(
-        r"padding: ([\d.]+)% of the first epoch's tokens padded to seq_len, ([\d.]+)% as fed", p.stdout
-    )
-    assert p.returncode == 0 and plain, p.stdout + p.stderr
-    r = train(tmp_path, {**sets, "data.group_by_length": True}, debug=False)
-    grouped = re.search(
-        r"padding: ([\d.]+)% of an epoch's tokens padded to seq_len 192, ([\d.]+)% as fed", r.output
-    )
-    assert grouped, r.output[-3000:]
-    print(
-        f"padding: to seq_len {plain[1]}%, to the micro batch's longest {plain[2]}%, grouped by length {grouped[2]}%"
-    )
-    assert float(plain[1]) > 50 and float(grouped[1]) == float(plain[1])
-    assert float(grouped[2]) < float(plain[2]) < float(plain[1]) and float(grouped[2]) < 25
-    tokens = [m["tokens"] for m in r.metrics if "tokens" in m]
-    assert tokens[-1] < 4 * 4 * 192 * 0.75  # counted as fed: the batches were narrower than seq_len
 
 
 def test_the_shipped_qwen3_chat_example_previews(tmp_path):

@@ -163,6 +163,8 @@ def test_a_consistent_template_renders_once_under_every_strategy_but_last(tok):
     each = render_chat(CONVERSATION, tok, CHATML, multi_turn="each")
     assert [targets_text(e, tok) for e in each] == [a + "<|im_end|>" for a in ANSWERS]
     assert each[1].ids == one.ids  # the last turn's example is the whole conversation
+    (last,) = render_chat(CONVERSATION, tok, CHATML, multi_turn="last")
+    assert last.ids == one.ids and targets_text(last, tok) == ANSWERS[1] + "<|im_end|>"
 
 
 def test_prompt_completion(tok):

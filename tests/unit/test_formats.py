@@ -144,6 +144,6 @@ def test_errors_name_the_file_and_line(tmp_path):
     path.write_text(json.dumps(good) + '\n\n{"messages": [{"content": "Hi?"}]}\n')
     src = exp_for(tmp_path, path, "data.train.kind=chat").data.train
     where = locator(src, "data.train")
-    assert where(0) == f"{path}:1" and where(1) == f"{path}:3"  # the blank line is not a row
+    assert str(where(0)) == f"{path}:1" and f"{where(1)}" == f"{path}:3"  # the blank line is not a row
     with pytest.raises(UserError, match=f"{path}:3: message 0 is not a"):
         build(exp_for(tmp_path, path, "data.train.kind=chat").data, 0)

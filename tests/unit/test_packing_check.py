@@ -78,9 +78,11 @@ def test_the_small_model_keeps_what_the_masks_depend_on():
     assert cfg.hidden_size != 64  # the caller's config is untouched
 
 
-def test_a_packed_batch_needs_only_its_rows_longest_last_target():
-    """Fine-tuning batches are cut to their longest row's last target (stream._collate): what follows
-    is padding or an untrained tail, which nothing before it attends to; the loss is the same."""
+def test_a_batch_needs_only_its_rows_longest_last_target():
+    """Fine-tuning batches (here one example a row, data.packing: false) are cut to their longest row's
+    last target (stream._collate): what follows is padding or an untrained tail, which nothing before it
+    attends to; the loss is the same. And the rows end to end in one row (what the engine feeds
+    flash_attention_2, which keeps packed examples apart only in a batch of one row) give it too."""
     from transformers import AutoModelForCausalLM
 
     from trainer.data.chat import Example
@@ -97,6 +99,15 @@ def test_a_packed_batch_needs_only_its_rows_longest_last_target():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(shrunk(config("llama")), attn_implementation="sdpa").float()
     full = torch.from_numpy(rows.astype("int64"))
-    cut = model(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2]).loss
-    whole = model(input_ids=full[:, 0], labels=full[:, 1], position_ids=full[:, 2]).loss
+    cut = model(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False).loss
+    whole = model(input_ids=full[:, 0], labels=full[:, 1], position_ids=full[:, 2], use_cache=False).loss
     assert (full[:, 1, 17:] == IGNORE).all() and cut.item() == pytest.approx(whole.item(), rel=1e-6)
+    from trainer.engine import as_one_row
+
+    row = as_one_row(batch)
+    assert row.shape == (1, 3, 3 * 17) and (row[0, :, 17:34] == batch[1]).all()
+    flat = model(input_ids=row[:, 0], labels=row[:, 1], position_ids=row[:, 2], use_cache=False).loss
+    assert flat.item() == pytest.approx(whole.item(), rel=1e-6)
+    with torch.no_grad():  # without the positions the rows would attend to each other: another loss
+        crossed = model(input_ids=row[:, 0], labels=row[:, 1], use_cache=False).loss
+    assert abs(crossed.item() - whole.item()) > 1e-4

@@ -141,8 +141,18 @@ def build(
         mixture=meta.get("mixture"),
         tokens=meta.get("tokens", (meta.get("finetune") or {}).get("tokens")),
         targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
-        lengths=row_lengths(train) if train.ndim == 3 else None,
+        lengths=_lengths(final, train),
     )
+
+
+def _lengths(directory: Path, train: np.ndarray) -> np.ndarray | None:
+    """Fine-tuning rows' lengths (row_lengths): lengths.npy, written with the cache (computed here for
+    a cache made before it was)."""
+    if train.ndim != 3:
+        return None
+    if (directory / "lengths.npy").exists():
+        return np.load(directory / "lengths.npy")
+    return row_lengths(train)
 
 
 def row_lengths(rows: np.ndarray) -> np.ndarray:
@@ -306,6 +316,7 @@ def _save_rows(directory: Path, rows: np.ndarray) -> None:
     np.save(directory / "train.npy", rows)
     if rows.ndim == 3:
         np.save(directory / "targets.npy", (rows[:, 1, 1:] != IGNORE).sum(axis=1).astype(np.int32))
+        np.save(directory / "lengths.npy", row_lengths(rows))
     elif (rows[:, -1] < 0).any():  # a mixture of text sources, with a padded last block of one
         np.save(directory / "targets.npy", _block_targets(rows))
 

@@ -30,6 +30,7 @@ an example with no target left is dropped, and counted by the caller.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,8 +51,9 @@ BYTE_TEMPLATE = (
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 TRAINING = "training"  # a message's own flag: false keeps an assistant turn out of the targets
-# Keys whose loss would change what the model learns to do: refused when the template never reads them.
-MEANINGFUL = ("tool_calls", "tool_call_id", "reasoning_content", "thinking", "name", "tool_name")
+# Keys of what the model itself says: refused when the template never renders them (the turn would be
+# trained without them); other keys it never renders (a tool result's name, metadata) are reported.
+MEANINGFUL = ("tool_calls", "reasoning_content", "thinking")
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ def check_conversation(
                 f"{where}: message {n} has role '{m['role']}'; roles are {', '.join(ROLES)} (map others with "
                 "format_map.roles)"
             )
-        if "content" not in m and not m.get("tool_calls"):
+        if m.get("content") is None and not m.get("tool_calls"):
             raise UserError(f"{where}: message {n} has neither content nor tool_calls")
         _check_content(m.get("content"), n, where)
         flag = m.get(TRAINING, True)
@@ -189,31 +191,54 @@ def check_conversation(
     return Conversation(out, tools or None, tuple(trained), where)
 
 
-def prepared(conv: Conversation, p: Profile) -> tuple[Conversation, set[str]]:
+def prepared(conv: Conversation, p: Profile, tok: Any) -> tuple[Conversation, set[str]]:
     """The conversation as the template takes it: text parts joined where the template does not read
-    parts. Refused: a meaningful key (tool calls, reasoning...) or tools the template never reads.
-    Returns the other keys the template never reads (reported, not refused)."""
-    unread: set[str] = set()
+    parts. Every other key is tested by rendering the conversation (as the strategy renders it) without
+    it: a key of what the model says (tool calls, reasoning) or tools that change nothing are refused,
+    the other keys that change nothing are returned (reported, not refused)."""
     messages = []
-    for n, m in enumerate(conv.messages):
-        for key in m.keys() - {"role", "content"} - p.reads:
-            if key in MEANINGFUL and m[key] not in (None, "", []):
-                raise UserError(
-                    f"{conv.where}: message {n} has '{key}', which the chat template never reads: it would "
-                    f"render without it and train on a turn that lost it; give a template that renders it "
-                    f"(data.chat_template) or remove the key"
-                )
-            unread.add(key)
+    for m in conv.messages:
         content = m.get("content")
         if isinstance(content, list) and not p.renders_parts:
             m = {**m, "content": "\n".join(part["text"] for part in content)}
         messages.append(m)
-    if conv.tools and not p.reads_tools:
+    conv = dataclasses.replace(conv, messages=messages)
+    keys = sorted({k for m in messages for k, v in m.items() if k not in ("role", "content") and v not in ("", [], {})})
+    if not keys and not conv.tools:
+        return conv, set()
+    seen = _texts(p, tok, conv)
+    unread = set()
+    for key in keys:
+        if _unchanged(p, tok, seen, dataclasses.replace(conv, messages=[{k: v for k, v in m.items() if k != key} for m in messages])):
+            n = next(i for i, m in enumerate(messages) if key in m)
+            if key in MEANINGFUL:
+                raise UserError(
+                    f"{conv.where}: message {n} has '{key}', which the chat template never renders: the turn "
+                    "would be trained without it; give a template that renders it (data.chat_template) or "
+                    "remove the key"
+                )
+            unread.add(key)
+    if conv.tools and _unchanged(p, tok, seen, dataclasses.replace(conv, tools=None)):
         raise UserError(
-            f"{conv.where}: the example has tools, which the chat template never reads; give a template "
+            f"{conv.where}: the example has tools, which the chat template never renders; give a template "
             "with tool support (data.chat_template) or remove them"
         )
-    return Conversation(messages, conv.tools, conv.trained, conv.where), unread
+    return conv, unread
+
+
+def _texts(p: Profile, tok: Any, conv: Conversation) -> list[str]:
+    """What the strategy renders of a conversation: the whole (all), or each trained turn as the last."""
+    if p.strategy == "all":
+        return [_render(p, tok, conv)]
+    turns = conv.trained[-1:] if p.strategy == "last" else conv.trained
+    return [_render(p, tok, conv, i + 1) for i in turns]
+
+
+def _unchanged(p: Profile, tok: Any, seen: list[str], conv: Conversation) -> bool:
+    try:
+        return _texts(p, tok, conv) == seen
+    except UserError:  # the template needs what was taken away: it reads it
+        return False
 
 
 def _render(p: Profile, tok: Any, conv: Conversation, upto: int | None = None, prompt: bool = False) -> str:
@@ -228,6 +253,9 @@ def _render(p: Profile, tok: Any, conv: Conversation, upto: int | None = None, p
 
 
 def _targets(tok: Any, text: str, spans: list[tuple[int, int]], train_on_prompt: bool) -> Example:
+    """Tokenize `text`; a token is a target where it overlaps an assistant span (as transformers' own
+    assistant mask: a token that joins the prompt's last space to the answer's first word is the
+    answer's), up to the span's last special token."""
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     if train_on_prompt:
@@ -235,7 +263,7 @@ def _targets(tok: Any, text: str, spans: list[tuple[int, int]], train_on_prompt:
     special = set(tok.all_special_ids)
     targets = [False] * len(ids)
     for start, end in spans:
-        inside = [j for j, (a, _) in enumerate(offsets) if start <= a < end]
+        inside = [j for j, (a, b) in enumerate(offsets) if a < end and max(b, a + 1) > start]
         ends = [j for j in inside if ids[j] in special]
         last = ends[-1] if ends else (inside[-1] if inside else -1)
         for j in inside:
@@ -346,5 +374,5 @@ def render_chat(
     from trainer.data.templates import profile
 
     p = profile(tok, template, kwargs or {}, multi_turn, "data.chat_template")
-    conv, _ = prepared(check_conversation(messages, where, tools), p)
+    conv, _ = prepared(check_conversation(messages, where, tools), p, tok)
     return render_conversation(conv, tok, p, train_on_prompt=train_on_prompt)[0]

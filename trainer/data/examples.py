@@ -70,7 +70,7 @@ def _examples(row: Any, n: int, src: DataSource, section: DataSection, tok: Any,
         prof[0] = chat_profile(section, tok)
     messages, tools, completion_from = formats.conversation(row, src, where(n))
     conv = check_conversation(messages, where(n), tools, completion_from)
-    conv, unread = prepared(conv, prof[0])
+    conv, unread = prepared(conv, prof[0], tok)
     for key in unread:
         c.unread[key] = c.unread.get(key, 0) + 1
     out, fell_back = render_conversation(conv, tok, prof[0], train_on_prompt=section.train_on_prompt)

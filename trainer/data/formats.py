@@ -80,6 +80,8 @@ def _tool_calls(value: Any, where: str, n: int) -> list[dict[str, Any]]:
         raise UserError(
             f"{where}: message {n} (function_call) is not JSON ({e}); give {{name, arguments}}"
         ) from None
+    if calls is None:
+        raise UserError(f"{where}: message {n} (function_call) has no value; give {{name, arguments}}")
     calls = calls if isinstance(calls, list) else [calls]
     if not all(isinstance(c, Mapping) and "name" in c for c in calls):
         raise UserError(
@@ -88,7 +90,22 @@ def _tool_calls(value: Any, where: str, n: int) -> list[dict[str, Any]]:
     return [{"type": "function", "function": dict(c)} for c in calls]
 
 
-def _chat(row: Mapping[str, Any], src: DataSource, where: str) -> list[Any]:
+def _message(msg: Any, m: Mapping[str, Any], where: Any, n: int) -> Any:
+    """One message in the chat kind's own keys. Arrow holds a message without some key as that key set to
+    null: null keys are left out (transformers' apply_chat_template drops them too)."""
+    if not isinstance(msg, Mapping) or msg.get(m["role"]) is None:
+        return msg  # check_conversation names it
+    role = msg[m["role"]]
+    if not isinstance(role, str):
+        raise UserError(f"{where}: message {n}: the role ({m['role']}) is {type(role).__name__}, not a string")
+    out = {k: v for k, v in msg.items() if k not in (m["role"], m["content"]) and v is not None}
+    out["role"] = m["roles"].get(role, role)
+    if msg.get(m["content"]) is not None:
+        out["content"] = msg[m["content"]]
+    return out
+
+
+def _chat(row: Mapping[str, Any], src: DataSource, where: Any) -> list[Any]:
     m = mapping(src)
     raw = row[messages_column(src)]
     if not isinstance(raw, list):
@@ -97,36 +114,33 @@ def _chat(row: Mapping[str, Any], src: DataSource, where: str) -> list[Any]:
     system = row.get(m["system"]) if m["system"] else None
     if system:
         out.append({"role": "system", "content": system})
-    roles = m["roles"]
     for n, msg in enumerate(raw):
-        if not isinstance(msg, Mapping) or msg.get(m["role"]) is None:
-            out.append(msg)  # check_conversation names it
-            continue
-        role = msg[m["role"]]
-        # Arrow holds a message without some key as that key set to null; transformers drops null keys too
-        msg = {k: v for k, v in msg.items() if k not in (m["role"], m["content"]) and v is not None} | {
-            "role": roles.get(role, role)} | ({"content": msg[m["content"]]} if msg.get(m["content"]) is not None else {})  # fmt: skip
-        if role == "function_call" and preset(src) == "sharegpt":
-            msg = {**msg, "content": "", "tool_calls": _tool_calls(msg["content"], where, n)}
+        msg = _message(msg, m, where, n)
+        if preset(src) == "sharegpt" and isinstance(msg, Mapping) and raw[n].get(m["role"]) == "function_call":
+            msg = {**msg, "content": "", "tool_calls": _tool_calls(raw[n].get(m["content"]), where, n)}
         out.append(msg)
     return out
 
 
-def _alpaca(row: Mapping[str, Any], src: DataSource, where: str) -> list[dict[str, Any]]:
+def _alpaca(row: Mapping[str, Any], src: DataSource, where: Any) -> list[dict[str, Any]]:
     m = mapping(src)
+    for key, required in (("instruction", True), ("output", True), ("input", False), ("system", False)):
+        value = row.get(m[key])
+        if not isinstance(value, str) and (required or value is not None):
+            raise UserError(f"{where}: {m[key]} is {type(value).__name__}; give a string (formatting alpaca)")
     out: list[dict[str, Any]] = []
     if row.get(m["system"]):
         out.append({"role": "system", "content": row[m["system"]]})
     for pair in row.get(m["history"]) or []:
-        if not (isinstance(pair, list | tuple) and len(pair) == 2):
-            raise UserError(f"{where}: {m['history']} must be a list of [question, answer] pairs")
+        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise UserError(f"{where}: {m['history']} must be a list of [question, answer] string pairs")
         out += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     query = "\n".join(x for x in (row[m["instruction"]], row.get(m["input"])) if x)
     out += [{"role": "user", "content": query}, {"role": "assistant", "content": row[m["output"]]}]
     return out
 
 
-def conversation(row: Mapping[str, Any], src: DataSource, where: str) -> tuple[Any, Any, int | None]:
+def conversation(row: Mapping[str, Any], src: DataSource, where: Any) -> tuple[Any, Any, int | None]:
     """A row of a chat source (or a conversational prompt/completion one) -> (messages, tools,
     completion_from): the messages in the chat kind's own form, before they are checked."""
     tools = row.get(src.tools_field)
@@ -137,7 +151,9 @@ def conversation(row: Mapping[str, Any], src: DataSource, where: str) -> tuple[A
                 f"{where}: {src.prompt_field} and {src.completion_field} must both be strings or both lists of "
                 "messages"
             )
-        return list(prompt) + list(completion), tools, len(prompt)
+        keys = MAP_KEYS["openai"]
+        messages = [_message(x, keys, where, n) for n, x in enumerate(list(prompt) + list(completion))]
+        return messages, tools, len(prompt)
     if preset(src) == "alpaca":
         return _alpaca(row, src, where), tools, None
     return _chat(row, src, where), tools, None
@@ -148,26 +164,39 @@ def is_conversational(row: Mapping[str, Any], src: DataSource) -> bool:
     return isinstance(row[src.prompt_field], list)
 
 
-def locator(src: DataSource, key: str) -> Callable[[int], str]:
-    """Row number -> where it is: 'FILE:LINE' for JSON lines, 'FILE item K' for a JSON array, 'FILE row
-    K' for parquet; the key and the row for a hub dataset. The files are read on the first call only."""
-    found: list[tuple[str, list[str]]] = []
+class Place:
+    """Where row `n` of a source is, worked out only when shown (an error message): 'FILE:LINE' for JSON
+    lines, 'FILE item K' for a JSON array, 'FILE row K' for parquet, the key and the row for a hub
+    dataset."""
 
-    def where(n: int) -> str:
-        if src.files is None:
-            return f"{key} row {n}"
-        if not found:
+    def __init__(self, files: Callable[[], list[tuple[str, str, int]]], key: str, n: int) -> None:
+        self.files, self.key, self.n = files, key, n
+
+    def __str__(self) -> str:
+        n = self.n
+        for name, kind, rows in self.files():
+            if n < rows:
+                return f"{name}:{_line(name, n)}" if kind == "lines" else f"{name} {kind} {n}"
+            n -= rows
+        return f"{self.key} row {self.n}"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731 (f-strings)
+
+
+def locator(src: DataSource, key: str) -> Callable[[int], Place]:
+    """Row number -> its Place; the files are read once, at the first Place shown."""
+    found: list[tuple[str, str, int]] = []
+
+    def files() -> list[tuple[str, str, int]]:
+        if src.files is not None and not found:
             found.extend(_rows_of_files(src, key))
-        for _name, places in found:
-            if n < len(places):
-                return places[n]
-            n -= len(places)
-        return f"{key} row {n}"
+        return found
 
-    return where
+    return lambda n: Place(files, key, n)
 
 
-def _rows_of_files(src: DataSource, key: str) -> list[tuple[str, list[str]]]:
+def _rows_of_files(src: DataSource, key: str) -> list[tuple[str, str, int]]:
+    """(file, 'lines' | 'item' | 'row', rows) for each file of a source, in the order datasets reads them."""
     from trainer.data.sources import open_text, resolve_files
 
     files, fmt = resolve_files(src, key)
@@ -176,16 +205,28 @@ def _rows_of_files(src: DataSource, key: str) -> list[tuple[str, list[str]]]:
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            out.append((f, [f"{f} row {k}" for k in range(pq.ParquetFile(f).metadata.num_rows)]))
+            out.append((f, "row", pq.ParquetFile(f).metadata.num_rows))
             continue
         with open_text(f) as fh:
             text = fh.read()
         if text.lstrip().startswith("["):
             try:
-                n = len(json.loads(text))
+                out.append((f, "item", len(json.loads(text))))
             except json.JSONDecodeError:
-                n = 0
-            out.append((f, [f"{f} item {k}" for k in range(n)]))
+                out.append((f, "item", 0))
         else:
-            out.append((f, [f"{f}:{i}" for i, line in enumerate(text.splitlines(), 1) if line.strip()]))
+            out.append((f, "lines", sum(1 for line in text.split("\n") if line.strip())))
     return out
+
+
+def _line(path: str, n: int) -> int:
+    """The line number of the n-th non-blank line (JSON lines: datasets skips blank lines)."""
+    from trainer.data.sources import open_text
+
+    with open_text(path) as fh:
+        for i, line in enumerate(fh.read().split("\n"), 1):
+            if line.strip():
+                if n == 0:
+                    return i
+                n -= 1
+    return -1

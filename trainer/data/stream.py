@@ -92,19 +92,21 @@ def grouped(order: np.ndarray, lengths: np.ndarray, group: int = GROUP) -> np.nd
     return out
 
 
-def micro_widths(rows: np.ndarray, lengths: np.ndarray, world: int, micro: int) -> np.ndarray:
-    """The width of each micro batch of `rows` (whole global batches in order): its longest row."""
+def micro_widths(rows: np.ndarray, lengths: np.ndarray, world: int, micro: int, multiple: int = 1) -> np.ndarray:
+    """The width of each micro batch of `rows` (whole global batches in order): its longest row, up to
+    a multiple of `multiple` (_collate)."""
     steps = len(rows) // (world * micro)
     lens = np.asarray(lengths)[rows[: steps * world * micro]].reshape(steps, world, micro)
-    return lens.max(axis=2)
+    return -(-lens.max(axis=2) // multiple) * multiple
 
 
-def padding_shares(sampler: RankSampler, lengths: np.ndarray, seq_len: int) -> tuple[float, float]:
+def padding_shares(sampler: RankSampler, lengths: np.ndarray, seq_len: int, multiple: int = 1) -> tuple[float, float]:
     """The padding share of the first epoch's batches were every row seq_len wide, and as fed (each
     micro batch as wide as its longest row; data.group_by_length orders for it)."""
     rows = sampler.order(0)[: sampler.steps_per_epoch() * sampler.global_batch]
     real = int(np.asarray(lengths)[rows].sum())
-    fed = int(micro_widths(rows, lengths, sampler.world, sampler.micro).sum()) * sampler.micro
+    widths = np.minimum(micro_widths(rows, lengths, sampler.world, sampler.micro, multiple), seq_len)
+    fed = int(widths.sum()) * sampler.micro
     return 1 - real / max(1, len(rows) * seq_len), 1 - real / max(fed, 1)
 
 
@@ -149,16 +151,18 @@ class _Rows:
         return self.blocks[np.asarray(idx, dtype=np.int64)]
 
 
-def _collate(rows: Any) -> Any:
+def _collate(rows: Any, multiple: int = 1) -> Any:
+    """A batch as the model takes it. Fine-tuning rows are cut to the longest row's last target
+    (cache.row_lengths), up to a multiple of `multiple` (under torch.compile: fewer shapes to compile)."""
     import torch
 
     arr = np.asarray(rows) if not isinstance(rows, np.ndarray) else rows
     if arr.ndim == 2 and arr[:, -1].min() < 0:  # the padded last block of text (pack.fill_blocks)
         arr = as_rows(arr)
-    elif arr.ndim == 3:  # fine-tuning rows: as wide as the longest's last target (cache.row_lengths)
+    elif arr.ndim == 3:
         has = arr[:, 1, :] != IGNORE
         width = int(arr.shape[2] - np.argmax(has.any(axis=0)[::-1])) if has.any() else 1
-        arr = arr[:, :, :width]
+        arr = arr[:, :, : -(-width // multiple) * multiple]
     return torch.from_numpy(np.ascontiguousarray(arr).astype(np.int64, copy=False))
 
 
@@ -182,7 +186,9 @@ def resolve_workers(setting: int | str, device_type: str) -> int:
     return auto_workers(max(1, cpu_cores() // max(1, detect().local_world_size)), device_type)
 
 
-def make_loader(ds: Any, sampler: RankSampler, section: DataSection, device_type: str) -> Any:
+def make_loader(ds: Any, sampler: RankSampler, section: DataSection, device_type: str, multiple: int = 1) -> Any:
+    import functools
+
     import torch
     from torch.utils.data import DataLoader
 
@@ -195,7 +201,7 @@ def make_loader(ds: Any, sampler: RankSampler, section: DataSection, device_type
         num_workers=workers,
         pin_memory=section.pin_memory and device_type == "cuda",
         persistent_workers=section.persistent_workers and workers > 0,
-        collate_fn=_collate,
+        collate_fn=functools.partial(_collate, multiple=multiple),
         # Own generator: creating an iterator must not draw from the global RNG (exact resume).
         generator=torch.Generator().manual_seed(0),
         multiprocessing_context="fork" if workers > 0 else None,
@@ -226,8 +232,10 @@ class TrainStream:
         micro: int,
         seed: int,
         device_type: str,
+        width_multiple: int = 1,
     ) -> None:
         mix = data.mixture
+        self.multiple = width_multiple  # fine-tuning batches: widths rounded up to this (_collate)
         self.sampler = RankSampler(
             len(data.train), rank, world, micro, seed, section.shuffle,
             mixture=([m["sequences"] for m in mix], [m["weight"] for m in mix]) if mix else None,
@@ -241,7 +249,7 @@ class TrainStream:
                 f"data.train: {len(data.train)} sequences are fewer than one global micro batch ({world} ranks x "
                 f"train.micro_batch_size {micro}); lower the micro batch or add data"
             )
-        self.loader = make_loader(data.train, self.sampler, section, device_type)
+        self.loader = make_loader(data.train, self.sampler, section, device_type, width_multiple)
         self.targets = data.targets  # fine-tuning rows: target tokens per row (cache), for the step's loss
         self._orders: dict[int, np.ndarray] = {}
         self.position = Position()
@@ -311,12 +319,15 @@ class TrainStream:
         wide as its longest row), for throughput and MFU; None for token blocks (all seq_len wide)."""
         if self.lengths is None:
             return None
-        w, m = self.sampler.world, self.sampler.micro
-        return sum(int(micro_widths(rows, self.lengths, w, m).sum()) * m for rows in self._ahead(micro_steps))
+        w, m, k = self.sampler.world, self.sampler.micro, self.multiple
+        return sum(int(np.minimum(micro_widths(rows, self.lengths, w, m, k), self.seq_len).sum()) * m
+                   for rows in self._ahead(micro_steps))  # fmt: skip
 
     def padding(self) -> tuple[float, float] | None:
         """Fine-tuning rows: the padding share of the first epoch (padding_shares)."""
-        return None if self.lengths is None else padding_shares(self.sampler, self.lengths, self.seq_len)
+        if self.lengths is None:
+            return None
+        return padding_shares(self.sampler, self.lengths, self.seq_len, self.multiple)
 
     def loss_denominator(self, micro_steps: int) -> float | None:
         """Fine-tuning rows: the target tokens of the next `micro_steps` micro batches of every rank
@@ -332,8 +343,9 @@ class TrainStream:
 
 
 def eval_batches(
-    data: Data, section: DataSection, *, rank: int, world: int, micro: int, limit: int, device_type: str
-) -> Any:
+    data: Data, section: DataSection, *, rank: int, world: int, micro: int, limit: int, device_type: str,
+    width_multiple: int = 1,
+) -> Any:  # fmt: skip
     """A fixed, unshuffled loader over the eval set, sharded like training; at most `limit` batches."""
     if data.eval is None:
         return None
@@ -349,6 +361,7 @@ def eval_batches(
         sampler,
         section.model_copy(update={"persistent_workers": False, "num_workers": 0}),
         device_type,
+        width_multiple,
     )
     return _Limited(loader, limit)
 

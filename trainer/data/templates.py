@@ -48,6 +48,7 @@ class Profile:
     text: str
     kwargs: Mapping[str, Any]  # data.chat_template_kwargs, passed to every rendering
     strategy: str  # all | each | last
+    setting: str  # data.multi_turn as given (auto falls back to each per conversation; all refuses)
     why: str  # why this strategy: said at start and in --preview-data
     consistent: bool  # the probe rendered every assistant turn the same with later turns after it
     renders_parts: bool  # content parts render as their text without joining them first
@@ -59,7 +60,7 @@ class Profile:
     @property
     def digest(self) -> str:
         """Identifies the rendering for the data cache: template, kwargs and strategy."""
-        blob = json.dumps([self.text, dict(self.kwargs), self.strategy], sort_keys=True, default=str)
+        blob = json.dumps([self.text, dict(self.kwargs), self.strategy, self.setting], sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def render(
@@ -80,6 +81,8 @@ def names_read(template: str) -> tuple[frozenset[str], bool]:
 
     try:
         tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
+        # only for the probe's choice of keys (reasoning_content, thinking): whether a key of the data is
+        # rendered is found by rendering it (chat.prepared)
     except jinja2.TemplateSyntaxError:
         # transformers' own environment has its generation tag; strip it to read the names
         tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(
@@ -119,7 +122,8 @@ def profile(tok: Any, template: str, kwargs: Mapping[str, Any], multi_turn: str,
     check_syntax(template, source)
     reads, reads_tools = names_read(template)
     base = Profile(
-        text=template, kwargs=dict(kwargs), strategy="all", why="", consistent=False, renders_parts=False,
+        text=template, kwargs=dict(kwargs), strategy="all", setting=multi_turn, why="", consistent=False,
+        renders_parts=False,
         reads=reads, reads_tools=reads_tools,
         markers=re.search(r"{%-?\s*generation\s*-?%}", template) is not None,
         dated="strftime_now" in template and "date_string" not in kwargs,
@@ -179,13 +183,19 @@ def _probe_history(tok: Any, p: Profile) -> tuple[bool, int | None, str | None]:
 
 
 def _probe_parts(tok: Any, p: Profile) -> bool:
-    """Whether content parts render as their text (each part's text there, no Python repr of the list)."""
-    parts = [{"type": "text", "text": _PART_MARKS[0]}, {"type": "text", "text": _PART_MARKS[1]}]
+    """Whether content parts render as their text in every role (each part's text there, no repr of the
+    list): system, user and assistant messages of parts."""
+    marks = [f"{m}-{r}" for r in ("system", "user", "assistant") for m in _PART_MARKS]
+
+    def parts(role: str) -> list[dict[str, str]]:
+        return [{"type": "text", "text": f"{m}-{role}"} for m in _PART_MARKS]
+
+    messages = [{"role": r, "content": parts(r)} for r in ("system", "user", "assistant")]
     try:
-        text = p.render(tok, [{"role": "user", "content": parts}, {"role": "assistant", "content": "Yes."}])
+        text = p.render(tok, messages)
     except Exception:  # noqa: BLE001 (a template that reads content as a string may raise)
         return False
-    return all(m in text for m in _PART_MARKS) and "'type'" not in text and '"type"' not in text
+    return all(m in text for m in marks) and "'type'" not in text and '"type"' not in text
 
 
 def load_template(section: Any, tok: Any) -> tuple[str, str]:
@@ -198,9 +208,11 @@ def load_template(section: Any, tok: Any) -> tuple[str, str]:
     if section.chat_template:
         path = Path(section.chat_template).expanduser()
         try:
-            return path.read_text(), f"data.chat_template ({path})"
+            return path.read_text(encoding="utf-8"), f"data.chat_template ({path})"
         except OSError as e:
             raise UserError(
                 f"data.chat_template: cannot read {path}: {e.strerror}; give a .jinja file"
             ) from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"data.chat_template: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     return template_for(tok, None), f"data.tokenizer ({section.tokenizer})'s chat template"

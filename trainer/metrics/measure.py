@@ -82,6 +82,7 @@ class Interval:
     data_wait: float = 0.0
     forward: float = 0.0  # host seconds in forward (the rank's own compute, no collectives)
     paused: float = 0.0  # seconds in eval and checkpoint saves: not training, not counted in step time
+    tokens: int = 0  # tokens fed, all ranks (fine-tuning batches are as wide as their longest row)
     started: float = field(default_factory=time.perf_counter)
 
 

@@ -95,14 +95,17 @@ class Metrics:
         return next((s.id for s in self.sinks if hasattr(s, "id")), None)
 
     def step(
-        self, step: int, loss: Any, data_wait: float, engine: Any, *, lr: float, tokens: int = 0
-    ) -> dict[str, Any] | None:
+        self, step: int, loss: Any, data_wait: float, engine: Any, *, lr: float, tokens: int = 0,
+        fed: int | None = None,
+    ) -> dict[str, Any] | None:  # fmt: skip
         """Account one optimizer step; at a log step, reduce across ranks and record a line. `lr`: the
-        LR this step applied (read before DeepSpeed's step; the engine's is the next step's by now)."""
+        LR this step applied (read before DeepSpeed's step; the engine's is the next step's by now);
+        `tokens`: trained so far; `fed`: this step's tokens, all ranks (default: tokens_per_step)."""
         self.tokens = tokens
         self.lr = lr
         iv = self.interval
         iv.steps += 1
+        iv.tokens += self.tokens_per_step if fed is None else fed
         iv.loss = iv.loss + loss
         iv.data_wait += data_wait
         if self.console is not None:
@@ -135,8 +138,9 @@ class Metrics:
         loss = sum(r[0] for r in rows) / self.world_size / iv.steps
         wait_share = sum(r[1] for r in rows) / self.world_size / elapsed
         busy = [(r[1] + r[2]) / iv.steps for r in rows]  # per rank: data wait + forward, per step
-        tokens_per_s = self.tokens_per_step * iv.steps / elapsed
+        tokens_per_s = iv.tokens / elapsed
         step_time = elapsed / iv.steps
+        per_step = round(iv.tokens / iv.steps)  # exact for token blocks; the mean for fine-tuning batches
         rec = {
             "step": step,
             "tokens": self.tokens,
@@ -160,9 +164,9 @@ class Metrics:
             "elapsed_s": time.perf_counter() - self._t_start,
             "eta_s": (self.max_steps - step) * step_time,
             "rank_busy_s": busy,
-            "rank_tokens_per_s": [self.tokens_per_step / self.world_size / max(b, 1e-9) for b in busy],
+            "rank_tokens_per_s": [per_step / self.world_size / max(b, 1e-9) for b in busy],
             "world_size": self.world_size,
-            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_step": per_step,
             **self.tags,
         }
         if self.extra is not None and self.is_main:  # only rank 0 records

@@ -122,7 +122,9 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
 def verdict(config: Any, attn: str | None, cache_dir: str | Path | None = None) -> dict[str, Any]:
     """{"packs": bool, "why": str, the differences}: whether packed rows train as their examples one by
     one for this config's family under `attn` (eager or sdpa; otherwise the family's default kernel on
-    the CPU: flash_attention_2 takes transformers' same position-id path for packed sequences)."""
+    the CPU). flash_attention_2 reads packed sequences from the position ids only in a batch of one
+    row (transformers' `_is_packed_sequence`): the engine flattens each fine-tuning micro batch into
+    one row for it (trainer/engine.py), and the check runs the family's default CPU kernel."""
     import transformers
 
     kernel = attn if attn in ("eager", "sdpa") else None  # None: the family's default on this CPU
@@ -151,7 +153,7 @@ def verdict(config: Any, attn: str | None, cache_dir: str | Path | None = None) 
             f"{TOLERANCE['loss']:g} and {TOLERANCE['grads']:g})"
         )
         out = {"packs": ok, "why": why, **d}
-    if path is not None:
+    if path is not None and "could not run" not in out["why"]:  # an error may pass: measure again next time
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(out))
