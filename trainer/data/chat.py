@@ -203,13 +203,20 @@ def prepared(conv: Conversation, p: Profile, tok: Any) -> tuple[Conversation, se
             m = {**m, "content": "\n".join(part["text"] for part in content)}
         messages.append(m)
     conv = dataclasses.replace(conv, messages=messages)
-    keys = sorted({k for m in messages for k, v in m.items() if k not in ("role", "content") and v not in ("", [], {})})
+    keys = sorted(
+        {k for m in messages for k, v in m.items() if k not in ("role", "content") and v not in ("", [], {})}
+    )
     if not keys and not conv.tools:
         return conv, set()
     seen = _texts(p, tok, conv)
     unread = set()
     for key in keys:
-        if _unchanged(p, tok, seen, dataclasses.replace(conv, messages=[{k: v for k, v in m.items() if k != key} for m in messages])):
+        if _unchanged(
+            p,
+            tok,
+            seen,
+            dataclasses.replace(conv, messages=[{k: v for k, v in m.items() if k != key} for m in messages]),
+        ):
             n = next(i for i, m in enumerate(messages) if key in m)
             if key in MEANINGFUL:
                 raise UserError(

@@ -97,7 +97,9 @@ def _message(msg: Any, m: Mapping[str, Any], where: Any, n: int) -> Any:
         return msg  # check_conversation names it
     role = msg[m["role"]]
     if not isinstance(role, str):
-        raise UserError(f"{where}: message {n}: the role ({m['role']}) is {type(role).__name__}, not a string")
+        raise UserError(
+            f"{where}: message {n}: the role ({m['role']}) is {type(role).__name__}, not a string"
+        )
     out = {k: v for k, v in msg.items() if k not in (m["role"], m["content"]) and v is not None}
     out["role"] = m["roles"].get(role, role)
     if msg.get(m["content"]) is not None:
@@ -116,7 +118,11 @@ def _chat(row: Mapping[str, Any], src: DataSource, where: Any) -> list[Any]:
         out.append({"role": "system", "content": system})
     for n, msg in enumerate(raw):
         msg = _message(msg, m, where, n)
-        if preset(src) == "sharegpt" and isinstance(msg, Mapping) and raw[n].get(m["role"]) == "function_call":
+        if (
+            preset(src) == "sharegpt"
+            and isinstance(msg, Mapping)
+            and raw[n].get(m["role"]) == "function_call"
+        ):
             msg = {**msg, "content": "", "tool_calls": _tool_calls(raw[n].get(m["content"]), where, n)}
         out.append(msg)
     return out

@@ -92,7 +92,9 @@ def grouped(order: np.ndarray, lengths: np.ndarray, group: int = GROUP) -> np.nd
     return out
 
 
-def micro_widths(rows: np.ndarray, lengths: np.ndarray, world: int, micro: int, multiple: int = 1) -> np.ndarray:
+def micro_widths(
+    rows: np.ndarray, lengths: np.ndarray, world: int, micro: int, multiple: int = 1
+) -> np.ndarray:
     """The width of each micro batch of `rows` (whole global batches in order): its longest row, up to
     a multiple of `multiple` (_collate)."""
     steps = len(rows) // (world * micro)
@@ -100,7 +102,9 @@ def micro_widths(rows: np.ndarray, lengths: np.ndarray, world: int, micro: int, 
     return -(-lens.max(axis=2) // multiple) * multiple
 
 
-def padding_shares(sampler: RankSampler, lengths: np.ndarray, seq_len: int, multiple: int = 1) -> tuple[float, float]:
+def padding_shares(
+    sampler: RankSampler, lengths: np.ndarray, seq_len: int, multiple: int = 1
+) -> tuple[float, float]:
     """The padding share of the first epoch's batches were every row seq_len wide, and as fed (each
     micro batch as wide as its longest row; data.group_by_length orders for it)."""
     rows = sampler.order(0)[: sampler.steps_per_epoch() * sampler.global_batch]
@@ -186,7 +190,9 @@ def resolve_workers(setting: int | str, device_type: str) -> int:
     return auto_workers(max(1, cpu_cores() // max(1, detect().local_world_size)), device_type)
 
 
-def make_loader(ds: Any, sampler: RankSampler, section: DataSection, device_type: str, multiple: int = 1) -> Any:
+def make_loader(
+    ds: Any, sampler: RankSampler, section: DataSection, device_type: str, multiple: int = 1
+) -> Any:
     import functools
 
     import torch

@@ -60,7 +60,9 @@ class Profile:
     @property
     def digest(self) -> str:
         """Identifies the rendering for the data cache: template, kwargs and strategy."""
-        blob = json.dumps([self.text, dict(self.kwargs), self.strategy, self.setting], sort_keys=True, default=str)
+        blob = json.dumps(
+            [self.text, dict(self.kwargs), self.strategy, self.setting], sort_keys=True, default=str
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def render(
@@ -214,5 +216,7 @@ def load_template(section: Any, tok: Any) -> tuple[str, str]:
                 f"data.chat_template: cannot read {path}: {e.strerror}; give a .jinja file"
             ) from None
         except UnicodeDecodeError as e:
-            raise UserError(f"data.chat_template: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise UserError(
+                f"data.chat_template: {path} is not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from None
     return template_for(tok, None), f"data.tokenizer ({section.tokenizer})'s chat template"
