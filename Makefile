@@ -64,5 +64,8 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
+reference: setup                             ## rewrite docs/reference.md from the schema and the parser
+	$(PY) scripts/update_reference.py
+
 clean:
 	rm -rf runs .cache .pytest_cache

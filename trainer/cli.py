@@ -17,6 +17,7 @@ import logging
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from trainer import config as config_mod
 from trainer.build import build, make_plan, vocab_for_planning
@@ -43,6 +44,125 @@ examples:
 """
 
 
+# bin/train's options, declared per group: (flags, argparse keyword arguments).
+FLAG = {"action": "store_true"}
+OPTIONS = [
+    (
+        ("--set",),
+        {
+            "dest": "overrides",
+            "action": "append",
+            "default": [],
+            "metavar": "KEY=VALUE",
+            "help": "override a config value, e.g. --set train.max_steps=100 (repeatable; typed by the field)",
+        },
+    ),
+    (("--print-config",), {**FLAG, "help": "print the resolved experiment and DeepSpeed JSON, then exit"}),
+    (("--describe-config",), {**FLAG, "help": "print every config key with type, default and meaning"}),
+    (("--plan",), {**FLAG, "help": "print the memory plan per ZeRO candidate and the decision, then exit"}),
+    (
+        ("--world-size",),
+        {
+            "type": int,
+            "default": None,
+            "help": "ranks to plan for with --plan/--print-config (default: from the launcher, else 1)",
+        },
+    ),
+    (
+        ("--nproc-per-node",),
+        {"type": int, "default": None, "help": "ranks per node to plan for (default: min(world size, 8))"},
+    ),
+    (("--force",), {**FLAG, "help": "run a pinned stage/offload even if predicted not to fit"}),
+    (
+        ("--resume",),
+        {
+            "nargs": "?",
+            "const": "latest",
+            "default": None,
+            "metavar": "PATH",
+            "help": "resume from the latest complete checkpoint in the run directory, or from PATH "
+            "(a step_XXXXXXXX directory, a checkpoints directory or a run directory)",
+        },
+    ),
+]
+MODE_OPTIONS = [  # one at a time
+    (
+        ("--check",),
+        {
+            **FLAG,
+            "help": "run the consistency checks, one training step and a checkpoint round trip, then exit",
+        },
+    ),
+    (
+        ("--overfit-batch",),
+        {
+            **FLAG,
+            "help": "train train.max_steps steps on one fixed batch (the loss must approach "
+            "zero), in RUN_DIR/overfit-batch",
+        },
+    ),
+    (
+        ("--profile",),
+        {
+            **FLAG,
+            "help": f"profile {PROFILE_ACTIVE} steps after {PROFILE_WARMUP} warm-up steps with "
+            "torch.profiler, in RUN_DIR/profile",
+        },
+    ),
+    (
+        ("--prepare-data",),
+        {
+            **FLAG,
+            "help": "tokenize and pack the data into data.cache_dir on every core of this "
+            "machine, then exit (no launcher, no process group, no DeepSpeed): the "
+            "training job finds the cache",
+        },
+    ),
+    (
+        ("--preview-data",),
+        {
+            "nargs": "?",
+            "const": 3,
+            "type": int,
+            "metavar": "N",
+            "help": "build (or read) the data cache and show the data as it will train: counts, the "
+            "chat template's strategy, packing, padding and the first N examples (default 3) "
+            "with their targets in [[ ]], then exit (no launcher, no process group)",
+        },
+    ),
+    (("--dry-run",), {**FLAG, "help": "build everything (and load a checkpoint to resume), take no step"}),
+]
+SUPERVISED_OPTIONS = [
+    (
+        ("--launcher",),
+        {
+            "choices": ["deepspeed", "torchrun", "none"],
+            "default": None,
+            "help": "start the job with this launcher and supervise it (restarts, OOM escalation)",
+        },
+    ),
+    (
+        ("--hostfile",),
+        {"default": None, "help": "deepspeed hostfile for a multi-node --launcher deepspeed run"},
+    ),
+    (
+        ("--max-restarts",),
+        {
+            "type": int,
+            "default": None,
+            "metavar": "N",
+            "help": "re-run a failed job up to N times, resuming from the latest checkpoint (exit 2 "
+            "is not retried)",
+        },
+    ),
+]
+GROUPS = [  # (title, mutually exclusive, options); None: the parser's own options
+    (None, False, OPTIONS),
+    ("modes (one at a time; see docs/experiments.md)", True, MODE_OPTIONS),
+    ("supervised runs (bin/train starts the launcher and restarts it)", False, SUPERVISED_OPTIONS),
+]  # fmt: skip
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bin/train",
@@ -51,106 +171,12 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("experiment", nargs="?", help="experiment YAML file (e.g. configs/experiments/tiny.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.max_steps=100 (repeatable; typed by the field)",
-    )
-    p.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the resolved experiment and DeepSpeed JSON, then exit",
-    )
-    p.add_argument(
-        "--describe-config", action="store_true", help="print every config key with type, default and meaning"
-    )
-    p.add_argument(
-        "--plan",
-        action="store_true",
-        help="print the memory plan per ZeRO candidate and the decision, then exit",
-    )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="ranks to plan for with --plan/--print-config (default: from the launcher, else 1)",
-    )
-    p.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        help="ranks per node to plan for (default: min(world size, 8))",
-    )
-    p.add_argument(
-        "--force", action="store_true", help="run a pinned stage/offload even if predicted not to fit"
-    )
-    modes = p.add_argument_group("modes (one at a time; see README: Modes)").add_mutually_exclusive_group()
-    modes.add_argument(
-        "--check",
-        action="store_true",
-        help="run the consistency checks, one training step and a checkpoint round trip, then exit",
-    )
-    modes.add_argument(
-        "--overfit-batch",
-        action="store_true",
-        help="train train.max_steps steps on one fixed batch (the loss must approach zero), in RUN_DIR/overfit-batch",
-    )
-    modes.add_argument(
-        "--profile",
-        action="store_true",
-        help=f"profile {PROFILE_ACTIVE} steps after {PROFILE_WARMUP} warm-up steps with torch.profiler, "
-        "in RUN_DIR/profile",
-    )
-    modes.add_argument(
-        "--prepare-data",
-        action="store_true",
-        help="tokenize and pack the data into data.cache_dir on every core of this machine, then exit (no "
-        "launcher, no process group, no DeepSpeed): the training job finds the cache",
-    )
-    modes.add_argument(
-        "--preview-data",
-        nargs="?",
-        const=3,
-        type=int,
-        metavar="N",
-        help="build (or read) the data cache and show the data as it will train: counts, the chat template's "
-        "strategy, packing, padding and the first N examples (default 3) with their targets in [[ ]], then exit "
-        "(no launcher, no process group)",
-    )
-    modes.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="build everything (and load a checkpoint to resume), take no step",
-    )
-    p.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="PATH",
-        help="resume from the latest complete checkpoint in the run directory, or from PATH "
-        "(a step_XXXXXXXX directory, a checkpoints directory or a run directory)",
-    )
-    g = p.add_argument_group("supervised runs (bin/train starts the launcher and restarts it)")
-    g.add_argument(
-        "--launcher",
-        choices=["deepspeed", "torchrun", "none"],
-        default=None,
-        help="start the job with this launcher and supervise it (restarts, OOM escalation)",
-    )
-    g.add_argument(
-        "--hostfile", default=None, help="deepspeed hostfile for a multi-node --launcher deepspeed run"
-    )
-    g.add_argument(
-        "--max-restarts",
-        type=int,
-        default=None,
-        metavar="N",
-        help="re-run a failed job up to N times, resuming from the latest checkpoint (exit 2 is not retried)",
-    )
+    for title, exclusive, options in GROUPS:
+        group: Any = p if title is None else p.add_argument_group(title)
+        if exclusive:
+            group = group.add_mutually_exclusive_group()
+        for flags, kwargs in options:
+            group.add_argument(*flags, **kwargs)
     # The deepspeed launcher injects --local_rank=N; torch.distributed.launch used --local-rank.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from trainer.deepspeed_patches import (  # noqa: F401 (re-exported: scripts/build_ops.py, tests)
+    build_ops_without_debug_info,
+    import_muon_lazily,
+    skip_inference_shm_op,
+)
+
 ENV_PORTS = "TRAINER_PORTS"  # LO-HI: where rendezvous ports are chosen (see port_range)
 
 
@@ -304,93 +310,6 @@ def setup(timeout_s: float = 600.0) -> Runtime:
         verbose=False,
     )
     return Runtime(env=env, device_type=device_type, backend=backend, threads=threads, device=device)
-
-
-def build_ops_without_debug_info() -> None:
-    """DeepSpeed JIT-compiles its C++ ops (CPU Adam for `strategy.offload`, once per machine) with
-    `-g`: debug information nobody reads, which costs about a third of the compile. The ops are
-    built the same otherwise (-O3, -march=native), so they run at the same speed. Every process
-    that may build an op calls this (each rank, and scripts/build_ops.py), so they agree on the
-    flags and none rebuilds what another built. (If DeepSpeed renames jit_load, the ops are built
-    with its own flags, as before.)"""
-    import importlib
-
-    builder = importlib.import_module("deepspeed.ops.op_builder.builder")
-    base = getattr(builder, "OpBuilder", None)
-    if base is None or not hasattr(base, "jit_load") or getattr(base.jit_load, "_no_debug_info", False):
-        return
-    jit_load = base.jit_load
-
-    def lean_jit_load(self: Any, *args: Any, **kwargs: Any) -> Any:
-        cxx_args = self.cxx_args
-        self.cxx_args = lambda: [a for a in cxx_args() if a != "-g"]
-        try:
-            return jit_load(self, *args, **kwargs)
-        finally:
-            del self.cxx_args
-
-    lean_jit_load._no_debug_info = True  # type: ignore[attr-defined]
-    base.jit_load = lean_jit_load
-
-
-def skip_inference_shm_op() -> None:
-    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it initialises (40 s
-    on a fresh machine, a ninja run at every start after) that only inference tensor parallelism
-    uses (module_inject's inference_all_reduce); ZeRO training all-reduces through torch.distributed.
-    The op also leaves /dev/shm/deepspeed_allreduce_buffer_* behind, which DeepSpeed never removes.
-    Training does not build it. (If DeepSpeed renames the hook, the op is built as before, and the
-    fail-fast tests, which check /dev/shm after every run, say so.)"""
-    import importlib
-
-    # The module itself: the attribute deepspeed.comm.torch is the torch package, not this module.
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_torch, "build_shm_op"):
-        ds_torch.build_shm_op = lambda: None
-
-
-def import_muon_lazily() -> None:
-    """DeepSpeed imports its Muon optimizer module at ZeRO stages >= 1 whatever the optimizer (in
-    its optimizer check, in stage 1/2's first gradient reduction, in stage 3's set-up), and that
-    module's @torch.compile decorators import all of TorchInductor: seconds of CPU in every rank at
-    every start. Imported here first, with those decorators compiling at the first call instead
-    of at the import, it costs nothing; Muon itself works as before (compiled when first used).
-    (If DeepSpeed moves or renames these, the module is imported as before.)"""
-    import functools
-    import importlib
-
-    name = "deepspeed.runtime.zero.muon.muon_optimizer"
-    if name in sys.modules:
-        return
-    try:
-        compiler = importlib.import_module("deepspeed.runtime.compiler")
-    except ImportError:
-        return
-    eager_compile = getattr(compiler, "compile", None)
-    if eager_compile is None:
-        return
-
-    def compile_at_first_call() -> Any:
-        def decorate(fn: Any) -> Any:
-            compiled = None
-
-            @functools.wraps(fn)
-            def call(*args: Any, **kwargs: Any) -> Any:
-                nonlocal compiled
-                if compiled is None:
-                    compiled = eager_compile()(fn)
-                return compiled(*args, **kwargs)
-
-            return call
-
-        return decorate
-
-    compiler.compile = compile_at_first_call
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-    finally:
-        compiler.compile = eager_compile
 
 
 def gather_ints(values: list[int], world_size: int, group: Any = None) -> list[list[int]]:

@@ -34,7 +34,10 @@ def resume_schedule(scheduler: Any) -> None:
 
 
 def as_one_row(batch: Any) -> Any:
-    """Fine-tuning rows (micro, 3, width) -> one row (1, 3, micro x width), the rows end to end."""
+    """Fine-tuning rows (micro, 3, width) -> one row (1, 3, micro x width), the rows end to end.
+    flash_attention_2 keeps packed examples apart only in a batch of one row (transformers'
+    _is_packed_sequence); each row starts an example, whose first label is never a target, so no
+    target crosses rows, and a row's padding is a few sequences of its own."""
     return batch.transpose(0, 1).reshape(batch.shape[1], -1).unsqueeze(0)
 
 
@@ -59,10 +62,7 @@ class Engine:
             self.ds.compile(compile_kwargs={} if compile_mode == "default" else {"mode": compile_mode})
         self.device = self.ds.device
         self.on_backward: Any = None  # tests: called after backward, before the optimizer step
-        # flash_attention_2 keeps packed examples apart only in a batch of one row (transformers'
-        # _is_packed_sequence): fine-tuning rows go in as one row, each starting an example (no target
-        # crosses: a row's first label is never a target), the padding a few sequences of its own
-        self.one_row = one_row
+        self.one_row = one_row  # flash_attention_2: fine-tuning rows as one (as_one_row)
         self._record_fp32_grad_norm()
 
     def _record_fp32_grad_norm(self) -> None:

@@ -149,31 +149,7 @@ class Supervisor:
         return read_hostfile(self.hostfile) if self.hostfile else []
 
     def command(self, overrides: list[str], resume: str | None, port: int) -> list[str]:
-        args = [str(TRAIN), self.experiment]
-        for o in overrides:
-            args += ["--set", o]
-        if resume:
-            args += ["--resume"] + ([] if resume == "latest" else [resume])
-        args += self.extra_args
-        if self.launcher == "none":
-            return [sys.executable, *args]
-        if self.launcher == "deepspeed":
-            head = launcher_program("deepspeed", "deepspeed.launcher.runner")
-            if self.hostfile:
-                head += ["--hostfile", self.hostfile, "--master_addr", self.hosts()[0][0]]
-            else:
-                head += ["--num_gpus", str(self.nproc_per_node)]
-            return [*head, "--master_port", str(port), *args]
-        if self.launcher == "torchrun":
-            return [
-                *launcher_program("torchrun", "torch.distributed.run"),
-                "--nproc_per_node",
-                str(self.nproc_per_node),
-                "--master_port",
-                str(port),
-                *args,
-            ]
-        raise UserError(f"--launcher: unknown launcher '{self.launcher}'; use deepspeed, torchrun or none")
+        return launch_command(self, overrides, resume, port)
 
     def run(self) -> int:
         from trainer.checkpoint import checkpoints_dir, latest
@@ -227,21 +203,7 @@ class Supervisor:
         cmd = self.command(overrides, resume, free_port())
         failure_file = self.run_dir / ".supervisor" / f"attempt-{attempt}-{os.getpid()}.json"
         failure_file.unlink(missing_ok=True)
-        env = dict(
-            os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())}
-        )
-        from trainer.dist import ENV_CPU, gpus_hidden
-
-        if gpus_hidden():  # GPUs hidden here stay hidden in the ranks (the deepspeed launcher resets them)
-            env[ENV_CPU] = "1"
-        if self.launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
-            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        if self.hostfile:  # the runner forwards only PYTHON*/MV2*/UCX* to the nodes
-            from trainer.dist import remote_env
-
-            env_file = self.run_dir / ".deepspeed_env"
-            env_file.write_text("".join(f"{k}={v}\n" for k, v in remote_env(env).items()))
-            env["DS_ENV_FILE"] = str(env_file.resolve())
+        env = attempt_env(attempt, failure_file, self.launcher, self.hostfile, self.run_dir)
         self._say(f"attempt {attempt}: {' '.join(cmd)}")
         t0 = time.time()
         self._child = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -255,19 +217,9 @@ class Supervisor:
     def _escalate(self, escalated: dict[str, Any], overrides: list[str], attempt: int) -> list[str] | None:
         """The overrides of the next attempt, one rung above the one that ran out of memory (None:
         it was the last rung)."""
-        rung = next_rung(escalated["stage"], escalated["offload"])
-        if rung is None:
-            self._say("out of memory on the last rung of the ladder: nothing to escalate to")
-            return None
-        offload = "" if escalated["offload"] == "none" else "+" + escalated["offload"]
-        why = f"escalated after out-of-memory on zero{escalated['stage']}{offload} at step {escalated['step']} (attempt {attempt})"
-        pinned = ("strategy.zero_stage=", "strategy.offload=", "strategy.justification=")
-        self._say(f"{why}: next attempt on zero{rung[0]}{'' if rung[1] == 'none' else '+' + rung[1]}")
-        return [o for o in overrides if not o.startswith(pinned)] + [
-            f"strategy.zero_stage={rung[0]}",
-            f"strategy.offload={rung[1]}",
-            f"strategy.justification={why}",
-        ]
+        out, said = escalated_overrides(escalated, overrides, attempt)
+        self._say(said)
+        return out
 
     @staticmethod
     def _say(line: str) -> None:
@@ -309,3 +261,64 @@ class Supervisor:
                "failure": failure}  # fmt: skip
         with open(self.run_dir / ATTEMPTS, "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+def launch_command(sup: Supervisor, overrides: list[str], resume: str | None, port: int) -> list[str]:
+    """The command of one attempt: bin/train under the supervisor's launcher."""
+    args = [str(TRAIN), sup.experiment]
+    for o in overrides:
+        args += ["--set", o]
+    if resume:
+        args += ["--resume"] + ([] if resume == "latest" else [resume])
+    args += sup.extra_args
+    if sup.launcher == "none":
+        return [sys.executable, *args]
+    if sup.launcher == "deepspeed":
+        head = launcher_program("deepspeed", "deepspeed.launcher.runner")
+        if sup.hostfile:
+            head += ["--hostfile", sup.hostfile, "--master_addr", sup.hosts()[0][0]]
+        else:
+            head += ["--num_gpus", str(sup.nproc_per_node)]
+        return [*head, "--master_port", str(port), *args]
+    if sup.launcher == "torchrun":
+        return [*launcher_program("torchrun", "torch.distributed.run"), "--nproc_per_node", str(sup.nproc_per_node),
+                "--master_port", str(port), *args]  # fmt: skip
+    raise UserError(f"--launcher: unknown launcher '{sup.launcher}'; use deepspeed, torchrun or none")
+
+
+def attempt_env(
+    attempt: int, failure_file: Path, launcher: str, hostfile: str | None, run_dir: Path
+) -> dict[str, str]:
+    """The environment of one attempt: its number, where a rank records a failure, and what the
+    launchers need passed on."""
+    from trainer.dist import ENV_CPU, gpus_hidden, remote_env
+
+    env = dict(os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())})
+    if gpus_hidden():  # GPUs hidden here stay hidden in the ranks (the deepspeed launcher resets them)
+        env[ENV_CPU] = "1"
+    if launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if hostfile:  # the runner forwards only PYTHON*/MV2*/UCX* to the nodes
+        env_file = run_dir / ".deepspeed_env"
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in remote_env(env).items()))
+        env["DS_ENV_FILE"] = str(env_file.resolve())
+    return env
+
+
+def escalated_overrides(
+    escalated: dict[str, Any], overrides: list[str], attempt: int
+) -> tuple[list[str] | None, str]:
+    """(the overrides of the attempt after an out-of-memory: one rung above, or None on the last rung;
+    what the supervisor says)."""
+    rung = next_rung(escalated["stage"], escalated["offload"])
+    if rung is None:
+        return None, "out of memory on the last rung of the ladder: nothing to escalate to"
+    offload = "" if escalated["offload"] == "none" else "+" + escalated["offload"]
+    why = f"escalated after out-of-memory on zero{escalated['stage']}{offload} at step {escalated['step']} (attempt {attempt})"
+    pinned = ("strategy.zero_stage=", "strategy.offload=", "strategy.justification=")
+    said = f"{why}: next attempt on zero{rung[0]}{'' if rung[1] == 'none' else '+' + rung[1]}"
+    return [o for o in overrides if not o.startswith(pinned)] + [
+        f"strategy.zero_stage={rung[0]}",
+        f"strategy.offload={rung[1]}",
+        f"strategy.justification={why}",
+    ], said

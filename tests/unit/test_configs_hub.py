@@ -71,12 +71,3 @@ def test_template_loads_and_resolves(path: Path, tmp_path):
     assert (plan.candidate.stage, plan.candidate.offload) == (stage, offload)
     ds = strategy.ds_config(exp, plan, info, tpl, str(path))
     assert ds["zero_optimization"]["stage"] == stage and not strategy.autos(ds)
-
-
-def test_readme_reference_is_current():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from update_readme_reference import README, block
-
-    assert block() in README.read_text(), "run: python scripts/update_readme_reference.py"

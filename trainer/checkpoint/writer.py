@@ -11,7 +11,7 @@ anything, so the files hold exactly the state at the step boundary.
 
 DeepSpeed 0.19's own background engines do not fit here: the decoupled engine makes the next
 optimizer step wait until the write is done (at most one forward/backward of overlap) and, like the
-fast-persist engine, needs DeepSpeed's async I/O op (libaio, GPU builds); see README: Checkpoints.
+fast-persist engine, needs DeepSpeed's async I/O op (libaio, GPU builds); see docs/checkpoints.md.
 """
 
 from __future__ import annotations

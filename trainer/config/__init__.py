@@ -3,11 +3,13 @@
 - `schema.py`: the sections a user reads (one pydantic model each; descriptions = the reference);
 - `rules.py`: contradictions between fields, and warnings;
 - `loading.py`: YAML with line numbers, `--set` overrides, validation, every problem at once;
-- `fields.py`: the field types (choices, sizes, globs, read-only mappings).
+- `fields.py`: the field types (choices, sizes, globs, read-only mappings);
+- `describe.py`: the fields as the reference's rows.
 
 Precedence is defaults < YAML < `--set section.key=value`.
 """
 
+from trainer.config.describe import describe
 from trainer.config.fields import thaw
 from trainer.config.loading import apply_override, load, parse_yaml, validate
 from trainer.config.rules import warnings
@@ -28,7 +30,6 @@ from trainer.config.schema import (
     TrainSection,
     WandbSection,
     chunked_loss_problem,
-    describe,
     loss_chunk_rows,
 )
 from trainer.units import format_size, parse_size

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from trainer.config.fields import (
     AutoBool,
@@ -16,12 +16,8 @@ from trainer.config.fields import (
     Globs,
     Section,
     Size,
-    _model_of,
-    _show,
-    _unwrap,
     auto_or_count,
     choice,
-    keys,
     thaw,
 )
 from trainer.optimizers import OPTIMIZERS
@@ -67,7 +63,7 @@ def chunked_loss_problem(model_type: str | None) -> str | None:
 
 
 class LoraSection(Section):
-    """LoRA adapters (peft) on a frozen base model (see README: LoRA)."""
+    """LoRA adapters (peft) on a frozen base model (see docs/fine-tuning.md)."""
 
     r: int = Field(16, ge=1, description="adapter rank")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is (alpha / r) B A x")
@@ -100,7 +96,7 @@ class ModelSection(Section):
     )
     revision: str | None = Field(None, description="hub revision (branch, tag or commit) for `pretrained`")
     factory: str | None = Field(
-        None, description="'package.module:function' returning a torch.nn.Module (see README: Models)"
+        None, description="'package.module:function' returning a torch.nn.Module (see docs/experiments.md)"
     )
     factory_args: FrozenMapping = Field(
         default_factory=dict, description="keyword arguments passed to `factory`"
@@ -118,15 +114,15 @@ class ModelSection(Section):
     chunked_loss: bool = Field(
         False,
         description="LM head and cross-entropy in chunks, never the whole logits (less memory and memory "
-        "traffic; transformers causal LMs with a plain LM head, see README: Models)",
+        "traffic; transformers causal LMs with a plain LM head, see docs/experiments.md)",
     )
     kernels: choice("none", "liger") = Field(
         "none",
         description="fused GPU kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU, "
-        "RoPE, and with chunked_loss its fused linear cross-entropy; CUDA only, see README: Models",
+        "RoPE, and with chunked_loss its fused linear cross-entropy; CUDA only, see docs/experiments.md",
     )
     lora: LoraSection | None = Field(
-        None, description="LoRA adapters on the frozen model (null = full training); see README: LoRA"
+        None, description="LoRA adapters on the frozen model (null = full training); see docs/fine-tuning.md"
     )
 
     @property
@@ -154,7 +150,7 @@ class DataSource(Section):
         description="what a row holds: text (documents packed end to end, every token trained), "
         "prompt_completion (prompt_field + completion_field, the loss on the completion) or chat "
         "(messages_field, OpenAI-style messages passed to the chat template as they are: the loss on assistant "
-        "turns); see README: Fine-tuning",
+        "turns); see docs/fine-tuning.md",
     )
     prompt_field: str = Field("prompt", description="kind prompt_completion: the prompt's column")
     completion_field: str = Field("completion", description="kind prompt_completion: the completion's column")
@@ -170,7 +166,7 @@ class DataSource(Section):
         None,
         description="kind chat: how rows hold conversations: null/openai = OpenAI-style messages (content "
         "strings or parts, tool_calls...), sharegpt = conversations of {from, value}, alpaca = instruction/"
-        "input/output; see README: Fine-tuning",
+        "input/output; see docs/fine-tuning.md",
     )
     format_map: FrozenMapping = Field(
         default_factory=dict,
@@ -205,7 +201,7 @@ class DataSection(Section):
     num_workers: auto_or_count() = Field(
         "auto",
         description="DataLoader worker processes per rank; auto = from the CPU cores per rank and the device "
-        "(see README: Data)",
+        "(see docs/experiments.md)",
     )
     pin_memory: bool = Field(True, description="page-locked host batches (used on GPU only)")
     persistent_workers: bool = Field(True, description="keep workers across epochs (when num_workers > 0)")
@@ -346,7 +342,7 @@ class OptimSection(Section):
 
 
 class StrategySection(Section):
-    """How the model is spread over ranks: the ZeRO stage and offload (see README: Escalation)."""
+    """How the model is spread over ranks: the ZeRO stage and offload (see docs/strategies.md)."""
 
     zero_stage: choice("auto", 0, 1, 2, 3) = Field(
         "auto", description="auto = first of 0 -> 2 -> 3 that fits; 1 only when asked for"
@@ -373,7 +369,7 @@ class StrategySection(Section):
 
 
 class DistSection(Section):
-    """How ranks talk, and how a job that stops making progress ends (see README: Multi-node)."""
+    """How ranks talk, and how a job that stops making progress ends (see docs/launching.md)."""
 
     timeout_s: float = Field(
         600.0, gt=0, description="timeout of every collective (all process groups, DeepSpeed's too)"
@@ -395,7 +391,7 @@ class DistSection(Section):
 
 
 class CheckpointSection(Section):
-    """When and how checkpoints are written and resumed (see README: Checkpoints)."""
+    """When and how checkpoints are written and resumed (see docs/checkpoints.md)."""
 
     every_steps: int = Field(0, ge=0, description="save every N steps (0 = off)")
     every_minutes: float = Field(0.0, ge=0.0, description="save every N minutes (0 = off)")
@@ -409,7 +405,7 @@ class CheckpointSection(Section):
     on_data_change: choice("error", "continue") = Field(
         "error",
         description="on resume, when the training data differs from the checkpoint's: error, or continue "
-        "at the saved position in the new data (see README: Checkpoints)",
+        "at the saved position in the new data (see docs/checkpoints.md)",
     )
     async_: AutoBool = Field(
         "auto",
@@ -483,39 +479,3 @@ def _plain(value: Any) -> Any:
 
 
 SECTIONS = ("model", "data", "train", "optim", "strategy", "dist", "checkpoint", "logging")
-
-
-# ----------------------------------------------------------------------------- reference
-
-
-def describe(model: type[BaseModel] = Experiment, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) for every field: the config reference."""
-    rows = []
-    for name, info in keys(model).items():
-        key = f"{prefix}{name}"
-        sub = _model_of(info.annotation)
-        if sub is not None and _model_of(info.annotation) is not None and name != "config":
-            rows.append((key, "section", "", info.description or ""))
-            rows += describe(sub, key + ".")
-            continue
-        if info.is_required():
-            default = "required"
-        elif info.default_factory is not None:
-            default = _show(thaw(info.default_factory()))
-        else:
-            default = _show(info.default)
-        rows.append((key, _type_name(info), default, info.description or ""))
-    return rows
-
-
-def _type_name(info: Any) -> str:
-    for meta in info.metadata:
-        allowed = getattr(getattr(meta, "func", None), "allowed", None)
-        if allowed:
-            return allowed
-    annotation = info.annotation
-    members = [m for m in _unwrap(annotation) if m is not type(None)]
-    names = []
-    for m in members:
-        names.append(getattr(m, "__name__", str(m)).replace("typing.", ""))
-    return " | ".join(names) + (" | null" if type(None) in _unwrap(annotation) else "")

@@ -115,60 +115,12 @@ class Metrics:
         return self._flush(step, engine)
 
     def _flush(self, step: int, engine: Any) -> dict[str, Any]:
-        import torch
-        import torch.distributed as dist
-
         iv = self.interval
         elapsed = max(time.perf_counter() - iv.started - iv.paused, 1e-9)
-        mine = torch.stack(
-            [
-                torch.as_tensor(iv.loss, dtype=torch.float64, device=self.device).reshape(()),
-                torch.tensor(iv.data_wait, dtype=torch.float64, device=self.device),
-                torch.tensor(iv.forward, dtype=torch.float64, device=self.device),
-                torch.tensor(float(peak_memory(self.device)), dtype=torch.float64, device=self.device),
-            ]
-        )
-        cols = mine.numel()
-        if dist.is_initialized() and self.world_size > 1:  # one collective per log line, none per step
-            everyone = torch.zeros(self.world_size, cols, dtype=torch.float64, device=self.device)
-            dist.all_gather_into_tensor(everyone, mine.reshape(1, cols))
-        else:
-            everyone = mine.reshape(1, cols)
-        rows = everyone.tolist()
-        loss = sum(r[0] for r in rows) / self.world_size / iv.steps
-        wait_share = sum(r[1] for r in rows) / self.world_size / elapsed
-        busy = [(r[1] + r[2]) / iv.steps for r in rows]  # per rank: data wait + forward, per step
-        tokens_per_s = iv.tokens / elapsed
-        step_time = elapsed / iv.steps
-        per_step = round(iv.tokens / iv.steps)  # exact for token blocks; the mean for fine-tuning batches
-        rec = {
-            "step": step,
-            "tokens": self.tokens,
-            "loss": loss,
-            "lr": self.lr,
-            "grad_norm": engine.grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "samples_per_s": self.samples_per_step * iv.steps / elapsed,
-            "tokens_per_s_per_rank": tokens_per_s / self.world_size,
-            "samples_per_s_per_rank": self.samples_per_step * iv.steps / elapsed / self.world_size,
-            "step_time_s": step_time,
-            "data_wait_share": min(1.0, max(0.0, wait_share)),
-            "mfu": (
-                tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops
-                if self.flops_per_token and self.peak_flops
-                else None
-            ),
-            "peak_memory_bytes": int(max(r[3] for r in rows)),
-            "memory_kind": "device" if getattr(self.device, "type", None) == "cuda" else "host_rss",
-            "skipped_steps": engine.skipped_steps,
-            "elapsed_s": time.perf_counter() - self._t_start,
-            "eta_s": (self.max_steps - step) * step_time,
-            "rank_busy_s": busy,
-            "rank_tokens_per_s": [per_step / self.world_size / max(b, 1e-9) for b in busy],
-            "world_size": self.world_size,
-            "tokens_per_step": per_step,
-            **self.tags,
-        }
+        rows = gather_interval(iv, self.device, self.world_size)
+        rec = training_record(self, step, engine, elapsed, rows)
+        busy = rec["rank_busy_s"]
+        loss = rec["loss"]
         if self.extra is not None and self.is_main:  # only rank 0 records
             rec.update(self.extra())
         slow = stragglers(busy, self.hosts, self.straggler_margin)
@@ -212,3 +164,68 @@ class Metrics:
         for sink in self.sinks:
             sink.close(exit_code)
         self.sinks = []
+
+
+def gather_interval(iv: Interval, device: Any, world_size: int) -> list[list[float]]:
+    """Every rank's interval sums (loss, data wait, forward time, peak memory), on every rank: one
+    all-gather per log line, none per step."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.stack(
+        [
+            torch.as_tensor(iv.loss, dtype=torch.float64, device=device).reshape(()),
+            torch.tensor(iv.data_wait, dtype=torch.float64, device=device),
+            torch.tensor(iv.forward, dtype=torch.float64, device=device),
+            torch.tensor(float(peak_memory(device)), dtype=torch.float64, device=device),
+        ]
+    )
+    cols = mine.numel()
+    if dist.is_initialized() and world_size > 1:  # one collective per log line, none per step
+        everyone = torch.zeros(world_size, cols, dtype=torch.float64, device=device)
+        dist.all_gather_into_tensor(everyone, mine.reshape(1, cols))
+    else:
+        everyone = mine.reshape(1, cols)
+    return everyone.tolist()
+
+
+def training_record(
+    m: Metrics, step: int, engine: Any, elapsed: float, rows: list[list[float]]
+) -> dict[str, Any]:
+    """The record of a log line from the interval's sums of every rank (`rows`)."""
+    iv = m.interval
+    loss = sum(r[0] for r in rows) / m.world_size / iv.steps
+    wait_share = sum(r[1] for r in rows) / m.world_size / elapsed
+    busy = [(r[1] + r[2]) / iv.steps for r in rows]  # per rank: data wait + forward, per step
+    tokens_per_s = iv.tokens / elapsed
+    step_time = elapsed / iv.steps
+    per_step = round(iv.tokens / iv.steps)  # exact for token blocks; the mean for fine-tuning batches
+    rec = {
+        "step": step,
+        "tokens": m.tokens,
+        "loss": loss,
+        "lr": m.lr,
+        "grad_norm": engine.grad_norm,
+        "tokens_per_s": tokens_per_s,
+        "samples_per_s": m.samples_per_step * iv.steps / elapsed,
+        "tokens_per_s_per_rank": tokens_per_s / m.world_size,
+        "samples_per_s_per_rank": m.samples_per_step * iv.steps / elapsed / m.world_size,
+        "step_time_s": step_time,
+        "data_wait_share": min(1.0, max(0.0, wait_share)),
+        "mfu": (
+            tokens_per_s / m.world_size * m.flops_per_token / m.peak_flops
+            if m.flops_per_token and m.peak_flops
+            else None
+        ),
+        "peak_memory_bytes": int(max(r[3] for r in rows)),
+        "memory_kind": "device" if getattr(m.device, "type", None) == "cuda" else "host_rss",
+        "skipped_steps": engine.skipped_steps,
+        "elapsed_s": time.perf_counter() - m._t_start,
+        "eta_s": (m.max_steps - step) * step_time,
+        "rank_busy_s": busy,
+        "rank_tokens_per_s": [per_step / m.world_size / max(b, 1e-9) for b in busy],
+        "world_size": m.world_size,
+        "tokens_per_step": per_step,
+        **m.tags,
+    }
+    return rec

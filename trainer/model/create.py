@@ -303,37 +303,7 @@ def build(
                 model = fn(**thaw(section.factory_args))
             cfg = getattr(model, "config", None)
         else:
-            from transformers import AutoModelForCausalLM
-
-            cfg = hf_config(section, vocab_size, eos_id)
-            check_seq_len(cfg, seq_len)
-            kwargs = _attn_kwargs(section)
-            if section.config is not None:
-                model = AutoModelForCausalLM.from_config(cfg, **kwargs)
-            else:
-                # fp32 training holds fp32 weights: from_pretrained's own default ("auto") would keep a
-                # bf16-stored hub model in bf16. In bf16/fp16 DeepSpeed casts whatever is loaded.
-                mixed = any((ds_config or {}).get(k, {}).get("enabled") is True for k in ("bf16", "fp16"))
-                try:
-                    import torch
-
-                    model = AutoModelForCausalLM.from_pretrained(
-                        section.pretrained,
-                        config=cfg,
-                        revision=section.revision,
-                        trust_remote_code=section.trust_remote_code,
-                        dtype="auto" if mixed else torch.float32,
-                        **kwargs,
-                    )
-                except OSError as e:
-                    raise UserError(
-                        f"model.pretrained: cannot load weights of '{section.pretrained}': {e}"
-                    ) from None
-            if vocab_size is not None and cfg.vocab_size < vocab_size:
-                raise UserError(
-                    f"data.tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; use the "
-                    "model's own tokenizer"
-                )
+            model, cfg = _transformers_model(section, vocab_size, eos_id, seq_len, ds_config)
     if cfg is not None:
         check_seq_len(cfg, seq_len)
     if section.activation_checkpointing:
@@ -364,6 +334,43 @@ def build(
     # for dropout from there on).
     model.train()
     return model
+
+
+def _transformers_model(
+    section: ModelSection, vocab_size: int | None, eos_id: int | None, seq_len: int,
+    ds_config: Mapping[str, Any] | None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """(the model, its config) from `config:` (random init) or `pretrained:` (weights loaded)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(section, vocab_size, eos_id)
+    check_seq_len(cfg, seq_len)
+    kwargs = _attn_kwargs(section)
+    if section.config is not None:
+        model = AutoModelForCausalLM.from_config(cfg, **kwargs)
+    else:
+        # fp32 training holds fp32 weights: from_pretrained's own default ("auto") would keep a
+        # bf16-stored hub model in bf16. In bf16/fp16 DeepSpeed casts whatever is loaded.
+        mixed = any((ds_config or {}).get(k, {}).get("enabled") is True for k in ("bf16", "fp16"))
+        try:
+            import torch
+
+            model = AutoModelForCausalLM.from_pretrained(
+                section.pretrained,
+                config=cfg,
+                revision=section.revision,
+                trust_remote_code=section.trust_remote_code,
+                dtype="auto" if mixed else torch.float32,
+                **kwargs,
+            )
+        except OSError as e:
+            raise UserError(f"model.pretrained: cannot load weights of '{section.pretrained}': {e}") from None
+    if vocab_size is not None and cfg.vocab_size < vocab_size:
+        raise UserError(
+            f"data.tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; use the "
+            "model's own tokenizer"
+        )
+    return model, cfg
 
 
 @contextlib.contextmanager
