@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
-from bench import step_config  # noqa: E402  (bench/bench.py, beside this script)
+from bench.peer import step_config  # noqa: E402  (bench/peer.py, beside this script)
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
 sizes = [float(x) for x in sys.argv[2:]] or [25.0, 4.0, 1.0]

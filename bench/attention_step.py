@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench import step_config  # noqa: E402  (bench/bench.py, beside this script)
+from bench.peer import step_config  # noqa: E402  (bench/peer.py, beside this script)
 
 
 def main() -> None:

@@ -47,28 +47,10 @@ def hf_ds_config(stage: int, kind: str, precision: str) -> dict:
     return cfg
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
-    a = p.parse_args()
-    with open(a.spec) as f:
-        spec = json.load(f)
-
+def blocks(train: np.ndarray):
+    """The packed token blocks as the Trainer's dataset: input_ids and labels, the same row."""
     import torch
     from torch.utils.data import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-    cuda = torch.cuda.is_available()
-    if not cuda:  # as bin/train and the raw loop: DeepSpeed's CPU backend skips its shm op build
-        import deepspeed.comm.torch  # noqa: F401
-
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    threads = spec.get("threads")
-    if threads:
-        torch.set_num_threads(threads)
-
-    train = np.load(spec["data"], mmap_mode="r")
 
     class Blocks(Dataset):
         def __len__(self) -> int:
@@ -78,16 +60,14 @@ def main() -> None:
             row = torch.from_numpy(np.asarray(train[i]).astype(np.int64))
             return {"input_ids": row, "labels": row}
 
+    return Blocks()
+
+
+def training_kwargs(spec: dict, cuda: bool, bf16: bool, hf_args: dict) -> dict:
+    """TrainingArguments for bin/train's job (batch, AdamW, schedule, clipping, precision, loader), with
+    the Trainer's DeepSpeed config for the stage, then the variant's own options (hf_args) on top."""
     ours = spec["ds_config"]
     opt = ours["optimizer"]["params"]
-    bf16 = bool(ours.get("bf16", {}).get("enabled"))
-    torch.manual_seed(spec["seed"])
-    hf_args = dict(spec.get("hf_args", {}))  # bench.py peer --hf-variants: the Trainer's own speed options
-    attn_impl = hf_args.pop(
-        "attn_implementation", spec.get("hf_attn_implementation")
-    )  # from_config's, not TrainingArguments'
-    attn = {"attn_implementation": attn_impl} if attn_impl else {}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
     kwargs = dict(
         output_dir=spec["work"],
         max_steps=spec["steps"],
@@ -115,8 +95,13 @@ def main() -> None:
         disable_tqdm=True,
     )
     kwargs.update(hf_args)
-    args = TrainingArguments(**kwargs)
-    times: list[dict] = []
+    return kwargs
+
+
+def clock(log_every: int, cuda: bool, times: list[dict]):
+    """A TrainerCallback that appends to `times` the mean step time of every log_every optimizer steps."""
+    import torch
+    from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         t = None
@@ -126,28 +111,64 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            if state.global_step % spec["log_every"] == 0:
+            if state.global_step % log_every == 0:
                 if self.t is not None:
                     times.append({"step": state.global_step,
                                   "step_time_s": (now - self.t) / (state.global_step - self.last)})  # fmt: skip
                 self.t, self.last = now, state.global_step
 
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[Clock()])
+    return Clock()
+
+
+def write_out(spec: dict, times: list[dict], log_history: list[dict]) -> None:
+    """Rank 0's results: the step-time intervals, the logged losses and the DeepSpeed config given."""
+    with open(spec["out"], "w") as f:
+        json.dump(
+            {
+                "intervals": times,
+                "losses": [{"step": h["step"], "loss": h["loss"]} for h in log_history if "loss" in h],
+                "ds_config": hf_ds_config(spec["stage"], spec["peer_config"], ""),
+            },
+            f,
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    a = p.parse_args()
+    with open(a.spec) as f:
+        spec = json.load(f)
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+    cuda = torch.cuda.is_available()
+    if not cuda:  # as bin/train and the raw loop: DeepSpeed's CPU backend skips its shm op build
+        import deepspeed.comm.torch  # noqa: F401
+
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    threads = spec.get("threads")
+    if threads:
+        torch.set_num_threads(threads)
+
+    train = np.load(spec["data"], mmap_mode="r")
+    bf16 = bool(spec["ds_config"].get("bf16", {}).get("enabled"))
+    torch.manual_seed(spec["seed"])
+    hf_args = dict(spec.get("hf_args", {}))  # bench.py peer --hf-variants: the Trainer's own speed options
+    attn_impl = hf_args.pop(
+        "attn_implementation", spec.get("hf_attn_implementation")
+    )  # from_config's, not TrainingArguments'
+    attn = {"attn_implementation": attn_impl} if attn_impl else {}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
+    args = TrainingArguments(**training_kwargs(spec, cuda, bf16, hf_args))
+    times: list[dict] = []
+    callbacks = [clock(spec["log_every"], cuda, times)]
+    trainer = Trainer(model=model, args=args, train_dataset=blocks(train), callbacks=callbacks)
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
-        with open(spec["out"], "w") as f:
-            json.dump(
-                {
-                    "intervals": times,
-                    "losses": [
-                        {"step": h["step"], "loss": h["loss"]}
-                        for h in trainer.state.log_history
-                        if "loss" in h
-                    ],
-                    "ds_config": hf_ds_config(spec["stage"], spec["peer_config"], ""),
-                },
-                f,
-            )
+        write_out(spec, times, trainer.state.log_history)
     # every rank leaves together and takes its process group down before the interpreter exits (a
     # rank exiting with gloo's threads alive while the other still writes can abort with SIGABRT)
     import torch.distributed as dist

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench import step_config  # noqa: E402  (bench/bench.py, beside this script)
+from bench.peer import step_config  # noqa: E402  (bench/peer.py, beside this script)
 from trainer.dist import keep_freed_memory  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "kept"

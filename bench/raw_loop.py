@@ -5,7 +5,7 @@ has), no checkpoints.
 
     deepspeed --num_gpus N bench/raw_loop.py --spec SPEC.json
 
-SPEC.json (written by bench.py): ds_config, model_config, seed, data (a packed dataset directory),
+SPEC.json (written by bench/compare.py): ds_config, model_config, seed, data (a packed dataset directory),
 micro, grad_accum, steps, log_every, loader settings, compile, chunked_loss, out (a JSON file rank 0
 writes). With chunked_loss the model gets trainer/model/loss.py's forward, the one piece of ours it
 imports: the loss is part of the model being measured, not of the loop.
@@ -54,13 +54,8 @@ def digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--local_rank", type=int, default=0)
-    spec = json.loads(Path(p.parse_args().spec).read_text())
-    ds_config = spec["ds_config"]
-    cuda = torch.cuda.is_available()
+def init_distributed(cuda: bool) -> tuple[int, int]:
+    """This rank's device and process group: (rank, world size)."""
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not cuda:
@@ -71,12 +66,15 @@ def main() -> None:
 
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(), dist.get_world_size()
 
-    # The model: same config, same seed on every rank; built partitioned at ZeRO-3.
+
+def build_engine(spec: dict, ds_config: dict) -> tuple:
+    """The model: same config, same seed on every rank; built partitioned at ZeRO-3. Returns the
+    engine and the HfDeepSpeedConfig (None below ZeRO-3), which must stay alive while the model lives."""
     seed_all(spec["seed"])
     zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
-    keep = HfDeepSpeedConfig(ds_config) if zero3 else None  # noqa: F841 (must stay alive while building)
+    keep = HfDeepSpeedConfig(ds_config) if zero3 else None
     attn = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec["model_config"]), **attn)
     if spec.get("chunked_loss"):
@@ -97,30 +95,36 @@ def main() -> None:
     if spec.get("compile"):
         mode = spec.get("compile_mode", "default")
         engine.compile(compile_kwargs={} if mode == "default" else {"mode": mode})
-    seed_all(spec["seed"] + 1 + rank)  # dropout differs per rank
+    return engine, keep
 
-    # The data: each epoch a seeded permutation of the packed blocks; each micro step takes the
-    # next world x micro blocks, and this rank its slice.
+
+class Sampler(torch.utils.data.Sampler):
+    """This rank's micro batches of the epoch set last (a DistributedSampler with set_epoch, as
+    a hand-written loop has, so that persistent workers live across epochs)."""
+
+    epoch = 0
+
+    def __init__(self, seed: int, n: int, world: int, rank: int, micro: int) -> None:
+        self.seed, self.n, self.world, self.rank, self.micro = seed, n, world, rank, micro
+
+    def __iter__(self):
+        n, world, micro = self.n, self.world, self.micro
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(n)
+        steps = n // (world * micro)
+        return iter(
+            order[: steps * world * micro].reshape(steps, world, micro)[:, self.rank, :].reshape(-1).tolist()
+        )
+
+    def __len__(self) -> int:
+        return self.n // (self.world * self.micro) * self.micro
+
+
+def make_loader(spec: dict, rank: int, world: int, cuda: bool) -> tuple[DataLoader, Sampler]:
+    """The data: each epoch a seeded permutation of the packed blocks; each micro step takes the
+    next world x micro blocks, and this rank its slice."""
     train = np.load(spec["data"], mmap_mode="r")  # the packed blocks bin/train's data cache holds
     micro, n = spec["micro"], len(train)
-
-    class Sampler(torch.utils.data.Sampler):
-        """This rank's micro batches of the epoch set last (a DistributedSampler with set_epoch, as
-        a hand-written loop has, so that persistent workers live across epochs)."""
-
-        epoch = 0
-
-        def __iter__(self):
-            order = np.random.default_rng([spec["seed"], self.epoch]).permutation(n)
-            steps = n // (world * micro)
-            return iter(
-                order[: steps * world * micro].reshape(steps, world, micro)[:, rank, :].reshape(-1).tolist()
-            )
-
-        def __len__(self) -> int:
-            return n // (world * micro) * micro
-
-    sampler = Sampler()
+    sampler = Sampler(spec["seed"], n, world, rank, micro)
     workers = spec["num_workers"]
     loader = DataLoader(
         range(n),
@@ -133,7 +137,14 @@ def main() -> None:
         # its own generator: a default DataLoader draws from the global RNG (dropout) per iterator
         generator=torch.Generator().manual_seed(0),
     )
+    return loader, sampler
 
+
+def train_steps(
+    engine: deepspeed.DeepSpeedEngine, loader: DataLoader, sampler: Sampler, spec: dict
+) -> list[dict]:
+    """spec["steps"] optimizer steps: each log_every steps (and the last) the loss is read, and the
+    mean step time of the interval since the previous read kept."""
     epoch, it = 0, iter(loader)
     times, t = [], time.perf_counter()
     for step in range(1, spec["steps"] + 1):
@@ -160,6 +171,20 @@ def main() -> None:
                 }
             )
             t = now
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    spec = json.loads(Path(p.parse_args().spec).read_text())
+    cuda = torch.cuda.is_available()
+    rank, world = init_distributed(cuda)
+    engine, keep = build_engine(spec, spec["ds_config"])  # keep: alive as long as the model
+    seed_all(spec["seed"] + 1 + rank)  # dropout differs per rank
+    loader, sampler = make_loader(spec, rank, world, cuda)
+    times = train_steps(engine, loader, sampler, spec)
     final = digest(engine.module)
     if rank == 0:
         with open(spec["out"], "w") as f:

@@ -124,7 +124,7 @@ def check_memory(r: Result, name: str) -> None:
     partition buffer holds whole gradients of the parameters that straddle a partition boundary, one
     parameter more than P/N (14% on this tiny model, negligible on a real one), so each category
     gets 15%. (The fp32 gradient partitions of bf16 runs exist only during the step, after this
-    census: the planner counts them as the step's, `planner.step_bytes`, and tests/dist/
+    census: the planner counts them as the step's, `strategy.step_bytes`, and tests/dist/
     test_step_memory.py measures them.)"""
     for rep in r.rank_reports():
         measured, planned = rep["memory"], dict(rep["plan"]["estimate_bytes"])

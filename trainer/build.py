@@ -380,6 +380,34 @@ def _save_mode(run: Run) -> str:
     return f"written in the background, {why}" if on else f"written synchronously ({why})"
 
 
+def data_lines(run: Run) -> list[str]:
+    """The banner's lines on the data: a mixture's sources; fine-tuning's counts, chat template,
+    packing, padding and one example with its targets."""
+    exp, data, lines = run.exp, run.data, []
+    if data.mixture:
+        parts = [
+            f"{m['source']} (weight {m['weight']:g}, {m['sequences']:,} sequences)" for m in data.mixture
+        ]
+        lines.append("mixture: " + "; ".join(parts) + "; each epoch takes every source's share by weight")
+    if not data.finetune:
+        return lines
+    from trainer.data.examples import describe, describe_template
+
+    lines.append(describe(data.finetune))
+    if describe_template(data.finetune):
+        lines.append(describe_template(data.finetune))
+    if data.packing:
+        lines.append(f"packing: {data.packing}")
+    shares = run.stream.padding()
+    if shares is not None and not exp.data.packing:
+        lines.append(f"padding: {shares[0]:.1%} of an epoch's tokens padded to seq_len {exp.data.seq_len}, "
+                     f"{shares[1]:.1%} as fed (each micro batch padded to its longest"
+                     f"{'; grouped by length' if exp.data.group_by_length else ''})")  # fmt: skip
+    if data.finetune.get("example"):
+        lines.append(f"example (targets in [[ ]]): {data.finetune['example']}")
+    return lines
+
+
 def announce(run: Run) -> None:
     """What this run is, on rank 0: where it runs, what it trains, how, and from where; and what a
     resume brought and changed."""
@@ -428,26 +456,7 @@ def announce(run: Run) -> None:
         f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}; "
         f"{_save_mode(run)}); {start}",
     ]
-    if data.mixture:
-        parts = [
-            f"{m['source']} (weight {m['weight']:g}, {m['sequences']:,} sequences)" for m in data.mixture
-        ]
-        lines.insert(-1, "mixture: " + "; ".join(parts) + "; each epoch takes every source's share by weight")
-    if data.finetune:
-        from trainer.data.examples import describe, describe_template
-
-        lines.insert(-1, describe(data.finetune))
-        if describe_template(data.finetune):
-            lines.insert(-1, describe_template(data.finetune))
-        if data.packing:
-            lines.insert(-1, f"packing: {data.packing}")
-        shares = run.stream.padding()
-        if shares is not None and not exp.data.packing:
-            lines.insert(-1, f"padding: {shares[0]:.1%} of an epoch's tokens padded to seq_len {exp.data.seq_len}, "
-                         f"{shares[1]:.1%} as fed (each micro batch padded to its longest"
-                         f"{'; grouped by length' if exp.data.group_by_length else ''})")  # fmt: skip
-        if data.finetune.get("example"):
-            lines.insert(-1, f"example (targets in [[ ]]): {data.finetune['example']}")
+    lines[-1:-1] = data_lines(run)
     for line in lines:
         log.info(line)
     if resume is None:

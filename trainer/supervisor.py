@@ -33,7 +33,7 @@ from typing import Any
 
 from trainer.errors import EXIT_NONFINITE, EXIT_USER_ERROR, UserError
 from trainer.files import write_atomic
-from trainer.strategy.planner import next_rung
+from trainer.strategy.planning import next_rung
 
 log = logging.getLogger("trainer")
 

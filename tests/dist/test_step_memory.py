@@ -2,7 +2,7 @@
 allocations, sampled while the engine runs) with the DeepSpeed JSON bin/train builds, one rank.
 
 The step's fp32 gradients are made after the backward pass has freed the activations, so the planner
-counts the larger of the two (`planner.step_bytes`): counted on top of the activations, stage 2 on
+counts the larger of the two (`strategy.step_bytes`): counted on top of the activations, stage 2 on
 one rank was planned 17.5% over a 1B Llama's H100 peak; not counted at stage 0, nor in fp32 at stage
 2, a run whose activations are small beside its parameters was planned under. Stage 2 with gradient
 accumulation holds a second partition of gradients during the backward passes after the first."""

@@ -18,7 +18,7 @@ CHEAP = ("--plan", "--print-config", "--preview-data", "--describe-config")
 # what would train, launch or supervise: dropped (with its value) for the cheap form
 RUNS = {"--check": 0, "--overfit-batch": 0, "--profile": 0, "--dry-run": 0, "--prepare-data": 0,
         "--launcher": 1, "--hostfile": 1, "--max-restarts": 1}  # fmt: skip
-STARTS = ("bin/train", "deepspeed", "torchrun", "srun", ".venv/bin/python", "python")
+STARTS = ("bin/train", "./bin/train", "deepspeed", "torchrun", "srun", ".venv/bin/python", "python", "python3")
 
 
 def commands(text: str) -> list[list[str]]:
@@ -28,7 +28,7 @@ def commands(text: str) -> list[list[str]]:
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").split("\n"):
             line = line.strip().removeprefix("$ ")
-            if "bin/train " not in line or not line.startswith(STARTS):
+            if "bin/train " not in line or line.split()[0] not in STARTS:
                 continue
             words = shlex.split(line, comments=True)
             args = words[next(i for i, w in enumerate(words) if w.endswith("bin/train")) + 1 :]

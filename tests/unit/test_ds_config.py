@@ -7,7 +7,7 @@ from helpers import TINY
 
 from trainer import config, strategy
 from trainer.errors import ConfigError, UserError
-from trainer.strategy import planner
+from trainer.strategy.planning.buffers import CUDA_CONTEXT, buffers, measured_sizes, overlap_comm
 
 INFO = strategy.ModelInfo(params=1_000_000, largest_layer=40_000, hidden=128, layers=4, heads=4, vocab=257)
 
@@ -75,13 +75,11 @@ def test_measured_sizes_at_stage_3_and_for_a_large_model():
     assert z["reduce_bucket_size"] == INFO.params and z["stage3_prefetch_bucket_size"] == INFO.params
     assert z["stage3_param_persistence_threshold"] == 100_000  # DeepSpeed's default (HF's auto: 10 x hidden)
     big = strategy.ModelInfo(params=7 * 10**9, largest_layer=10**8, hidden=4096, trainable=4 * 10**7)
-    sizes = planner.measured_sizes(big)
+    sizes = measured_sizes(big)
     assert sizes["reduce_bucket_size"] == 4 * 10**7  # LoRA: the trainable parameters
     assert sizes["stage3_prefetch_bucket_size"] == 50_000_000
     assert (
-        planner.measured_sizes(strategy.ModelInfo(params=7 * 10**9, largest_layer=10**8))[
-            "reduce_bucket_size"
-        ]
+        measured_sizes(strategy.ModelInfo(params=7 * 10**9, largest_layer=10**8))["reduce_bucket_size"]
         == 5 * 10**8
     )
 
@@ -94,14 +92,12 @@ def test_overlap_comm_is_measured_on_cpu_off_on_gpu_on():
     zero = ds["zero_optimization"]
     lp, c = 4, plan.candidate
     one = int(min(500_000_000, INFO.params) * lp)
-    assert planner.buffers(c, INFO, lp, False, None) == one
-    assert planner.buffers(c, INFO, lp, True, None) == planner.CUDA_CONTEXT + 2 * one
-    assert planner.overlap_comm({"overlap_comm": "measured"}, on_gpu=True) is True
-    assert planner.overlap_comm({"overlap_comm": True}, on_gpu=False) is True  # as written
-    assert planner.overlap_comm({}, on_gpu=True) is False  # absent: DeepSpeed's default below stage 3
-    assert (
-        planner.buffers(c, INFO, lp, False, {"zero_optimization": {**zero, "overlap_comm": True}}) == 2 * one
-    )
+    assert buffers(c, INFO, lp, False, None) == one
+    assert buffers(c, INFO, lp, True, None) == CUDA_CONTEXT + 2 * one
+    assert overlap_comm({"overlap_comm": "measured"}, on_gpu=True) is True
+    assert overlap_comm({"overlap_comm": True}, on_gpu=False) is True  # as written
+    assert overlap_comm({}, on_gpu=True) is False  # absent: DeepSpeed's default below stage 3
+    assert buffers(c, INFO, lp, False, {"zero_optimization": {**zero, "overlap_comm": True}}) == 2 * one
     ds3, _ = build(["strategy.zero_stage=3", "strategy.justification=test"])
     assert ds3["zero_optimization"]["overlap_comm"] is True  # stage 3: DeepSpeed's default, kept
 

@@ -11,7 +11,8 @@ from helpers import TINY
 from trainer import config, model, strategy
 from trainer.errors import UserError
 from trainer.model import create
-from trainer.strategy import planner
+from trainer.strategy.planning.buffers import CUDA_CONTEXT
+from trainer.strategy.planning.candidates import _c
 from trainer.units import format_size
 
 GiB = 2**30
@@ -90,7 +91,7 @@ def test_model_states_agree_with_deepspeeds_estimators(gpt2, ranks):
     P, L = gpt2.params, gpt2.largest_layer
 
     def ours(stage, offload="none"):
-        return sum(strategy.model_states(planner._c(stage, offload), P, L, ranks, lp=2))
+        return sum(strategy.model_states(_c(stage, offload), P, L, ranks, lp=2))
 
     _, z2 = estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=False)
     _, z2_off = estimate_zero2_model_states_mem_needs(P, ranks, 1, cpu_offload=True)
@@ -102,7 +103,7 @@ def test_model_states_agree_with_deepspeeds_estimators(gpt2, ranks):
     # planner counts it (`step_bytes`, with the flattened bf16 copy it is made from): at stage 2 beside
     # the bf16 partition (2 + 4 of its 18 bytes), at stage 3 instead of it (its 18 = 2 + 4 + 12; the
     # bf16 partition is stage 3's gradient buffer through the backward pass)
-    assert strategy.step_bytes(planner._c(2), P, ranks, 2, fused_wrapper=True) == (2 + 4) * P // ranks
+    assert strategy.step_bytes(_c(2), P, ranks, 2, fused_wrapper=True) == (2 + 4) * P // ranks
     for mine, theirs in [(ours(2) + 4 * P / ranks, z2), (ours(2, "cpu"), z2_off), (ours(3) + 2 * P / ranks, z3),
                          (ours(3, "cpu"), z3_off)]:  # fmt: skip
         assert mine == pytest.approx(theirs, rel=0.05)
@@ -369,7 +370,7 @@ def test_7b_lora_on_one_80gb_gpu_is_stage_0_where_full_training_needs_offload():
     assert e.model_states < 15 * GiB
     assert plan_for(full, 1, 1, 4096, True).candidate.name == "zero3+cpu"
     # At stage 3 the frozen weights are partitioned as well; the optimizer still counts adapters only.
-    par, grad, opt = strategy.model_states(planner._c(3), lora.params, lora.largest_layer, 8, 2,
+    par, grad, opt = strategy.model_states(_c(3), lora.params, lora.largest_layer, 8, 2,
                                            trainable=lora.trainable)  # fmt: skip
     assert opt == (4 + 8) * lora.trainable / 8 and par == 2 * lora.params / 8 + 4 * lora.largest_layer
 
@@ -412,7 +413,7 @@ def test_the_plan_of_llama_1b_against_its_h100_peaks(stage, micro, sets, measure
         host_memory=128 * GiB, precision="bf16",
     )  # fmt: skip
     e = next(e for e in p.estimates if e.candidate.name == f"zero{stage}")
-    planned = e.total - planner.CUDA_CONTEXT
+    planned = e.total - CUDA_CONTEXT
     assert planned >= measured, (planned / GiB, measured / GiB)
     if (stage, micro, sets, measured) in LLAMA_1B_ON_H100:
         assert planned <= 1.10 * measured, (planned / GiB, measured / GiB)
@@ -445,5 +446,5 @@ def test_the_plan_of_gpt2_124m_compiled_and_not_against_its_h100_peaks(micro, co
     )  # fmt: skip
     assert p.candidate.name == "zero0"
     e = p.estimate
-    planned = e.total - planner.CUDA_CONTEXT
+    planned = e.total - CUDA_CONTEXT
     assert measured <= planned <= 1.10 * measured, (planned / GiB, measured / GiB)

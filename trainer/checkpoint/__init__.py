@@ -1,23 +1,25 @@
 """Checkpoints you can trust.
 
-- `store.py`: the layout on disk, finding and verifying checkpoints, saving one atomically, loading;
-- `cadence.py`: when to save (`Checkpointer`, which the loop offers every step), the commit of a
-  save written in the background, then pruning;
+- `disk.py`: the layout on disk, finding and verifying checkpoints, the manifest, the commit's
+  renames and `latest`, pruning;
+- `store.py`: saving one atomically (`Store`: staging, the writers, the barrier, the commit);
+- `restore.py`: loading one (`Store.load`);
+- `cadence.py`: when to save (`Checkpointer`, which the loop offers every step; `Cadence`), the
+  commit of a save written in the background, then pruning;
 - `writer.py`: asynchronous saves (`checkpoint.async`): the host copy and the writer thread;
 - `policy.py`: what a resume may change and what it refuses (`Resume`);
 - `reshard.py`: resuming on another ZeRO stage or world size (the universal conversion);
 - `stage0.py`: the optimizer-state layouts of stage-0 checkpoints (fp32, bf16/fp16 wrappers);
+- `frozen.py`: LoRA checkpoints without the frozen base, and the frozen weights' digest;
 - `export.py`: a checkpoint of any stage -> a Hugging Face model directory (`bin/export`).
 """
 
 from trainer.checkpoint.cadence import Checkpointer, CheckpointWriteError
-from trainer.checkpoint.policy import HARMLESS, Resume, check_compatible, differences
-from trainer.checkpoint.store import (
+from trainer.checkpoint.disk import (
     LATEST,
     STAGING_PREFIX,
     STATE,
     Found,
-    Store,
     before,
     checkpoints_dir,
     complete,
@@ -27,6 +29,8 @@ from trainer.checkpoint.store import (
     tag_for,
     verify,
 )
+from trainer.checkpoint.policy import HARMLESS, Resume, check_compatible, differences
+from trainer.checkpoint.store import Store
 
 __all__ = [
     "HARMLESS",

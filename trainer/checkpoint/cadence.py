@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint.store import Found, Pending, Store, tag_for
+from trainer.checkpoint.disk import Found, tag_for
+from trainer.checkpoint.store import Pending, Store
 from trainer.config import CheckpointSection
 from trainer.control import Agreed
 from trainer.units import format_size
@@ -32,6 +33,29 @@ class CheckpointWriteError(RuntimeError):
 
 
 @dataclass
+class Cadence:
+    """When a save is due: every `every_steps` steps, `every_minutes` after the last save (whichever
+    comes first), at the end (`save_final`), or when forced (a stop request)."""
+
+    section: CheckpointSection
+    last_saved_step: int = -1
+    _last_save_time: float = field(default_factory=time.monotonic)
+
+    def minutes_due(self) -> bool:
+        """This rank's clock says a timed save is due (agreed across ranks by the caller)."""
+        m = self.section.every_minutes
+        return m > 0 and time.monotonic() - self._last_save_time >= m * 60
+
+    def due(self, step: int, *, force: bool, final: bool, time_due: bool) -> bool:
+        every = self.section.every_steps
+        return force or time_due or (final and self.section.save_final) or (every > 0 and step % every == 0)
+
+    def saved(self, step: int) -> None:
+        self.last_saved_step = step
+        self._last_save_time = time.monotonic()
+
+
+@dataclass
 class Checkpointer:
     """The loop offers it every step; it decides, and saves through its `store`."""
 
@@ -40,15 +64,16 @@ class Checkpointer:
     background: bool = False  # checkpoint.async as resolved for this run (build.py)
     record: Any = None  # metrics.record (rank 0): one record per committed save
     heartbeat: Any = None  # Control.heartbeat: waiting on a write is progress
-    last_saved_step: int = -1
     inflight: Pending | None = None
     _step: int = 0  # the step training is at (a background save is committed steps after its own)
-    _last_save_time: float = field(default_factory=time.monotonic)
+    cadence: Cadence = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cadence = Cadence(self.section)
 
     def minutes_due(self) -> bool:
         """This rank's clock says a timed save is due (agreed across ranks by the caller)."""
-        m = self.section.every_minutes
-        return m > 0 and time.monotonic() - self._last_save_time >= m * 60
+        return self.cadence.minutes_due()
 
     def write_status(self) -> tuple[int, float]:
         """This rank's part of the save in flight, for Control.agree: (0 done / 1 writing / 2 failed,
@@ -78,22 +103,16 @@ class Checkpointer:
         # (as after a synchronous save), not one still committing while the others tear down the
         # process group.
         due = self._offer(state, force=force, final=final, time_due=time_due)
-        self.store.wait_deletes()
+        self.store.disk.wait_deletes()
         self.store.barrier()
         return due
 
     def _offer(self, state: Any, *, force: bool, final: bool, time_due: bool) -> bool:
-        if state.step == self.last_saved_step:
+        if state.step == self.cadence.last_saved_step:
             if final or force:
                 self.finish()
             return False
-        every = self.section.every_steps
-        due = (
-            force
-            or time_due
-            or (final and self.section.save_final)
-            or (every > 0 and state.step % every == 0)
-        )
+        due = self.cadence.due(state.step, force=force, final=final, time_due=time_due)
         if due:
             self.save(state, wait=force or final)
         elif final:
@@ -114,7 +133,7 @@ class Checkpointer:
             if wait:
                 self.finish()
                 path = self.store.root / tag_for(state.step)
-        self._saved(state.step)
+        self.cadence.saved(state.step)
         return path
 
     def finish(self) -> None:
@@ -152,35 +171,37 @@ class Checkpointer:
         path = self.store.commit(pending)
         if self.store.is_main:
             t0 = time.perf_counter()
-            self.store.prune(self.section.keep_last, keep=path.name)
+            self.store.disk.prune(self.section.keep_last, keep=path.name)
             pending.commit_s += time.perf_counter() - t0
             pending.blocked_s += time.perf_counter() - t0
-            if pending.writer is None:
-                log.info(f"checkpoint {path} saved in {pending.blocked_s:.1f} s")
-            else:
-                log.info(
-                    f"checkpoint {path} saved: training blocked {pending.blocked_s:.2f} s (host copy "
-                    f"{format_size(pending.snapshot_bytes)} on rank 0), written in the background in {write_s:.1f} s"
-                )
-            if self.record is not None:
-                self.record(
-                    {
-                        "step": self._step,
-                        "checkpoint": pending.tag,
-                        "saved_step": pending.step,
-                        "async": pending.writer is not None,
-                        "blocked_s": pending.blocked_s,
-                        "copy_s": pending.copy_s if pending.writer is not None else 0.0,
-                        "commit_s": pending.commit_s,
-                        "write_s": write_s if pending.writer is not None else pending.blocked_s,
-                    }
-                )
+            _report(pending, path, write_s, self._step, self.record)
         return path
 
     def load(self, found: Found, state: Any) -> None:
         self.store.load(found, state, wait_s=self.section.convert_timeout_minutes * 60)
-        self._saved(state.step)
+        self.cadence.saved(state.step)
 
-    def _saved(self, step: int) -> None:
-        self.last_saved_step = step
-        self._last_save_time = time.monotonic()
+
+def _report(pending: Pending, path: Path, write_s: float, step: int, record: Any) -> None:
+    """Rank 0, after a commit: the log line and the metrics record of the save (`step`: the step
+    training is at)."""
+    if pending.writer is None:
+        log.info(f"checkpoint {path} saved in {pending.blocked_s:.1f} s")
+    else:
+        log.info(
+            f"checkpoint {path} saved: training blocked {pending.blocked_s:.2f} s (host copy "
+            f"{format_size(pending.snapshot_bytes)} on rank 0), written in the background in {write_s:.1f} s"
+        )
+    if record is not None:
+        record(
+            {
+                "step": step,
+                "checkpoint": pending.tag,
+                "saved_step": pending.step,
+                "async": pending.writer is not None,
+                "blocked_s": pending.blocked_s,
+                "copy_s": pending.copy_s if pending.writer is not None else 0.0,
+                "commit_s": pending.commit_s,
+                "write_s": write_s if pending.writer is not None else pending.blocked_s,
+            }
+        )

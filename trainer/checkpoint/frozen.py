@@ -90,6 +90,22 @@ def digest(module: Any, zero3: bool) -> str:
     return f"{'+'.join(sorted(dtypes))}:{value}"
 
 
+def engine_digest(ds: Any) -> str:
+    """`digest` of a DeepSpeed engine's frozen weights; every rank."""
+    return digest(ds.module, zero3=ds.zero_optimization_stage() == 3)
+
+
+def unchanged(taken: str | None, now: str, rank: int, step: int) -> str:
+    """A save's check, every rank: `now` (the frozen weights' digest at the save of `step`) is the
+    digest `taken` before the first step (None: none taken yet), which it returns; raises if not."""
+    if taken is not None and now != taken:
+        raise RuntimeError(
+            f"the frozen weights changed during training (digest {taken} -> {now}) on rank "
+            f"{rank}: something wrote to parameters that have no gradient; not saving step {step}"
+        )
+    return now
+
+
 def leave_out_aliases(ds: Any) -> None:
     """DeepSpeed's `exclude_frozen_parameters` drops the frozen parameters that named_parameters()
     lists, but not a state-dict key that is another name of one: a tied LM head (`lm_head.weight`
@@ -146,6 +162,22 @@ RESUME_FIX = (
     "Restore the weights at model.pretrained as they were when the run started (pin model.revision for a "
     "hub model), or start a new run_dir"
 )
+
+
+def resumed_problem(
+    ckpt: Path, rec: dict[str, Any] | None, current: str, gather: Callable[[list[int]], list[list[int]]]
+) -> str | None:
+    """After a resume's load, every rank (`gather`: the Store's, a collective): why this job's frozen
+    weights (digest `current`) are not those `ckpt`'s run trained on (`rec`: its record) on some
+    rank, the same verdict on every rank; or None."""
+    problem = mismatch(ckpt, rec, current, RESUME_FIX) if rec else None
+    bad = [r for r, (flag,) in enumerate(gather([int(problem is not None)])) if flag]
+    if not bad:
+        return None
+    # every rank stops, with rank 0's words where it has them
+    return problem or (
+        f"{ckpt}: rank(s) {bad} hold other frozen weights than the run trained on ({RESUME_FIX.lower()})"
+    )
 
 
 def strict_but_frozen(names: Iterable[str], where: Path) -> Callable[..., None]:

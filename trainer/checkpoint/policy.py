@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from trainer.checkpoint.store import Found
+from trainer.checkpoint.disk import Found
 from trainer.config import Experiment, validate
 from trainer.errors import Problem, UserError
 

@@ -1,5 +1,5 @@
-"""The parallelism strategy: which ZeRO stage and offload (`planner`), and the exact DeepSpeed JSON
-(`ds_config`). Neither imports torch or deepspeed."""
+"""The parallelism strategy: which ZeRO stage and offload (the `plan` package), and the exact DeepSpeed
+JSON (`ds_config`). Neither imports torch or deepspeed."""
 
 from trainer.strategy.ds_config import (
     DEEPSPEED_KEYS,
@@ -13,7 +13,7 @@ from trainer.strategy.ds_config import (
     schedule,
     template_for,
 )
-from trainer.strategy.planner import (
+from trainer.strategy.planning import (
     LADDER,
     TABLE,
     Candidate,

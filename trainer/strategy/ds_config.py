@@ -21,7 +21,7 @@ from typing import Any
 from trainer.config import TEMPLATES_DIR, Experiment
 from trainer.errors import Problem, UserError, did_you_mean
 from trainer.optimizers import OPTIMIZERS
-from trainer.strategy.planner import (
+from trainer.strategy.planning import (
     DEEPSPEED_DEFAULTS,
     Candidate,
     ModelInfo,

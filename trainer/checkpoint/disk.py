@@ -1,0 +1,257 @@
+"""Checkpoints you can trust: the layout on disk, finding and verifying checkpoints, and the
+directory operations of a save (the manifest, the commit's renames and `latest`, retention).
+
+Layout (one directory per checkpoint, `latest` names the newest complete one):
+
+    <run_dir>/checkpoints/
+      latest                  "step_00000500": replaced atomically, only after every rank finished
+      step_00000500/
+        ds_config.json        exactly the dict given to deepspeed.initialize
+        experiment.yaml       the resolved experiment
+        trainer_state.json    step, samples, tokens, data position, world size, stage, plan, versions,
+                              wall time, metrics, the training data's fingerprint (compared on resume),
+                              parameter names per optimizer group, and the manifest (every file with
+                              its size)
+        rng_rank00000.pt ...  per-rank RNG states (python, numpy, torch CPU and CUDA)
+        ...DeepSpeed's files  mp_rank_00_model_states.pt, *_optim_states.pt
+
+Staging leftovers (`.tmp-step_...`) and the directories of replaced or pruned checkpoints
+(`.trash-step_...`) are never taken for checkpoints; the next save removes them. How a save uses
+this directory (every rank, the barrier, the commit): trainer/checkpoint/store.py.
+
+Resuming checks the manifest first (every file present with its size) on every rank: a truncated or
+missing shard is reported by name before any rank loads anything; `--resume`/auto then fall back to
+the previous complete checkpoint and say so, `--resume PATH` stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError
+from trainer.files import fsync_dir, write_atomic
+
+log = logging.getLogger("trainer")
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+STAGING_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+LATEST = "latest"
+STATE = "trainer_state.json"
+
+# ----------------------------------------------------------------------------- discovery (no torch)
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete checkpoint on disk."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def tag(self) -> str:
+        return self.path.name
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / STATE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def verify(path: Path, state: Mapping[str, Any]) -> list[str]:
+    """Problems with a checkpoint's files: missing or with another size than the manifest says."""
+    out = []
+    for rel, size in state.get("files", {}).items():
+        f = path / rel
+        try:
+            actual = f.stat().st_size
+        except FileNotFoundError:
+            out.append(f"{f} is missing")
+            continue
+        if actual != size:
+            out.append(f"{f} has {actual} bytes, the manifest says {size} (truncated or overwritten)")
+    return out
+
+
+def complete(root: Path) -> list[Found]:
+    """Complete checkpoints under a checkpoints directory, oldest first (final names only)."""
+    out = []
+    if not root.is_dir():
+        return out
+    for d in root.iterdir():
+        if d.is_dir() and STEP_DIR.match(d.name):
+            state = read_state(d)
+            if state is not None:
+                out.append(Found(d, state))
+    return sorted(out, key=lambda f: f.step)
+
+
+def latest(root: Path) -> tuple[Found | None, list[str]]:
+    """The newest complete checkpoint that passes verification, and warnings about skipped ones."""
+    warnings: list[str] = []
+    candidates = complete(root)
+    named = None
+    with contextlib.suppress(OSError):
+        named = (root / LATEST).read_text().strip()
+    # `latest` first, then newest to oldest (a deleted `latest` target falls back by itself).
+    order = sorted(candidates, key=lambda f: (f.tag != named, -f.step))
+    for found in order:
+        problems = verify(found.path, found.state)
+        if not problems:
+            return found, warnings
+        warnings.append(f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); skipping it")
+    return None, warnings
+
+
+def before(found: Found) -> Found | None:
+    """The complete checkpoint before `found` in its directory, if any."""
+    older = [f for f in complete(found.path.parent) if f.step < found.step]
+    return older[-1] if older else None
+
+
+def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Found | None, list[str]]:
+    """What to resume from: `--resume` (arg 'latest'), `--resume PATH`, or checkpoint.resume: auto."""
+    root = checkpoints_dir(run_dir)
+    if arg is None and mode == "never":
+        existing = complete(root)
+        if existing:
+            raise UserError(
+                f"{root} already holds checkpoints (newest: {existing[-1].tag}); starting fresh would mix runs. "
+                f"Resume with --resume (or checkpoint.resume: auto), or choose another run_dir "
+                f"(--set run_dir=...), or remove {root}"
+            )
+        return None, []
+    if arg is None or arg == "latest":
+        found, warnings = latest(root)
+        if found is None:
+            if arg is None:  # auto: nothing there yet, start fresh
+                return None, warnings
+            looked = f"looked in {root.resolve()} for '{LATEST}' and step_* directories"
+            raise UserError(
+                f"--resume: nothing to resume: no complete checkpoint ({looked}). " + " ".join(warnings)
+            )
+        return found, warnings
+    path = Path(arg)
+    if (path / STATE).exists():
+        state = read_state(path)
+        if state is None:
+            raise UserError(f"--resume {arg}: {path / STATE} is not valid JSON; the checkpoint is damaged")
+        problems = verify(path, state)
+        if problems:
+            raise UserError(f"--resume {arg}: the checkpoint is damaged: " + "; ".join(problems))
+        return Found(path, state), []
+    for root_guess in (path, path / "checkpoints"):  # a checkpoints dir or a run dir: take its latest
+        if (root_guess / LATEST).exists() or complete(root_guess):
+            found, warnings = latest(root_guess)
+            if found is not None:
+                return found, warnings
+    raise UserError(
+        f"--resume {arg}: not a checkpoint (no {STATE} in it) and no complete checkpoint below it; pass a "
+        "step_XXXXXXXX directory, a checkpoints directory or a run directory"
+    )
+
+
+# ----------------------------------------------------------------------------- the commit, retention
+
+
+@dataclass
+class CheckpointDir:
+    """A run's checkpoints directory (<run_dir>/checkpoints) as a save sees it: staging directories,
+    the manifest, the commit's renames and `latest`, pruning. Rank 0 calls all but `staging`."""
+
+    root: Path
+    _deleting: Any = None  # the thread deleting pruned checkpoints
+
+    def staging(self, tag: str) -> Path:
+        """The hidden directory every rank writes a save of `tag` into."""
+        return self.root / (STAGING_PREFIX + tag)
+
+    def write_manifest(
+        self, stage_dir: Path, meta: dict[str, Any], ds_config: Any, exp: Any, fsync: bool = True
+    ) -> None:
+        """The metadata of a save whose files are all written: ds_config.json, experiment.yaml, then
+        trainer_state.json (`meta` and the manifest: every file with its size) written atomically.
+        `fsync`: make every file durable here (a background writer has fsynced its own)."""
+        (stage_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+        (stage_dir / "experiment.yaml").write_text(exp.to_yaml())
+        files = {}
+        for p in sorted(stage_dir.rglob("*")):
+            if p.is_file() and p.name != STATE:
+                if fsync or p.name in ("ds_config.json", "experiment.yaml") or p.suffix == ".py":
+                    with open(p, "rb") as f:
+                        os.fsync(f.fileno())
+                files[str(p.relative_to(stage_dir))] = p.stat().st_size
+        write_atomic(stage_dir / STATE, json.dumps({**meta, "files": files}, indent=2) + "\n", durable=True)
+
+    def publish(self, stage_dir: Path, tag: str) -> Path:
+        """The commit: `stage_dir` (with its manifest) renamed to its final name, then `latest`
+        replaced (write, fsync, rename); returns the final path."""
+        final = self.root / tag
+        if final.exists():  # an older run reached this step too: replace it
+            trash = self.root / (TRASH_PREFIX + tag)
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(final, trash)
+        os.rename(stage_dir, final)
+        fsync_dir(self.root)
+        write_atomic(self.root / LATEST, tag + "\n", durable=True)
+        shutil.rmtree(self.root / (TRASH_PREFIX + tag), ignore_errors=True)  # the replaced one
+        return final
+
+    def clean_leftovers(self, keep: str) -> None:
+        """Remove staging and trash directories left by crashed saves or prunes."""
+        for d in self.root.iterdir():
+            if d.is_dir() and d.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and d.name != keep:
+                log.info(f"removing {d} (left by an interrupted save)")
+                shutil.rmtree(d, ignore_errors=True)
+
+    def prune(self, keep_last: int, keep: str) -> None:
+        """Keep the newest `keep_last` complete checkpoints (`keep` among them; 0 = all), after the commit."""
+        n = keep_last
+        if n <= 0:
+            return
+        done = [f for f in complete(self.root) if f.tag != keep]
+        trash = []
+        for old in done[: max(0, len(done) - (n - 1))]:
+            trash.append(self.root / (TRASH_PREFIX + old.tag))
+            os.rename(old.path, trash[-1])  # atomic: never a half-deleted "complete" checkpoint
+        if trash:  # unlinking gigabytes can take a second: not on the training thread
+            import threading
+
+            self.wait_deletes()
+            self._deleting = threading.Thread(
+                target=lambda: [shutil.rmtree(t, ignore_errors=True) for t in trash],
+                name="prune",
+                daemon=True,
+            )
+            self._deleting.start()
+
+    def wait_deletes(self) -> None:
+        """Until the pruned checkpoints are deleted (the end of training; a kill leaves a `.trash-`
+        directory, which the next save removes)."""
+        if self._deleting is not None:
+            self._deleting.join()
+            self._deleting = None

@@ -1,0 +1,96 @@
+"""The memory planner: which ZeRO stage and offload, and why.
+
+`plan()` estimates per-rank memory (model states, activations, buffers; host memory per node for
+offload) for every candidate and applies the escalation rules: the first of 0 -> 2 -> 3 -> 3+cpu ->
+3+nvme (`LADDER`) that fits `device memory x headroom`; stage 1 only when asked for; a pinned stage
+or offload above the rules' choice needs a justification. The run-time escalation climbs the same
+ladder (`next_rung`).
+
+One kind of bytes per module: candidates.py (the model's facts, the candidates, the ladder, the
+pins), states.py (parameters, gradients, optimizer state; precision), step.py (the optimizer step's
+own memory), activations.py (what backward keeps, and the levers that shrink it), buffers.py (the
+CUDA context, ZeRO's buckets and the DeepSpeed sizes behind them), host.py (host memory per node),
+estimate.py (all of these per candidate), ladder.py (the decision, the Plan and its table).
+
+Nothing here imports torch or deepspeed: planning runs anywhere, in well under a second.
+"""
+
+from trainer.strategy.planning.activations import (
+    COMPILED_LAYERS,
+    activations,
+    activations_for,
+    layer_bytes_per_token,
+)
+from trainer.strategy.planning.buffers import (
+    CUDA_CONTEXT,
+    DEEPSPEED_DEFAULTS,
+    MEASURED,
+    auto_bucket,
+    buffers,
+    is_number,
+    measured_sizes,
+    overlap_comm,
+    zero_section,
+    zero_sizes,
+)
+from trainer.strategy.planning.candidates import (
+    LADDER,
+    TABLE,
+    Candidate,
+    GiB,
+    ModelInfo,
+    describe_params,
+    device_of,
+    next_rung,
+    pinned_choice,
+)
+from trainer.strategy.planning.estimate import Estimate, estimate_all
+from trainer.strategy.planning.host import HOST_BUFFER_FACTOR, host_needs, snapshot_bytes
+from trainer.strategy.planning.ladder import Plan, describe_plan, plan
+from trainer.strategy.planning.states import (
+    low_precision_bytes,
+    model_states,
+    optimizer_implementation,
+    resolve_precision,
+)
+from trainer.strategy.planning.step import SUB_GROUP_SIZE, step_bytes
+
+__all__ = [
+    "COMPILED_LAYERS",
+    "CUDA_CONTEXT",
+    "DEEPSPEED_DEFAULTS",
+    "HOST_BUFFER_FACTOR",
+    "LADDER",
+    "MEASURED",
+    "SUB_GROUP_SIZE",
+    "TABLE",
+    "Candidate",
+    "Estimate",
+    "GiB",
+    "ModelInfo",
+    "Plan",
+    "activations",
+    "activations_for",
+    "auto_bucket",
+    "buffers",
+    "describe_params",
+    "describe_plan",
+    "device_of",
+    "estimate_all",
+    "host_needs",
+    "is_number",
+    "layer_bytes_per_token",
+    "low_precision_bytes",
+    "measured_sizes",
+    "model_states",
+    "next_rung",
+    "optimizer_implementation",
+    "overlap_comm",
+    "pinned_choice",
+    "plan",
+    "resolve_precision",
+    "snapshot_bytes",
+    "step_bytes",
+    "zero_section",
+    "zero_sizes",
+]

@@ -1,0 +1,98 @@
+"""Activation memory per rank: what the layers and the loss keep for backward, whatever the ZeRO
+candidate (the same on every rung).
+
+The ZeRO ladder (candidates.py) is one axis of what a run can change to fit; the levers here, which
+shrink the activations rather than the model states, are the other: activation checkpointing,
+`model.chunked_loss`, `model.kernels` and `train.compile` (`activations`), read from the experiment
+by `activations_for`. `layer_bytes_per_token` is one layer's share per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainer.config import Experiment, loss_chunk_rows
+from trainer.strategy.planning.candidates import ModelInfo
+
+# torch.compile's layers keep more for backward than eager's (AOTAutograd's partitioner saves what
+# it chose not to recompute): GPT-2 124M on an H100, bf16, micro 64 and 128 (BENCHMARKS.md), the
+# measured peaks fit 1.21-1.36x the eager count; 1.3 keeps both within 10% and over.
+COMPILED_LAYERS = 1.3
+
+
+def layer_bytes_per_token(info: ModelInfo, lp: int, kernels: str = "none") -> float:
+    """Activation bytes one transformer layer keeps per token for backward, 16-bit.
+
+    GPT-style layers (an MLP of 4h with GELU): Korthikanti et al. (2022), 34h. Llama-style layers (a
+    gated MLP of width I and RMSNorm, `info.intermediate`), counted from what autograd saves, then
+    checked on an H100 (Llama 1B, BENCHMARKS.md: 51-54h measured against 55h here):
+    each RMSNorm its fp32 input (4h), the normalised value (2h) and its output (2h, read by the next
+    projections); attention q, k and v as SDPA saves them (2h + 4h x kv_heads / heads), its output and
+    the copy that o_proj reads (4h); the MLP gate, silu(gate), up and their product (8I).
+    `kernels="liger"`: Liger's RMSNorm keeps only its 16-bit input (2h + 2h per norm) and its SwiGLU
+    recomputes silu in backward (6I): 39h for the 1B, 32-35h measured."""
+    h = info.hidden or 0
+    if not info.intermediate:
+        return 34 * h * lp / 2
+    kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
+    norms = 2 * (4 if kernels == "liger" else 8) * h
+    attention = 2 * h + 4 * h * kv + 4 * h
+    mlp = (6 if kernels == "liger" else 8) * info.intermediate
+    return (norms + attention + mlp) * lp / 2
+
+
+def activations(
+    info: ModelInfo,
+    micro_batch: int,
+    seq_len: int,
+    lp: int,
+    checkpointing: bool,
+    chunked_loss: bool = False,
+    kernels: str = "none",
+    compiled: bool = False,
+) -> int:
+    """Activation bytes per rank: per layer s*b*`layer_bytes_per_token`, plus 5*a*s/h x s*b*h
+    attention scores with eager attention; with activation checkpointing the layer inputs (2sbh per
+    layer) plus one layer's full activations. Plus the logits for the loss: b*s*V*3*(lp + 4) bytes,
+    that is the logits, their fp32 copy and its log-softmax, then in backward their gradients (18
+    bytes per logit in bf16; measured on a GPU in BENCHMARKS.md). With `model.chunked_loss`, one chunk
+    of rows instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus
+    the saved gradients towards the hidden states (lp) and the head's weight (fp32); with
+    `model.kernels: liger` the chunked loss is Liger's fused linear cross-entropy: chunks of 16-bit
+    logits (about V/h times fewer rows than tokens) and a 16-bit gradient of the head's weight.
+    `compiled` (train.compile): each layer's activations `COMPILED_LAYERS` times eager's, and the whole
+    logits' loss only the logits in the training precision (Inductor fuses the fp32 log-softmax and
+    its gradient into the loss's kernels: 32.39 GiB measured where the eager count, 18 bytes a logit,
+    gave 76 and refused the run)."""
+    h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
+    if not (h and layers):
+        return 0
+    s, b = seq_len, micro_batch
+    scale = lp / 2
+    attn = 5 * (a or 1) * s / h if (info.attn_implementation or "eager") == "eager" else 0
+    per_layer = s * b * (layer_bytes_per_token(info, lp, kernels) + h * attn * scale)
+    if compiled:
+        per_layer *= COMPILED_LAYERS
+    if checkpointing:
+        total = 2 * s * b * h * scale * layers + per_layer
+    else:
+        total = per_layer * layers
+    if v and chunked_loss and kernels == "liger":
+        rows = min(b * s, 1 << max(0, math.ceil(math.log2(max(1, b * s / math.ceil(v / h))))))
+        total += 2 * rows * v * lp + b * s * h * lp + v * h * lp
+    elif v and chunked_loss:
+        rows = min(b * s, loss_chunk_rows(v))
+        total += 2 * rows * v * (4 + lp) + b * s * h * lp + v * h * 4
+    elif v and compiled:
+        total += b * s * v * lp
+    elif v:
+        total += 3 * b * s * v * (lp + 4)
+    return int(total)
+
+
+def activations_for(exp: Experiment, info: ModelInfo, lp: int, chunked_loss: bool) -> int:
+    m = exp.model
+    return activations(
+        info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss,
+        m.kernels, compiled=exp.train.compile,
+    )  # fmt: skip

@@ -1,0 +1,122 @@
+"""What is planned for: the model's facts (`ModelInfo`), the candidates (a ZeRO stage plus where
+optimizer states and parameters live), the escalation ladder they are tried in (`LADDER`; `TABLE`,
+every candidate the plan shows), the rung above a failed one (`next_rung`) and what the experiment or
+its DeepSpeed template pins (`pinned_choice`). Also `GiB`, the unit the fixed sizes are written in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import Experiment
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the planner needs to know about a model, counted without allocating its weights."""
+
+    params: int  # unique parameters (tied weights once)
+    largest_layer: int  # most parameters held directly by one module (ZeRO-3 gathers it whole)
+    trainable: int | None = None  # those that train (model.lora: the adapters); None = all
+    param_sizes: tuple[int, ...] = ()  # elements of each parameter tensor, ascending (ZeRO-3 persistence)
+    hidden: int | None = None
+    layers: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
+    positions: int | None = None
+    attn_implementation: str | None = None  # eager materialises attention scores; sdpa/flash do not
+    model_type: str | None = None
+    intermediate: int | None = None  # a gated MLP's width (gate_proj/up_proj), None for GPT-style MLPs
+    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: as many as heads)
+
+
+def describe_params(info: ModelInfo, lora: Any = None) -> str:
+    """'N parameters', and with LoRA how many train and how many are frozen."""
+    if info.trainable is None:
+        return f"{info.params:,} parameters"
+    what = f"LoRA r={lora.r}: " if lora is not None else ""
+    return (
+        f"{info.params:,} parameters ({what}{info.trainable:,} trainable = {info.trainable / info.params:.2%}, "
+        f"{info.params - info.trainable:,} frozen)"
+    )
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """A ZeRO stage plus where optimizer states (and, at stage 3, parameters) live."""
+
+    stage: int
+    offload: str = "none"  # none | cpu | nvme
+    offload_params: bool = False  # stage 3 only: parameters offloaded too
+
+    @property
+    def name(self) -> str:
+        if self.offload == "none":
+            return f"zero{self.stage}"
+        what = "" if self.offload_params or self.stage < 3 else " (optimizer only)"
+        return f"zero{self.stage}+{self.offload}{what}"
+
+    @property
+    def cost(self) -> int:
+        """Position on the escalation ladder: higher = more communication or slower memory."""
+        if self.offload == "none":
+            return self.stage
+        return {"cpu": 4, "nvme": 6}[self.offload] + (self.stage == 3)
+
+    @property
+    def template(self) -> str:
+        suffix = {"none": "", "cpu": "_offload", "nvme": "_nvme"}[self.offload]
+        return f"zero{self.stage}{suffix}.json"
+
+
+def _c(stage: int, offload: str = "none") -> Candidate:
+    return Candidate(stage, offload, offload_params=(stage == 3 and offload != "none"))
+
+
+LADDER = (_c(0), _c(2), _c(3), _c(3, "cpu"), _c(3, "nvme"))
+TABLE = (_c(0), _c(1), _c(2), _c(2, "cpu"), _c(3), _c(3, "cpu"), _c(3, "nvme"))
+
+
+def next_rung(stage: int, offload: str) -> tuple[int, str] | None:
+    """(stage, offload) of the rung above a failed candidate, for the run-time escalation (stage 1,
+    not a rung, escalates to 2; 2+cpu to 3+cpu). None on the last rung."""
+    off_ladder = {(1, "none"): (2, "none"), (2, "cpu"): (3, "cpu")}
+    if (stage, offload) in off_ladder:
+        return off_ladder[(stage, offload)]
+    rungs = [(c.stage, c.offload) for c in LADDER]
+    if (stage, offload) not in rungs:
+        return None
+    i = rungs.index((stage, offload)) + 1
+    return rungs[i] if i < len(rungs) else None
+
+
+def pinned_choice(exp: Experiment, template: Mapping[str, Any] | None) -> tuple[int | None, str | None, bool]:
+    """(stage, offload, offload_params) that the experiment or its template fixes; None = free."""
+    s = exp.strategy
+    stage = None if s.zero_stage == "auto" else s.zero_stage
+    offload = None if s.offload == "auto" else s.offload
+    offload_params = True
+    zero = (template or {}).get("zero_optimization")
+    if isinstance(zero, Mapping):
+        t_stage = zero.get("stage")
+        if stage is None and isinstance(t_stage, int) and not isinstance(t_stage, bool):
+            stage = t_stage
+        opt_dev = device_of(zero.get("offload_optimizer"))
+        par_dev = device_of(zero.get("offload_param"))
+        if offload is None and opt_dev is not None:
+            offload = opt_dev
+        if par_dev in (None, "none") and opt_dev not in (None, "none"):
+            offload_params = False
+    return stage, offload, offload_params
+
+
+def device_of(section: Any) -> str | None:
+    """The device an offload section of a DeepSpeed JSON names (None: none given, or "auto")."""
+    if isinstance(section, Mapping):
+        dev = section.get("device")
+        return dev if isinstance(dev, str) and dev != "auto" else None
+    return None

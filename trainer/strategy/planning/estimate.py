@@ -1,0 +1,117 @@
+"""One estimate per candidate: its model states, activations, step, buffers and host memory put
+together (`estimate_all`), and whether that fits the device and the host (`Estimate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import Experiment
+from trainer.optimizers import OPTIMIZERS
+from trainer.strategy.planning.buffers import _number, buffers, zero_section, zero_sizes
+from trainer.strategy.planning.candidates import TABLE, Candidate, ModelInfo, _c
+from trainer.strategy.planning.host import host_needs, snapshot_bytes
+from trainer.strategy.planning.states import model_states, optimizer_implementation
+from trainer.strategy.planning.step import SUB_GROUP_SIZE, step_bytes
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank for one candidate (host figures per node)."""
+
+    candidate: Candidate
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    host: int  # host memory needed per node
+    fits_device: bool = False
+    fits_host: bool = True
+
+    gather: int = 0  # stage 3: the gathered layer inside `params` (transient, 4 x largest layer)
+    step: int = 0  # allocated only during the optimizer step, when the activations are freed (`step_bytes`)
+    snapshot: int = 0  # checkpoint.async: the host copy of a save, per node (counted in `host`)
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        # The step's fp32 gradients are made after the backward pass has freed the activations: the
+        # peak is the larger of the two, not their sum.
+        return self.model_states + max(self.activations, self.step) + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+
+def estimate_all(
+    exp: Experiment,
+    info: ModelInfo,
+    pinned: tuple[int | None, str | None, bool],
+    *,
+    act: int,
+    lp: int,
+    world_size: int,
+    gpus_per_node: int,
+    on_gpu: bool,
+    budget: int,
+    host_memory: int | None,
+    template: Mapping[str, Any] | None,
+) -> list[Estimate]:
+    """An estimate per candidate of the table (plus stage 3 with only the optimizer offloaded, when
+    the experiment pins that)."""
+    want_stage, want_offload, offload_params = pinned
+    state_bytes = OPTIMIZERS[exp.optim.name].state_bytes
+    table = list(TABLE)
+    if want_stage == 3 and want_offload not in (None, "none") and not offload_params:
+        table.insert(table.index(_c(3, want_offload)), Candidate(3, want_offload, False))
+    out = []
+    # what the optimizer step allocates (`step_bytes`) depends on the candidate through its offload
+    sub_group = _number(zero_section(template).get("sub_group_size"), SUB_GROUP_SIZE)
+    adam = OPTIMIZERS[exp.optim.name].adam
+    trainable = info.params if info.trainable is None else info.trainable
+    largest_tensor = max(info.param_sizes, default=info.largest_layer)
+    for c in table:
+        persistent = 0
+        if c.stage == 3:
+            threshold = zero_sizes(info, zero_section(template))["stage3_param_persistence_threshold"]
+            persistent = sum(x for x in info.param_sizes if x <= threshold)
+        par, grad, opt = model_states(
+            c,
+            info.params,
+            info.largest_layer,
+            world_size,
+            lp,
+            exp.train.grad_accum,
+            state_bytes,
+            info.trainable,
+            persistent,
+        )
+        buf = buffers(c, info, lp, on_gpu, template)
+        impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
+        fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
+        step = step_bytes(c, trainable, world_size, lp, fused_wrapper, largest_tensor, sub_group)
+        host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
+        snap = 0
+        if exp.checkpoint.async_ is not False:
+            snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes, info.trainable,
+                                  exp.model.checkpoints_hold_frozen)  # fmt: skip
+        # checkpoint.async: true needs the copy's room; auto goes synchronous where it would not fit
+        need = host + snap if exp.checkpoint.async_ is True else host
+        nvme_ok = c.offload != "nvme" or bool(exp.strategy.nvme_path) or want_offload == "nvme"
+        e = Estimate(
+            c, par, grad, opt, act, buf, host + snap,
+            fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
+            gather=4 * info.largest_layer if c.stage == 3 else 0,
+            snapshot=snap,
+            step=step,
+        )  # fmt: skip
+        out.append(dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok))
+    return out

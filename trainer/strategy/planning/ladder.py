@@ -1,0 +1,347 @@
+"""The decision: the first rung of the ladder that fits, or the pinned candidate and why
+(`plan`), the `Plan` that records it with the evidence, and its table (`describe_plan`); the errors
+when nothing fits or a pin needs a justification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import Experiment, chunked_loss_problem, format_size
+from trainer.errors import UserError
+from trainer.strategy.planning.activations import activations_for
+from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
+from trainer.strategy.planning.estimate import Estimate, estimate_all
+from trainer.strategy.planning.states import low_precision_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The decision and the evidence for it."""
+
+    candidate: Candidate
+    reason: str
+    estimates: tuple[Estimate, ...]
+    budget: int  # device bytes the plan may use (device memory x headroom)
+    device_memory: int
+    host_memory: int | None  # None: planning for another machine whose host memory was not given
+    world_size: int
+    gpus_per_node: int
+    precision: str
+    device_type: str
+    pinned: bool = False
+    justification: str = ""
+    auto_choice: Candidate | None = None
+
+    @property
+    def estimate(self) -> Estimate:
+        return next(e for e in self.estimates if e.candidate == self.candidate)
+
+    def checkpoint_async(self, setting: Any) -> tuple[bool, str]:
+        """checkpoint.async for the chosen candidate: (on, why). auto is on unless the host copy does
+        not fit in host memory beside what the candidate needs there."""
+        e = self.estimate
+        copy = f"a host copy of {format_size(e.snapshot)} per node"
+        if setting is False:
+            return False, "checkpoint.async: false"
+        if setting is True:
+            return True, copy
+        if self.host_memory is not None and e.host > self.host_memory:
+            return False, (
+                f"checkpoint.async: auto: {copy} does not fit beside the rest in host memory "
+                f"({format_size(e.host)} of {format_size(self.host_memory)}); saving synchronously"
+            )
+        return True, copy
+
+    def table(self) -> str:
+        head = (
+            "candidate",
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "step",
+            "buffers",
+            "total/rank",
+            "host/node",
+            "fits",
+        )
+        rows = [head]
+        for e in self.estimates:
+            mark = " <-" if e.candidate == self.candidate else ""
+            fits = "yes" if e.fits else ("no (host)" if e.fits_device else "no")
+            if e.candidate.offload == "nvme" and not e.fits and e.total <= self.budget:
+                fits = "no (needs strategy.nvme_path)"
+            rows.append(
+                (
+                    e.candidate.name,
+                    *(
+                        format_size(x)
+                        for x in (
+                            e.params,
+                            e.grads,
+                            e.optimizer,
+                            e.activations,
+                            e.step,
+                            e.buffers,
+                            e.total,
+                            e.host,
+                        )
+                    ),
+                    fits + mark,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        last = len(head) - 1
+        lines = [
+            "  ".join(
+                c.ljust(w) if i in (0, last) else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+            for r in rows
+        ]
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        """What goes into logs and trainer_state.json."""
+        e = self.estimate
+        return {
+            "stage": self.candidate.stage,
+            "offload": self.candidate.offload,
+            "offload_params": self.candidate.offload_params,
+            "reason": self.reason,
+            "pinned": self.pinned,
+            "justification": self.justification,
+            "estimate_bytes": {
+                "params": e.params,
+                "grads": e.grads,
+                "optimizer": e.optimizer,
+                "activations": e.activations,
+                "step": e.step,
+                "buffers": e.buffers,
+                "total": e.total,
+                "host_per_node": e.host,
+                "checkpoint_snapshot_per_node": e.snapshot,
+                "gathered_layer": e.gather,
+            },
+            "budget_bytes": self.budget,
+            "device_memory_bytes": self.device_memory,
+            "world_size": self.world_size,
+            "precision": self.precision,
+        }
+
+
+def plan(
+    exp: Experiment,
+    info: ModelInfo,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    device_type: str,
+    device_memory: int,
+    host_memory: int | None,
+    precision: str,
+    template: Mapping[str, Any] | None = None,
+    force: bool = False,
+) -> Plan:
+    """Estimate every candidate and choose by the escalation rules (see module docstring).
+
+    Raises UserError when a pinned candidate is above the rules' choice without a justification,
+    or is predicted not to fit (unless `force`), or when nothing fits."""
+    s = exp.strategy
+    lp = low_precision_bytes(precision)
+    budget = int(device_memory * s.headroom)
+    pinned = pinned_choice(exp, template)
+    act = activations_for(exp, info, lp, exp.model.chunked_loss)
+    estimates = estimate_all(
+        exp, info, pinned, act=act, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
+        on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory, template=template,
+    )  # fmt: skip
+    by = {e.candidate: e for e in estimates}
+    auto_choice = next((c for c in LADDER if by[c].fits), None)
+    is_pinned = pinned[0] is not None or pinned[1] is not None
+    options = _options(by, pinned)
+    chosen = next((c for c in options if by[c].fits), None)
+    hint = _chunked_loss_hint(
+        exp, info, act - activations_for(exp, info, lp, True), budget, [by[c] for c in LADDER]
+    )
+    if chosen is None:
+        if not (is_pinned and force and options):
+            raise _no_fit(
+                exp, by, options if is_pinned else [], auto_choice, hint, budget, device_memory, world_size
+            )
+        chosen = options[0]
+    return Plan(
+        candidate=chosen,
+        reason=_reason(exp, by, chosen, auto_choice, is_pinned, hint, budget),
+        estimates=tuple(estimates),
+        budget=budget,
+        device_memory=device_memory,
+        host_memory=host_memory,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        precision=precision,
+        device_type=device_type,
+        pinned=is_pinned,
+        justification=s.justification.strip(),
+        auto_choice=auto_choice,
+    )
+
+
+def _options(by: dict[Candidate, Estimate], pinned: tuple[int | None, str | None, bool]) -> list[Candidate]:
+    """The candidates to choose from, cheapest first: the ladder; or, when the experiment pins a
+    stage or an offload, the candidates with that part fixed (stage 1 only when named)."""
+    want_stage, want_offload, offload_params = pinned
+    if want_stage is None and want_offload is None:
+        return list(LADDER)
+    return sorted(
+        (
+            c
+            for c in by
+            if (want_stage is None or c.stage == want_stage)
+            and (want_offload is None or c.offload == want_offload)
+            and (c.stage != 1 or want_stage == 1)
+            and (c.stage < 3 or c.offload == "none" or c.offload_params == offload_params)
+        ),
+        key=lambda c: c.cost,
+    )
+
+
+def _no_fit(
+    exp: Experiment,
+    by: dict[Candidate, Estimate],
+    pinned_options: list[Candidate],
+    auto_choice: Candidate | None,
+    hint: str,
+    budget: int,
+    device_memory: int,
+    world_size: int,
+) -> UserError:
+    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit."""
+    headroom = exp.strategy.headroom
+    if pinned_options:
+        c, e = pinned_options[0], by[pinned_options[0]]
+        msg = (
+            f"strategy: the pinned {c.name} is predicted not to fit: {format_size(e.total)} per rank "
+            f"(host {format_size(e.host)}) against {format_size(budget)} usable of {format_size(device_memory)}. "
+            + (
+                f"The rules would pick {auto_choice.name}; set strategy.zero_stage/offload: auto. "
+                if auto_choice
+                else ""
+            )
+            + "Pass --force to run anyway."
+        )
+    else:
+        msg = (
+            f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
+            f"{headroom}) on {world_size} rank(s): lower train.micro_batch_size or data.seq_len, set "
+            "model.activation_checkpointing: true, add ranks, or give strategy.nvme_path for NVMe offload."
+        )
+    return UserError(
+        msg
+        + (f" Or {hint}." if hint else "")
+        + "\n\n"
+        + _table_for(by, budget, device_memory, headroom, world_size)
+    )
+
+
+def _reason(
+    exp: Experiment,
+    by: dict[Candidate, Estimate],
+    chosen: Candidate,
+    auto_choice: Candidate | None,
+    is_pinned: bool,
+    hint: str,
+    budget: int,
+) -> str:
+    """Why `chosen`: the first rung that fits (and what the rungs below need), or pinned (and, above
+    the rules' choice, the justification it requires)."""
+    s = exp.strategy
+    e = by[chosen]
+    use = f"{format_size(e.total)} of {format_size(budget)} per rank"
+    if not is_pinned:
+        skipped = LADDER[: LADDER.index(chosen)]
+        why = "; ".join(
+            f"{c.name} needs {format_size(by[c].total)}" + (" (host)" if by[c].fits_device else "")
+            for c in skipped
+        )
+        return (
+            f"{chosen.name} is the first rung that fits ({use})"
+            + (f"; {why}" if why else "")
+            + (f"; {hint}" if hint else "")
+        )
+    reason = f"{chosen.name} pinned by the experiment ({use})"
+    if auto_choice is not None and chosen.cost > auto_choice.cost:
+        if not s.justification.strip():
+            raise UserError(
+                f"strategy: {chosen.name} is pinned, but the cheaper {auto_choice.name} fits "
+                f"({format_size(by[auto_choice].total)} of {format_size(budget)} per rank). Set "
+                f"strategy.zero_stage/offload to auto to use {auto_choice.name}, or say why in "
+                "strategy.justification."
+            )
+        reason += f"; the rules would pick {auto_choice.name}; justification: {s.justification.strip()}"
+    if not e.fits:
+        reason += "; predicted NOT to fit (--force)"
+    return reason
+
+
+def _chunked_loss_hint(
+    exp: Experiment, info: ModelInfo, saved: int, budget: int, ladder: list[Estimate]
+) -> str:
+    """When the whole logits cost a rung of the ladder (or every rung): what model.chunked_loss
+    would save (`saved` bytes per rank), and the rung that would then fit. Empty when it would
+    change nothing."""
+    if exp.model.chunked_loss or exp.model.factory is not None or chunked_loss_problem(info.model_type):
+        return ""
+    for e in ladder:
+        if e.fits or e.candidate.offload == "nvme":
+            return ""  # the rungs below the chosen one would not fit even without the logits
+        if e.fits_host and dataclasses.replace(e, activations=e.activations - saved).total <= budget:
+            return (
+                f"set model.chunked_loss: true (no whole logits: {format_size(saved)} less per rank) "
+                f"and {e.candidate.name} fits"
+            )
+    return ""
+
+
+def _table_for(
+    by: dict[Candidate, Estimate], budget: int, device_memory: int, headroom: float, world: int
+) -> str:
+    plan_ = Plan(
+        candidate=Candidate(-1),
+        reason="",
+        estimates=tuple(by.values()),
+        budget=budget,
+        device_memory=device_memory,
+        host_memory=0,
+        world_size=world,
+        gpus_per_node=1,
+        precision="",
+        device_type="",
+    )
+    return (
+        plan_.table()
+        + f"\nusable per rank: {format_size(budget)} ({format_size(device_memory)} x {headroom})"
+    )
+
+
+def describe_plan(plan_: Plan) -> str:
+    mem = f"{format_size(plan_.device_memory)} {plan_.device_type} memory x headroom -> {format_size(plan_.budget)} usable per rank"
+    host = (
+        f"host memory {format_size(plan_.host_memory)} per node"
+        if plan_.host_memory is not None
+        else "host memory not checked (set strategy.host_memory for the target machine)"
+    )
+    snap = plan_.estimate.snapshot
+    if snap:
+        host += (
+            f" (host/node counts the copy an asynchronous save takes, checkpoint.async: {format_size(snap)})"
+        )
+    return (
+        f"{plan_.table()}\n\n{mem}; {host}; world size {plan_.world_size} ({plan_.gpus_per_node} per node); "
+        f"precision {plan_.precision}\ndecision: {plan_.candidate.name}: {plan_.reason}"
+    )
