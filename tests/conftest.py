@@ -28,3 +28,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    # The longest files first, so that pytest-xdist (--dist loadfile, whole files in collection order)
+    # starts them at once and the short ones fill the gaps at the end (CI's wall time is the slowest
+    # worker's: these two started last in the 2026-11-25 run, 933 s).
+    first = ("tests/e2e/test_tiny.py", "tests/e2e/test_real_templates_train.py")
+    items.sort(key=lambda item: next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), len(first)))
