@@ -32,4 +32,6 @@ def pytest_collection_modifyitems(config, items):
     # starts them at once and the short ones fill the gaps at the end (CI's wall time is the slowest
     # worker's: these two started last in the 2026-11-25 run, 933 s).
     first = ("tests/e2e/test_tiny.py", "tests/e2e/test_real_templates_train.py")
-    items.sort(key=lambda item: next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), len(first)))
+    items.sort(
+        key=lambda item: next((i for i, f in enumerate(first) if item.nodeid.startswith(f)), len(first))
+    )

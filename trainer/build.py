@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import Experiment
-from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 
@@ -77,11 +76,22 @@ def make_plan(
     )
     if not template:
         template_path, template = strategy.template_for(exp, plan.candidate)
-    sched = strategy.schedule(exp, world_size, saved_ds_config)
+    sched = strategy.schedule(exp, plan.dp_world, saved_ds_config)
     ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
     return Planned(
-        plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched, model=section
-    )
+        plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched,
+        model=with_levers(section, plan.levers),
+    )  # fmt: skip
+
+
+def with_levers(section: Any, levers: Any) -> Any:
+    """The model section as this run builds it: the activation levers the plan chose (auto decided),
+    and sdpa where sequence parallelism needs it and auto would have picked eager."""
+    update = {"activation_checkpointing": levers.checkpointing, "tiled_mlp": levers.tiled_mlp,
+              "offload_activations": levers.offload, "chunked_loss": levers.chunked_loss}  # fmt: skip
+    if levers.sp > 1 and section.attn_implementation == "eager":
+        update["attn_implementation"] = "sdpa"
+    return section.model_copy(update=update)
 
 
 def vocab_for_planning(exp: Experiment) -> tuple[int | None, int | None]:
@@ -130,7 +140,8 @@ class Run:
 
     @property
     def samples_per_step(self) -> int:
-        return self.exp.train.sequences_per_step(self.env.world_size)
+        """Sequences a step trains on: over the data-parallel ranks (world / sequence parallel)."""
+        return self.exp.train.sequences_per_step(self.planned.plan.dp_world)
 
 
 def build(
@@ -158,8 +169,10 @@ def build(
     if agreed is None:
         return None
     data, hosts, notes = agreed
+    from trainer.build_model import model_and_engine
+
     engine, layout = model_and_engine(exp, env, planned, data)
-    stream, evaluator = data_for_rank(exp, runtime, data, one_off)
+    stream, evaluator = data_for_rank(exp, runtime, data, one_off, planned)
     state = TrainState()
     mets = make_metrics(exp, runtime, planned, engine, hosts, max_steps or exp.train.max_steps)
     if data.mixture:
@@ -222,58 +235,6 @@ def claim_and_agree(exp: Experiment, runtime: Any, resume: Any) -> tuple[Any, li
     return data, hosts, notes
 
 
-def model_and_engine(exp: Experiment, env: Any, planned: Planned, data: Any) -> tuple[Any, Any]:
-    """The model (identical initial weights on every rank; at ZeRO-3 never whole on one) and the
-    DeepSpeed engine around it; then the RNG per rank (dropout differs between ranks)."""
-    from trainer import dist, model
-    from trainer.checkpoint.reshard import names_and_aliases
-    from trainer.engine import Engine
-
-    if data.supervised and exp.data.packing:
-        data.packing = packing_verdict(exp, planned.model or exp.model, data)
-    dist.seed_all(exp.seed)
-    module = model.build(
-        planned.model or exp.model,
-        vocab_size=data.vocab_size,
-        eos_id=data.eos_id,
-        seq_len=exp.data.seq_len,
-        ds_config=planned.ds_config,
-    )
-    groups = model.param_groups(module, exp.optim.weight_decay)
-    layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
-    attn = (planned.model or exp.model).attn_implementation
-    engine = Engine(
-        module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode,
-        one_row=data.supervised and attn == "flash_attention_2",
-    )  # fmt: skip
-    dist.seed_all(exp.seed + 1 + env.rank)
-    return engine, layout
-
-
-def packing_verdict(exp: Experiment, section: Any, data: Any) -> str:
-    """data.packing: whether packed examples train as their examples one by one for this model family
-    (`section`: the model section, attention resolved; trainer/model/packing.py: checked here once per
-    family and kernel, cached); refused with the measured difference where they do not."""
-    from trainer import model
-    from trainer.model.packing import verdict
-
-    why = (
-        "packed examples (fine-tuning, or data.separate_documents) are kept apart by restarting position ids"
-    )
-    if section.factory is not None:
-        raise UserError(
-            f"data.packing: {why}, which cannot be checked for a factory's model; set data.packing: false "
-            "(one example per sequence)"
-        )
-    v = verdict(model.hf_config(section, data.vocab_size, data.eos_id), section.attn_implementation,
-                exp.data.cache_dir)  # fmt: skip
-    if not v["packs"]:
-        raise UserError(
-            f"data.packing: {why}; checked here: {v['why']}; set data.packing: false (one example per sequence)"
-        )
-    return v["why"]
-
-
 def eval_prompts(exp: Experiment, data: Any) -> list[str]:
     """train.eval_prompts as the model sees them: for chat data, each a user turn rendered with the
     chat template and its generation prompt."""
@@ -291,24 +252,33 @@ def eval_prompts(exp: Experiment, data: Any) -> list[str]:
 WIDTH_MULTIPLE_COMPILED = 64
 
 
-def data_for_rank(exp: Experiment, runtime: Any, data: Any, one_off: bool) -> tuple[Any, Any]:
-    """This rank's training stream and the evaluator over its share of the eval set."""
+def data_for_rank(
+    exp: Experiment, runtime: Any, data: Any, one_off: bool, planned: Planned
+) -> tuple[Any, Any]:
+    """This rank's training stream and the evaluator over its share of the eval set. Under sequence
+    parallelism the ranks of a sequence group read the same rows (each takes its shard of them: the
+    engine), so the data is split over the data-parallel ranks, world / sequence parallel."""
     from trainer import data as data_mod
     from trainer.loop import Evaluator
 
-    env, t = runtime.env, exp.train
+    env, t, sp = runtime.env, exp.train, planned.plan.sp
+    fixed = sp > 1 or (planned.model or exp.model).tiled_mlp is True  # every rank's rows as long: seq_len
     where = {
-        "rank": env.rank,
-        "world": env.world_size,
+        "rank": env.rank // sp,
+        "world": env.world_size // sp,
         "micro": t.micro_batch_size,
         "device_type": runtime.device_type,
         # fine-tuning batches are as wide as their longest row; under torch.compile a multiple of 64, so
-        # that few shapes are compiled (CUDA graphs record one per shape)
-        "width_multiple": WIDTH_MULTIPLE_COMPILED if t.compile else 1,
+        # that few shapes are compiled (CUDA graphs record one per shape); 0: seq_len wide
+        "width_multiple": 0 if fixed else WIDTH_MULTIPLE_COMPILED if t.compile else 1,
     }
     stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, **where)
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
-    prompts = (data.tokenizer, eval_prompts(exp, data), t.eval_max_new_tokens)
+    asked = eval_prompts(exp, data)
+    if asked and sp > 1 and runtime.is_main:
+        log.warning("warning: train.eval_prompts: no greedy samples under sequence parallelism (the attention "
+                    "layers expect seq_len / sequence_parallel tokens); the eval loss is still computed")  # fmt: skip
+    prompts = (data.tokenizer, [] if sp > 1 else asked, t.eval_max_new_tokens)
     return stream, Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size, prompts)
 
 
@@ -318,11 +288,12 @@ def make_metrics(
     from trainer import metrics
 
     env, t, info = runtime.env, exp.train, planned.info
-    samples = t.sequences_per_step(env.world_size)
+    samples = t.sequences_per_step(planned.plan.dp_world)
     return metrics.Metrics(
         exp.run_dir,
         is_main=runtime.is_main,
         world_size=env.world_size,
+        loss_ranks=planned.plan.dp_world,
         log_every=t.log_every,
         max_steps=max_steps,
         samples_per_step=samples,
@@ -341,6 +312,7 @@ def make_metrics(
             "micro_batch_size": t.micro_batch_size,
             "grad_accum": t.grad_accum,
             "seq_len": exp.data.seq_len,
+            **({"sequence_parallel": planned.plan.sp} if planned.plan.sp > 1 else {}),
         },
     )
 
@@ -359,7 +331,13 @@ def attach_debug(run: Run, directory: str | None) -> None:
     if run.resume is not None:
         dump(f"optimizer_resumed_step{run.state.step}")
     run.stream.record = []
-    run.debug.memory = run.engine.on_backward = consistency.MemoryCensus()
+    run.debug.memory = consistency.MemoryCensus()
+    hooks = [run.debug.memory]
+    from trainer.dist import debug_grads_step
+
+    if debug_grads_step():
+        hooks.append(consistency.GradDump(directory, debug_grads_step(), run.env.rank))
+    run.engine.on_backward = lambda engine: [hook(engine) for hook in hooks]
     run.checkpointer.store.on_save = lambda step: dump(f"optimizer_saved_step{step}")
 
 
@@ -439,13 +417,16 @@ def announce(run: Run) -> None:
         f"backend {runtime.backend}, {runtime.threads} CPU thread(s) per rank",
         f"model: {strategy.describe_params(planned.info, exp.model.lora)}; precision {plan.precision}"
         + (f"; {planned.info.attn_implementation} attention" if planned.info.attn_implementation else "")
-        + ("; chunked loss" if exp.model.chunked_loss else "")
+        + ("; chunked loss" if (planned.model or exp.model).chunked_loss is True else "")
         + (
             f"; torch.compile{'' if t.compile_mode == 'default' else f' ({t.compile_mode})'}"
             if t.compile
             else ""
         ),
-        f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload} -- {plan.reason}",
+        f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload}"
+        + (f", sequence parallel {plan.sp} (data-parallel world {plan.dp_world})" if plan.sp > 1 else "")
+        + f" -- {plan.reason}",
+        f"activation levers: {plan.levers.describe()} ({plan.levers_reason})",
         f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
         f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)}, "
         f"step {format_size(est.step)})",

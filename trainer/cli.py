@@ -74,6 +74,14 @@ OPTIONS = [
     ),
     (("--force",), {**FLAG, "help": "run a pinned stage/offload even if predicted not to fit"}),
     (
+        ("--max-seq-len",),
+        {
+            **FLAG,
+            "help": "with --plan: the longest sequence this job can train here, every "
+            "activation lever and ZeRO rung allowed (docs/strategies.md)",
+        },
+    ),
+    (
         ("--resume",),
         {
             "nargs": "?",
@@ -229,6 +237,8 @@ def _main(argv: list[str] | None = None) -> int:
             )
             if _launcher_rank() == 0:  # replaced at every run (before any rank writes to it)
                 shutil.rmtree(sub, ignore_errors=True)
+        if args.max_seq_len and not args.plan:
+            raise UserError("--max-seq-len goes with --plan: bin/train EXP.yaml --plan --max-seq-len")
         if args.plan or args.print_config:
             return plan_command(exp, args)
         if args.launcher is not None or args.max_restarts is not None:
@@ -280,19 +290,18 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     gpu_mem = dist.device_memory()
     device_type = "cuda" if (gpu_mem is not None or exp.strategy.device_memory is not None) else "cpu"
     vocab, eos = vocab_for_planning(exp)
-    planned = make_plan(
-        exp,
-        world_size=world,
-        gpus_per_node=per_node,
-        device_type=device_type,
-        device_memory=gpu_mem,
-        vocab_size=vocab,
-        eos_id=eos,
-        force=args.force,
-        # device memory given for a machine without a GPU here: planning for another machine
-        this_machine=not (exp.strategy.device_memory is not None and gpu_mem is None),
-        source=args.experiment,
-    )
+
+    def planned_for(e: config_mod.Experiment) -> Any:
+        return make_plan(
+            e, world_size=world, gpus_per_node=per_node, device_type=device_type, device_memory=gpu_mem,
+            vocab_size=vocab, eos_id=eos, force=args.force, source=args.experiment,
+            # device memory given for a machine without a GPU here: planning for another machine
+            this_machine=not (exp.strategy.device_memory is not None and gpu_mem is None),
+        )  # fmt: skip
+
+    if args.max_seq_len:
+        return longest_command(exp, planned_for, world, per_node)
+    planned = planned_for(exp)
     if args.print_config:
         print("# experiment (resolved)")
         print(exp.to_yaml())
@@ -303,12 +312,34 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         print(
             f"model: {strategy.describe_params(info, exp.model.lora)} (largest layer {info.largest_layer:,}), "
             f"micro batch {exp.train.micro_batch_size} x seq {exp.data.seq_len}, activation checkpointing "
-            f"{'on' if exp.model.activation_checkpointing else 'off'}"
+            f"{'on' if planned.plan.levers.checkpointing else 'off'}"
             + (f", {info.attn_implementation} attention" if info.attn_implementation else "")
-            + (", chunked loss" if exp.model.chunked_loss else "")
+            + (", chunked loss" if planned.plan.levers.chunked_loss else "")
             + (f", {exp.model.kernels} kernels" if exp.model.kernels != "none" else "")
         )
         print(strategy.describe_plan(planned.plan))
+    return 0
+
+
+def longest_command(exp: config_mod.Experiment, planned_for: Any, world: int, per_node: int) -> int:
+    """--plan --max-seq-len: the plan at the experiment's data.seq_len (or why nothing fits there), then
+    the longest sequence that fits (trainer/strategy/planning/longest.py)."""
+    from trainer.strategy.planning.longest import STEP, describe_longest, longest_sequence
+
+    try:
+        p = planned_for(exp).plan
+        print(
+            f"at data.seq_len {exp.data.seq_len:,}: {p.candidate.name} with activation levers: {p.levers.describe()}"
+        )
+    except UserError as e:
+        print(f"at data.seq_len {exp.data.seq_len:,}: {str(e).splitlines()[0]}")
+    short = planned_for(exp.model_copy(update={"data": exp.data.model_copy(update={"seq_len": STEP})}))
+    p = short.plan
+    seq, best = longest_sequence(
+        exp, short.info, world_size=world, gpus_per_node=per_node, device_type=p.device_type,
+        device_memory=p.device_memory, host_memory=p.host_memory, precision=p.precision,
+    )  # fmt: skip
+    print(describe_longest(seq, best, exp, short.info))
     return 0
 
 
@@ -340,7 +371,7 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
 def preview_data_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     """--preview-data [N]: the data as it will train (trainer/data/preview.py)."""
     from trainer import data as data_mod
-    from trainer.build import packing_verdict
+    from trainer.build_model import packing_verdict
     from trainer.data.preview import preview
     from trainer.dist import cpu_cores, detect
 

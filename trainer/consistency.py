@@ -242,13 +242,40 @@ class MemoryCensus:
 
     def __call__(self, engine: Any) -> None:
         ds = engine.ds
+        if "optimizer" in self.result:
+            return
         if "grads" not in self.result and ds.is_gradient_accumulation_boundary():
             c = census(ds)
             self.result.update(grads=c["grads"], bucket=c["bucket"])
         elif "grads" in self.result and ds.global_steps >= 1:
             c = census(ds)
             self.result.update(params=c["params"], optimizer=c["optimizer"])
-            engine.on_backward = None
+
+
+class GradDump:
+    """Tests (TRAINER_DEBUG_GRADS=STEP): after the backward pass that ends step STEP's accumulation,
+    every parameter's whole gradient as the optimizer gets it (reduced, gathered from the ZeRO
+    partitions: DeepSpeed's safe_get_full_grad on every rank), written by rank 0 to
+    DIR/grads_stepSTEP.pt."""
+
+    def __init__(self, directory: str, step: int, rank: int) -> None:
+        self.directory, self.step, self.rank, self.done = directory, step, rank, False
+
+    def __call__(self, engine: Any) -> None:
+        ds = engine.ds
+        if self.done or ds.global_steps != self.step - 1 or not ds.is_gradient_accumulation_boundary():
+            return
+        import torch
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {}
+        for name, p in ds.module.named_parameters():
+            g = safe_get_full_grad(p)
+            if g is not None:
+                grads[name] = g.detach().float().cpu().clone()
+        if self.rank == 0:
+            torch.save(grads, Path(self.directory) / f"grads_step{self.step}.pt")
+        self.done = True
 
 
 # ----------------------------------------------------------------------------- preflight

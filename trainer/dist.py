@@ -394,6 +394,12 @@ def debug_dir() -> str | None:
     return os.environ.get("TRAINER_DEBUG_DIR") or None
 
 
+def debug_grads_step() -> int:
+    """Tests (TRAINER_DEBUG_GRADS=STEP): the step after whose backward the gradients are written to the
+    debug directory (consistency.GradDump); 0 = off."""
+    return int(os.environ.get("TRAINER_DEBUG_GRADS") or 0)
+
+
 def attempt() -> int:
     """Which attempt this is (0 = first): set by our supervisor, or torchrun's restart count."""
     return int(os.environ.get("TRAINER_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)

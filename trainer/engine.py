@@ -50,12 +50,21 @@ class Engine:
         compile: bool = False,
         compile_mode: str = "default",
         one_row: bool = False,
+        sequence: Any = None,
     ) -> None:
         import deepspeed
 
         self.ds_config = dict(ds_config)
+        # sequence parallelism: (degree, this rank's place in its group, DeepSpeed's mpu); offloaded
+        # checkpointed activations: whether (and pinned)
+        self.sp, self.sp_rank, mpu = (sequence or {}).get("sp", (1, 0, None))
+        self.offload = (sequence or {}).get("offload", (False, False))
+        # ZeRO-3's reduce-scatter averages over every rank, not the data-parallel ones (DeepSpeed 0.19.8,
+        # stage3.py __avg_scatter_grads): 1/sp of the gradients (measured 0.5 at sp 2); backward scales by sp
+        stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+        self.grad_scale = self.sp if self.sp > 1 and stage == 3 else 1
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=param_groups, config=self.ds_config
+            model=model, model_parameters=param_groups, config=self.ds_config, mpu=mpu
         )
         start_schedule(self.scheduler)
         if compile:  # torch.compile of the module, wrapped so ZeRO's hooks still run
@@ -89,21 +98,18 @@ class Engine:
         return self._loss(batch.to(self.device, non_blocking=True), num_items)
 
     def _loss(self, batch: Any, num_items: float | None) -> Any:
-        # use_cache=False: a training forward builds no key/value cache (transformers would by default:
-        # a copy of every layer's keys and values per step, ~3% of a tiny step on CPU)
-        if batch.dim() == 2:  # every token a target: their mean, unless a padded block is in the data
-            extra = {} if num_items is None else {"num_items_in_batch": num_items}
-            return loss_of(self.ds(input_ids=batch, labels=batch, use_cache=False, **extra))
-        if self.one_row:
-            batch = as_one_row(batch)
-        return loss_of(
-            self.ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
-                    num_items_in_batch=num_items)
-        )  # fmt: skip
+        from trainer.model.sequence import offloaded
+
+        with offloaded(*self.offload):
+            if self.sp > 1:
+                return sequence_parallel_loss(self.ds, batch, num_items, self.sp, self.sp_rank, self.one_row)
+            return plain_loss(
+                self.ds, as_one_row(batch) if self.one_row and batch.dim() == 3 else batch, num_items
+            )
 
     def backward(self, loss: Any) -> Any:
         """Backward of one micro batch; returns the detached loss (no device synchronisation)."""
-        self.ds.backward(loss)
+        self.ds.backward(loss * self.grad_scale if self.grad_scale != 1 else loss)
         if self.on_backward is not None:
             self.on_backward(self)
         return loss.detach()
@@ -125,14 +131,10 @@ class Engine:
         with torch.no_grad():
             return self._loss(batch.to(self.device, non_blocking=True), 1.0).detach()
 
-    @staticmethod
-    def eval_weight(batch: Any) -> Any:
-        """What `eval_loss` of this batch counts for in a mean: its target tokens."""
-        from trainer.data.pack import IGNORE
-
-        if batch.dim() == 2:
-            return batch.shape[0] * (batch.shape[1] - 1)
-        return (batch[:, 1, 1:] != IGNORE).sum()
+    def eval_weight(self, batch: Any) -> Any:
+        """What `eval_loss` of this batch counts for in a mean: its target tokens (this rank's shard's,
+        under sequence parallelism)."""
+        return target_count(batch, self.sp, self.sp_rank)
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
@@ -189,3 +191,48 @@ class Engine:
     @property
     def module(self) -> Any:
         return self.ds.module
+
+
+def sequence_parallel_loss(
+    ds: Any, batch: Any, num_items: float | None, sp: int, rank: int, one_row: bool
+) -> Any:
+    """This rank's seq/sp of every row (trainer/model/sequence.py: shard): its targets' summed loss
+    over `num_items` (the step's targets of the data-parallel ranks; DeepSpeed sums the sequence
+    group's gradients and averages over the data-parallel ranks)."""
+    from trainer.model.sequence import shard
+
+    if one_row and batch.dim() == 3:
+        batch = as_one_row(batch)
+    ids, pos, shifted = shard(batch, sp, rank)
+    if num_items is None:  # token blocks: every micro batch holds as many targets
+        num_items = float(batch.shape[0] * (batch.shape[-1] - 1))
+    return loss_of(
+        ds(input_ids=ids, position_ids=pos, labels=shifted, shift_labels=shifted, use_cache=False,
+           num_items_in_batch=num_items)
+    )  # fmt: skip
+
+
+def plain_loss(ds: Any, batch: Any, num_items: float | None) -> Any:
+    """The loss of one micro batch (see Engine.forward)."""
+    # use_cache=False: a training forward builds no key/value cache (transformers would by default:
+    # a copy of every layer's keys and values per step, ~3% of a tiny step on CPU)
+    if batch.dim() == 2:  # every token a target: their mean, unless a padded block is in the data
+        extra = {} if num_items is None else {"num_items_in_batch": num_items}
+        return loss_of(ds(input_ids=batch, labels=batch, use_cache=False, **extra))
+    return loss_of(
+        ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
+           num_items_in_batch=num_items)
+    )  # fmt: skip
+
+
+def target_count(batch: Any, sp: int = 1, rank: int = 0) -> Any:
+    """The target tokens of a batch (of this rank's shard of it, under sequence parallelism)."""
+    from trainer.data.pack import IGNORE
+
+    if sp > 1:
+        from trainer.model.sequence import shard
+
+        return (shard(batch, sp, rank)[2] != IGNORE).sum()
+    if batch.dim() == 2:
+        return batch.shape[0] * (batch.shape[1] - 1)
+    return (batch[:, 1, 1:] != IGNORE).sum()

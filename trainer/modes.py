@@ -124,8 +124,12 @@ def time_by_kind(averages: Any, cuda: bool, wall: float) -> str:
 
 
 def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
-    """Tests: the engine's logits on the first two training sequences (compared with an export)."""
+    """Tests: the engine's logits on the first two training sequences (compared with an export); not
+    under sequence parallelism, whose attention takes shards of seq_len."""
     import torch
+
+    if getattr(engine, "sp", 1) > 1:
+        return
 
     rows = data.train[:2]
     ids = torch.from_numpy((rows[:, 0] if rows.ndim == 3 else rows).astype("int64"))
@@ -237,8 +241,15 @@ def on_out_of_memory(run: Run, e: BaseException) -> int:
             "strategy.on_oom: escalate with --max-restarts N"
         )
         raise e
+    plan = run.planned.plan
+    after = plan.next_after()
+    rung = None
+    if after is not None:
+        levers, nxt = after
+        rung = [f"strategy.zero_stage={nxt.stage}", f"strategy.offload={nxt.offload}", *levers.overrides()]
     record_oom(run.exp.run_dir, stage=c.stage, offload=c.offload, step=step, rank=env.rank,
-               attempt=dist.attempt(), error=str(e))  # fmt: skip
+               attempt=dist.attempt(), error=str(e), levers=plan.levers.describe(), next_overrides=rung,
+               next_name=None if after is None else f"{after[1].name} with activation levers: {after[0].describe()}")  # fmt: skip
     print(f"[rank {env.rank}] out of memory on {where}; recorded for escalation, ending this attempt",
           file=sys.stderr, flush=True)  # fmt: skip
     return EXIT_OOM

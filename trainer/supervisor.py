@@ -82,13 +82,18 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
 
 
 def record_oom(
-    run_dir: str | Path, *, stage: int, offload: str, step: int, rank: int, attempt: int, error: str
-) -> None:
-    """Called by the rank that ran out of memory (before it exits)."""
+    run_dir: str | Path, *, stage: int, offload: str, step: int, rank: int, attempt: int, error: str,
+    levers: str = "none", next_overrides: list[str] | None = None, next_name: str | None = None,
+) -> None:  # fmt: skip
+    """Called by the rank that ran out of memory (before it exits): the failed (levers, rung), and what
+    the plan ranks next (`next_overrides`, `next_name`; None: nothing after it)."""
     path = Path(run_dir) / ESCALATION
     rec = {
         "stage": stage,
         "offload": offload,
+        "levers": levers,
+        "next": next_overrides,
+        "next_name": next_name,
         "step": step,
         "rank": rank,
         "attempt": attempt,
@@ -310,11 +315,22 @@ def escalated_overrides(
 ) -> tuple[list[str] | None, str]:
     """(the overrides of the attempt after an out-of-memory: one rung above, or None on the last rung;
     what the supervisor says)."""
-    rung = next_rung(escalated["stage"], escalated["offload"])
+    offload = "" if escalated["offload"] == "none" else "+" + escalated["offload"]
+    levers = escalated.get("levers") or "none"
+    where = f"zero{escalated['stage']}{offload}" + ("" if levers == "none" else f" with {levers}")
+    why = f"escalated after out-of-memory on {where} at step {escalated['step']} (attempt {attempt})"
+    if "next" in escalated:  # what the plan ranks next: a ZeRO rung or an activation lever
+        if not escalated["next"]:
+            return None, f"out of memory on {where}, the last the plan ranks: nothing to escalate to"
+        pinned = tuple(o.split("=", 1)[0] + "=" for o in escalated["next"]) + ("strategy.justification=",)
+        said = f"{why}: next attempt on {escalated['next_name']}"
+        return [o for o in overrides if not o.startswith(pinned)] + [
+            *escalated["next"],
+            f"strategy.justification={why}",
+        ], said
+    rung = next_rung(escalated["stage"], escalated["offload"])  # a record from before the levers
     if rung is None:
         return None, "out of memory on the last rung of the ladder: nothing to escalate to"
-    offload = "" if escalated["offload"] == "none" else "+" + escalated["offload"]
-    why = f"escalated after out-of-memory on zero{escalated['stage']}{offload} at step {escalated['step']} (attempt {attempt})"
     pinned = ("strategy.zero_stage=", "strategy.offload=", "strategy.justification=")
     said = f"{why}: next attempt on zero{rung[0]}{'' if rung[1] == 'none' else '+' + rung[1]}"
     return [o for o in overrides if not o.startswith(pinned)] + [

@@ -18,7 +18,16 @@ CHEAP = ("--plan", "--print-config", "--preview-data", "--describe-config")
 # what would train, launch or supervise: dropped (with its value) for the cheap form
 RUNS = {"--check": 0, "--overfit-batch": 0, "--profile": 0, "--dry-run": 0, "--prepare-data": 0,
         "--launcher": 1, "--hostfile": 1, "--max-restarts": 1}  # fmt: skip
-STARTS = ("bin/train", "./bin/train", "deepspeed", "torchrun", "srun", ".venv/bin/python", "python", "python3")
+STARTS = (
+    "bin/train",
+    "./bin/train",
+    "deepspeed",
+    "torchrun",
+    "srun",
+    ".venv/bin/python",
+    "python",
+    "python3",
+)
 
 
 def commands(text: str) -> list[list[str]]:

@@ -154,7 +154,14 @@ def plan_for(info, ranks, micro, seq, checkpointing, host=2048 * GiB, device=80 
         f"model.activation_checkpointing={str(checkpointing).lower()}",
         "model.config.n_positions=8192",
     ]
-    overrides += [f"{k}={v}" for k, v in sets.items()]
+    # the ZeRO axis alone unless a test asks for the activation levers (test_levers.py)
+    levers = {
+        "model.tiled_mlp": "false",
+        "model.offload_activations": "false",
+        "strategy.sequence_parallel": 1,
+        "model.chunked_loss": "false",
+    }
+    overrides += [f"{k}={v}" for k, v in {**levers, **sets}.items()]
     exp = config.load(TINY, overrides)
     return strategy.plan(
         exp,

@@ -72,7 +72,7 @@ def _model_source(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("model.config.model_type", "required: the transformers model type, e.g. gpt2 or llama"))
     if m.factory is not None and not re.match(r"^[\w.]+:[\w.]+$", m.factory):
         out.append(("model.factory", f"'{m.factory}' must look like package.module:function"))
-    if m.chunked_loss and m.factory is not None:
+    if m.chunked_loss is True and m.factory is not None:
         out.append(("model.chunked_loss", "a factory's model computes its own loss; set it to false"))
     if m.kernels != "none" and m.factory is not None:
         out.append(
@@ -81,7 +81,7 @@ def _model_source(exp: Experiment) -> list[tuple[str, str]]:
     if m.lora is not None and m.lora.quantization is not None:
         out.append(("model.lora.quantization", f"{m.lora.quantization} base weights (QLoRA) need a GPU kernel library "
                     "(bitsandbytes) that this project does not use; remove it (LoRA on bf16 weights)"))  # fmt: skip
-    if m.chunked_loss and m.config is not None and isinstance(m.config.get("model_type"), str):
+    if m.chunked_loss is True and m.config is not None and isinstance(m.config.get("model_type"), str):
         problem = chunked_loss_problem(m.config["model_type"])
         if problem:
             out.append(("model.chunked_loss", problem))
@@ -158,6 +158,40 @@ def _formatting(key: str, src: Any) -> list[tuple[str, str]]:
                     )
         elif not isinstance(v, str) or not v:
             out.append((f"{key}.format_map.{k}", f"give the name of the key or column, found {v!r}"))
+    return out
+
+
+@contradiction
+def _levers(exp: Experiment) -> list[tuple[str, str]]:
+    m, s, out = exp.model, exp.strategy, []
+    if m.offload_activations is True and m.activation_checkpointing is False:
+        out.append(("model.offload_activations", "keeps checkpointed activations on the host: set "
+                    "model.activation_checkpointing: true (or auto)"))  # fmt: skip
+    if m.factory is not None:
+        for key in ("tiled_mlp",):
+            if getattr(m, key) is True:
+                out.append(
+                    (
+                        f"model.{key}",
+                        "patches a transformers model's MLPs; a factory's model is its own: set false",
+                    )
+                )
+    sp = s.sequence_parallel
+    if sp == 0:
+        out.append(
+            ("strategy.sequence_parallel", "0 ranks cannot hold a sequence: give 1 (off), a degree, or auto")
+        )
+    elif sp != "auto" and sp > 1:
+        if exp.data.seq_len % sp:
+            out.append(
+                ("strategy.sequence_parallel", f"{sp} does not divide data.seq_len {exp.data.seq_len}")
+            )
+        if m.attn_implementation == "eager":
+            out.append(("strategy.sequence_parallel", "needs sdpa or flash attention (DeepSpeed's Ulysses refuses "
+                        "eager attention, whose score matrix it cannot split): set model.attn_implementation: sdpa"))  # fmt: skip
+        if m.factory is not None:
+            out.append(("strategy.sequence_parallel", "splits a transformers model's attention; a factory's model "
+                        "is its own: set 1"))  # fmt: skip
     return out
 
 

@@ -102,19 +102,29 @@ class ModelSection(Section):
         default_factory=dict, description="keyword arguments passed to `factory`"
     )
     trust_remote_code: bool = Field(False, description="allow model code from the hub (pretrained only)")
-    activation_checkpointing: bool = Field(
-        False, description="recompute activations in backward (less memory, about 30% more compute)"
+    activation_checkpointing: AutoBool = Field(
+        "auto",
+        description="recompute activations in backward (less memory, about 30% more compute); auto = when the "
+        "plan needs it (docs/strategies.md: the activation levers)",
     )
+    tiled_mlp: AutoBool = Field(
+        "auto",
+        description="DeepSpeed's TiledMLP: each layer's MLP run in shards of the sequence and recomputed in "
+        "backward, so its intermediates are never kept; auto = when the plan needs it",
+    )
+    offload_activations: AutoBool = Field("auto", description="with activation checkpointing, keep the "
+                                          "checkpointed layer inputs in host memory; auto = when the plan needs it (GPU only)")  # fmt: skip
     attn_implementation: choice(None, "auto", "eager", "sdpa", "flash_attention_2") = Field(
         "auto",
         description="attention kernel for transformers models; auto = eager on CPU in bf16 with data.seq_len "
         "<= 256 (measured 1.1-1.5x faster steps there), else (and for factories) the model's default; null keeps "
         "the model's default",
     )
-    chunked_loss: bool = Field(
-        False,
+    chunked_loss: AutoBool = Field(
+        "auto",
         description="LM head and cross-entropy in chunks, never the whole logits (less memory and memory "
-        "traffic; transformers causal LMs with a plain LM head, see docs/experiments.md)",
+        "traffic; transformers causal LMs with a plain LM head, see docs/experiments.md); auto = when the plan "
+        "needs it",
     )
     kernels: choice("none", "liger") = Field(
         "none",
@@ -360,8 +370,16 @@ class StrategySection(Section):
     allow_deepspeed_keys: list[str] = Field(
         default_factory=list, description="extra top-level DeepSpeed keys to accept in a template"
     )
+    sequence_parallel: auto_or_count() = Field(
+        "auto",
+        description="Ulysses sequence parallelism: ranks that split every sequence between them (each holds "
+        "seq_len / N of it; attention heads exchanged by all-to-all); 1 = off; auto = when the plan needs it "
+        "(docs/strategies.md: the activation levers)",
+    )
     on_oom: choice("fail", "escalate") = Field(
-        "fail", description="escalate = on out-of-memory, restart from the last checkpoint one rung up"
+        "fail",
+        description="escalate = on out-of-memory, restart from the last checkpoint on what the plan ranks next "
+        "(a ZeRO rung or an activation lever)",
     )
     device_memory: Size = Field(None, description="memory per device, e.g. 80GB; null = read the GPU")
     host_memory: Size = Field(None, description="host memory per node for offload; null = read it")

@@ -163,7 +163,7 @@ def _collate(rows: Any, multiple: int = 1) -> Any:
     arr = np.asarray(rows) if not isinstance(rows, np.ndarray) else rows
     if arr.ndim == 2 and arr[:, -1].min() < 0:  # the padded last block of text (pack.fill_blocks)
         arr = as_rows(arr)
-    elif arr.ndim == 3:
+    elif arr.ndim == 3 and multiple:  # 0: seq_len wide (sequence parallelism, tiled MLPs)
         has = arr[:, 1, :] != IGNORE
         width = int(arr.shape[2] - np.argmax(has.any(axis=0)[::-1])) if has.any() else 1
         arr = arr[:, :, : -(-width // multiple) * multiple]
@@ -323,7 +323,7 @@ class TrainStream:
     def step_tokens(self, micro_steps: int) -> int | None:
         """Fine-tuning rows: the tokens every rank feeds the model in the next step (each micro batch as
         wide as its longest row), for throughput and MFU; None for token blocks (all seq_len wide)."""
-        if self.lengths is None:
+        if self.lengths is None or not self.multiple:
             return None
         w, m, k = self.sampler.world, self.sampler.micro, self.multiple
         return sum(int(np.minimum(micro_widths(rows, self.lengths, w, m, k), self.seq_len).sum()) * m
@@ -333,7 +333,7 @@ class TrainStream:
         """Fine-tuning rows: the padding share of the first epoch (padding_shares)."""
         if self.lengths is None:
             return None
-        return padding_shares(self.sampler, self.lengths, self.seq_len, self.multiple)
+        return padding_shares(self.sampler, self.lengths, self.seq_len, self.multiple or self.seq_len)
 
     def loss_denominator(self, micro_steps: int) -> float | None:
         """Fine-tuning rows: the target tokens of the next `micro_steps` micro batches of every rank
@@ -356,6 +356,8 @@ def eval_batches(
     if data.eval is None:
         return None
     sampler = RankSampler(len(data.eval), rank, world, micro, 0, shuffle=False)
+    if sampler.steps_per_epoch() == 0 and not width_multiple:
+        return None  # seq_len-wide batches of the micro batch's size (sequence parallelism): none there
     if sampler.steps_per_epoch() == 0:
         # Fewer eval sequences than one global batch: evaluate one smaller batch per rank instead.
         micro = max(1, len(data.eval) // world)

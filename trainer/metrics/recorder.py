@@ -56,8 +56,12 @@ class Metrics:
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
         tags: dict[str, Any] | None = None,
+        loss_ranks: int | None = None,
     ) -> None:
         self.is_main = is_main
+        # the ranks a step's loss is spread over: under sequence parallelism each rank holds its shard's
+        # share, summed over its group, so the mean is over the data-parallel ranks
+        self.loss_ranks = loss_ranks or world_size
         # fields every training record carries (world size, strategy, batch: bin/report compares runs)
         self.tags = dict(tags or {})
         self.hosts = hosts or ["?"] * world_size
@@ -194,7 +198,7 @@ def training_record(
 ) -> dict[str, Any]:
     """The record of a log line from the interval's sums of every rank (`rows`)."""
     iv = m.interval
-    loss = sum(r[0] for r in rows) / m.world_size / iv.steps
+    loss = sum(r[0] for r in rows) / m.loss_ranks / iv.steps
     wait_share = sum(r[1] for r in rows) / m.world_size / elapsed
     busy = [(r[1] + r[2]) / iv.steps for r in rows]  # per rank: data wait + forward, per step
     tokens_per_s = iv.tokens / elapsed

@@ -306,7 +306,7 @@ def build(
             model, cfg = _transformers_model(section, vocab_size, eos_id, seq_len, ds_config)
     if cfg is not None:
         check_seq_len(cfg, seq_len)
-    if section.activation_checkpointing:
+    if section.activation_checkpointing is True:  # auto is decided by the plan (planned.model)
         if not hasattr(model, "gradient_checkpointing_enable"):
             raise UserError(
                 "model.activation_checkpointing: the factory's model has no gradient_checkpointing_enable(); "
@@ -320,8 +320,8 @@ def build(
 
         # chunked_loss (no whole logits) is then Liger's fused linear cross-entropy: 8% faster than
         # ours beside Liger's layers on a Llama 1B (BENCHMARKS.md)
-        kernels.apply(model, fused_loss=section.chunked_loss, zero3=zero3)
-    elif section.chunked_loss:
+        kernels.apply(model, fused_loss=section.chunked_loss is True, zero3=zero3)
+    elif section.chunked_loss is True:
         from trainer.model import loss
 
         loss.attach(model, zero3=zero3)

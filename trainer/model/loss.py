@@ -93,12 +93,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    hidden: Any, weight: Any, labels: Any, rows: int | None = None, num_items: float | None = None
-) -> Any:
+    hidden: Any, weight: Any, labels: Any, rows: int | None = None, num_items: float | None = None,
+    shift_labels: Any = None,
+) -> Any:  # fmt: skip
     """Mean cross-entropy of `hidden @ weight.T` against `labels` shifted left by one (transformers'
     causal LM loss), in chunks of `rows` tokens. hidden: (batch, seq, d); labels: (batch, seq);
-    `num_items`: the sum divided by this instead of the number of targets."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+    `num_items`: the sum divided by this instead of the number of targets; `shift_labels`: the
+    targets already shifted (sequence parallelism shifts before it cuts the rows), as transformers takes."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE) if shift_labels is None else shift_labels
+    targets = shifted.reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = rows or loss_chunk_rows(weight.shape[0])
     if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
@@ -131,8 +134,11 @@ def attach(model: Any, zero3: bool = False) -> Any:
         if labels is None:
             return original(input_ids=input_ids, **kwargs)
         num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
         hidden = base(input_ids=input_ids, **kwargs)[0]
-        return CausalLMOutput(loss=linear_cross_entropy(hidden, head.weight, labels, rows, num_items))
+        return CausalLMOutput(
+            loss=linear_cross_entropy(hidden, head.weight, labels, rows, num_items, shift_labels)
+        )
 
     model.forward = forward
     model.chunked_loss_rows = rows

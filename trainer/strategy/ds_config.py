@@ -242,7 +242,7 @@ def ds_config(
     `sched`: the LR schedule (default: a fresh start's, see `schedule`)."""
     d = json.loads(json.dumps(template))  # deep copy
     f = _Filler(template_path)
-    sched = sched or schedule(exp, plan_.world_size)
+    sched = sched or schedule(exp, plan_.dp_world)
     _batch_and_precision(f, d, exp, plan_)
     _optimizer(f, d, exp, plan_, sched)
     _scheduler(f, d, exp, sched)
@@ -263,8 +263,12 @@ def ds_config(
 
 
 def _batch_and_precision(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan) -> None:
-    t, world = exp.train, plan_.world_size
+    t, world = exp.train, plan_.dp_world
     why_batch = f"micro {t.micro_batch_size} x world {world} x grad_accum {t.grad_accum}"
+    if plan_.sp > 1:  # DeepSpeed counts the batch over the data-parallel ranks: world / sequence parallel
+        why_batch = f"micro {t.micro_batch_size} x data-parallel world {world} x grad_accum {t.grad_accum}"
+    if plan_.sp > 1 or "sequence_parallel_size" in d:
+        f.own(d, "sequence_parallel_size", plan_.sp, why="strategy.sequence_parallel / the plan")
     f.own(d, "train_micro_batch_size_per_gpu", t.micro_batch_size, why="train.micro_batch_size")
     f.own(d, "gradient_accumulation_steps", t.grad_accum, why="train.grad_accum")
     f.own(d, "train_batch_size", t.sequences_per_step(world), why=why_batch)
@@ -372,6 +376,13 @@ def _zero(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, info: Mod
     for key, value in zero_sizes(info, zero).items():
         if zero.get(key) in ("auto", "measured"):
             zero[key] = value
+    if plan_.sp > 1 and c.stage == 3:  # the engine's gradient scale assumes the reduce-scatter path
+        f.own(
+            d,
+            "zero_optimization.reduce_scatter",
+            True,
+            why="sequence parallelism at stage 3 (trainer/engine.py)",
+        )
     if zero.get("overlap_comm") == "measured":
         zero["overlap_comm"] = overlap_comm(zero, plan_.device_type == "cuda")
 

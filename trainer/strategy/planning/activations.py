@@ -10,6 +10,7 @@ by `activations_for`. `layer_bytes_per_token` is one layer's share per token.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from trainer.config import Experiment, loss_chunk_rows
 from trainer.strategy.planning.candidates import ModelInfo
@@ -50,6 +51,9 @@ def activations(
     chunked_loss: bool = False,
     kernels: str = "none",
     compiled: bool = False,
+    sp: int = 1,
+    tiled_mlp: bool = False,
+    offload: bool = False,
 ) -> int:
     """Activation bytes per rank: per layer s*b*`layer_bytes_per_token`, plus 5*a*s/h x s*b*h
     attention scores with eager attention; with activation checkpointing the layer inputs (2sbh per
@@ -63,20 +67,33 @@ def activations(
     `compiled` (train.compile): each layer's activations `COMPILED_LAYERS` times eager's, and the whole
     logits' loss only the logits in the training precision (Inductor fuses the fp32 log-softmax and
     its gradient into the loss's kernels: 32.39 GiB measured where the eager count, 18 bytes a logit,
-    gave 76 and refused the run)."""
+    gave 76 and refused the run).
+
+    The sequence levers (levers.py): with sequence parallelism of degree `sp` a rank holds s/sp of
+    every sequence, so every term is over s*b/sp tokens, plus one layer's all-to-all buffers (its
+    query, key, value and context gathered to the whole sequence for the rank's heads: 4*s*b*h/sp);
+    the tiled MLP keeps only the MLP's input (2h a token) where the layer kept its intermediates (the
+    MLP's share of `layer_bytes_per_token`: 8I or 6I with Liger, GPT's 19h of 34h); `offload` keeps
+    the checkpointed layer inputs on the host (`host_activations`), two layers' of them in flight."""
     h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
     if not (h and layers):
         return 0
-    s, b = seq_len, micro_batch
+    s, b = seq_len / max(1, sp), micro_batch
     scale = lp / 2
-    attn = 5 * (a or 1) * s / h if (info.attn_implementation or "eager") == "eager" else 0
-    per_layer = s * b * (layer_bytes_per_token(info, lp, kernels) + h * attn * scale)
+    attn = 5 * (a or 1) * seq_len / h if (info.attn_implementation or "eager") == "eager" else 0
+    per_token = layer_bytes_per_token(info, lp, kernels)
+    if tiled_mlp:
+        per_token -= mlp_bytes_per_token(info, lp, kernels) - 2 * h * scale
+    per_layer = s * b * (per_token + h * attn * scale)
     if compiled:
         per_layer *= COMPILED_LAYERS
     if checkpointing:
-        total = 2 * s * b * h * scale * layers + per_layer
+        kept = 2 if offload else layers  # the layer inputs on the device: all, or two in flight
+        total = 2 * s * b * h * scale * kept + per_layer
     else:
         total = per_layer * layers
+    if sp > 1:
+        total += 4 * s * b * h * scale
     if v and chunked_loss and kernels == "liger":
         rows = min(b * s, 1 << max(0, math.ceil(math.log2(max(1, b * s / math.ceil(v / h))))))
         total += 2 * rows * v * lp + b * s * h * lp + v * h * lp
@@ -90,9 +107,25 @@ def activations(
     return int(total)
 
 
-def activations_for(exp: Experiment, info: ModelInfo, lp: int, chunked_loss: bool) -> int:
+def mlp_bytes_per_token(info: ModelInfo, lp: int, kernels: str = "none") -> float:
+    """The MLP's share of `layer_bytes_per_token`: what the tiled MLP does not keep."""
+    h = info.hidden or 0
+    if not info.intermediate:
+        return 19 * h * lp / 2  # Korthikanti et al.: the MLP's 19h of a GPT layer's 34h
+    return (6 if kernels == "liger" else 8) * info.intermediate * lp / 2
+
+
+def host_activations(info: ModelInfo, micro_batch: int, seq_len: int, lp: int, sp: int = 1) -> int:
+    """model.offload_activations: the checkpointed layer inputs held in host memory, per rank."""
+    if not (info.hidden and info.layers):
+        return 0
+    return int(2 * seq_len / max(1, sp) * micro_batch * info.hidden * lp / 2 * info.layers)
+
+
+def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any) -> int:
+    """The experiment's activation bytes per rank under one setting of the levers (levers.Levers)."""
     m = exp.model
     return activations(
-        info, exp.train.micro_batch_size, exp.data.seq_len, lp, m.activation_checkpointing, chunked_loss,
-        m.kernels, compiled=exp.train.compile,
+        info, exp.train.micro_batch_size, exp.data.seq_len, lp, levers.checkpointing, levers.chunked_loss,
+        m.kernels, compiled=exp.train.compile, sp=levers.sp, tiled_mlp=levers.tiled_mlp, offload=levers.offload,
     )  # fmt: skip

@@ -64,6 +64,7 @@ def estimate_all(
     budget: int,
     host_memory: int | None,
     template: Mapping[str, Any] | None,
+    host_activations: int = 0,
 ) -> list[Estimate]:
     """An estimate per candidate of the table (plus stage 3 with only the optimizer offloaded, when
     the experiment pins that)."""
@@ -99,6 +100,7 @@ def estimate_all(
         fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         step = step_bytes(c, trainable, world_size, lp, fused_wrapper, largest_tensor, sub_group)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
+        host += host_activations  # model.offload_activations: the checkpointed layer inputs, per node
         snap = 0
         if exp.checkpoint.async_ is not False:
             snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes, info.trainable,

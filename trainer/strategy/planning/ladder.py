@@ -12,9 +12,10 @@ from typing import Any
 
 from trainer.config import Experiment, chunked_loss_problem, format_size
 from trainer.errors import UserError
-from trainer.strategy.planning.activations import activations_for
+from trainer.strategy.planning.activations import activations_for, host_activations
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all
+from trainer.strategy.planning.levers import Levers, lever_sets
 from trainer.strategy.planning.states import low_precision_bytes
 
 
@@ -35,6 +36,25 @@ class Plan:
     pinned: bool = False
     justification: str = ""
     auto_choice: Candidate | None = None
+    levers: Levers = Levers()  # the activation levers the plan chose (levers.py)
+    levers_reason: str = ""
+    # every (levers, rung) the plan would try, in its order: the run-time escalation climbs it
+    order: tuple[tuple[Levers, Candidate], ...] = ()
+
+    @property
+    def sp(self) -> int:
+        return self.levers.sp
+
+    @property
+    def dp_world(self) -> int:
+        """The data-parallel world: the ranks that hold different sequences (world / sequence parallel)."""
+        return self.world_size // self.levers.sp
+
+    def next_after(self) -> tuple[Levers, Candidate] | None:
+        """What the run-time escalation tries after an out-of-memory on the chosen (levers, rung)."""
+        here = (self.levers, self.candidate)
+        later = self.order[self.order.index(here) + 1 :] if here in self.order else ()
+        return later[0] if later else None
 
     @property
     def estimate(self) -> Estimate:
@@ -112,6 +132,8 @@ class Plan:
         return {
             "stage": self.candidate.stage,
             "offload": self.candidate.offload,
+            "levers": self.levers.describe(),
+            "sequence_parallel": self.levers.sp,
             "offload_params": self.candidate.offload_params,
             "reason": self.reason,
             "pinned": self.pinned,
@@ -156,25 +178,39 @@ def plan(
     lp = low_precision_bytes(precision)
     budget = int(device_memory * s.headroom)
     pinned = pinned_choice(exp, template)
-    act = activations_for(exp, info, lp, exp.model.chunked_loss)
-    estimates = estimate_all(
-        exp, info, pinned, act=act, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
-        on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory, template=template,
-    )  # fmt: skip
-    by = {e.candidate: e for e in estimates}
-    auto_choice = next((c for c in LADDER if by[c].fits), None)
     is_pinned = pinned[0] is not None or pinned[1] is not None
-    options = _options(by, pinned)
-    chosen = next((c for c in options if by[c].fits), None)
-    hint = _chunked_loss_hint(
-        exp, info, act - activations_for(exp, info, lp, True), budget, [by[c] for c in LADDER]
-    )
-    if chosen is None:
+
+    def estimates_for(levers: Levers) -> list[Estimate]:
+        # sequence parallelism runs sdpa where auto would have picked eager (CPU, bf16, short sequences)
+        sp_info = info
+        if levers.sp > 1 and info.attn_implementation == "eager" and exp.model.attn_implementation == "auto":
+            sp_info = dataclasses.replace(info, attn_implementation="sdpa")
+        act = activations_for(exp, sp_info, lp, levers)
+        extra = (
+            host_activations(info, exp.train.micro_batch_size, exp.data.seq_len, lp, levers.sp)
+            if levers.offload
+            else 0
+        )
+        return estimate_all(
+            exp, info, pinned, act=act, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
+            on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory, template=template,
+            host_activations=extra * gpus_per_node,
+        )  # fmt: skip
+
+    settings = list(lever_sets(exp, info, world_size, device_type))
+    found, first, order = _search(settings, estimates_for, pinned)
+    if found is None:
+        levers, estimates, by, options = first
+        auto_choice = next((c for c in LADDER if by[c].fits), None)
+        hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
         if not (is_pinned and force and options):
-            raise _no_fit(
-                exp, by, options if is_pinned else [], auto_choice, hint, budget, device_memory, world_size
-            )
+            raise _no_fit(exp, by, options if is_pinned else [], auto_choice, hint, budget, device_memory, world_size,
+                          levers, len(settings))  # fmt: skip
         chosen = options[0]
+    else:
+        levers, estimates, by, options, chosen = found
+        auto_choice = next((c for c in LADDER if by[c].fits), None)
+        hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
     return Plan(
         candidate=chosen,
         reason=_reason(exp, by, chosen, auto_choice, is_pinned, hint, budget),
@@ -189,6 +225,45 @@ def plan(
         pinned=is_pinned,
         justification=s.justification.strip(),
         auto_choice=auto_choice,
+        levers=levers,
+        levers_reason=_levers_reason(levers, settings, estimates_for, pinned, budget),
+        order=tuple(order),
+    )
+
+
+def _search(
+    settings: list[Levers], estimates_for: Any, pinned: Any
+) -> tuple[Any, Any, list[tuple[Levers, Candidate]]]:
+    """Every setting of the levers in order: (the first with a rung that fits: levers, estimates, by
+    candidate, options, the rung; or None), (the cheapest setting's levers, estimates, by, options),
+    and every (levers, rung) in the plan's order (the run-time escalation climbs it)."""
+    found, first, order = None, None, []
+    for levers in settings:
+        estimates = estimates_for(levers)
+        by = {e.candidate: e for e in estimates}
+        options = _options(by, pinned)
+        order += [(levers, c) for c in options]
+        if first is None:
+            first = (levers, estimates, by, options)
+        chosen = next((c for c in options if by[c].fits), None)
+        if found is None and chosen is not None:
+            found = (levers, estimates, by, options, chosen)
+    return found, first, order
+
+
+def _levers_reason(
+    levers: Levers, settings: list[Levers], estimates_for: Any, pinned: Any, budget: int
+) -> str:
+    """Why these levers: none needed, or what the cheaper settings' lowest rung would need."""
+    fixed = len(settings) == 1
+    if levers == settings[0]:
+        return "as the experiment sets them" if fixed else "the cheapest setting: a rung fits without more"
+    cheapest = {e.candidate: e for e in estimates_for(settings[0])}
+    best = min((cheapest[c] for c in _options(cheapest, pinned)), key=lambda e: e.total)
+    return (
+        f"the cheapest setting with which a rung fits; without levers the smallest candidate ({best.candidate.name}) "
+        f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
+        f"{format_size(budget)}"
     )
 
 
@@ -220,8 +295,11 @@ def _no_fit(
     budget: int,
     device_memory: int,
     world_size: int,
+    levers: Levers = Levers(),
+    settings: int = 1,
 ) -> UserError:
-    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit."""
+    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit
+    (the table: under the cheapest setting of the levers, `levers`, of the `settings` tried)."""
     headroom = exp.strategy.headroom
     if pinned_options:
         c, e = pinned_options[0], by[pinned_options[0]]
@@ -236,10 +314,16 @@ def _no_fit(
             + "Pass --force to run anyway."
         )
     else:
+        tried = (
+            f" under any of the {settings} settings of the activation levers the experiment allows"
+            if settings > 1
+            else ""
+        )
         msg = (
             f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
-            f"{headroom}) on {world_size} rank(s): lower train.micro_batch_size or data.seq_len, set "
-            "model.activation_checkpointing: true, add ranks, or give strategy.nvme_path for NVMe offload."
+            f"{headroom}) on {world_size} rank(s){tried}: lower train.micro_batch_size or data.seq_len, "
+            "let the levers help (model.activation_checkpointing, model.tiled_mlp, strategy.sequence_parallel: "
+            "auto), add ranks, or give strategy.nvme_path for NVMe offload."
         )
     return UserError(
         msg
@@ -290,13 +374,19 @@ def _reason(
 
 
 def _chunked_loss_hint(
-    exp: Experiment, info: ModelInfo, saved: int, budget: int, ladder: list[Estimate]
+    exp: Experiment, info: ModelInfo, by: dict[Candidate, Estimate], levers: Levers, budget: int, lp: int
 ) -> str:
-    """When the whole logits cost a rung of the ladder (or every rung): what model.chunked_loss
-    would save (`saved` bytes per rank), and the rung that would then fit. Empty when it would
+    """When nothing fits and the whole logits cost a rung of the ladder (or every rung): what
+    model.chunked_loss would save per rank, and the rung that would then fit. Empty when it would
     change nothing."""
-    if exp.model.chunked_loss or exp.model.factory is not None or chunked_loss_problem(info.model_type):
+    if levers.chunked_loss or exp.model.factory is not None or chunked_loss_problem(info.model_type):
         return ""
+    import dataclasses as dc
+
+    saved = activations_for(exp, info, lp, levers) - activations_for(
+        exp, info, lp, dc.replace(levers, chunked_loss=True)
+    )
+    ladder = [by[c] for c in LADDER]
     for e in ladder:
         if e.fits or e.candidate.offload == "nvme":
             return ""  # the rungs below the chosen one would not fit even without the logits
@@ -341,7 +431,12 @@ def describe_plan(plan_: Plan) -> str:
         host += (
             f" (host/node counts the copy an asynchronous save takes, checkpoint.async: {format_size(snap)})"
         )
+    levers = (
+        f"\nactivation levers: {plan_.levers.describe()} ({plan_.levers_reason})"
+        if plan_.levers_reason
+        else ""
+    )
     return (
         f"{plan_.table()}\n\n{mem}; {host}; world size {plan_.world_size} ({plan_.gpus_per_node} per node); "
-        f"precision {plan_.precision}\ndecision: {plan_.candidate.name}: {plan_.reason}"
+        f"precision {plan_.precision}{levers}\ndecision: {plan_.candidate.name}: {plan_.reason}"
     )

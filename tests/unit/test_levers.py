@@ -1,0 +1,121 @@
+"""The second axis of the plan (trainer/strategy/planning/levers.py, activations.py, ladder.py,
+longest.py): activation levers (sequence parallelism, the tiled loss and MLP, checkpointing, host
+copies) counted per rank, tried cheapest first before the next ZeRO rung."""
+
+import pytest
+from helpers import TINY
+
+from trainer import config, strategy
+from trainer.errors import UserError
+from trainer.strategy.planning.levers import Levers, lever_sets, sp_problem
+from trainer.strategy.planning.longest import longest_sequence
+
+GiB = 2**30
+# A Llama-3-8B shape: hidden 4096, 32 layers, GQA 32/8, SwiGLU 14336, vocabulary 128,256
+L8 = strategy.ModelInfo(params=8_030_261_248, largest_layer=525_336_576, hidden=4096, layers=32, heads=32,
+                        kv_heads=8, vocab=128256, positions=1 << 20, attn_implementation="sdpa", model_type="llama",
+                        intermediate=14336)  # fmt: skip
+
+
+def plan(info=L8, ranks=8, seq=32768, device=80 * GiB, host=1024 * GiB, **sets):
+    overrides = [f"data.seq_len={seq}", "train.micro_batch_size=1", "train.precision=bf16",
+                 "model.config.n_positions=1048576", "strategy.justification="]  # fmt: skip
+    exp = config.load(TINY, overrides + [f"{k}={v}" for k, v in sets.items()])
+    return strategy.plan(exp, info, world_size=ranks, gpus_per_node=min(ranks, 8), device_type="cuda",
+                         device_memory=device, host_memory=host, precision="bf16")  # fmt: skip
+
+
+def test_an_8b_model_at_32k_tokens_on_8_gpus_fits_with_sequence_parallelism():
+    """The issue's case: every ZeRO rung refused it (the activations alone over 80 GB); one lever,
+    Ulysses over the 8 ranks, brings the activations under the budget and zero2 fits; the table and
+    the reason say which lever and why."""
+    with pytest.raises(UserError, match="nothing fits"):
+        plan(**{"strategy.sequence_parallel": 1, "model.activation_checkpointing": "false", "model.tiled_mlp": "false",
+                "model.chunked_loss": "false", "model.offload_activations": "false"})  # fmt: skip
+    p = plan()
+    assert p.levers == Levers(sp=8) and p.candidate.name == "zero2" and p.dp_world == 1
+    assert (
+        "the cheapest setting with which a rung fits" in p.levers_reason
+        and "274.45 GB of activations" in p.levers_reason
+    )
+    assert "activation levers: sequence parallel 8" in strategy.describe_plan(p)
+
+
+def test_sequence_parallelism_divides_the_activations_and_adds_the_all_to_all_buffers():
+    """Every per-token term over seq/sp tokens (the whole logits too); the tiled loss's chunk and the
+    head's gradient stay whole."""
+    one = strategy.activations(L8, 1, 32768, 2, False)
+    eight = strategy.activations(L8, 1, 32768, 2, False, sp=8)
+    buffers = 4 * 32768 / 8 * 4096
+    assert eight == pytest.approx(one / 8 + buffers, rel=1e-6)
+
+
+def test_the_tiled_mlp_keeps_the_mlps_input_instead_of_its_intermediates():
+    whole = strategy.activations(L8, 1, 8192, 2, False, True)
+    tiled = strategy.activations(L8, 1, 8192, 2, False, True, tiled_mlp=True)
+    # 8I of 2-byte values a token and layer (gate, silu, up, product) become the input, 2h
+    assert whole - tiled == pytest.approx(8192 * 32 * (8 * 14336 - 2 * 4096), rel=1e-6)
+
+
+def test_offloaded_checkpoints_keep_two_layer_inputs_on_the_device_and_the_rest_on_the_host():
+    ckpt = strategy.activations(L8, 1, 8192, 2, True, True)
+    off = strategy.activations(L8, 1, 8192, 2, True, True, offload=True)
+    assert ckpt - off == pytest.approx(2 * 8192 * 4096 * 30, rel=1e-6)  # 30 of 32 layer inputs leave
+    p = plan(seq=262144, ranks=1)
+    assert p.levers.offload and p.estimate.host > 32 * 2 * 262144 * 4096  # counted in host memory
+
+
+def test_levers_are_tried_cheapest_first_and_the_experiment_fixes_what_it_sets():
+    exp = config.load(TINY, ["model.config.n_positions=4096"])
+    order = list(lever_sets(exp, L8, 8, "cuda"))
+    assert order[0] == Levers() and order[1] == Levers(chunked_loss=True)
+    assert [len(x.on) for x in order] == sorted(len(x.on) for x in order)  # fewest levers first
+    assert all(x.checkpointing for x in order if x.offload)  # host copies are of checkpointed activations
+    assert {x.sp for x in order} == {1, 2, 4, 8}
+    fixed = config.load(TINY, ["strategy.sequence_parallel=1", "model.activation_checkpointing=true"])
+    assert all(x.sp == 1 and x.checkpointing for x in lever_sets(fixed, L8, 8, "cuda"))
+    assert not any(x.offload for x in lever_sets(exp, L8, 8, "cpu"))  # no host copies on a CPU run
+
+
+@pytest.mark.parametrize(
+    ("sp", "ranks", "heads", "kv", "seq", "attn", "why"),
+    [
+        (2, 3, 32, 8, 1024, "sdpa", "not a multiple of 2"),
+        (3, 3, 32, 8, 1023, "sdpa", "attention heads do not divide by 3"),
+        (4, 4, 12, 6, 1024, "sdpa", "divide neither way"),
+        (4, 4, 32, 8, 1026, "sdpa", "does not divide by 4"),
+        (2, 2, 32, 8, 1024, "eager", "eager attention"),
+    ],
+)
+def test_sequence_parallelism_refuses_what_ulysses_cannot_split(sp, ranks, heads, kv, seq, attn, why):
+    info = strategy.ModelInfo(params=1, largest_layer=1, heads=heads, kv_heads=kv)
+    assert why in sp_problem(info, sp, ranks, seq, attn)
+    assert (
+        sp_problem(strategy.ModelInfo(params=1, largest_layer=1, heads=32, kv_heads=2), 8, 8, 1024, "sdpa")
+        is None
+    )
+
+
+def test_the_longest_sequence_on_one_h100():
+    """--plan --max-seq-len for the 8B on one 80 GB GPU with 1 TB of host memory: every lever and
+    rung: about half a million tokens (ALST reports 500K on one H100), and more with 8 GPUs."""
+    exp = config.load(
+        TINY, ["model.config.n_positions=1048576", "train.micro_batch_size=1", "train.precision=bf16"]
+    )
+    kw = {"gpus_per_node": 1, "device_type": "cuda", "device_memory": 80 * GiB, "host_memory": 1024 * GiB,
+          "precision": "bf16"}  # fmt: skip
+    one, p = longest_sequence(exp, L8, world_size=1, **kw)
+    assert 400_000 < one < 700_000 and p.candidate.name == "zero3+cpu" and p.levers.checkpointing
+    wide = strategy.ModelInfo(**{**L8.__dict__, "positions": 1 << 23})
+    eight, p8 = longest_sequence(exp, wide, world_size=8, **{**kw, "gpus_per_node": 8})
+    assert eight > 2 * one and p8.levers.sp == 8
+
+
+def test_the_run_time_escalation_climbs_the_rungs_then_the_levers():
+    p = plan(info=strategy.ModelInfo(params=10**6, largest_layer=10**5, hidden=64, layers=2, heads=4, vocab=96,
+                                     model_type="llama"),
+             seq=256, ranks=2, **{"strategy.zero_stage": 3, "strategy.offload": "none",
+                                  "strategy.justification": "test"})  # fmt: skip
+    assert p.candidate.name == "zero3" and p.levers == Levers()
+    levers, nxt = p.next_after()
+    assert nxt.name == "zero3" and levers == Levers(chunked_loss=True)  # the pinned rung, the next lever

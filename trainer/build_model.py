@@ -1,0 +1,96 @@
+"""The model and the engine around it (trainer/build.py's `build` calls `model_and_engine`): the
+packing check for the model family, the model with the plan's activation levers put in (Ulysses
+attention, tiled MLPs: trainer/model/sequence.py), then DeepSpeed's engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.config import Experiment
+from trainer.errors import UserError
+
+
+def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tuple[Any, Any]:
+    """The model (identical initial weights on every rank; at ZeRO-3 never whole on one) and the
+    DeepSpeed engine around it; then the RNG per rank (dropout differs between ranks)."""
+    from trainer import dist, model
+    from trainer.checkpoint.reshard import names_and_aliases
+    from trainer.engine import Engine
+
+    if data.supervised and exp.data.packing:
+        data.packing = packing_verdict(exp, planned.model or exp.model, data)
+    dist.seed_all(exp.seed)
+    module = model.build(
+        planned.model or exp.model,
+        vocab_size=data.vocab_size,
+        eos_id=data.eos_id,
+        seq_len=exp.data.seq_len,
+        ds_config=planned.ds_config,
+    )
+    groups = model.param_groups(module, exp.optim.weight_decay)
+    layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
+    section = planned.model or exp.model
+    one_row = data.supervised and section.attn_implementation == "flash_attention_2"
+    engine = Engine(
+        module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode,
+        one_row=one_row, sequence=sequence_levers(exp, env, planned, module, one_row),
+    )  # fmt: skip
+    dist.seed_all(exp.seed + 1 + env.rank)
+    return engine, layout
+
+
+def sequence_levers(exp: Experiment, env: Any, planned: Any, module: Any, one_row: bool) -> dict[str, Any]:
+    """The activation levers the plan chose, put into the model (trainer/model/sequence.py) before
+    DeepSpeed wraps it: Ulysses attention for sequence parallelism (its mpu for deepspeed.initialize),
+    tiled MLPs; and what the engine needs: this rank's place in its sequence group, the host copies."""
+    from trainer.dist import gpu_present
+    from trainer.model import sequence
+
+    sp, section, micro, seq = (
+        planned.plan.sp,
+        planned.model or exp.model,
+        exp.train.micro_batch_size,
+        exp.data.seq_len,
+    )
+    rows, tokens = (1, micro * seq) if one_row else (micro, seq)  # flash_attention_2: the rows as one
+    mpu = None
+    if sp > 1:
+        cfg = getattr(module, "config", None)
+        problem = (
+            sequence.ulysses_verdict(cfg, cfg._attn_implementation, exp.data.cache_dir)
+            if cfg
+            else "no config"
+        )
+        if problem:
+            raise UserError(
+                f"strategy.sequence_parallel: {sp} (the plan's choice or the experiment's) cannot run model type "
+                f"'{getattr(cfg, 'model_type', None)}': {problem}; set strategy.sequence_parallel: 1"
+            )
+        mpu = sequence.register_ulysses(module, sp, rows, tokens)
+    if section.tiled_mlp is True:
+        sequence.tile_mlps(module, tokens // sp)
+    return {"sp": (sp, env.rank % sp, mpu), "offload": (section.offload_activations is True, gpu_present())}
+
+
+def packing_verdict(exp: Experiment, section: Any, data: Any) -> str:
+    """data.packing: whether packed examples train as their examples one by one for this model family
+    (`section`: the model section, attention resolved; trainer/model/packing.py: checked here once per
+    family and kernel, cached); refused with the measured difference where they do not."""
+    from trainer import model
+    from trainer.model.packing import verdict
+
+    why = (
+        "packed examples (fine-tuning, or data.separate_documents) are kept apart by restarting position ids"
+    )
+    if section.factory is not None:
+        raise UserError(
+            f"data.packing: {why}, which cannot be checked for a factory's model; set data.packing: false "
+            "(one example per sequence)"
+        )
+    v = verdict(model.hf_config(section, data.vocab_size, data.eos_id), section.attn_implementation,
+                exp.data.cache_dir)  # fmt: skip
+    if not v["packs"]:
+        raise UserError(
+            f"data.packing: {why}; checked here: {v['why']}; set data.packing: false (one example per sequence)"
+        )
+    return v["why"]

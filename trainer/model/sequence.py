@@ -1,0 +1,225 @@
+"""The activation levers at run time (the plan chooses them: trainer/strategy/planning/levers.py).
+
+- **Sequence parallelism** (`strategy.sequence_parallel`): DeepSpeed's Ulysses for transformers models
+  (`deepspeed.runtime.sequence_parallel.ulysses_sp`). Ranks `sp * k ... sp * k + sp - 1` form a
+  sequence-parallel group (DeepSpeed's `parallel_state_sp`): they hold the same rows, each `seq_len /
+  sp` of every one (`shard`), and every attention layer exchanges heads for sequence by all-to-all, so
+  that each rank attends over the whole sequence for `heads / sp` of the heads (key/value heads split,
+  or replicated where there are fewer than `sp`, as DeepSpeed does). The labels are shifted before the
+  rows are cut, so the token after a shard's last one is its target. DeepSpeed's wrapper drops the
+  attention mask and leaves sdpa causal over the whole sequence; packed rows need their examples kept
+  apart, so the core attention here builds the per-example causal mask from the gathered position ids
+  when they restart (`packed_sdpa`; flash_attention_2 reads packed sequences from them itself).
+- **Tiled MLP** (`model.tiled_mlp`): DeepSpeed's `TiledMLP` around every decoder layer's MLP: the
+  sequence in shards of about `hidden` tokens, the MLP recomputed shard by shard in backward, its
+  intermediates never kept. The shard count is fixed from the planned sequence, so that every rank runs
+  as many (ZeRO-3 gathers the MLP's weights at each).
+- **Checkpointed activations on the host** (`model.offload_activations`): reentrant activation
+  checkpointing saves each layer's input with `save_for_backward`, which `offloaded()` moves to
+  (pinned) host memory during the forward pass and back in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+IGNORE = -100
+
+
+def packed_sdpa(core: Any) -> Any:
+    """transformers' sdpa attention, given the gathered position ids: where they restart (packed
+    examples), a causal mask per example; otherwise the plain causal attention."""
+
+    def attend(
+        module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        pos = kwargs.get("position_ids")
+        if attention_mask is None and pos is not None and bool((pos[:, 1:] <= pos[:, :-1]).any()):
+            import torch
+
+            example = torch.cumsum((pos == 0).to(torch.int32), dim=-1)  # which example each token is of
+            n = pos.shape[-1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
+            attention_mask = (example[:, :, None] == example[:, None, :]) & causal
+            attention_mask = attention_mask[:, None]  # (batch, 1, query, key)
+        return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attend
+
+
+def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any:
+    """Replace the model's attention kernel with DeepSpeed's Ulysses wrapper around it, for `sp` ranks
+    holding `seq_len / sp` tokens of `micro_batch` rows each; returns the mpu that
+    `deepspeed.initialize` takes. (DeepSpeed's `register_with_transformers`, with the packed-aware core
+    for sdpa.)"""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    kernel = model.config._attn_implementation
+    if kernel not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        from trainer.errors import UserError
+
+        raise UserError(
+            f"strategy.sequence_parallel: {sp} needs sdpa or flash attention; the model runs '{kernel}': set "
+            "model.attn_implementation: sdpa"
+        )
+    with contextlib.suppress(AssertionError):  # a second engine in one process (tests) reuses the groups
+        mpu.initialize_sequence_parallel(sequence_parallel_size=sp)
+    cfg = model.config.get_text_config()
+    core = ALL_ATTENTION_FUNCTIONS[kernel]
+    uattn = UlyssesSPAttentionHF(
+        attn=packed_sdpa(core) if kernel == "sdpa" else core,
+        batch_size=micro_batch,
+        attn_head_count=cfg.num_attention_heads,
+        attn_head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        kv_head_count=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        num_hidden_layers=cfg.num_hidden_layers,
+        process_group=mpu.get_sequence_parallel_group(),
+        seq_length_is_variable=False,
+        local_seq_length=seq_len // sp,
+        global_seq_length=seq_len,
+    )
+    uattn.core_attn_implementation = kernel
+
+    def wrapper(
+        module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        # the mask transformers built is for the shard's length: the core builds its own (packed_sdpa)
+        return uattn(module, query, key, value, None, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[kernel] = wrapper
+    return mpu
+
+
+def shard(batch: Any, sp: int, rank: int) -> tuple[Any, Any, Any]:
+    """Fine-tuning rows (micro, 3, seq) or token blocks (micro, seq) -> this rank's (input ids, position
+    ids, shifted labels) for its seq/sp of every row: the labels shifted left over the whole row first,
+    so that a shard's last token is trained on the next shard's first."""
+    import torch
+
+    if batch.dim() == 2:
+        ids, labels = batch, batch
+        pos = torch.arange(batch.shape[1], device=batch.device).expand_as(batch)
+    else:
+        ids, labels, pos = batch[:, 0], batch[:, 1], batch[:, 2]
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    n = ids.shape[1] // sp
+    cut = slice(rank * n, (rank + 1) * n)
+    return ids[:, cut].contiguous(), pos[:, cut].contiguous(), shifted[:, cut].contiguous()
+
+
+def tile_mlps(model: Any, tokens: int) -> int:
+    """Wrap every decoder layer's `mlp` in DeepSpeed's TiledMLP: shards of about `hidden` of the
+    `tokens` a rank's row holds (the same count on every rank). Returns how many MLPs it wrapped."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    hidden = model.config.get_text_config().hidden_size
+    shards = max(1, math.ceil(tokens / hidden))
+    wrapped = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "mlp" or not hasattr(module, "forward"):
+            continue
+        forward = type(module).forward
+        params = [p for p in module.parameters()]
+
+        def tiled(x: Any, _m: Any = module, _f: Any = forward, _p: Any = params) -> Any:
+            return TiledMLP.apply(lambda self, h: _f(self, h), _m, x, shards, _p)
+
+        module.forward = tiled
+        wrapped += 1
+    if not wrapped:
+        from trainer.errors import UserError
+
+        raise UserError(
+            f"model.tiled_mlp: {type(model).__name__} has no decoder layers with an `mlp` module to tile; set it "
+            "to false"
+        )
+    return wrapped
+
+
+@contextlib.contextmanager
+def offloaded(on: bool, pin: bool) -> Iterator[None]:
+    """Around a forward pass with reentrant checkpointing: what it saves for backward (each layer's
+    input) is kept in host memory (`pin`: page-locked, for the copies back to the GPU)."""
+    if not on:
+        yield
+        return
+    import torch
+
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        yield
+
+
+def ulysses_verdict(config: Any, kernel: str, cache_dir: Any = None) -> str | None:
+    """Why this model family cannot run DeepSpeed's Ulysses (None: it can), checked in this process on
+    a small model of the family (packing.shrunk) and cached beside the packing verdicts: its attention
+    layers must pass position ids to the attention function (Ulysses gathers them) and take back its
+    output as (batch, sequence, heads x head size), the shape Ulysses returns; the logits must then be
+    those of the model's own attention."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    from trainer.files import write_atomic
+
+    fields = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
+    key = json.dumps(["ulysses", kernel, transformers.__version__, fields], sort_keys=True, default=str)
+    path = None
+    if cache_dir is not None:
+        path = (
+            Path(cache_dir).expanduser() / "packing" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+        )
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(path.read_text())["problem"]
+    problem = _ulysses_problem(config, kernel)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({"problem": problem}))
+    return problem
+
+
+def _ulysses_problem(config: Any, kernel: str) -> str | None:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from trainer.model.packing import VOCAB, shrunk
+
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(shrunk(config), attn_implementation=kernel).float().eval()
+    except Exception as e:  # noqa: BLE001 (a family without this kernel)
+        return f"a small model of it could not be built with {kernel} attention ({type(e).__name__}: {str(e)[:150]})"
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    core, seen = ALL_ATTENTION_FUNCTIONS[kernel], []
+
+    def as_ulysses(module: Any, q: Any, k: Any, v: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append("position_ids" in kwargs)
+        out, weights = core(module, q, k, v, mask, *args, **kwargs)
+        return out.reshape(*out.shape[:2], -1), weights  # Ulysses returns (batch, sequence, heads x size)
+
+    ALL_ATTENTION_FUNCTIONS[kernel] = as_ulysses
+    try:
+        with torch.no_grad():
+            got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    except Exception as e:  # noqa: BLE001
+        return f"its attention layers do not take the output shape Ulysses returns ({type(e).__name__}: {str(e)[:150]})"
+    finally:
+        ALL_ATTENTION_FUNCTIONS[kernel] = core
+    if not seen:
+        return "its attention layers do not call transformers' attention functions, which Ulysses replaces"
+    if not all(seen):
+        return "its attention layers do not pass the position ids, which Ulysses gathers across the ranks"
+    if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+        return "its attention layers read the attention output in a layout other than Ulysses returns"
+    return None

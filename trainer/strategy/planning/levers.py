@@ -1,0 +1,117 @@
+"""The second axis: the levers that shrink activations rather than model states, and the order they
+are tried in.
+
+A `Levers` is one setting of all of them: Ulysses sequence parallelism of degree `sp` (each rank holds
+seq_len / sp of every sequence; DeepSpeed's `ulysses_sp`), the tiled loss (`model.chunked_loss`), the
+tiled MLP (`model.tiled_mlp`: DeepSpeed's TiledMLP, the MLP recomputed in shards in backward),
+activation checkpointing, and checkpointed activations offloaded to host memory
+(`model.offload_activations`). What the experiment sets is fixed; `auto` lets the planner choose.
+`lever_sets` yields every allowed setting cheapest first: fewest levers on, then the cheaper ones
+(the tiled loss costs nothing measurable, then the tiled MLP's recompute, sequence parallelism's
+all-to-alls, checkpointing's recompute of whole layers, the host copies), then the smaller degree. The
+ladder (ladder.py) takes the first setting under which a ZeRO rung fits, and within it the lowest
+rung: fewest costly levers first, then the lowest rung.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config import Experiment, chunked_loss_problem
+from trainer.strategy.planning.candidates import ModelInfo
+
+# the levers' costs, cheapest first (their order among settings with as many levers on)
+COST = {"chunked_loss": 1, "tiled_mlp": 2, "sp": 3, "checkpointing": 4, "offload": 5}
+SP_DEGREES = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """One setting of the activation levers."""
+
+    sp: int = 1
+    chunked_loss: bool = False
+    tiled_mlp: bool = False
+    checkpointing: bool = False
+    offload: bool = False  # checkpointed activations on the host (needs checkpointing)
+
+    @property
+    def on(self) -> list[str]:
+        return [k for k in COST if (self.sp > 1 if k == "sp" else getattr(self, k))]
+
+    @property
+    def cost(self) -> tuple[int, int, int]:
+        return len(self.on), sum(COST[k] for k in self.on), self.sp
+
+    def describe(self) -> str:
+        names = {"chunked_loss": "tiled loss", "tiled_mlp": "tiled MLP", "checkpointing": "activation checkpointing",
+                 "offload": "checkpointed activations on the host"}  # fmt: skip
+        parts = [f"sequence parallel {self.sp}" if k == "sp" else names[k] for k in self.on]
+        return ", ".join(parts) or "none"
+
+    def overrides(self) -> list[str]:
+        """The --set overrides that pin this setting (the supervisor's escalation)."""
+        return [
+            f"strategy.sequence_parallel={self.sp}",
+            f"model.chunked_loss={str(self.chunked_loss).lower()}",
+            f"model.tiled_mlp={str(self.tiled_mlp).lower()}",
+            f"model.activation_checkpointing={str(self.checkpointing).lower()}",
+            f"model.offload_activations={str(self.offload).lower()}",
+        ]
+
+
+def sp_problem(info: ModelInfo, sp: int, world_size: int, seq_len: int, attn: str | None) -> str | None:
+    """Why sequence parallelism of degree `sp` cannot run this job (None: it can): the ranks, the heads
+    (DeepSpeed splits query heads, and key/value heads or replicates them), the sequence, the kernel."""
+    if world_size % sp:
+        return f"{world_size} ranks are not a multiple of {sp}"
+    heads, kv = info.heads or 0, info.kv_heads or info.heads or 0
+    if heads % sp:
+        return f"the model's {heads} attention heads do not divide by {sp}"
+    if kv and kv % sp and sp % kv:
+        return f"the model's {kv} key/value heads and {sp} divide neither way (DeepSpeed splits or replicates them)"
+    if seq_len % sp:
+        return f"data.seq_len {seq_len} does not divide by {sp}"
+    if attn == "eager":
+        return (
+            "eager attention materialises the whole score matrix, which DeepSpeed's Ulysses refuses; use sdpa"
+        )
+    return None
+
+
+def _choices(setting: Any, allowed: bool) -> list[bool]:
+    if setting == "auto":
+        return [False, True] if allowed else [False]
+    return [bool(setting)]
+
+
+def lever_sets(exp: Experiment, info: ModelInfo, world_size: int, device_type: str) -> Iterator[Levers]:
+    """Every setting of the levers the experiment allows, cheapest first (see the module docstring)."""
+    m, s = exp.model, exp.strategy
+    transformers_model = m.factory is None
+    chunked = _choices(m.chunked_loss, transformers_model and not chunked_loss_problem(info.model_type))
+    tiled = _choices(m.tiled_mlp, transformers_model)
+    checkpointing = _choices(m.activation_checkpointing, True)
+    offload = _choices(m.offload_activations, device_type == "cuda")
+    if s.sequence_parallel == "auto":
+        attn = (
+            info.attn_implementation
+            if info.attn_implementation != "eager" or m.attn_implementation != "auto"
+            else "sdpa"
+        )
+        sps = [1] + [
+            d
+            for d in SP_DEGREES
+            if d <= world_size and not sp_problem(info, d, world_size, exp.data.seq_len, attn)
+        ]
+    else:
+        sps = [int(s.sequence_parallel)]
+    sets = {
+        Levers(sp, c, t, k, o)
+        for sp, c, t, k, o in itertools.product(sps, chunked, tiled, checkpointing, offload)
+        if k or not o  # the host copy is of checkpointed activations
+    }
+    yield from sorted(sets, key=lambda x: x.cost)
