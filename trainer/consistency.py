@@ -274,6 +274,7 @@ class GradDump:
             if g is not None:
                 grads[name] = g.detach().float().cpu().clone()
         if self.rank == 0:
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
             torch.save(grads, Path(self.directory) / f"grads_step{self.step}.pt")
         self.done = True
 

@@ -43,7 +43,11 @@ def test_experiment_loads_and_plans(path: Path, tmp_path):
     )
     tpl_path, tpl = strategy.template_for(exp, plan.candidate)
     ds = strategy.ds_config(exp, plan, info, tpl, tpl_path)
-    assert ds["train_batch_size"] == exp.train.micro_batch_size * 8 * exp.train.grad_accum
+    # sequence parallelism divides the 8 ranks into 8 // sp data-parallel groups
+    assert plan.sp * plan.dp_world == 8
+    assert ds["train_batch_size"] == exp.train.micro_batch_size * plan.dp_world * exp.train.grad_accum
+    if path.name == "llama3-8b-32k.yaml":  # the case: fits, by sequence parallelism
+        assert plan.sp > 1, plan.levers_reason
     assert not strategy.autos(ds)
 
 

@@ -39,6 +39,8 @@ HARMLESS = (
     "model.attn_implementation",  # the same attention, another kernel (auto: eager on CPU in bf16)
     "model.chunked_loss",  # the same loss, computed in chunks
     "model.activation_checkpointing",
+    "model.tiled_mlp",  # the same MLP, run in shards
+    "model.offload_activations",
     "train.micro_batch_size",
     "train.grad_accum",
     "data.num_workers",
