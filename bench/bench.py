@@ -8,6 +8,7 @@
     bench/bench.py datawait [--nproc 1] [--settings 1 auto] [--rounds 2]
     bench/bench.py checkpoint [--rounds 2] [--steps 21] [--every 4] [--stage 2]
     bench/bench.py scaling  [--stages 0 2 3] [--ranks 1 2] [--steps 60] [--out runs/scaling]
+    bench/bench.py sequence [--seq-len 4096] [--nproc 2] [--rounds 3] [--precision bf16]
 
 compare: the same model, data, seed and DeepSpeed JSON (a) through bin/train and (b) through a
 minimal hand-written DeepSpeed loop (bench/raw_loop.py), interleaved A B A B under the deepspeed
@@ -24,6 +25,8 @@ scaling); then `bin/report` on all of them (efficiencies, loss curves overlaid).
 gets one thread, so that a rank is one core as a GPU is one device.
 checkpoint: synchronous against asynchronous saves (checkpoint.async) of a ~100M-parameter model,
 interleaved: training blocked per save, the background write time, step times around saves.
+sequence: sequence parallel N against 1 on the same N ranks and global batch (a Llama shape): the
+step-time ratio, what Ulysses costs where it is not needed, and each side's activations per rank.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from bench.compare import compare  # noqa: E402
 from bench.datawait import datawait  # noqa: E402
 from bench.peer import PEER_SHAPES, peer  # noqa: E402
 from bench.scaling import scaling  # noqa: E402
+from bench.sequence import sequence  # noqa: E402
 from bench.startup import startup  # noqa: E402
 from bench.threads import threads  # noqa: E402
 
@@ -59,6 +63,7 @@ BENCHMARKS = {
     "datawait": datawait,
     "checkpoint": checkpoint,
     "scaling": scaling,
+    "sequence": sequence,
 }
 
 
@@ -124,7 +129,15 @@ def add_others(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]
     sc.add_argument("--experiment", default=None)
     sc.add_argument("--set", action="append")
     sc.add_argument("--out", default=str(ROOT / "runs" / "scaling"), help="where the runs are kept")
-    return [s, t, d, k, sc]
+    q = sub.add_parser("sequence", help="sequence parallel N against 1: the step-time ratio")
+    q.add_argument("--seq-len", type=int, default=4096)
+    q.add_argument("--nproc", type=int, default=2)
+    q.add_argument("--rounds", type=int, default=3)
+    q.add_argument("--steps", type=int, default=25)
+    q.add_argument("--warmup", type=int, default=5)
+    q.add_argument("--log-every", type=int, default=5)
+    q.add_argument("--precision", default="bf16")
+    return [s, t, d, k, sc, q]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from trainer.dist import free_port  # a rendezvous port outside the ephemeral range
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,6 +171,10 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         check=True,
     )
     ds_text = p.stdout[p.stdout.index("# DeepSpeed config") :]
+    # the levers as bin/train resolves them (auto decided by its plan)
+    resolved = yaml.safe_load(
+        p.stdout[p.stdout.index("# experiment (resolved)") : p.stdout.index("# DeepSpeed config")]
+    )
     ds_config = json.loads(ds_text[ds_text.index("{") :])
     exp = config.load(str(experiment), [f"{k}={v}" for k, v in sets.items()])
     built = data.build(exp.data, exp.seed, is_main=True)
@@ -203,7 +209,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "steps": exp.train.max_steps,
         "compile": exp.train.compile,
         "compile_mode": exp.train.compile_mode,
-        "chunked_loss": exp.model.chunked_loss,
+        "chunked_loss": resolved["model"]["chunked_loss"],
         "log_every": exp.train.log_every,
         "weight_decay": exp.optim.weight_decay,
         "warmup_steps": exp.optim.warmup_steps,  # the JSON's warmup_num_steps is DeepSpeed's (at least 2)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,16 @@ def with_levers(section: Any, levers: Any) -> Any:
     if levers.sp > 1 and section.attn_implementation == "eager":
         update["attn_implementation"] = "sdpa"
     return section.model_copy(update=update)
+
+
+def resolved_experiment(exp: Experiment, planned: Planned) -> Experiment:
+    """The experiment with `auto` decided where the plan decides it: the activation levers as this run
+    builds them and the sequence-parallel degree (the ZeRO stage and offload: in the DeepSpeed JSON)."""
+    levers = ("activation_checkpointing", "tiled_mlp", "offload_activations", "chunked_loss")
+    return exp.model_copy(update={
+        "model": exp.model.model_copy(update={k: getattr(planned.model, k) for k in levers}),
+        "strategy": exp.strategy.model_copy(update={"sequence_parallel": planned.plan.sp}),
+    })  # fmt: skip
 
 
 def vocab_for_planning(exp: Experiment) -> tuple[int | None, int | None]:
@@ -338,6 +349,8 @@ def attach_debug(run: Run, directory: str | None) -> None:
     if debug_grads_step():
         hooks.append(consistency.GradDump(directory, debug_grads_step(), run.env.rank))
     run.engine.on_backward = lambda engine: [hook(engine) for hook in hooks]
+    if os.environ.get("TRAINER_DEBUG_ACTIVATIONS"):
+        run.engine.saved_probe = consistency.SavedActivations(directory, run.env.rank, run.engine.ds.module)
     run.checkpointer.store.on_save = lambda step: dump(f"optimizer_saved_step{step}")
 
 
@@ -430,7 +443,8 @@ def announce(run: Run) -> None:
         f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
         f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)}, "
         f"step {format_size(est.step)})",
-        f"batch: micro {t.micro_batch_size} x world {env.world_size} x grad_accum {t.grad_accum} = {samples} "
+        f"batch: micro {t.micro_batch_size} x {'data-parallel ' if plan.sp > 1 else ''}world {plan.dp_world} x "
+        f"grad_accum {t.grad_accum} = {samples} "
         f"sequences = {samples * exp.data.seq_len:,} tokens per step",
         f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "
         f"{data.seq_len} tokens; {run.stream.steps_per_epoch:,} micro steps per epoch",

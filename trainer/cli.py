@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.build import build, make_plan, vocab_for_planning
+from trainer.build import build, make_plan, resolved_experiment, vocab_for_planning
 from trainer.consistency import CheckFailed
 from trainer.errors import EXIT_CHECK_FAILED, EXIT_USER_ERROR, UserError
 from trainer.faults import Faults
@@ -304,7 +304,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     planned = planned_for(exp)
     if args.print_config:
         print("# experiment (resolved)")
-        print(exp.to_yaml())
+        print(resolved_experiment(exp, planned).to_yaml())
         print(f"# DeepSpeed config (from {planned.template_path}, world size {world})")
         print(json.dumps(planned.ds_config, indent=2))
     if args.plan:
@@ -324,7 +324,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 def longest_command(exp: config_mod.Experiment, planned_for: Any, world: int, per_node: int) -> int:
     """--plan --max-seq-len: the plan at the experiment's data.seq_len (or why nothing fits there), then
     the longest sequence that fits (trainer/strategy/planning/longest.py)."""
-    from trainer.strategy.planning.longest import STEP, describe_longest, longest_sequence
+    from trainer.strategy.planning.longest import STEP, describe_longest, longest_sequence, per_degree
 
     try:
         p = planned_for(exp).plan
@@ -335,10 +335,11 @@ def longest_command(exp: config_mod.Experiment, planned_for: Any, world: int, pe
         print(f"at data.seq_len {exp.data.seq_len:,}: {str(e).splitlines()[0]}")
     short = planned_for(exp.model_copy(update={"data": exp.data.model_copy(update={"seq_len": STEP})}))
     p = short.plan
-    seq, best = longest_sequence(
-        exp, short.info, world_size=world, gpus_per_node=per_node, device_type=p.device_type,
-        device_memory=p.device_memory, host_memory=p.host_memory, precision=p.precision,
-    )  # fmt: skip
+    kw = {"world_size": world, "gpus_per_node": per_node, "device_type": p.device_type,
+          "device_memory": p.device_memory, "host_memory": p.host_memory, "precision": p.precision}  # fmt: skip
+    for line in per_degree(exp, short.info, kw):
+        print(line)
+    seq, best = longest_sequence(exp, short.info, **kw)
     print(describe_longest(seq, best, exp, short.info))
     return 0
 

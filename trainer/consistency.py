@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,6 +251,58 @@ class MemoryCensus:
         elif "grads" in self.result and ds.global_steps >= 1:
             c = census(ds)
             self.result.update(params=c["params"], optimizer=c["optimizer"])
+
+
+class SavedActivations:
+    """Tests (TRAINER_DEBUG_ACTIVATIONS): what autograd keeps for backward in the first training
+    forward pass, counted by saved-tensor hooks, each storage once, parameters left out: the bytes saved
+    inside the decoder layers (the model's longest ModuleList) and elsewhere (embeddings, final norm,
+    head, loss). Every rank writes DIR/activations_rank{R}.json. (ZeRO-3 gathers the weights into other
+    storages, which would count: measure at stages 0-2.)"""
+
+    def __init__(self, directory: str, rank: int, model: Any) -> None:
+        import torch
+
+        self.directory, self.rank, self.done = directory, rank, False
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        self.layers = list(max(lists, key=len)) if lists else []
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        import torch
+
+        if self.done or not torch.is_grad_enabled():  # the first training forward pass, not an eval's
+            yield
+            return
+
+        seen: dict[int, tuple[str, int]] = {}
+        where = ["other"]
+
+        def pack(t: Any) -> Any:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.params and ptr not in seen:
+                seen[ptr] = (where[0], storage.nbytes())
+            return t
+
+        handles = []
+        for layer in self.layers:
+            handles.append(layer.register_forward_pre_hook(lambda *_: where.__setitem__(0, "layers")))
+            handles.append(layer.register_forward_hook(lambda *_: where.__setitem__(0, "other")))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+        self.done = True
+        out = {k: sum(n for w, n in seen.values() if w == k) for k in ("layers", "other")}
+        out["count"] = len(self.layers)
+        from trainer.files import write_atomic
+
+        Path(self.directory).mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(self.directory) / f"activations_rank{self.rank}.json", json.dumps(out))
 
 
 class GradDump:

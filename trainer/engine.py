@@ -7,6 +7,7 @@ written in the DeepSpeed JSON.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,14 +56,13 @@ class Engine:
         import deepspeed
 
         self.ds_config = dict(ds_config)
-        # sequence parallelism: (degree, this rank's place in its group, DeepSpeed's mpu); offloaded
-        # checkpointed activations: whether (and pinned)
+        # sequence parallelism: (degree, rank in its group, DeepSpeed's mpu); host copies: (on, pinned)
         self.sp, self.sp_rank, mpu = (sequence or {}).get("sp", (1, 0, None))
         self.offload = (sequence or {}).get("offload", (False, False))
         # ZeRO-3's reduce-scatter averages over every rank, not the data-parallel ones (DeepSpeed 0.19.8,
         # stage3.py __avg_scatter_grads): 1/sp of the gradients (measured 0.5 at sp 2); backward scales by sp
-        stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
-        self.grad_scale = self.sp if self.sp > 1 and stage == 3 else 1
+        zero3 = self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+        self.grad_scale = self.sp if zero3 else 1
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=param_groups, config=self.ds_config, mpu=mpu
         )
@@ -71,6 +71,7 @@ class Engine:
             self.ds.compile(compile_kwargs={} if compile_mode == "default" else {"mode": compile_mode})
         self.device = self.ds.device
         self.on_backward: Any = None  # tests: called after backward, before the optimizer step
+        self.saved_probe: Any = None  # tests: a context around training forward passes (SavedActivations)
         self.one_row = one_row  # flash_attention_2: fine-tuning rows as one (as_one_row)
         self._record_fp32_grad_norm()
 
@@ -100,7 +101,7 @@ class Engine:
     def _loss(self, batch: Any, num_items: float | None) -> Any:
         from trainer.model.sequence import offloaded
 
-        with offloaded(*self.offload):
+        with offloaded(*self.offload), self.saved_probe() if self.saved_probe else contextlib.nullcontext():
             if self.sp > 1:
                 return sequence_parallel_loss(self.ds, batch, num_items, self.sp, self.sp_rank, self.one_row)
             return plain_loss(

@@ -42,3 +42,22 @@ def test_oom_at_stage_0_escalates_to_stage_2_and_finishes(tmp_path):
     losses = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first7, second7 = [m["loss"] for m in losses if m.get("step") == 7 and "loss" in m]
     assert abs(first7 - second7) <= 1e-5 * first7, "stage 2 continues exactly where stage 0 stood"
+
+
+def test_oom_on_the_last_pinned_rung_escalates_to_the_next_activation_lever(tmp_path):
+    """Stage 3 pinned (no higher rung without offload there): an out-of-memory climbs the other axis, to
+    the cheapest activation lever the plan ranks next (the tiled loss), on the same rung, and resumes."""
+    run_dir = tmp_path / "run"
+    sets = {**FAST, "train.max_steps": 8, "checkpoint.every_steps": 3, "strategy.on_oom": "escalate",
+            "strategy.zero_stage": 3, "strategy.offload": "none", "strategy.justification": "test",
+            "run_dir": run_dir, "checkpoint.async": False, "checkpoint.save_final": True}  # fmt: skip
+    code, out = cli(sets, "--launcher", "torchrun", "--nproc-per-node", "2", "--max-restarts", "2",
+                    env={"TRAINER_FAULT": "oom@5:rank=0:attempt=0"}, timeout=600)  # fmt: skip
+    assert code == 0, out[-4000:]
+    assert (
+        "escalated after out-of-memory on zero3 at step 5 (attempt 0): next attempt on zero3 with activation "
+        "levers: tiled loss" in out
+    ), out[-4000:]
+    assert "activation levers: tiled loss (" in out  # the escalation pins the tiled loss on
+    final = json.loads((run_dir / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    assert final["zero_stage"] == 3 and final["plan"]["levers"] == "tiled loss"

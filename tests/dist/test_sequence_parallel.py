@@ -11,9 +11,11 @@ tiny grouped-query Llama, fp32, dropout off, gradient clipping on.
 - S at stage 0 resumes at sequence parallel 2 bit for bit, and at 1; R's checkpoint resumes at 2.
 """
 
+import json
+
 import pytest
 import torch
-from helpers import chat_data, train
+from helpers import TINY, chat_data, train, yaml_value
 
 pytestmark = pytest.mark.dist
 
@@ -101,3 +103,50 @@ def test_a_checkpoint_resumes_at_sequence_parallel_2_bit_for_bit_and_across_degr
                 assert resumed.losses[step] == loss, (name, step)
             else:
                 assert resumed.losses[step] == pytest.approx(loss, rel=1e-6), (name, step)
+
+
+def test_tiny_trains_at_sequence_parallel_2_with_the_losses_of_one_rank(tmp_path):
+    """The issue's command, `bin/train configs/experiments/tiny.yaml --launcher torchrun
+    --nproc-per-node 2 --set strategy.sequence_parallel=2` (GPT-2: learned positions, its own
+    attention layout), against tiny on one rank: the same global batch of 8 rows, the same losses."""
+    few = {"train.max_steps": 12, "train.log_every": 1, "train.eval_every": 0, "checkpoint.save_final": False}
+    one = train(tmp_path / "one", few)
+    two = train(tmp_path / "two", {**few, "strategy.sequence_parallel": 2}, launcher="torchrun")
+    assert "sequence parallel 2 (data-parallel world 1)" in two.output
+    assert "batch: micro 8 x data-parallel world 1 x grad_accum 1 = 8 sequences" in two.output
+    assert one.losses.keys() == two.losses.keys() == set(range(1, 13))
+    for step, loss in one.losses.items():
+        assert two.losses[step] == pytest.approx(loss, rel=1e-6), step
+
+
+ACT = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}  # fmt: skip
+
+
+def test_measured_activation_bytes_per_rank_are_the_planned_ones_at_sequence_parallel_1_and_2(tmp_path):
+    """What autograd keeps for backward in a training forward pass (saved-tensor hooks, each storage
+    once, weights left out: TRAINER_DEBUG_ACTIVATIONS), bf16, a grouped-query Llama at 1024 tokens
+    with no other lever: within 10% of the plan, in the decoder layers (the plan's per-layer count)
+    and in all (the loss's share counted as its peak), on one rank and on each of 2 at sequence
+    parallel 2, where a rank holds half of every sequence (plus Ulysses' gathered heads)."""
+    from trainer import config, model, strategy
+    from trainer.strategy.planning.activations import layer_bytes_per_token
+
+    sets = {"model.config": ACT, "model.attn_implementation": "sdpa", "data.seq_len": 1024,
+            "train.micro_batch_size": 1, "train.precision": "bf16", "train.max_steps": 1, "train.eval_every": 0,
+            "train.eval_prompts": [], "model.activation_checkpointing": False, "model.chunked_loss": False,
+            "model.tiled_mlp": False, "checkpoint.save_final": False}  # fmt: skip
+    exp = config.load(TINY, [f"{k}={yaml_value(v)}" for k, v in sets.items()])
+    info = model.info(exp.model, 257, None)
+    for sp, launcher in ((1, "none"), (2, "deepspeed")):
+        r = train(tmp_path / f"sp{sp}", {**sets, "strategy.sequence_parallel": sp}, launcher=launcher,
+                  env={"TRAINER_DEBUG_ACTIVATIONS": "1"})  # fmt: skip
+        planned = strategy.activations(info, 1, 1024, 2, False, sp=sp)
+        layers = 2 * 1024 / sp * layer_bytes_per_token(info, 2)
+        for rank in range(sp):
+            got = json.loads((r.debug_dir / f"activations_rank{rank}.json").read_text())
+            print(f"sp {sp} rank {rank}: layers {got['layers']:,} of {layers:,.0f} planned; all "
+                  f"{got['layers'] + got['other']:,} of {planned:,}")  # fmt: skip
+            assert got["count"] == 2
+            assert got["layers"] == pytest.approx(layers, rel=0.1)
+            assert got["layers"] + got["other"] == pytest.approx(planned, rel=0.1)

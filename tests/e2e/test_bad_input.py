@@ -60,6 +60,39 @@ CASES = {
         ["train.micro_batch_size", "greater than or equal to 1"],
     ),
     "stage 5": (lambda t: tiny(t, "strategy.zero_stage=5"), ["strategy.zero_stage", "auto, 0, 1, 2, 3"]),
+    "sequence parallel over more ranks than run": (
+        lambda t: tiny(t, "strategy.sequence_parallel=2"),
+        [
+            "strategy.sequence_parallel: 2 cannot run this job: 1 rank(s) are not a multiple of 2",
+            "or 1 (off)",
+        ],
+    ),
+    "sequence parallel not dividing the heads": (
+        lambda t: tiny(t, "strategy.sequence_parallel=3", "data.seq_len=129"),
+        [
+            "strategy.sequence_parallel: 3",
+            "4 attention heads do not divide by 3",
+            "give a degree that divides",
+        ],
+    ),
+    "sequence parallel not dividing the sequence": (
+        lambda t: tiny(t, "strategy.sequence_parallel=2", "data.seq_len=127"),
+        ["strategy.sequence_parallel", "2 does not divide data.seq_len 127", "give a degree that divides it"],
+    ),
+    "sequence parallel for a family Ulysses cannot wrap": (
+        lambda t: tiny(
+            t,
+            "strategy.sequence_parallel=2",
+            "model.attn_implementation=sdpa",
+            "model.config={model_type: falcon, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4}",
+        ),
+        [
+            "strategy.sequence_parallel: 2",
+            "model type 'falcon'",
+            "do not call transformers' attention functions",
+            "set it to 1 (off)",
+        ],
+    ),  # fmt: skip
     "missing data files": (
         lambda t: tiny(t, "data.train.files=nope/*.jsonl"),
         ["data.train.files", "'nope/*.jsonl' matches no file", "check the path"],

@@ -17,7 +17,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CHEAP = ("--plan", "--print-config", "--preview-data", "--describe-config")
 # what would train, launch or supervise: dropped (with its value) for the cheap form
 RUNS = {"--check": 0, "--overfit-batch": 0, "--profile": 0, "--dry-run": 0, "--prepare-data": 0,
-        "--launcher": 1, "--hostfile": 1, "--max-restarts": 1}  # fmt: skip
+        "--launcher": 1, "--hostfile": 1, "--max-restarts": 1, "--nproc-per-node": 1}  # fmt: skip
 STARTS = (
     "bin/train",
     "./bin/train",
@@ -55,6 +55,8 @@ def cheap(args: list[str]) -> list[str]:
             continue
         if a in RUNS:
             skip = RUNS[a]
+            if a == "--nproc-per-node":  # planned for the ranks it would launch
+                out += ["--world-size", args[i + 1]]
         elif a == "--resume":
             skip = int(i + 1 < len(args) and not args[i + 1].startswith("--"))
         else:

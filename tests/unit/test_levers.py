@@ -2,6 +2,8 @@
 longest.py): activation levers (sequence parallelism, the tiled loss and MLP, checkpointing, host
 copies) counted per rank, tried cheapest first before the next ZeRO rung."""
 
+import dataclasses
+
 import pytest
 from helpers import TINY
 
@@ -80,7 +82,7 @@ def test_levers_are_tried_cheapest_first_and_the_experiment_fixes_what_it_sets()
 @pytest.mark.parametrize(
     ("sp", "ranks", "heads", "kv", "seq", "attn", "why"),
     [
-        (2, 3, 32, 8, 1024, "sdpa", "not a multiple of 2"),
+        (2, 3, 32, 8, 1024, "sdpa", "rank(s) are not a multiple of 2"),
         (3, 3, 32, 8, 1023, "sdpa", "attention heads do not divide by 3"),
         (4, 4, 12, 6, 1024, "sdpa", "divide neither way"),
         (4, 4, 32, 8, 1026, "sdpa", "does not divide by 4"),
@@ -119,3 +121,43 @@ def test_the_run_time_escalation_climbs_the_rungs_then_the_levers():
     assert p.candidate.name == "zero3" and p.levers == Levers()
     levers, nxt = p.next_after()
     assert nxt.name == "zero3" and levers == Levers(chunked_loss=True)  # the pinned rung, the next lever
+
+
+def test_the_longest_sequence_at_each_sequence_parallel_degree():
+    """--plan --max-seq-len under sequence_parallel: auto: a line for each degree the 8 ranks and the
+    heads allow, each longer than the one before until the model's positions end it."""
+    from trainer.strategy.planning.longest import per_degree
+
+    exp = config.load(
+        TINY, ["model.config.n_positions=1048576", "train.micro_batch_size=1", "train.precision=bf16"]
+    )
+    kw = {"world_size": 8, "gpus_per_node": 8, "device_type": "cuda", "device_memory": 80 * GiB,
+          "host_memory": 1024 * GiB, "precision": "bf16"}  # fmt: skip
+    lines = per_degree(exp, L8, kw)
+    assert lines[0] == "longest sequence at each sequence-parallel degree (8 rank(s)):"
+    assert [x.split()[2] for x in lines[1:]] == ["1", "2", "4", "8"]
+    seqs = [int(x.split()[3].replace(",", "")) for x in lines[1:]]
+    assert 300_000 < seqs[0] < seqs[1] < seqs[2] <= seqs[3] == 1_048_576
+    assert "the model's positions end there" in lines[-1]
+    fixed = config.load(TINY, ["strategy.sequence_parallel=2"])
+    assert per_degree(fixed, L8, kw) == []  # the experiment's own degree: the one answer below
+
+
+def test_the_run_time_escalation_never_gives_up_a_rung_or_a_lever():
+    """After the last rung without levers comes the cheapest lever on that rung, not zero0 with it:
+    each attempt holds no more than the one that ran out of memory (and NVMe without a path is skipped)."""
+    info = strategy.ModelInfo(params=10**6, largest_layer=10**5, hidden=64, layers=2, heads=4, vocab=96,
+                              model_type="llama")  # fmt: skip
+    p = plan(info=info, seq=256, ranks=2, **{"strategy.justification": "test"})
+    assert p.candidate.name == "zero0" and p.levers == Levers()
+    seen = []
+    while (after := p.next_after()) is not None:
+        seen.append((after[0].describe(), after[1].name))
+        p = dataclasses.replace(p, levers=after[0], candidate=after[1])
+    assert seen == [
+        ("none", "zero2"), ("none", "zero3"), ("none", "zero3+cpu"), ("tiled loss", "zero3+cpu"),
+        ("tiled loss, tiled MLP", "zero3+cpu"), ("tiled loss, tiled MLP, sequence parallel 2", "zero3+cpu"),
+        ("tiled loss, tiled MLP, sequence parallel 2, activation checkpointing", "zero3+cpu"),
+        ("tiled loss, tiled MLP, sequence parallel 2, activation checkpointing, checkpointed activations on the host",
+         "zero3+cpu"),
+    ]  # fmt: skip

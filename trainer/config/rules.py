@@ -184,7 +184,11 @@ def _levers(exp: Experiment) -> list[tuple[str, str]]:
     elif sp != "auto" and sp > 1:
         if exp.data.seq_len % sp:
             out.append(
-                ("strategy.sequence_parallel", f"{sp} does not divide data.seq_len {exp.data.seq_len}")
+                (
+                    "strategy.sequence_parallel",
+                    f"{sp} does not divide data.seq_len {exp.data.seq_len}: give a "
+                    "degree that divides it, or 1 (off), or auto",
+                )
             )
         if m.attn_implementation == "eager":
             out.append(("strategy.sequence_parallel", "needs sdpa or flash attention (DeepSpeed's Ulysses refuses "

@@ -205,7 +205,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 4,  # 4: intermediate and kv_heads
+        "v": 5,  # 4: intermediate and kv_heads; 5: ulysses
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -242,9 +242,12 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         attn = getattr(module.config, "_attn_implementation", None)
         module, trainable = _with_lora(module, section)
     params, largest = count(module)
+    from trainer.model.sequence import ulysses_verdict
+
     return ModelInfo(
         params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable,
         param_sizes=sizes(module), intermediate=_gated_width(module, cfg), **_shape(cfg),
+        ulysses=ulysses_verdict(cfg, "sdpa"),
     )  # fmt: skip
 
 

@@ -89,7 +89,10 @@ def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any
         module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
         # the mask transformers built is for the shard's length: the core builds its own (packed_sdpa)
-        return uattn(module, query, key, value, None, *args, **kwargs)
+        out, weights = uattn(module, query, key, value, None, *args, **kwargs)
+        # Ulysses returns (batch, sequence, heads x size); transformers' attention functions return
+        # (batch, sequence, heads, size), which some families read as such (GPT-2 flattens the last two)
+        return out.reshape(*out.shape[:2], query.shape[1], query.shape[-1]), weights
 
     ALL_ATTENTION_FUNCTIONS[kernel] = wrapper
     return mpu
@@ -117,7 +120,8 @@ def tile_mlps(model: Any, tokens: int) -> int:
     `tokens` a rank's row holds (the same count on every rank). Returns how many MLPs it wrapped."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    hidden = model.config.get_text_config().hidden_size
+    config = getattr(model, "config", None)
+    hidden = config.get_text_config().hidden_size if config is not None else tokens
     shards = max(1, math.ceil(tokens / hidden))
     wrapped = 0
     for name, module in model.named_modules():
@@ -127,7 +131,8 @@ def tile_mlps(model: Any, tokens: int) -> int:
         params = [p for p in module.parameters()]
 
         def tiled(x: Any, _m: Any = module, _f: Any = forward, _p: Any = params) -> Any:
-            return TiledMLP.apply(lambda self, h: _f(self, h), _m, x, shards, _p)
+            # a shard of a batch's sequences is not contiguous; GPT-2's Conv1D views its input
+            return TiledMLP.apply(lambda self, h: _f(self, h.contiguous()), _m, x, shards, _p)
 
         module.forward = tiled
         wrapped += 1
@@ -157,9 +162,8 @@ def offloaded(on: bool, pin: bool) -> Iterator[None]:
 def ulysses_verdict(config: Any, kernel: str, cache_dir: Any = None) -> str | None:
     """Why this model family cannot run DeepSpeed's Ulysses (None: it can), checked in this process on
     a small model of the family (packing.shrunk) and cached beside the packing verdicts: its attention
-    layers must pass position ids to the attention function (Ulysses gathers them) and take back its
-    output as (batch, sequence, heads x head size), the shape Ulysses returns; the logits must then be
-    those of the model's own attention."""
+    layers must call transformers' attention functions (which Ulysses replaces) and pass them the position
+    ids (Ulysses gathers them); the logits must then be those of the model's own attention."""
     import hashlib
     import json
     from pathlib import Path
@@ -199,21 +203,24 @@ def _ulysses_problem(config: Any, kernel: str) -> str | None:
         return f"a small model of it could not be built with {kernel} attention ({type(e).__name__}: {str(e)[:150]})"
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(12).expand(2, 12)
-    with torch.no_grad():
-        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    except Exception as e:  # noqa: BLE001 (a family whose small model does not run: unchecked, so refused)
+        return f"a small model of it did not run to check it ({type(e).__name__}: {str(e)[:150]})"
     core, seen = ALL_ATTENTION_FUNCTIONS[kernel], []
 
     def as_ulysses(module: Any, q: Any, k: Any, v: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append("position_ids" in kwargs)
         out, weights = core(module, q, k, v, mask, *args, **kwargs)
-        return out.reshape(*out.shape[:2], -1), weights  # Ulysses returns (batch, sequence, heads x size)
+        return out, weights  # the shape register_ulysses' wrapper returns: transformers' own
 
     ALL_ATTENTION_FUNCTIONS[kernel] = as_ulysses
     try:
         with torch.no_grad():
             got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
     except Exception as e:  # noqa: BLE001
-        return f"its attention layers do not take the output shape Ulysses returns ({type(e).__name__}: {str(e)[:150]})"
+        return f"its attention layers fail through a replaced attention function ({type(e).__name__}: {str(e)[:150]})"
     finally:
         ALL_ATTENTION_FUNCTIONS[kernel] = core
     if not seen:
@@ -221,5 +228,36 @@ def _ulysses_problem(config: Any, kernel: str) -> str | None:
     if not all(seen):
         return "its attention layers do not pass the position ids, which Ulysses gathers across the ranks"
     if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
-        return "its attention layers read the attention output in a layout other than Ulysses returns"
+        return "its logits change when its attention function is replaced by the same one"
+    return _mixing_outside_attention(model, ids, pos, kernel)
+
+
+def _mixing_outside_attention(model: Any, ids: Any, pos: Any, kernel: str) -> str | None:
+    """Ulysses splits only the attention: anything else that mixes positions (a recurrent or
+    convolutional layer of a hybrid) would see a rank's shard alone. With attention made position-wise
+    (each token its own value), the first token must reach no other position's logits."""
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def local(module: Any, q: Any, k: Any, v: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
+        out = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # (batch, heads, sequence, size)
+        return out.transpose(1, 2).contiguous(), None
+
+    other = ids.clone()
+    other[:, 0] = (ids[:, 0] + 1) % model.config.get_text_config().vocab_size
+    core = ALL_ATTENTION_FUNCTIONS[kernel]
+    ALL_ATTENTION_FUNCTIONS[kernel] = local
+    try:
+        with torch.no_grad():
+            a = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, 1:]
+            b = model(input_ids=other, position_ids=pos, use_cache=False).logits[:, 1:]
+    except Exception as e:  # noqa: BLE001
+        return f"a small model of it did not run to check it ({type(e).__name__}: {str(e)[:150]})"
+    finally:
+        ALL_ATTENTION_FUNCTIONS[kernel] = core
+    if not torch.allclose(a, b, atol=1e-5, rtol=1e-4):  # MoE layers batch tokens by expert: rounding only
+        return (
+            "layers other than its attention mix positions (recurrent or convolutional layers), which would see "
+            "one rank's shard of the sequence alone"
+        )
     return None

@@ -13,7 +13,7 @@ from typing import Any
 from trainer.config import Experiment, chunked_loss_problem, format_size
 from trainer.errors import UserError
 from trainer.strategy.planning.activations import activations_for, host_activations
-from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
+from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, next_rung, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all
 from trainer.strategy.planning.levers import Levers, lever_sets
 from trainer.strategy.planning.states import low_precision_bytes
@@ -40,6 +40,7 @@ class Plan:
     levers_reason: str = ""
     # every (levers, rung) the plan would try, in its order: the run-time escalation climbs it
     order: tuple[tuple[Levers, Candidate], ...] = ()
+    offload_pin: str | None = None  # strategy.offload as the experiment pins it (None: auto)
 
     @property
     def sp(self) -> int:
@@ -51,10 +52,8 @@ class Plan:
         return self.world_size // self.levers.sp
 
     def next_after(self) -> tuple[Levers, Candidate] | None:
-        """What the run-time escalation tries after an out-of-memory on the chosen (levers, rung)."""
-        here = (self.levers, self.candidate)
-        later = self.order[self.order.index(here) + 1 :] if here in self.order else ()
-        return later[0] if later else None
+        """What the run-time escalation tries after an out-of-memory here (`escalation_after`)."""
+        return escalation_after(self)
 
     @property
     def estimate(self) -> Estimate:
@@ -157,6 +156,28 @@ class Plan:
         }
 
 
+def escalation_after(plan: Plan) -> tuple[Levers, Candidate] | None:
+    """What the run-time escalation tries after an out-of-memory on the plan's (levers, rung): the
+    rung above on the ladder (a pinned stage is where the climb starts; an experiment that pins
+    `strategy.offload: none` never climbs into offload, and NVMe needs its path), then, past the
+    last rung it may take, the next setting of the activation levers in the plan's order on that
+    rung. Nothing the failed attempt had is given up (no lower rung, no lever turned off, no
+    smaller sequence-parallel degree), so every attempt holds less than the last."""
+    by = {(e.candidate.stage, e.candidate.offload): e.candidate for e in plan.estimates}
+    # a rung refused for another reason than memory (NVMe offload without strategy.nvme_path)
+    blocked = {e.candidate for e in plan.estimates if not e.fits_device and e.total <= plan.budget}
+    up = next_rung(plan.candidate.stage, plan.candidate.offload)
+    while up is not None:
+        rung = by.get(up)
+        if rung is not None and rung not in blocked and not (plan.offload_pin == "none" and up[1] != "none"):
+            return plan.levers, rung
+        up = next_rung(*up)
+    for levers in dict.fromkeys(lv for lv, _ in plan.order):
+        if levers != plan.levers and levers.covers(plan.levers):
+            return levers, plan.candidate
+    return None
+
+
 def plan(
     exp: Experiment,
     info: ModelInfo,
@@ -228,6 +249,7 @@ def plan(
         levers=levers,
         levers_reason=_levers_reason(levers, settings, estimates_for, pinned, budget),
         order=tuple(order),
+        offload_pin=pinned[1],
     )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import Experiment, chunked_loss_problem
+from trainer.errors import UserError
 from trainer.strategy.planning.candidates import ModelInfo
 
 # the levers' costs, cheapest first (their order among settings with as many levers on)
@@ -46,6 +47,10 @@ class Levers:
     def cost(self) -> tuple[int, int, int]:
         return len(self.on), sum(COST[k] for k in self.on), self.sp
 
+    def covers(self, other: Levers) -> bool:
+        """Every lever `other` has on is on here too, at least at its degree."""
+        return self.sp >= other.sp and all(getattr(self, k) for k in other.on if k != "sp")
+
     def describe(self) -> str:
         names = {"chunked_loss": "tiled loss", "tiled_mlp": "tiled MLP", "checkpointing": "activation checkpointing",
                  "offload": "checkpointed activations on the host"}  # fmt: skip
@@ -53,21 +58,24 @@ class Levers:
         return ", ".join(parts) or "none"
 
     def overrides(self) -> list[str]:
-        """The --set overrides that pin this setting (the supervisor's escalation)."""
-        return [
-            f"strategy.sequence_parallel={self.sp}",
-            f"model.chunked_loss={str(self.chunked_loss).lower()}",
-            f"model.tiled_mlp={str(self.tiled_mlp).lower()}",
-            f"model.activation_checkpointing={str(self.checkpointing).lower()}",
-            f"model.offload_activations={str(self.offload).lower()}",
-        ]
+        """The --set overrides the supervisor's escalation adds for this setting: the levers on (a
+        lever off keeps what the experiment says, so a later attempt may still climb to it)."""
+        pins = [f"strategy.sequence_parallel={self.sp}"] if self.sp > 1 else []
+        keys = {"chunked_loss": "model.chunked_loss", "tiled_mlp": "model.tiled_mlp",
+                "checkpointing": "model.activation_checkpointing", "offload": "model.offload_activations"}  # fmt: skip
+        return pins + [f"{keys[k]}=true" for k in self.on if k != "sp"]
 
 
 def sp_problem(info: ModelInfo, sp: int, world_size: int, seq_len: int, attn: str | None) -> str | None:
-    """Why sequence parallelism of degree `sp` cannot run this job (None: it can): the ranks, the heads
-    (DeepSpeed splits query heads, and key/value heads or replicates them), the sequence, the kernel."""
-    if world_size % sp:
-        return f"{world_size} ranks are not a multiple of {sp}"
+    """Why sequence parallelism of degree `sp` cannot run this job (None: it can): the kernel, the
+    family (trainer/model/sequence.py's check), the heads (DeepSpeed splits query heads, and key/value
+    heads or replicates them), the sequence, the ranks."""
+    if attn == "eager":
+        return (
+            "eager attention materialises the whole score matrix, which DeepSpeed's Ulysses refuses; use sdpa"
+        )
+    if info.ulysses:
+        return f"model type '{info.model_type}': {info.ulysses}"
     heads, kv = info.heads or 0, info.kv_heads or info.heads or 0
     if heads % sp:
         return f"the model's {heads} attention heads do not divide by {sp}"
@@ -75,10 +83,8 @@ def sp_problem(info: ModelInfo, sp: int, world_size: int, seq_len: int, attn: st
         return f"the model's {kv} key/value heads and {sp} divide neither way (DeepSpeed splits or replicates them)"
     if seq_len % sp:
         return f"data.seq_len {seq_len} does not divide by {sp}"
-    if attn == "eager":
-        return (
-            "eager attention materialises the whole score matrix, which DeepSpeed's Ulysses refuses; use sdpa"
-        )
+    if world_size % sp:
+        return f"{world_size} rank(s) are not a multiple of {sp}"
     return None
 
 
@@ -96,12 +102,13 @@ def lever_sets(exp: Experiment, info: ModelInfo, world_size: int, device_type: s
     tiled = _choices(m.tiled_mlp, transformers_model)
     checkpointing = _choices(m.activation_checkpointing, True)
     offload = _choices(m.offload_activations, device_type == "cuda")
+    # sequence parallelism runs sdpa where auto would have picked eager (CPU, bf16, short sequences)
+    attn = (
+        "sdpa"
+        if info.attn_implementation == "eager" and m.attn_implementation == "auto"
+        else info.attn_implementation
+    )
     if s.sequence_parallel == "auto":
-        attn = (
-            info.attn_implementation
-            if info.attn_implementation != "eager" or m.attn_implementation != "auto"
-            else "sdpa"
-        )
         sps = [1] + [
             d
             for d in SP_DEGREES
@@ -109,6 +116,14 @@ def lever_sets(exp: Experiment, info: ModelInfo, world_size: int, device_type: s
         ]
     else:
         sps = [int(s.sequence_parallel)]
+        problem = sp_problem(info, sps[0], world_size, exp.data.seq_len, attn) if sps[0] > 1 else None
+        if problem:
+            fix = (
+                "set it to 1 (off)"
+                if info.ulysses and problem.endswith(info.ulysses)
+                else "give a degree that divides the ranks, the attention heads and data.seq_len, or 1 (off), or auto"
+            )
+            raise UserError(f"strategy.sequence_parallel: {sps[0]} cannot run this job: {problem}; {fix}")
     sets = {
         Levers(sp, c, t, k, o)
         for sp, c, t, k, o in itertools.product(sps, chunked, tiled, checkpointing, offload)

@@ -10,6 +10,7 @@ from trainer.config import Experiment
 from trainer.errors import UserError
 from trainer.strategy.planning.candidates import ModelInfo
 from trainer.strategy.planning.ladder import Plan, plan
+from trainer.strategy.planning.levers import SP_DEGREES, sp_problem
 
 STEP = 256  # the precision of the answer, and a multiple of every sequence-parallel degree
 
@@ -49,3 +50,27 @@ def describe_longest(seq: int, p: Plan | None, exp: Experiment, info: ModelInfo)
         f"{p.candidate.name} with activation levers: {p.levers.describe()} "
         f"({p.estimate.total / 2**30:.2f} GiB of {p.budget / 2**30:.2f} GiB per rank){cap}"
     )
+
+
+def per_degree(exp: Experiment, info: Any, kw: dict[str, Any]) -> list[str]:
+    """--plan --max-seq-len under strategy.sequence_parallel: auto: the longest sequence at each degree
+    the ranks and the model allow (1 too), every other lever and rung as the experiment allows."""
+    if exp.strategy.sequence_parallel != "auto":
+        return []
+    attn = "sdpa" if exp.model.attn_implementation == "auto" else exp.model.attn_implementation
+    degrees = [1] + [d for d in SP_DEGREES if not sp_problem(info, d, kw["world_size"], STEP, attn)]
+    if len(degrees) == 1:  # one rank, or a model Ulysses cannot split: the one answer below
+        return []
+    lines = [f"longest sequence at each sequence-parallel degree ({kw['world_size']} rank(s)):"]
+    for d in degrees:
+        fixed = exp.model_copy(update={"strategy": exp.strategy.model_copy(update={"sequence_parallel": d})})
+        seq, p = longest_sequence(fixed, info, **kw)
+        what = (
+            f"{seq:>12,} tokens: {p.candidate.name} with {p.levers.describe()} "
+            f"({p.estimate.total / 2**30:.2f} GiB of {p.budget / 2**30:.2f} GiB per rank)"
+            + ("; the model's positions end there" if seq == info.positions else "")
+            if p is not None
+            else f"none: not even {STEP} tokens fit"
+        )
+        lines.append(f"  sequence parallel {d:<2} {what}")
+    return lines
