@@ -143,6 +143,7 @@ class Run:
     checkpointer: Any  # checkpoint.Checkpointer
     hosts: list[str]
     notes: list[str] = field(default_factory=list)  # what the resume changed (logged at start)
+    objective_notes: list[str] = field(default_factory=list)  # a preference objective's (the banner)
     debug: Debug | None = None
 
     @property
@@ -176,7 +177,7 @@ def build(
     metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
     for warning in _config_warnings(exp) if runtime.is_main else ():
         log.warning(f"warning: {warning}")
-    agreed = claim_and_agree(exp, runtime, resume)
+    agreed = claim_and_agree(exp, runtime, resume, planned.plan)
     if agreed is None:
         return None
     data, hosts, notes = agreed
@@ -186,6 +187,7 @@ def build(
     stream, evaluator = data_for_rank(exp, runtime, data, one_off, planned)
     state = TrainState()
     mets = make_metrics(exp, runtime, planned, engine, hosts, max_steps or exp.train.max_steps)
+    objective_notes = prepare_objective(exp, env, engine, data, mets)
     if data.mixture:
         mets.extra = lambda: {"tokens_by_source": stream.tokens_by_source()}
     faults = Faults(env.rank, dist.attempt())
@@ -210,6 +212,7 @@ def build(
         exp=exp, runtime=runtime, planned=planned, resume=resume, data=data, engine=engine, layout=layout,
         stream=stream, evaluator=evaluator, state=state, metrics=mets, control=control, faults=faults,
         checkpointer=checkpointer, hosts=hosts, notes=[*(planned.schedule.notes if planned.schedule else ()), *notes],
+        objective_notes=objective_notes,
     )  # fmt: skip
     if resume is not None:
         checkpointer.load(resume.found, state)
@@ -218,7 +221,27 @@ def build(
     return run
 
 
-def claim_and_agree(exp: Experiment, runtime: Any, resume: Any) -> tuple[Any, list[str], list[str]] | None:
+def prepare_objective(exp: Experiment, env: Any, engine: Any, data: Any, mets: Any) -> list[str]:
+    """A preference objective: the reference's log-probs (before a checkpoint is loaded: computed by
+    the model as training starts, or read from the cache) and its metrics; the banner's lines."""
+    objective = engine.objective
+    if objective is None:
+        return []
+    mets.reduced = lambda: objective.flush(env.world_size)
+    lines = [f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward"]
+    if objective.needs_reference:
+        from trainer.objectives.reference import prepare
+
+        t = exp.train
+        lines.append(
+            prepare(objective, engine, data, t.micro_batch_size, env.rank, env.world_size, env.local_rank)
+        )
+    return lines
+
+
+def claim_and_agree(
+    exp: Experiment, runtime: Any, resume: Any, plan: Any
+) -> tuple[Any, list[str], list[str]] | None:
     """The run directory (rank 0 holds it), the data, then one gather before anything else is built:
     the run directory is ours, every rank resumes from the same checkpoint and reads the same data.
     Returns (data, every rank's host, notes on changed data), or None: nothing left to train."""
@@ -230,6 +253,15 @@ def claim_and_agree(exp: Experiment, runtime: Any, resume: Any) -> tuple[Any, li
     data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
     if data.built:
         log.info(f"data: tokenized and cached in {data.cache_path}")
+    if exp.train.objective in (
+        "dpo",
+        "ipo",
+    ):  # what the reference's log-probs depend on (objectives/reference.py)
+        from trainer.objectives.reference import reference_key
+
+        data.fingerprint["reference"] = reference_key(
+            exp, data, plan.precision, plan.candidate.stage, plan.world_size
+        )
     hosts = consistency.agree_at_start(
         env.world_size,
         run_dir=exp.run_dir,
@@ -451,7 +483,7 @@ def announce(run: Run) -> None:
         f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}; "
         f"{_save_mode(run)}); {start}",
     ]
-    lines[-1:-1] = data_lines(run)
+    lines[-1:-1] = data_lines(run) + run.objective_notes
     for line in lines:
         log.info(line)
     if resume is None:

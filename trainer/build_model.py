@@ -13,11 +13,11 @@ from trainer.errors import UserError
 def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tuple[Any, Any]:
     """The model (identical initial weights on every rank; at ZeRO-3 never whole on one) and the
     DeepSpeed engine around it; then the RNG per rank (dropout differs between ranks)."""
-    from trainer import dist, model
+    from trainer import dist, model, objectives
     from trainer.checkpoint.reshard import names_and_aliases
     from trainer.engine import Engine
 
-    if data.supervised and exp.data.packing:
+    if data.supervised and exp.data.packing and not data.pairs:
         data.packing = packing_verdict(exp, planned.model or exp.model, data)
     dist.seed_all(exp.seed)
     module = model.build(
@@ -33,7 +33,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
     one_row = data.supervised and section.attn_implementation == "flash_attention_2"
     engine = Engine(
         module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode,
-        one_row=one_row, sequence=sequence_levers(exp, env, planned, module, one_row),
+        one_row=one_row, sequence=sequence_levers(exp, env, planned, module, one_row), objective=objectives.make(exp),
     )  # fmt: skip
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout

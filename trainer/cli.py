@@ -384,7 +384,7 @@ def preview_data_command(exp: config_mod.Experiment, args: argparse.Namespace) -
         raise UserError(f"--preview-data: {args.preview_data} examples; give a count of 0 or more")
     d = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=False)
     packing = None
-    if d.supervised and exp.data.packing:
+    if d.supervised and exp.data.packing and not d.pairs:
         from trainer.dist import gpu_present
         from trainer.model import resolved
 

@@ -52,6 +52,7 @@ class Engine:
         compile_mode: str = "default",
         one_row: bool = False,
         sequence: Any = None,
+        objective: Any = None,
     ) -> None:
         import deepspeed
 
@@ -73,6 +74,9 @@ class Engine:
         self.on_backward: Any = None  # tests: called after backward, before the optimizer step
         self.saved_probe: Any = None  # tests: a context around training forward passes (SavedActivations)
         self.one_row = one_row  # flash_attention_2: fine-tuning rows as one (as_one_row)
+        self.objective = objective  # a preference objective (trainer/objectives/), None: the model's loss
+        if objective is not None:
+            objective.device = self.device
         self._record_fp32_grad_norm()
 
     def _record_fp32_grad_norm(self) -> None:
@@ -102,6 +106,8 @@ class Engine:
         from trainer.model.sequence import offloaded
 
         with offloaded(*self.offload), self.saved_probe() if self.saved_probe else contextlib.nullcontext():
+            if self.objective is not None:  # preference pairs: the mean of the micro batch's pair losses
+                return self.objective.loss(self.ds, batch)
             if self.sp > 1:
                 return sequence_parallel_loss(self.ds, batch, num_items, self.sp, self.sp_rank, self.one_row)
             return plain_loss(
@@ -130,45 +136,19 @@ class Engine:
         import torch
 
         with torch.no_grad():
+            if self.objective is not None:  # the pairs' losses, summed (eval_weight: the pairs)
+                return self.objective.forward(self.ds, batch.to(self.device), training=False, split="eval")
             return self._loss(batch.to(self.device, non_blocking=True), 1.0).detach()
 
     def eval_weight(self, batch: Any) -> Any:
         """What `eval_loss` of this batch counts for in a mean: its target tokens (this rank's shard's,
-        under sequence parallelism)."""
+        under sequence parallelism); preference pairs: the pairs."""
+        if self.objective is not None:
+            return batch.pairs
         return target_count(batch, self.sp, self.sp_rank)
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
-
-    def complete(
-        self, tok: Any, prompts: list[str], max_new_tokens: int, synced: bool
-    ) -> list[dict[str, Any]]:
-        """Greedy completions of `prompts` (every rank calls it; `synced`: ZeRO-3 on several ranks,
-        whose gathers need every rank in every forward until all are done). Each: the prompt, the
-        completion up to the end-of-sequence token, and whether it reached one."""
-        import torch
-
-        eos = tok.eos_token_id
-        out = []
-        self.ds.train(False)
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(self.device)
-                gen = self.ds.module.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                    synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,
-                )  # fmt: skip
-                new = gen[0, ids.shape[1] :].tolist()
-                ended = eos is not None and eos in new
-                out.append(
-                    {
-                        "prompt": prompt,
-                        "completion": tok.decode(new[: new.index(eos)] if ended else new),
-                        "ended": ended,
-                    }
-                )
-        self.ds.train(True)
-        return out
 
     @property
     def lr(self) -> float:
@@ -192,6 +172,37 @@ class Engine:
     @property
     def module(self) -> Any:
         return self.ds.module
+
+
+def complete(
+    engine: Any, tok: Any, prompts: list[str], max_new_tokens: int, synced: bool
+) -> list[dict[str, Any]]:
+    """Greedy completions of `prompts` by `engine` (every rank calls it; `synced`: ZeRO-3 on several ranks,
+    whose gathers need every rank in every forward until all are done). Each: the prompt, the
+    completion up to the end-of-sequence token, and whether it reached one."""
+    import torch
+
+    eos = tok.eos_token_id
+    out = []
+    engine.ds.train(False)
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(engine.device)
+            gen = engine.ds.module.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,
+            )  # fmt: skip
+            new = gen[0, ids.shape[1] :].tolist()
+            ended = eos is not None and eos in new
+            out.append(
+                {
+                    "prompt": prompt,
+                    "completion": tok.decode(new[: new.index(eos)] if ended else new),
+                    "ended": ended,
+                }
+            )
+    engine.ds.train(True)
+    return out
 
 
 def sequence_parallel_loss(

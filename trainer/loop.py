@@ -76,7 +76,9 @@ class Evaluator:
             return None
         tok, prompts, max_new = self.prompts
         synced = self.world_size > 1 and engine.ds.zero_optimization_stage() == 3
-        return engine.complete(tok, prompts, max_new, synced)
+        from trainer.engine import complete
+
+        return complete(engine, tok, prompts, max_new, synced)
 
 
 def train(

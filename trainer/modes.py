@@ -132,6 +132,7 @@ def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
         return
 
     rows = data.train[:2]
+    rows = rows.reshape(-1, *rows.shape[2:]) if rows.ndim == 4 else rows  # preference pairs: their rows
     ids = torch.from_numpy((rows[:, 0] if rows.ndim == 3 else rows).astype("int64"))
     engine.train(False)
     with torch.no_grad():

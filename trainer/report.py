@@ -83,6 +83,11 @@ def summary(
         ("mean step time", f"{sum(r['step_time_s'] for r in steady) / len(steady) * 1000:,.0f} ms"),
         ("first / final loss", f"{train[0]['loss']:.4f} / {last['loss']:.4f}"),
     ]
+    prefs = [r for r in train if "reward_margin" in r]
+    if prefs:
+        first, final = prefs[0], prefs[-1]
+        rows.append(("reward margin / accuracy", f"{first['reward_margin']:.3f} / {first['reward_accuracy']:.2f} at "
+                     f"step {first['step']} -> {final['reward_margin']:.3f} / {final['reward_accuracy']:.2f}"))  # fmt: skip
     if evals:
         rows.append(("final eval loss (ppl)", f"{evals[-1]['eval_loss']:.4f} ({evals[-1]['eval_ppl']:.2f})"))
     mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
@@ -142,6 +147,14 @@ def plot(run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]
         )
     ax.set_title("loss")
     ax.legend()
+    prefs = [r for r in train if "reward_margin" in r]  # a preference objective: margin and accuracy
+    if prefs:
+        twin = ax.twinx()
+        at = [r["step"] for r in prefs]
+        twin.plot(at, [r["reward_margin"] for r in prefs], color="tab:cyan", label="reward margin")
+        twin.plot(at, [r["reward_accuracy"] for r in prefs], color="tab:olive", label="reward accuracy")
+        twin.legend(loc="upper right")
+        ax.set_title("loss; reward margin and accuracy")
 
     ax = axes[0][1]
     ax.plot(steps, [r["lr"] for r in train], color="tab:green")

@@ -248,6 +248,50 @@ CASES = {
         ),
         ["data.group_by_length", "data.packing: false"],
     ),
+    "a pair with an empty response": (
+        lambda t: [
+            *tiny(
+                t,
+                f"data.train.files={_prefs(t, rejected='')}",
+                "data.train.kind=preference",
+                "train.objective=dpo",
+            ),
+            "--preview-data",
+            "1",
+        ],
+        ["prefs.jsonl:3", "rejected is empty", "a pair needs two responses"],
+    ),
+    "a pair whose prompts do not match": (
+        lambda t: [
+            *tiny(
+                t,
+                f"data.train.files={_prefs(t, mismatched=True)}",
+                "data.train.kind=preference",
+                "train.objective=dpo",
+            ),
+            "--preview-data",
+            "1",
+        ],
+        ["prefs.jsonl:3", "chosen and rejected do not begin with the same prompt", "prompts do not match"],
+    ),
+    "preference data under objective sft": (
+        lambda t: tiny(t, f"data.train.files={_prefs(t)}", "data.train.kind=preference"),
+        ["train.objective", "data is of kind preference", "set train.objective: dpo"],
+    ),
+    "a preference objective on text": (
+        lambda t: tiny(t, "train.objective=dpo"),
+        ["data.train.kind", "train.objective dpo trains on pairs", "give data of kind preference"],
+    ),
+    "a beta of zero": (
+        lambda t: tiny(
+            t,
+            f"data.train.files={_prefs(t)}",
+            "data.train.kind=preference",
+            "train.objective=dpo",
+            "train.preference.beta=0",
+        ),
+        ["train.preference.beta", "greater than 0"],
+    ),  # fmt: skip
     "a negative preview": (
         lambda t: [*tiny(t), "--preview-data", "-1"],
         ["--preview-data", "give a count of 0 or more"],
@@ -259,6 +303,24 @@ def _text(t, name, text):
     p = t / name
     p.write_text(text)
     return p
+
+
+def _prefs(t, rejected="a wrong answer", mismatched=False):
+    """Four pairs; the third with `rejected` as its rejected response, or (`mismatched`) as whole
+    conversations that begin with different prompts."""
+    row = {"prompt": "q?", "chosen": "the answer", "rejected": "a wrong answer"}
+    third = {**row, "rejected": rejected}
+    if mismatched:  # TRL's implicit prompt: whole conversations, their shared beginning the prompt
+        turn = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+        row = {
+            "chosen": turn("user", "q") + turn("assistant", "a"),
+            "rejected": turn("user", "q") + turn("assistant", "b"),
+        }
+        third = {
+            "chosen": turn("user", "q1") + turn("assistant", "a"),
+            "rejected": turn("user", "q2") + turn("assistant", "b"),
+        }
+    return _text(t, "prefs.jsonl", "\n".join(json.dumps(x) for x in (row, row, third, row)) + "\n")
 
 
 def _bad_chat(t):

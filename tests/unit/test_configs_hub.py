@@ -18,8 +18,8 @@ def test_the_shipped_templates_are_the_ones_the_design_names():
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.name)
 def test_experiment_loads_and_plans(path: Path, tmp_path):
-    # tiny-sft and tiny-sft-lora start from tiny's model as `make tiny-sft` exports it: plan that
-    if path.name.startswith("tiny-sft"):
+    # tiny-sft, tiny-sft-lora and tiny-dpo start from tiny's model as `make tiny-sft` exports it: plan that
+    if path.name.startswith(("tiny-sft", "tiny-dpo")):
         text = path.read_text().replace(
             "  pretrained: runs/tiny/export",
             "  config: {model_type: gpt2, n_layer: 4, n_embd: 128, n_head: 4, n_positions: 256}",

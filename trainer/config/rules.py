@@ -282,6 +282,34 @@ def _train(exp: Experiment) -> list[tuple[str, str]]:
 
 
 @contradiction
+def _objective(exp: Experiment) -> list[tuple[str, str]]:
+    """Preference data and the preference objectives go together, and with what they are verified with."""
+    t, d = exp.train, exp.data
+    kinds = {s.kind for _, s in d.sources} | ({d.eval.kind} if d.eval is not None else set())
+    if t.objective == "sft":
+        if "preference" in kinds:
+            return [("train.objective", "sft trains on one response, and the data is of kind preference (chosen "
+                     "and rejected pairs); set train.objective: dpo (or ipo, simpo, orpo)")]  # fmt: skip
+        return []
+    out = []
+    if kinds != {"preference"}:
+        out.append(("data.train.kind", f"train.objective {t.objective} trains on pairs; give data of kind "
+                    f"preference (prompt, chosen, rejected), not {', '.join(sorted(kinds - {'preference'}))}"))  # fmt: skip
+    if d.packing and "packing" in d.model_fields_set:
+        out.append(("data.packing", "preference pairs are not packed (each response is a row of its own, a "
+                    "micro batch padded to its longest); remove data.packing"))  # fmt: skip
+    if exp.model.chunked_loss is True:
+        out.append(("model.chunked_loss", f"{t.objective} needs each response's log-probability, which the "
+                    "tiled loss does not give; set it to auto or false"))  # fmt: skip
+    if exp.strategy.sequence_parallel not in ("auto", 1):
+        out.append(("strategy.sequence_parallel", f"{t.objective} with sequence parallelism is not verified "
+                    "yet; set it to 1 or auto"))  # fmt: skip
+    if d.group_by_length and "group_by_length" in d.model_fields_set:
+        out.append(("data.group_by_length", "not verified for preference pairs yet; remove it"))
+    return out
+
+
+@contradiction
 def _run_dir(exp: Experiment) -> list[tuple[str, str]]:
     """run_dir must be (or become) a directory: no existing file on its path."""
     path = Path(exp.run_dir).expanduser()

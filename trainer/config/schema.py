@@ -10,10 +10,10 @@ from typing import Any
 import yaml
 from pydantic import Field
 
+from trainer.config.data_schema import DataSection, DataSource  # noqa: F401 (DataSource: re-exported)
 from trainer.config.fields import (
     AutoBool,
     FrozenMapping,
-    Globs,
     Section,
     Size,
     auto_or_count,
@@ -142,148 +142,33 @@ class ModelSection(Section):
         return self.lora is None or self.pretrained is None
 
 
-class DataSource(Section):
-    """One dataset: local files (globs) or a hub dataset."""
+class PreferenceSection(Section):
+    """The preference objectives' settings (train.objective dpo, ipo, simpo, orpo)."""
 
-    files: Globs | None = Field(
-        None, description="file globs (text, json/jsonl, parquet), relative to the current directory"
-    )
-    hub: str | None = Field(None, description="hub dataset id, loaded with datasets.load_dataset")
-    name: str | None = Field(None, description="hub dataset configuration name")
-    split: str = Field("train", description="split to read")
-    format: choice("auto", "text", "json", "parquet") = Field(
-        "auto", description="file format; auto = from the file extension"
-    )
-    text_field: str = Field("text", description="column holding the text (json/parquet/hub)")
-    kind: choice("text", "prompt_completion", "chat") = Field(
-        "text",
-        description="what a row holds: text (documents packed end to end, every token trained), "
-        "prompt_completion (prompt_field + completion_field, the loss on the completion) or chat "
-        "(messages_field, OpenAI-style messages passed to the chat template as they are: the loss on assistant "
-        "turns); see docs/fine-tuning.md",
-    )
-    prompt_field: str = Field("prompt", description="kind prompt_completion: the prompt's column")
-    completion_field: str = Field("completion", description="kind prompt_completion: the completion's column")
-    messages_field: str = Field(
-        "messages", description="kind chat: the column of message lists (sharegpt: conversations)"
-    )
-    tools_field: str = Field(
-        "tools",
-        description="kind chat: the column of each example's tool schemas, passed to the chat template as "
-        "tools= (a list, or a JSON string of one); used where the data has it",
-    )
-    formatting: choice(None, "openai", "sharegpt", "alpaca") = Field(
+    beta: float | None = Field(
         None,
-        description="kind chat: how rows hold conversations: null/openai = OpenAI-style messages (content "
-        "strings or parts, tool_calls...), sharegpt = conversations of {from, value}, alpaca = instruction/"
-        "input/output; see docs/fine-tuning.md",
+        gt=0.0,
+        description="the objective's temperature; null = its usual value: dpo 0.1, ipo 0.1 (the margin "
+        "1 / (2 beta)), simpo 2.0, orpo 0.1 (the odds-ratio term's weight)",
     )
-    format_map: FrozenMapping = Field(
-        default_factory=dict,
-        description="kind chat: renames for the formatting's keys: role, content, roles (data's role -> "
-        "system/user/assistant/tool), system (a column); alpaca: instruction, input, output, system, history",
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="dpo: the share of pairs assumed flipped (conservative DPO)"
     )
-    weight: float = Field(
-        1.0,
-        gt=0,
-        description="when data.train lists several sources: this one's share of each epoch (relative)",
-    )
-    sample_by: choice("document", "paragraph", "line") = Field(
-        "document", description="for text files: one sample per file, paragraph or line"
-    )
-
-
-class DataSection(Section):
-    """Tokenized, packed, per-rank data."""
-
-    train: DataSource | list[DataSource] = Field(
-        description="training data: one source, or a list of sources mixed by their weights"
-    )
-    eval: DataSource | None = Field(None, description="held-out data; default: `eval_fraction` of train")
-    eval_fraction: float = Field(
-        0.01, ge=0.0, lt=0.5, description="share of training documents held out for eval (0 = none)"
-    )
-    tokenizer: str = Field(
-        "byte", description="'byte' (built in, 256 bytes + EOS, no files), a local path or a hub id"
-    )
-    seq_len: int = Field(256, ge=8, description="tokens per packed training sequence")
-    append_eos: bool = Field(True, description="append the EOS token after every document")
-    num_workers: auto_or_count() = Field(
-        "auto",
-        description="DataLoader worker processes per rank; auto = from the CPU cores per rank and the device "
-        "(see docs/experiments.md)",
-    )
-    pin_memory: bool = Field(True, description="page-locked host batches (used on GPU only)")
-    persistent_workers: bool = Field(True, description="keep workers across epochs (when num_workers > 0)")
-    num_proc: int | None = Field(None, ge=1, description="tokenizer processes; null = min(8, CPU cores)")
-    shuffle: bool = Field(True, description="reshuffle every epoch (seeded; same order for the same seed)")
-    cache_dir: str = Field(
-        "~/.cache/trainer/data", description="where tokenized, packed data is cached between runs"
-    )
-    chat_template: str | None = Field(
-        None,
-        description="kind chat: a .jinja chat template file; null = the tokenizer's (the byte tokenizer has a "
-        "built-in one)",
-    )
-    train_on_prompt: bool = Field(
-        False,
-        description="fine-tuning kinds: train on prompt / system / user tokens too (default: answers only)",
-    )
-    multi_turn: choice("auto", "all", "each", "last") = Field(
-        "auto",
-        description="chat data with several assistant turns: all = render once, train every turn; each = one "
-        "example per turn, rendered as inference sees it (for templates that rewrite history, e.g. Qwen3's "
-        "<think>); last = the final turn only; auto = all where the template renders turns consistently, "
-        "else each (tested on the template at start)",
-    )
-    chat_template_kwargs: FrozenMapping = Field(
-        default_factory=dict,
-        description="extra variables for the chat template (apply_chat_template's kwargs), e.g. "
-        "{enable_thinking: false} or {date_string: 26 Jul 2024}",
-    )
-    group_by_length: bool = Field(
-        False,
-        description="packing: false: order each run of 1024 sequences of the shuffled epoch by length, so "
-        "that micro batches (padded to their longest) waste little on padding",
-    )
-    packing: bool = Field(
-        True,
-        description="fine-tuning kinds (and separate_documents): several examples per sequence, each attending "
-        "only to itself (position ids restart); false = one example per sequence, each micro batch padded to its "
-        "longest",
-    )
-
-    @property
-    def sources(self) -> list[tuple[str, DataSource]]:
-        """The training sources with the key each is reported under."""
-        if isinstance(self.train, DataSource):
-            return [("data.train", self.train)]
-        return [(f"data.train[{i}]", s) for i, s in enumerate(self.train)]
-
-    @property
-    def kind(self) -> str:
-        """text, or a fine-tuning kind (every source of a mixture has the same: a rule checks it)."""
-        return self.sources[0][1].kind
-
-    @property
-    def mixture(self) -> bool:
-        return not isinstance(self.train, DataSource)
-
-    separate_documents: bool = Field(
-        False,
-        description="kind text: keep documents apart like fine-tuning examples (each packed document attends "
-        "only to itself; one longer than seq_len continues, from position 0, in the next); false = documents "
-        "end to end, attending across",
-    )
-    truncation: choice("right", "drop") = Field(
-        "right",
-        description="fine-tuning kinds, an example longer than seq_len: right = keep its start (the prompt's "
-        "start, then as much of the answer as fits), drop = leave it out (both counted)",
-    )
+    gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin")
 
 
 class TrainSection(Section):
     """Batch, length and precision of training."""
+
+    objective: choice("sft", "dpo", "ipo", "simpo", "orpo") = Field(
+        "sft",
+        description="sft = next-token loss on the targets; dpo, ipo (against the reference: the model as "
+        "training starts, its log-probs computed once) and simpo, orpo (reference-free) train on data of kind "
+        "preference; see docs/fine-tuning.md",
+    )
+    preference: PreferenceSection = Field(
+        default_factory=PreferenceSection, description="the preference objectives' settings"
+    )
 
     micro_batch_size: int = Field(8, ge=1, description="sequences per rank per forward/backward")
     grad_accum: int = Field(1, ge=1, description="micro batches accumulated per optimizer step")

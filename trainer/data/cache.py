@@ -58,7 +58,12 @@ class Data:
     @property
     def supervised(self) -> bool:
         """Rows of [input_ids, labels, position_ids] (fine-tuning kinds), not token blocks."""
-        return self.train.ndim == 3
+        return self.train.ndim >= 3
+
+    @property
+    def pairs(self) -> bool:
+        """Preference pairs: (pairs, 2, 3, seq_len), chosen and rejected rows (data/preference.py)."""
+        return self.train.ndim == 4
 
     @property
     def vocab_size(self) -> int:
@@ -148,7 +153,7 @@ def build(
 def _lengths(directory: Path, train: np.ndarray) -> np.ndarray | None:
     """Fine-tuning rows' lengths (row_lengths): lengths.npy, written with the cache (computed here for
     a cache made before it was)."""
-    if train.ndim != 3:
+    if train.ndim < 3:
         return None
     if (directory / "lengths.npy").exists():
         return np.load(directory / "lengths.npy")
@@ -158,6 +163,8 @@ def _lengths(directory: Path, train: np.ndarray) -> np.ndarray | None:
 def row_lengths(rows: np.ndarray) -> np.ndarray:
     """Fine-tuning rows: each row's last target position + 1. What follows in a row is padding or an
     untrained tail, which nothing before it attends to: a batch needs only its rows' longest."""
+    if rows.ndim == 4:  # preference pairs: the longer of the pair's two rows
+        return row_lengths(np.asarray(rows).reshape(-1, *rows.shape[2:])).reshape(len(rows), 2).max(axis=1)
     labels = np.asarray(rows[:, 1, :])
     has = labels != IGNORE
     last = labels.shape[1] - np.argmax(has[:, ::-1], axis=1)
@@ -177,12 +184,17 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """How the training data differs from the data a checkpoint was trained on (both `Data.fingerprint`),
     each difference in words; [] when the packed sequences are the same (a file that was only touched
     or re-tokenized to the same tokens is no change)."""
+    out = []
+    if saved.get("reference") != now.get("reference") and "reference" in now:
+        out.append(
+            f"the reference's log-probs (train.objective {'dpo/ipo'}): computed for {saved.get('reference')} at the "
+            f"checkpoint, {now['reference']} now (another model, precision or data); a resumed run keeps its reference"
+        )
     if (
         saved.get("train_digest") == now["train_digest"]
         and saved.get("train_sequences") == now["train_sequences"]
     ):
-        return []
-    out = []
+        return out
     if saved.get("train_sequences") != now["train_sequences"]:
         out.append(
             f"training sequences: {saved.get('train_sequences')} at the checkpoint, {now['train_sequences']} now"
@@ -314,7 +326,9 @@ def _save_rows(directory: Path, rows: np.ndarray) -> None:
     position: the count a step's loss is divided by), counted once here rather than by every rank at
     every start."""
     np.save(directory / "train.npy", rows)
-    if rows.ndim == 3:
+    if rows.ndim == 4:  # preference pairs: each pair's loss is its own (no step-wide target count)
+        np.save(directory / "lengths.npy", row_lengths(rows))
+    elif rows.ndim == 3:
         np.save(directory / "targets.npy", (rows[:, 1, 1:] != IGNORE).sum(axis=1).astype(np.int32))
         np.save(directory / "lengths.npy", row_lengths(rows))
     elif (rows[:, -1] < 0).any():  # a mixture of text sources, with a padded last block of one

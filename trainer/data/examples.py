@@ -86,6 +86,14 @@ def build_rows(
     if src.kind == "text":
         return _document_rows(raw, tok, section, src, key)
     where = formats.locator(src, key)
+    if src.kind == "preference":  # each response rendered after the prompt as prompt_completion data is
+        from trainer.data.preference import build_pairs
+
+        pc = src.model_copy(update={"kind": "prompt_completion", "prompt_field": "prompt",
+                                    "completion_field": "completion"})  # fmt: skip
+        prof_pc: list[Profile | None] = [None]
+        return build_pairs(raw, tok, section, src, key,
+                           lambda row, n: _examples(row, n, pc, section, tok, where, prof_pc, _Counts()))  # fmt: skip
     prof: list[Profile | None] = [chat_profile(section, tok) if src.kind == "chat" else None]
     kept, shown, c = [], None, _Counts()
     for n, row in enumerate(raw):
@@ -196,6 +204,10 @@ def describe_template(stats: dict[str, Any]) -> str | None:
 
 def describe(stats: dict[str, Any]) -> str:
     """One line for the banner."""
+    if stats["kind"] == "preference":
+        from trainer.data.preference import describe_pairs
+
+        return describe_pairs(stats)
     if stats["kind"] == "text":
         return (
             f"text documents kept apart: {stats['examples']:,} documents ({stats.get('split', 0):,} longer than "

@@ -67,6 +67,8 @@ def required_columns(src: DataSource) -> list[tuple[str, str]]:
         return [("text_field", src.text_field)]
     if src.kind == "prompt_completion":
         return [("prompt_field", src.prompt_field), ("completion_field", src.completion_field)]
+    if src.kind == "preference":  # the prompt may be implicit (whole conversations: preference.py)
+        return [("chosen_field", src.chosen_field), ("rejected_field", src.rejected_field)]
     if preset(src) == "alpaca":
         m = mapping(src)
         return [("format_map.instruction", m["instruction"]), ("format_map.output", m["output"])]

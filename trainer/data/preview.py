@@ -50,7 +50,8 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
     from trainer.data.stream import RankSampler, padding_shares
 
     d = exp.data
-    lines = [f"data: {len(data.train):,} training sequences of {d.seq_len} tokens in {data.cache_path}"]
+    what = f"pairs ({2 * len(data.train):,} sequences)" if data.pairs else "sequences"
+    lines = [f"data: {len(data.train):,} training {what} of {d.seq_len} tokens in {data.cache_path}"]
     if data.mixture:
         lines.append("mixture: " + "; ".join(f"{m['source']} (weight {m['weight']:g}, {m['sequences']:,} sequences)"
                                               for m in data.mixture))  # fmt: skip
@@ -60,6 +61,8 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
     lines.append(describe(data.finetune))
     if describe_template(data.finetune):
         lines.append(describe_template(data.finetune))
+    if data.pairs:
+        return "\n".join(lines + _pairs(data, exp, n))
     lines.append(f"packing: {packing}" if d.packing else "packing: off, one example per sequence")
     mix = data.mixture
     sampler = RankSampler(
@@ -87,3 +90,20 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
                 "tokens: " + token_view(ex, data.tokenizer),
             ]
     return "\n".join(lines)
+
+
+def _pairs(data: Any, exp: Experiment, n: int) -> list[str]:
+    """Preference data: the first `n` pairs of the first epoch, each response with its targets."""
+    from trainer.data.stream import RankSampler
+
+    sampler = RankSampler(len(data.train), 0, 1, 1, exp.seed, exp.data.shuffle)
+    lines = []
+    for shown, r in enumerate(sampler.order(0)[:n], 1):
+        lines += ["", f"pair {shown} (pair {int(r)} of the data):"]
+        for name, row in zip(("chosen", "rejected"), data.train[r], strict=True):
+            (ex,) = examples_of(row)
+            lines += [
+                f"  {name} ({len(ex.ids)} tokens, {sum(ex.targets[1:])} targets): {ex.show(data.tokenizer, limit=None)}",
+                "  tokens: " + token_view(ex, data.tokenizer),
+            ]
+    return lines

@@ -155,11 +155,55 @@ class _Rows:
         return self.blocks[np.asarray(idx, dtype=np.int64)]
 
 
+class _PairRows(_Rows):
+    """Preference pairs (pairs, 2, 3, seq_len): each item is the pair's two rows and its index (the
+    key of its reference log-probs)."""
+
+    def __getitem__(self, i: int) -> Any:
+        return np.asarray(self.blocks[int(i)])[None], np.asarray([int(i)])
+
+    def __getitems__(self, idx: list[int]) -> Any:
+        at = np.asarray(idx, dtype=np.int64)
+        return self.blocks[at], at
+
+
+@dataclass
+class Pairs:
+    """A micro batch of preference pairs: every chosen row, then every rejected one, as fine-tuning
+    rows (2 x pairs, 3, width); and the pairs' indices in the data."""
+
+    rows: Any
+    index: Any
+
+    def to(self, device: Any, non_blocking: bool = False) -> Pairs:
+        return Pairs(self.rows.to(device, non_blocking=non_blocking), self.index)
+
+    def pin_memory(self) -> Pairs:
+        return Pairs(self.rows.pin_memory(), self.index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.rows)
+
+    @property
+    def pairs(self) -> int:
+        return len(self.index)
+
+
 def _collate(rows: Any, multiple: int = 1) -> Any:
     """A batch as the model takes it. Fine-tuning rows are cut to the longest row's last target
-    (cache.row_lengths), up to a multiple of `multiple` (under torch.compile: fewer shapes to compile)."""
+    (cache.row_lengths), up to a multiple of `multiple` (under torch.compile: fewer shapes to compile).
+    Preference pairs become `Pairs` (their chosen rows, then their rejected ones)."""
     import torch
 
+    if isinstance(rows, tuple):  # _PairRows: (rows (pairs, 2, 3, seq_len), indices)
+        arr, index = rows
+        arr = np.asarray(arr)
+        return Pairs(_collate(arr.transpose(1, 0, 2, 3).reshape(-1, *arr.shape[2:]), multiple),
+                     torch.from_numpy(np.asarray(index, dtype=np.int64)))  # fmt: skip
+    if isinstance(rows, list) and rows and isinstance(rows[0], tuple):  # _PairRows item by item
+        return _collate(
+            (np.concatenate([r for r, _ in rows]), np.concatenate([i for _, i in rows])), multiple
+        )
     arr = np.asarray(rows) if not isinstance(rows, np.ndarray) else rows
     if arr.ndim == 2 and arr[:, -1].min() < 0:  # the padded last block of text (pack.fill_blocks)
         arr = as_rows(arr)
@@ -200,7 +244,7 @@ def make_loader(
 
     workers = resolve_workers(section.num_workers, device_type)
     return DataLoader(
-        _Rows(ds),
+        _PairRows(ds) if ds.ndim == 4 else _Rows(ds),
         batch_size=sampler.micro,
         sampler=sampler,
         drop_last=True,
@@ -257,6 +301,7 @@ class TrainStream:
             )
         self.loader = make_loader(data.train, self.sampler, section, device_type, width_multiple)
         self.targets = data.targets  # fine-tuning rows: target tokens per row (cache), for the step's loss
+        self.rows_per_sample = 2 if data.pairs else 1  # preference pairs: a chosen and a rejected row
         self._orders: dict[int, np.ndarray] = {}
         self.position = Position()
         self._it: Iterator[Any] | None = None
@@ -326,7 +371,8 @@ class TrainStream:
         if self.lengths is None or not self.multiple:
             return None
         w, m, k = self.sampler.world, self.sampler.micro, self.multiple
-        return sum(int(np.minimum(micro_widths(rows, self.lengths, w, m, k), self.seq_len).sum()) * m
+        rows_per = m * self.rows_per_sample  # preference: each pair is two rows as wide
+        return sum(int(np.minimum(micro_widths(rows, self.lengths, w, m, k), self.seq_len).sum()) * rows_per
                    for rows in self._ahead(micro_steps))  # fmt: skip
 
     def padding(self) -> tuple[float, float] | None:

@@ -84,6 +84,9 @@ class Metrics:
         self.tokens = 0  # tokens trained so far (all ranks, resumed attempts included)
         self.lr = 0.0  # the LR the last step applied
         self.extra: Any = None  # a callable adding fields to each training record (tokens per source)
+        # a callable every rank calls at a log step (it reduces across ranks), adding fields to the
+        # record: a preference objective's rewards, margin, accuracy and log-probs
+        self.reduced: Any = None
         self.last_loss: float | None = None
         self.first_loss: float | None = None
         self._t_start = time.perf_counter()
@@ -123,6 +126,8 @@ class Metrics:
         elapsed = max(time.perf_counter() - iv.started - iv.paused, 1e-9)
         rows = gather_interval(iv, self.device, self.world_size)
         rec = training_record(self, step, engine, elapsed, rows)
+        if self.reduced is not None:
+            rec.update(self.reduced())
         busy = rec["rank_busy_s"]
         loss = rec["loss"]
         if self.extra is not None and self.is_main:  # only rank 0 records

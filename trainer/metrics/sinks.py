@@ -115,6 +115,8 @@ class ConsoleSink:
             return
         gn = rec["grad_norm"]
         mfu = f"  mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
+        if "reward_margin" in rec:  # a preference objective
+            mfu = f"  margin {rec['reward_margin']:.3f}  acc {rec['reward_accuracy']:.2f}" + mfu
         if self._bar is not None:
             self._bar.set_postfix_str(
                 f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:,.0f}{mfu}",

@@ -122,10 +122,16 @@ def host_activations(info: ModelInfo, micro_batch: int, seq_len: int, lp: int, s
     return int(2 * seq_len / max(1, sp) * micro_batch * info.hidden * lp / 2 * info.layers)
 
 
+def rows_per_micro(exp: Experiment) -> int:
+    """Sequences in one forward: the micro batch, or for a preference objective its pairs' chosen and
+    rejected rows together (the reference's log-probs are precomputed: no reference model, no pass)."""
+    return exp.train.micro_batch_size * (1 if exp.train.objective == "sft" else 2)
+
+
 def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any) -> int:
     """The experiment's activation bytes per rank under one setting of the levers (levers.Levers)."""
     m = exp.model
     return activations(
-        info, exp.train.micro_batch_size, exp.data.seq_len, lp, levers.checkpointing, levers.chunked_loss,
+        info, rows_per_micro(exp), exp.data.seq_len, lp, levers.checkpointing, levers.chunked_loss,
         m.kernels, compiled=exp.train.compile, sp=levers.sp, tiled_mlp=levers.tiled_mlp, offload=levers.offload,
     )  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any
 
 from trainer.config import Experiment, chunked_loss_problem, format_size
 from trainer.errors import UserError
-from trainer.strategy.planning.activations import activations_for, host_activations
+from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, next_rung, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all
 from trainer.strategy.planning.levers import Levers, lever_sets
@@ -208,7 +208,7 @@ def plan(
             sp_info = dataclasses.replace(info, attn_implementation="sdpa")
         act = activations_for(exp, sp_info, lp, levers)
         extra = (
-            host_activations(info, exp.train.micro_batch_size, exp.data.seq_len, lp, levers.sp)
+            host_activations(info, rows_per_micro(exp), exp.data.seq_len, lp, levers.sp)
             if levers.offload
             else 0
         )

@@ -98,7 +98,11 @@ def lever_sets(exp: Experiment, info: ModelInfo, world_size: int, device_type: s
     """Every setting of the levers the experiment allows, cheapest first (see the module docstring)."""
     m, s = exp.model, exp.strategy
     transformers_model = m.factory is None
-    chunked = _choices(m.chunked_loss, transformers_model and not chunked_loss_problem(info.model_type))
+    # a preference objective needs each response's log-prob, which the tiled loss does not give
+    sft = exp.train.objective == "sft"
+    chunked = _choices(
+        m.chunked_loss, sft and transformers_model and not chunked_loss_problem(info.model_type)
+    )
     tiled = _choices(m.tiled_mlp, transformers_model)
     checkpointing = _choices(m.activation_checkpointing, True)
     offload = _choices(m.offload_activations, device_type == "cuda")
@@ -108,7 +112,9 @@ def lever_sets(exp: Experiment, info: ModelInfo, world_size: int, device_type: s
         if info.attn_implementation == "eager" and m.attn_implementation == "auto"
         else info.attn_implementation
     )
-    if s.sequence_parallel == "auto":
+    if s.sequence_parallel == "auto" and not sft:  # preference objectives under SP: not verified yet
+        sps = [1]
+    elif s.sequence_parallel == "auto":
         sps = [1] + [
             d
             for d in SP_DEGREES

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Make data/tiny/python_prefs.jsonl, the preference pairs of configs/experiments/tiny-dpo.yaml, from
+the tiny corpus on this machine (data/tiny/python_docs.jsonl, the Python language reference), as
+scripts/make_tiny_sft.py makes tiny-sft's questions: for each section, a user asks in three ways which
+section covers its topic; the chosen answer is the section's title ('The "assert" statement'), the
+rejected one the title of another section (the next two in the corpus, one per question in turn).
+Conversational (TRL's form: a prompt of messages, each response an assistant message). Deterministic;
+nothing is downloaded.
+
+    python scripts/make_tiny_dpo.py [--out data/tiny/python_prefs.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = (
+    "Which section covers {topic}?",
+    "Where do I read about {topic}?",
+    "Name the section on {topic}.",
+)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "data" / "tiny" / "python_prefs.jsonl"))
+    a = p.parse_args()
+    docs = [
+        json.loads(line) for line in (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines()
+    ]
+    titles = [d["text"].split("\n", 1)[0].strip() for d in docs]
+    rows = []
+    for i, doc in enumerate(docs):
+        for k, q in enumerate(QUESTIONS):
+            wrong = titles[(i + 1 + k % 2) % len(titles)]
+            if wrong == titles[i]:
+                continue
+            rows.append({
+                "prompt": [{"role": "user", "content": q.format(topic=doc["topic"])}],
+                "chosen": [{"role": "assistant", "content": titles[i]}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            })  # fmt: skip
+    Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"{len(rows)} pairs from {len(docs)} sections -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

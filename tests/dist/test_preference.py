@@ -1,0 +1,102 @@
+"""Preference training through bin/train on 2 ranks (real launchers): DPO trains at ZeRO 0, 2 and 3,
+fp32 and bf16, and resumes bit for bit; the reference's log-probs are computed once (a resume reads
+them); LoRA DPO at stage 3 saves a whole, sound adapter; and a step's DPO loss does not depend on how
+the global batch is split into ranks, micro batches and accumulation."""
+
+import json
+
+import pytest
+from helpers import NODROP, ROOT, train
+
+pytestmark = pytest.mark.dist
+
+PREFS = ROOT / "data" / "tiny" / "python_prefs.jsonl"
+
+
+def dpo_sets(**kw):
+    return {
+        "data.train.files": str(PREFS),
+        "data.train.kind": "preference",
+        "data.eval_fraction": 0,
+        "data.num_workers": 0,
+        "train.objective": "dpo",
+        "model.config.n_layer": 2,
+        "train.micro_batch_size": 2,
+        "train.max_steps": 8,
+        "train.log_every": 1,
+        "train.eval_every": 0,
+        "optim.lr": 3e-3,
+        "optim.warmup_steps": 0,
+        "checkpoint.every_steps": 4,
+        "checkpoint.save_final": True,
+        "checkpoint.keep_last": 0,
+        **NODROP,
+        **kw,
+    }
+
+
+CASES = {  # name -> (stage, precision, more)
+    "zero0-fp32": (0, "fp32", {"train.grad_accum": 2}),
+    "zero2-fp32": (2, "fp32", {}),
+    "zero3-fp32": (3, "fp32", {"train.grad_accum": 2}),
+    "zero3-bf16-lora": (3, "bf16", {"model.lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "optim.lr": 1e-2}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dpo_trains_and_resumes_bit_for_bit(tmp_path, name):
+    """Run A: 8 steps, checkpoints at 4 and 8; the reward accuracy and margin rise, the reference's
+    log-probs are computed once, before the first step. Run B resumes A's step 4 in its own run
+    directory: it reads them from the cache (not recomputed) and logs A's losses and rewards after
+    step 4 bit for bit, ending with A's weights."""
+    stage, precision, more = CASES[name]
+    sets = dpo_sets(**{"strategy.zero_stage": stage, "train.precision": precision, **more})
+    launcher, cache = "deepspeed" if stage != 2 else "torchrun", tmp_path / "cache"  # its own: computed here
+    a = train(tmp_path / "a", sets, launcher=launcher, cache=cache)
+    assert f"ZeRO stage {stage}" in a.output and "objective: dpo (beta 0.1)" in a.output
+    assert a.output.count("reference log-probs: computed for 237 pairs") == 1, a.output[-3000:]
+    recs = [m for m in a.metrics if "reward_margin" in m]
+    assert [m["step"] for m in recs] == list(range(1, 9)) and all(m["pairs"] == 2 * 2 * more.get("train.grad_accum", 1) for m in recs)
+    first = recs[0]  # the policy is the reference at the first step: no margin yet (fp32: 1e-5; bf16: 1e-2)
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    assert abs(first["reward_margin"]) < tol and first["loss"] == pytest.approx(0.6931472, abs=tol), first
+    late = recs[-3:]
+    assert sum(m["reward_margin"] for m in late) > 0 and max(m["reward_accuracy"] for m in late) > 0.5, recs
+    ckpt = tmp_path / "a" / "run" / "checkpoints" / "step_00000004"
+    b = train(tmp_path / "b", sets, launcher=launcher, cache=cache, extra_args=["--resume", str(ckpt)])
+    assert "reference log-probs: read from" in b.output and "reference log-probs: computed" not in b.output
+    after = lambda r: {m["step"]: (m["loss"], m["reward_margin"], m["logps_chosen"]) for m in r.metrics  # noqa: E731
+                       if "reward_margin" in m and m["step"] > 4}  # fmt: skip
+    assert after(b) == after(a) and sorted(after(a)) == [5, 6, 7, 8]
+    assert b.rank_reports()[0]["param_digest"] == a.rank_reports()[0]["param_digest"]
+    if "lora" in name:  # the adapter: whole (gathered at ZeRO-3), every B trained away from zero
+        from safetensors.torch import load_file
+
+        final = tmp_path / "a" / "run" / "checkpoints" / "step_00000008"
+        saved = load_file(str(final / "adapter" / "adapter_model.safetensors"))
+        b_mats = {k: v for k, v in saved.items() if "lora_B" in k}
+        assert b_mats and len(saved) == 2 * len(b_mats)  # an A for every B
+        assert all(v.abs().sum() > 0 for v in b_mats.values())
+        assert json.loads((final / "adapter" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_the_dpo_loss_does_not_depend_on_how_the_batch_is_split(tmp_path):
+    """4 pairs per step: micro 2 x 2 ranks (deepspeed launcher), micro 1 x accumulation 4 and micro 4
+    x 1 rank log the same DPO losses at every step (fp32, 1e-6 relative): a micro batch's loss is the
+    mean of its pairs' and every micro batch holds as many, so DeepSpeed's mean over micro batches and
+    ranks is the mean over the step's pairs."""
+    splits = {
+        "micro4": ({"train.micro_batch_size": 4, "train.grad_accum": 1}, "none", 1),
+        "accum4": ({"train.micro_batch_size": 1, "train.grad_accum": 4}, "none", 1),
+        "2ranks": ({"train.micro_batch_size": 2, "train.grad_accum": 1}, "deepspeed", 2),
+    }
+    losses = {}
+    for name, (split, launcher, n) in splits.items():
+        sets = dpo_sets(**split, **{"train.max_steps": 5, "checkpoint.save_final": False, "checkpoint.every_steps": 0,
+                                    "optim.lr": 1e-3})  # fmt: skip
+        losses[name] = train(tmp_path / name, sets, launcher=launcher, nproc=n, debug=False).losses
+    ref = losses["micro4"]
+    assert sorted(ref) == list(range(1, 6)) and ref[5] < ref[1]
+    for name in ("accum4", "2ranks"):
+        for step, value in ref.items():
+            assert losses[name][step] == pytest.approx(value, rel=1e-6), (name, step, losses[name], ref)

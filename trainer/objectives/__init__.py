@@ -1,0 +1,33 @@
+"""Training objectives beyond the next-token loss: the preference objectives, one module per family.
+
+- `pairs.py`: what every preference objective shares: each response's log-probability under the
+  policy (one forward over the micro batch's chosen and rejected rows together), the per-step metrics
+  users read (rewards, margin, accuracy, log-probs), and the loss of a micro batch: the mean of its
+  pairs' losses (every micro batch holds as many pairs, so DeepSpeed's mean over micro batches and
+  ranks is the mean over the step's pairs however the global batch is split);
+- `reference_based.py`: DPO (with label smoothing) and IPO, against the reference's log-probs;
+- `reference_free.py`: SimPO and ORPO;
+- `reference.py`: the reference's log-probs, computed once before training from the model as it
+  starts (with LoRA: the base, the adapters adding nothing yet) and cached with the data.
+
+`make(exp)` gives the objective of train.objective (None for sft: the model's own loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.objectives.pairs import PairObjective
+
+
+def make(exp: Any) -> PairObjective | None:
+    """train.objective's objective, or None for sft."""
+    from trainer.objectives.reference_based import DPO, IPO
+    from trainer.objectives.reference_free import ORPO, SimPO
+
+    kinds = {"dpo": DPO, "ipo": IPO, "simpo": SimPO, "orpo": ORPO}
+    name = exp.train.objective
+    return kinds[name](exp.train.preference) if name in kinds else None
+
+
+__all__ = ["PairObjective", "make"]
