@@ -4,7 +4,8 @@ the tiny corpus on this machine (data/tiny/python_docs.jsonl, the Python languag
 scripts/make_tiny_sft.py makes tiny-sft's questions: for each section, a user asks in three ways which
 section covers its topic; the chosen answer is the section's title ('The "assert" statement'), the
 rejected one the title of another section (the next two in the corpus, one per question in turn).
-Conversational (TRL's form: a prompt of messages, each response an assistant message). Deterministic;
+Conversational (TRL's form: a prompt of messages, each response an assistant message), in a fixed
+shuffled order. Deterministic;
 nothing is downloaded.
 
     python scripts/make_tiny_dpo.py [--out data/tiny/python_prefs.jsonl]
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +45,9 @@ def main() -> int:
                 "chosen": [{"role": "assistant", "content": titles[i]}],
                 "rejected": [{"role": "assistant", "content": wrong}],
             })  # fmt: skip
+    # a fixed shuffle: data.eval_fraction holds out the file's tail, which should not be the last
+    # sections alone (their titles are rejected answers of the sections before them)
+    random.Random(0).shuffle(rows)
     Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} pairs from {len(docs)} sections -> {a.out}")
     return 0
