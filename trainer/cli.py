@@ -154,6 +154,16 @@ SUPERVISED_OPTIONS = [
         {"default": None, "help": "deepspeed hostfile for a multi-node --launcher deepspeed run"},
     ),
     (
+        ("--min-nodes",),
+        {
+            "type": int,
+            "default": None,
+            "metavar": "N",
+            "help": "with --hostfile: after a failure, go on with the nodes that answer if at least N do, "
+            "the global batch kept (default: every node; docs/launching.md)",
+        },
+    ),
+    (
         ("--max-restarts",),
         {
             "type": int,
@@ -206,7 +216,7 @@ def _main(argv: list[str] | None = None) -> int:
         args.experiment, args.resume = args.resume, "latest"  # `bin/train --resume exp.yaml`
     try:
         if args.describe_config:
-            print(describe_config())
+            print(config_mod.describe_table())
             return 0
         if not args.experiment:
             raise UserError(
@@ -241,7 +251,7 @@ def _main(argv: list[str] | None = None) -> int:
             raise UserError("--max-seq-len goes with --plan: bin/train EXP.yaml --plan --max-seq-len")
         if args.plan or args.print_config:
             return plan_command(exp, args)
-        if args.launcher is not None or args.max_restarts is not None:
+        if args.launcher is not None or args.max_restarts is not None or args.min_nodes is not None:
             return supervise_command(exp, args)
         return train_command(exp, args)
     except CheckFailed as e:
@@ -263,18 +273,6 @@ def _launcher_rank() -> int:
     from trainer.dist import detect
 
     return detect().rank
-
-
-def describe_config() -> str:
-    rows = config_mod.describe()
-    w = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"{'key'.ljust(w[0])}  {'type'.ljust(w[1])}  {'default'.ljust(w[2])}  meaning"]
-    for key, typ, default, desc in rows:
-        if typ == "section":
-            lines.append(f"\n{key}:  {desc}")
-        else:
-            lines.append(f"{key.ljust(w[0])}  {typ.ljust(w[1])}  {default.ljust(w[2])}  {desc}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -300,6 +298,8 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         )  # fmt: skip
 
     if args.max_seq_len:
+        from trainer.strategy.planning.longest import longest_command
+
         return longest_command(exp, planned_for, world, per_node)
     planned = planned_for(exp)
     if args.print_config:
@@ -318,29 +318,12 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             + (f", {exp.model.kernels} kernels" if exp.model.kernels != "none" else "")
         )
         print(strategy.describe_plan(planned.plan))
-    return 0
+        if exp.checkpoint.every_minutes == "auto":  # the interval before any save is measured
+            from trainer.checkpoint.interval import auto_interval
 
-
-def longest_command(exp: config_mod.Experiment, planned_for: Any, world: int, per_node: int) -> int:
-    """--plan --max-seq-len: the plan at the experiment's data.seq_len (or why nothing fits there), then
-    the longest sequence that fits (trainer/strategy/planning/longest.py)."""
-    from trainer.strategy.planning.longest import STEP, describe_longest, longest_sequence, per_degree
-
-    try:
-        p = planned_for(exp).plan
-        print(
-            f"at data.seq_len {exp.data.seq_len:,}: {p.candidate.name} with activation levers: {p.levers.describe()}"
-        )
-    except UserError as e:
-        print(f"at data.seq_len {exp.data.seq_len:,}: {str(e).splitlines()[0]}")
-    short = planned_for(exp.model_copy(update={"data": exp.data.model_copy(update={"seq_len": STEP})}))
-    p = short.plan
-    kw = {"world_size": world, "gpus_per_node": per_node, "device_type": p.device_type,
-          "device_memory": p.device_memory, "host_memory": p.host_memory, "precision": p.precision}  # fmt: skip
-    for line in per_degree(exp, short.info, kw):
-        print(line)
-    seq, best = longest_sequence(exp, short.info, **kw)
-    print(describe_longest(seq, best, exp, short.info))
+            on, _ = planned.plan.checkpoint_async(exp.checkpoint.async_)
+            snapshot = planned.plan.estimate.snapshot
+            print(auto_interval(exp.checkpoint.mtbf_hours, -(-world // per_node), snapshot, on).describe())
     return 0
 
 
@@ -416,6 +399,9 @@ def supervise_command(exp: config_mod.Experiment, args: argparse.Namespace) -> i
     if args.max_restarts is not None and args.max_restarts < 0:
         raise UserError("--max-restarts must be 0 or more")
     launcher = args.launcher or "none"
+    if args.min_nodes is not None and not (args.hostfile and launcher == "deepspeed" and args.min_nodes >= 1):
+        raise UserError("--min-nodes N (N >= 1) continues a --launcher deepspeed --hostfile run on the nodes that answer; "
+                        "give it with both, or leave it out")  # fmt: skip
     sup = Supervisor(
         experiment=args.experiment,
         overrides=list(args.overrides),
@@ -424,6 +410,7 @@ def supervise_command(exp: config_mod.Experiment, args: argparse.Namespace) -> i
         nproc_per_node=args.nproc_per_node or 1,
         hostfile=args.hostfile,
         max_restarts=args.max_restarts or 0,
+        min_nodes=args.min_nodes,
         resume=args.resume,
         extra_args=(["--force"] if args.force else [])
         + [f"--{m.replace('_', '-')}" for m in MODES if getattr(args, m)],

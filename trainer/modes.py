@@ -24,10 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.build import Run, announce
+from trainer.banner import announce
+from trainer.build import Run
 from trainer.errors import EXIT_NONFINITE, EXIT_OOM
 
 log = logging.getLogger("trainer")
+PROCESS_START = time.time()  # this attempt's clock: its devices are held from here (device-hours)
 
 MODES = ("check", "overfit_batch", "profile", "dry_run")  # the one-off modes, as argparse names them
 PROFILE_WARMUP, PROFILE_ACTIVE = 3, 5  # --profile: steps before the trace, steps traced
@@ -199,6 +201,7 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
     from trainer.control import NonFiniteLoss
 
     exit_code = 1
+    tokens0 = run.state.tokens
     try:
         body()
         exit_code = run.exp.checkpoint.signal_exit_code if run.state.stopped else 0
@@ -213,6 +216,7 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
             run.checkpointer.store.barrier()
         return exit_code
     finally:
+        run.metrics.record(attempt_cost(run, run.state.tokens - tokens0, exit_code))
         run.metrics.close(exit_code)
     debug_report(run)
     mets, state = run.metrics, run.state
@@ -224,6 +228,18 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
         if verdict is not None:
             log.info(verdict(first, last))
     return exit_code
+
+
+def attempt_cost(run: Run, tokens: int, exit_code: int) -> dict[str, Any]:
+    """This attempt's record of what it cost: ranks x its wall time since the process started
+    (start-up, data, planning and saves included: the devices were held), and tokens per device-hour."""
+    from trainer import dist
+
+    seconds = time.time() - PROCESS_START
+    hours = run.env.world_size * seconds / 3600
+    return {"event": "attempt", "attempt": dist.attempt(), "exit": exit_code, "ranks": run.env.world_size,
+            "seconds": round(seconds, 1), "device_hours": hours, "tokens": tokens,
+            "tokens_per_device_hour": tokens / hours if hours > 0 else None, "step": run.state.step}  # fmt: skip
 
 
 def on_out_of_memory(run: Run, e: BaseException) -> int:

@@ -12,6 +12,7 @@ last record of each step is kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -83,6 +84,7 @@ def summary(
         ("mean step time", f"{sum(r['step_time_s'] for r in steady) / len(steady) * 1000:,.0f} ms"),
         ("first / final loss", f"{train[0]['loss']:.4f} / {last['loss']:.4f}"),
     ]
+    rows += cost_rows(run_dir, train)
     prefs = [r for r in train if "reward_margin" in r]
     if prefs:
         first, final = prefs[0], prefs[-1]
@@ -123,6 +125,37 @@ def summary(
         )
     )
     return rows
+
+
+def cost_rows(run_dir: Path, train: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Device-hours (ranks x wall time) per attempt and in total, and tokens per device-hour: from the
+    supervisor's attempts.jsonl where a supervisor ran the job (every attempt, a killed one too), else
+    from the attempts' own records in metrics.jsonl."""
+    attempts = _lines(run_dir / "attempts.jsonl")
+    source = "attempts.jsonl"
+    if not attempts:
+        attempts = [r for r in _lines(run_dir / "metrics.jsonl") if r.get("event") == "attempt"]
+        source = "metrics.jsonl"
+    attempts = [a for a in attempts if "device_hours" in a]
+    if not attempts:
+        return []
+    total = sum(a["device_hours"] for a in attempts)
+    each = ", ".join(f"{a['device_hours']:.4g} ({a['ranks']} x {a['seconds']:.0f} s)" for a in attempts)
+    tokens = train[-1].get("tokens")
+    rows = [("device-hours", f"{total:.4g} over {len(attempts)} attempt(s): {each} [{source}]")]
+    if tokens and total > 0:
+        rows.append(("tokens per device-hour", f"{tokens / total:,.0f}"))
+    return rows
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
 
 
 def plot(run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]], out: Path) -> Path:

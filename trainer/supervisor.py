@@ -47,6 +47,35 @@ FINAL_EXITS = {
 TRAIN = Path(__file__).resolve().parent.parent / "bin" / "train"
 
 
+def unresolvable(host: str) -> str | None:
+    """Why `host` has no address (None: it has one): the name ssh would connect to (its config's
+    HostName for an alias, `ssh -G`) looked up as the launcher's ssh will."""
+    import socket
+
+    name = host
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["ssh", "-G", host], capture_output=True, text=True, timeout=10).stdout
+        name = next(
+            (line.split(None, 1)[1] for line in out.splitlines() if line.startswith("hostname ")), host
+        )
+    try:
+        socket.getaddrinfo(name, None)
+    except socket.gaierror as e:
+        return e.strerror or str(e)
+    return None
+
+
+def check_resolves(hosts: list[tuple[str, int]], path: str | None) -> None:
+    """Every host of the hostfile has an address (a UserError naming those without)."""
+    bad = [
+        f"host '{h}' does not resolve ({why})" for h, why in ((h, unresolvable(h)) for h, _ in hosts) if why
+    ]
+    if bad:
+        raise UserError(
+            f"--hostfile {path}: {'; '.join(bad)}; fix the name or the resolver (DNS, /etc/hosts, ~/.ssh/config)"
+        )
+
+
 def read_hostfile(path: str) -> list[tuple[str, int]]:
     """Hosts and slots of a deepspeed hostfile; every problem (missing file, a malformed line, a host
     named twice) is an error, where the deepspeed runner alone would warn and train locally."""
@@ -146,6 +175,9 @@ class Supervisor:
     resume: str | None = None
     extra_args: list[str] = field(default_factory=list)
     backoff_s: float = 2.0
+    min_nodes: int | None = None  # elastic continuation (elastic.py); None: every node of the hostfile
+    _active: str | None = None  # the hostfile of this attempt: the survivors' (elastic.py), or None: hostfile
+    _accum: str | None = None  # the train.grad_accum override that keeps the global batch on the survivors
     _child: subprocess.Popen | None = None
     _stopping: int | None = None  # the signal that asked us to stop
     _wake: threading.Event = field(default_factory=threading.Event)
@@ -159,7 +191,9 @@ class Supervisor:
     def run(self) -> int:
         from trainer.checkpoint import checkpoints_dir, latest
 
-        self.hosts()  # a missing or malformed hostfile is an error before anything starts
+        check_resolves(
+            self.hosts(), self.hostfile
+        )  # a missing, malformed or unresolvable hostfile: before anything
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,6 +201,9 @@ class Supervisor:
         resume = self.resume
         attempt = 0
         while True:
+            overrides = self._elastic(attempt, overrides)
+            if overrides is None:
+                return 1
             rc, escalated, failure = self._attempt(attempt, overrides, resume)
             if rc == 0 or self._stopping:
                 return rc
@@ -219,6 +256,12 @@ class Supervisor:
         self._record(attempt, cmd, rc, time.time() - t0, escalated, failure)
         return rc, escalated, failure
 
+    def _elastic(self, attempt: int, overrides: list[str]) -> list[str] | None:
+        """--min-nodes: this attempt's overrides on the nodes that answer (elastic.py; None: stop)."""
+        from trainer.elastic import on_survivors
+
+        return on_survivors(self, attempt, overrides)
+
     def _escalate(self, escalated: dict[str, Any], overrides: list[str], attempt: int) -> list[str] | None:
         """The overrides of the next attempt, one rung above the one that ran out of memory (None:
         it was the last rung)."""
@@ -262,8 +305,9 @@ class Supervisor:
         escalated: dict | None,
         failure: dict | None,
     ) -> None:
-        rec = {"attempt": attempt, "exit": rc, "seconds": round(seconds, 1), "command": cmd, "oom": escalated,
-               "failure": failure}  # fmt: skip
+        ranks = sum(n for _, n in self.hosts()) or (1 if self.launcher == "none" else self.nproc_per_node)
+        rec = {"attempt": attempt, "exit": rc, "seconds": round(seconds, 1), "ranks": ranks,
+               "device_hours": ranks * seconds / 3600, "command": cmd, "oom": escalated, "failure": failure}  # fmt: skip
         with open(self.run_dir / ATTEMPTS, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -280,8 +324,9 @@ def launch_command(sup: Supervisor, overrides: list[str], resume: str | None, po
         return [sys.executable, *args]
     if sup.launcher == "deepspeed":
         head = launcher_program("deepspeed", "deepspeed.launcher.runner")
-        if sup.hostfile:
-            head += ["--hostfile", sup.hostfile, "--master_addr", sup.hosts()[0][0]]
+        hostfile = sup._active or sup.hostfile  # the survivors' under --min-nodes (elastic.py)
+        if hostfile:
+            head += ["--hostfile", hostfile, "--master_addr", read_hostfile(hostfile)[0][0]]
         else:
             head += ["--num_gpus", str(sup.nproc_per_node)]
         return [*head, "--master_port", str(port), *args]

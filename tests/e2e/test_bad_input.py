@@ -248,6 +248,32 @@ CASES = {
         ),
         ["data.group_by_length", "data.packing: false"],
     ),
+    "a pretrained directory without config.json": (
+        lambda t: [
+            *tiny(t, "model.config=null", f"model.pretrained={_dir(t, 'empty_model', 'weights.bin')}"),
+            "--plan",
+        ],
+        [
+            "model.pretrained",
+            "empty_model",
+            "the directory has no config.json (it holds weights.bin)",
+            "save_pretrained",
+        ],
+    ),
+    "a hostfile host that does not resolve": (
+        lambda t: [
+            *tiny(t),
+            "--launcher",
+            "deepspeed",
+            "--hostfile",
+            _text(t, "hostfile", "127.0.0.1 slots=1\nno-such-node.invalid slots=1\n"),
+        ],
+        ["--hostfile", "host 'no-such-node.invalid' does not resolve", "fix the name or the resolver"],
+    ),
+    "a tokenizer directory without a tokenizer": (
+        lambda t: tiny(t, f"data.tokenizer={_dir(t, 'tok', 'notes.txt')}"),
+        ["data.tokenizer", "cannot load", "a local tokenizer directory"],
+    ),  # fmt: skip
     "a pair with an empty response": (
         lambda t: [
             *tiny(
@@ -303,6 +329,13 @@ def _text(t, name, text):
     p = t / name
     p.write_text(text)
     return p
+
+
+def _dir(t, name, file):
+    d = t / name
+    d.mkdir(exist_ok=True)
+    (d / file).write_text("x")
+    return d
 
 
 def _prefs(t, rejected="a wrong answer", mismatched=False):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.disk import Found, tag_for
+from trainer.checkpoint.interval import AutoInterval
 from trainer.checkpoint.store import Pending, Store
 from trainer.config import CheckpointSection
 from trainer.control import Agreed
@@ -40,11 +41,12 @@ class Cadence:
     section: CheckpointSection
     last_saved_step: int = -1
     _last_save_time: float = field(default_factory=time.monotonic)
+    auto: AutoInterval | None = None  # every_minutes: auto (interval.py)
 
     def minutes_due(self) -> bool:
         """This rank's clock says a timed save is due (agreed across ranks by the caller)."""
-        m = self.section.every_minutes
-        return m > 0 and time.monotonic() - self._last_save_time >= m * 60
+        m = self.auto.minutes if self.auto is not None else self.section.every_minutes
+        return m != "auto" and m > 0 and time.monotonic() - self._last_save_time >= m * 60
 
     def due(self, step: int, *, force: bool, final: bool, time_due: bool) -> bool:
         every = self.section.every_steps
@@ -169,7 +171,10 @@ class Checkpointer:
 
     def _commit(self, pending: Pending, write_s: float) -> Path:
         path = self.store.commit(pending)
+        moved = self.cadence.auto.observe(pending.blocked_s) if self.cadence.auto is not None else None
         if self.store.is_main:
+            if moved:
+                log.info(moved)
             t0 = time.perf_counter()
             self.store.disk.prune(self.section.keep_last, keep=path.name)
             pending.commit_s += time.perf_counter() - t0

@@ -9,7 +9,7 @@
 Precedence is defaults < YAML < `--set section.key=value`.
 """
 
-from trainer.config.describe import describe
+from trainer.config.describe import describe, describe_table
 from trainer.config.fields import thaw
 from trainer.config.loading import apply_override, load, parse_yaml, validate
 from trainer.config.rules import warnings
@@ -53,6 +53,7 @@ __all__ = [
     "apply_override",
     "chunked_loss_problem",
     "describe",
+    "describe_table",
     "format_size",
     "load",
     "loss_chunk_rows",

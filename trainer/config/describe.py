@@ -42,3 +42,16 @@ def _type_name(info: Any) -> str:
     for m in members:
         names.append(getattr(m, "__name__", str(m)).replace("typing.", ""))
     return " | ".join(names) + (" | null" if type(None) in _unwrap(annotation) else "")
+
+
+def describe_table() -> str:
+    """`bin/train --describe-config`: every key, its type, default and meaning, by section."""
+    rows = describe()
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{'key'.ljust(w[0])}  {'type'.ljust(w[1])}  {'default'.ljust(w[2])}  meaning"]
+    for key, typ, default, desc in rows:
+        if typ == "section":
+            lines.append(f"\n{key}:  {desc}")
+        else:
+            lines.append(f"{key.ljust(w[0])}  {typ.ljust(w[1])}  {default.ljust(w[2])}  {desc}")
+    return "\n".join(lines)

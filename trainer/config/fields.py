@@ -47,6 +47,20 @@ def auto_or_count() -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
+def auto_or_minutes() -> Any:
+    """A field that takes "auto" or a number of minutes >= 0."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            return float(value)
+        raise ValueError("must be auto or a number of minutes >= 0")
+
+    check.allowed = "auto|float"  # type: ignore[attr-defined]  (for the reference)
+    return Annotated[Any, BeforeValidator(check)]
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"

@@ -17,6 +17,7 @@ from trainer.config.fields import (
     Section,
     Size,
     auto_or_count,
+    auto_or_minutes,
     choice,
     thaw,
 )
@@ -297,7 +298,17 @@ class CheckpointSection(Section):
     """When and how checkpoints are written and resumed (see docs/checkpoints.md)."""
 
     every_steps: int = Field(0, ge=0, description="save every N steps (0 = off)")
-    every_minutes: float = Field(0.0, ge=0.0, description="save every N minutes (0 = off)")
+    every_minutes: auto_or_minutes() = Field(
+        0.0,
+        description="save every N minutes (0 = off); auto = the Young/Daly interval from the measured cost of a "
+        "save and mtbf_hours (docs/checkpoints.md)",
+    )
+    mtbf_hours: float = Field(
+        6335.0,
+        gt=0.0,
+        description="with every_minutes: auto, each node's mean time between failures; default from the Llama 3 "
+        "paper's fleet: 419 interruptions in 54 days on 2,048 nodes of 8 H100s",
+    )
     keep_last: int = Field(3, ge=0, description="keep the newest N complete checkpoints (0 = all)")
     save_final: bool = Field(True, description="save at the end of training")
     save_on_signal: bool = Field(True, description="on SIGTERM/SIGUSR1: finish the step, save, exit")

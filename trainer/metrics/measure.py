@@ -101,3 +101,40 @@ def stragglers(busy: list[float], hosts: list[str], margin: float) -> list[dict[
         for r, b in enumerate(busy)
         if b > median * (1 + margin) and b - median > 0.002
     ]  # fmt: skip
+
+
+class UtilisationWatch:
+    """On a GPU: a warning when the device's utilisation (the share of time a kernel ran, as
+    nvidia-smi reports it: torch.cuda.utilization) stays under `floor` for `window` log intervals in a
+    row, naming the likely cause: the data (the step's data wait share) or the host (kernels launched
+    too slowly to keep the device busy). Once per streak."""
+
+    def __init__(self, read: Any, window: int = 3, floor: float = 0.8) -> None:
+        self.read, self.window, self.floor = read, window, floor
+        self.low: list[float] = []
+
+    def check(self, rec: dict[str, Any]) -> str | None:
+        try:
+            u = self.read()
+        except Exception:  # no NVML: no reading, never a failure
+            return None
+        if u is None:
+            return None
+        rec["gpu_utilisation"] = u / 100
+        self.low = [*self.low, u / 100] if u / 100 < self.floor else []
+        if len(self.low) != self.window:
+            return None
+        wait = rec.get("data_wait_share") or 0.0
+        cause = (
+            f"the data: {wait:.0%} of the step waits for batches; raise data.num_workers or pre-tokenize "
+            "(bin/train --prepare-data)"
+            if wait >= 0.1
+            else f"the host: data waits only {wait:.0%} of the step, so the CPU does not launch kernels fast enough "
+            "to keep the GPU busy; raise train.micro_batch_size, or set train.compile (compile_mode: "
+            "reduce-overhead adds CUDA graphs)"
+        )
+        mean = sum(self.low) / len(self.low)
+        return (
+            f"warning: GPU utilisation {mean:.0%} (under {self.floor:.0%}) for {self.window} log intervals in a row; "
+            f"the likely cause is {cause}"
+        )

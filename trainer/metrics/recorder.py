@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.metrics.measure import Interval, peak_memory, stragglers
+from trainer.metrics.measure import Interval, UtilisationWatch, peak_memory, stragglers
 from trainer.metrics.sinks import ConsoleSink, JsonlSink
 
 HISTORY = 8  # records kept in memory (Metrics.history)
+log = logging.getLogger("trainer")
 
 
 class ForwardTimer:
@@ -87,6 +89,7 @@ class Metrics:
         # a callable every rank calls at a log step (it reduces across ranks), adding fields to the
         # record: a preference objective's rewards, margin, accuracy and log-probs
         self.reduced: Any = None
+        self.watch = gpu_watch(device)  # GPU utilisation under 80% for a window: a warning (measure.py)
         self.last_loss: float | None = None
         self.first_loss: float | None = None
         self._t_start = time.perf_counter()
@@ -132,6 +135,10 @@ class Metrics:
         loss = rec["loss"]
         if self.extra is not None and self.is_main:  # only rank 0 records
             rec.update(self.extra())
+        if self.watch is not None and self.is_main:
+            low = self.watch.check(rec)
+            if low:
+                log.warning(low)
         slow = stragglers(busy, self.hosts, self.straggler_margin)
         if slow:
             rec["stragglers"] = slow
@@ -238,3 +245,16 @@ def training_record(
         **m.tags,
     }
     return rec
+
+
+def gpu_watch(device: Any) -> UtilisationWatch | None:
+    """A UtilisationWatch on a CUDA device whose utilisation can be read (NVML); else None."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    try:
+        torch.cuda.utilization(device)
+    except Exception:  # pynvml missing or no NVML: no reading
+        return None
+    return UtilisationWatch(lambda: torch.cuda.utilization(device))

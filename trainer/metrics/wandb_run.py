@@ -74,6 +74,8 @@ class WandbRun:
         prefix = "eval/" if any(k.startswith("eval_") for k in record) else "train/"
         if "checkpoint" in record:
             prefix = "checkpoint/"
+        if record.get("event") == "attempt":  # an attempt's device-hours (modes.attempt_cost)
+            prefix = "cost/"
         data = {
             prefix + k.removeprefix("eval_"): v
             for k, v in record.items()

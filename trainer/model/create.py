@@ -94,10 +94,19 @@ def hf_config(section: ModelSection, vocab_size: int | None, eos_id: int | None)
         return AutoConfig.from_pretrained(
             section.pretrained, revision=section.revision, trust_remote_code=section.trust_remote_code
         )
-    except OSError as e:
+    except (
+        OSError,
+        ValueError,
+    ) as e:  # ValueError: a directory whose config.json is missing or has no model_type
+        local = Path(section.pretrained).expanduser()
+        why = (
+            f"the directory has no config.json (it holds {', '.join(sorted(p.name for p in local.iterdir())[:5]) or 'nothing'})"
+            if local.is_dir() and not (local / "config.json").exists()
+            else str(e).splitlines()[0]
+        )
         raise UserError(
-            f"model.pretrained: cannot load '{section.pretrained}': {str(e).splitlines()[0]}. Give a local "
-            "directory with config.json, or a hub id on a machine with network access"
+            f"model.pretrained: cannot load '{section.pretrained}': {why}. Give a local directory with config.json "
+            "(a model saved by save_pretrained, or bin/export's output), or a hub id on a machine with network access"
         ) from None
 
 

@@ -74,3 +74,24 @@ def per_degree(exp: Experiment, info: Any, kw: dict[str, Any]) -> list[str]:
         )
         lines.append(f"  sequence parallel {d:<2} {what}")
     return lines
+
+
+def longest_command(exp: Experiment, planned_for: Any, world: int, per_node: int) -> int:
+    """--plan --max-seq-len: the plan at the experiment's data.seq_len (or why nothing fits there), then
+    the longest sequence that fits (trainer/strategy/planning/longest.py)."""
+    try:
+        p = planned_for(exp).plan
+        print(
+            f"at data.seq_len {exp.data.seq_len:,}: {p.candidate.name} with activation levers: {p.levers.describe()}"
+        )
+    except UserError as e:
+        print(f"at data.seq_len {exp.data.seq_len:,}: {str(e).splitlines()[0]}")
+    short = planned_for(exp.model_copy(update={"data": exp.data.model_copy(update={"seq_len": STEP})}))
+    p = short.plan
+    kw = {"world_size": world, "gpus_per_node": per_node, "device_type": p.device_type,
+          "device_memory": p.device_memory, "host_memory": p.host_memory, "precision": p.precision}  # fmt: skip
+    for line in per_degree(exp, short.info, kw):
+        print(line)
+    seq, best = longest_sequence(exp, short.info, **kw)
+    print(describe_longest(seq, best, exp, short.info))
+    return 0
