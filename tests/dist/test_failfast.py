@@ -157,7 +157,7 @@ def test_supervised_restart_after_a_crash_resumes_and_completes(tmp_path):
                     env={"TRAINER_FAULT": "raise@7:rank=1:attempt=0"}, timeout=600)  # fmt: skip
     assert code == 0, out[-4000:]
     attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
-    assert [a["exit"] != 0 for a in attempts] == [True, False]
+    assert [a["exit"] != 0 for a in attempts] == [True, False], (attempts, out[-6000:])  # (once in CI: 3 attempts)
     assert "restarting in 2 s from step_00000004" in out and "resumed from" in out
     steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     assert sorted(set(steps)) == list(range(1, 13))  # every step ran; 5 and 6 twice (after the checkpoint at 4)

@@ -1,0 +1,98 @@
+"""SLURM for real: a one-machine cluster of its own (scripts/slurm_local.sh: munged, slurmctld and
+slurmd on loopback, stopped by their pids), the sbatch script of docs/launching.md submitted with 2
+tasks on tiny: rank and world from Slurm's environment, USR1 mid-run (a pre-emption: scancel
+--signal=USR1), the save, the requeue, and the requeued run resuming to the end. Skipped, saying
+why, where Slurm is not installed or this is not root."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import FAST, ROOT, TINY, data_cache, free_port
+
+pytestmark = pytest.mark.dist
+SCRIPT = ROOT / "scripts" / "slurm_local.sh"
+
+
+@pytest.fixture
+def cluster():
+    missing = [
+        b for b in ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged") if not Path(b).exists()
+    ]
+    missing += [b for b in ("sbatch", "scontrol", "scancel") if not shutil.which(b)]
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"needs Slurm and root (missing: {', '.join(missing) or 'root'}; .ci/run installs slurmctld "
+                    "slurmd slurm-client munge)")  # fmt: skip
+    d = Path(f"/tmp/trainer-slurm-{os.getpid()}")
+    p = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    yield d
+    subprocess.run(["bash", str(SCRIPT), "down", str(d)], timeout=60)
+    assert not d.exists()
+
+
+def documented_script() -> str:
+    """The sbatch script of docs/launching.md."""
+    text = (ROOT / "docs" / "launching.md").read_text()
+    return re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, re.S).group(1)
+
+
+def test_the_documented_sbatch_script_saves_on_usr1_requeues_and_resumes(tmp_path, cluster):
+    run_dir = tmp_path / "run"
+    sets = {**FAST, "train.max_steps": 60, "train.log_every": 1, "checkpoint.save_final": True,
+            "run_dir": run_dir, "data.cache_dir": data_cache()}  # fmt: skip
+    script = documented_script()
+    # this machine's shape: one node, 2 tasks of one core, no GPU; tiny instead of the 7B
+    script = script.replace(
+        "--nodes=2 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=12",
+        "--nodes=1 --ntasks-per-node=2 --cpus-per-task=1",
+    )
+    script = script.replace("--time=48:00:00 ", "").replace("MASTER_PORT=29500", f"MASTER_PORT={free_port()}")
+    script = script.replace(".venv/bin/python", sys.executable)
+    script = script.replace(
+        "configs/experiments/llama7b.yaml", f"{TINY} " + " ".join(f"--set {k}={v}" for k, v in sets.items())
+    )
+    assert "scontrol requeue" in script and "--cpus-per-task=1" in script and str(TINY) in script
+    (tmp_path / "job.sh").write_text(script)
+    out = tmp_path / "job.out"
+    env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf")}
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={out}", str(tmp_path / "job.sh")],
+                         env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()  # fmt: skip
+
+    def state() -> str:
+        show = subprocess.run(
+            ["scontrol", "show", "job", job], env=env, capture_output=True, text=True
+        ).stdout
+        return re.search(r"JobState=(\w+)", show).group(1) if "JobState=" in show else "GONE"
+
+    deadline = time.monotonic() + 300
+    while not (out.exists() and re.search(r"step +5/60", out.read_text())):
+        assert time.monotonic() < deadline and state() in ("PENDING", "RUNNING", "CONFIGURING"), (
+            state(),
+            out.read_text() if out.exists() else "",
+        )
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
+    while state() != "COMPLETED":
+        assert time.monotonic() < deadline + 300 and state() not in ("FAILED", "CANCELLED", "TIMEOUT"), (
+            state(), out.read_text()[-4000:])  # fmt: skip
+        time.sleep(1)
+    text = out.read_text()
+    assert text.count("world: 2 rank(s) on 1 node(s) via slurm") == 2, text[
+        -4000:
+    ]  # the first run, the requeued one
+    saved = re.search(r"stopping at step (\d+) on request; checkpoint saved", text)
+    assert saved, text[-4000:]
+    at = int(saved.group(1))
+    assert f"resumed from {run_dir}/checkpoints/step_{at:08d} at step {at}" in text, text[-4000:]
+    assert "done: 60 steps" in text
+    show = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    assert "Restarts=1" in show, show
+    print(
+        f"slurm: USR1 at step ~5 -> saved at step {at}, exit 85, requeued (Restarts=1), resumed at {at}, done at 60"
+    )
