@@ -2,7 +2,8 @@
 slurmd on loopback, stopped by their pids), the sbatch script of docs/launching.md submitted with 2
 tasks on tiny: rank and world from Slurm's environment, USR1 mid-run (a pre-emption: scancel
 --signal=USR1), the save, the requeue, and the requeued run resuming to the end (Slurm holds a
-requeued job 120 s before it may start again; the test moves that start to now). Skipped, saying
+requeued job 120 s before it starts it again: most of this test's time; starting it earlier with
+`scontrol update StartTime=now` made the requeued batch step fail at once in 5 of 8 tries). Skipped, saying
 why, where Slurm is not installed or this is not root."""
 
 import os
@@ -79,13 +80,10 @@ def test_the_documented_sbatch_script_saves_on_usr1_requeues_and_resumes(tmp_pat
         )
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
-    nudged = False
-    while state() != "COMPLETED":
-        if not nudged and state() == "PENDING":  # requeued: Slurm holds it 120 s (BeginTime); start it now
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, timeout=30)
-            nudged = True
-        assert time.monotonic() < deadline + 300 and state() not in ("FAILED", "CANCELLED", "TIMEOUT"), (
-            state(), out.read_text()[-4000:])  # fmt: skip
+    ended = 0  # polls in a row that saw a final state other than COMPLETED
+    while (now := state()) != "COMPLETED":
+        ended = ended + 1 if now in ("FAILED", "CANCELLED", "TIMEOUT") else 0  # a final state stays
+        assert time.monotonic() < deadline + 300 and ended < 5, (now, out.read_text()[-4000:])
         time.sleep(1)
     text = out.read_text()
     assert text.count("world: 2 rank(s) on 1 node(s) via slurm") == 2, text[
