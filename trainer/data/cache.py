@@ -187,7 +187,7 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     out = []
     if saved.get("reference") != now.get("reference") and "reference" in now:
         out.append(
-            f"the reference's log-probs (train.objective {'dpo/ipo'}): computed for {saved.get('reference')} at the "
+            f"the reference's log-probs (train.objective dpo or ipo): computed for {saved.get('reference')} at the "
             f"checkpoint, {now['reference']} now (another model, precision or data); a resumed run keeps its reference"
         )
     if (
