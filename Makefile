@@ -54,11 +54,12 @@ tiny-dpo: setup                              ## tiny-sft's model prefers the rig
 # pytest-xdist workers (default 3 on this 2-core machine: 12m58s against 18m00s with 2): the
 # launchers' start-up, the waits of the fail-fast tests (watchdog, kill detection, restart backoff)
 # and the ssh set-up leave the cores idle otherwise. A test file runs whole on one worker (its tests
-# share the runs its fixtures cache; run A of the ZeRO cases is shared across workers); the big dist
-# files are collected first (testpaths) so that the small ones fill the gaps at the end.
+# share the runs its fixtures cache; run A of the ZeRO cases is shared across workers), the longest
+# first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order) so that the small
+# ones fill the gaps at the end.
 # -rP shows what passing tests print: the measured figures (kill-to-exit times, memory against the plan).
 test: setup tokenizers                       ## every test: unit, e2e, 2-rank launcher tests
-	TRAINER_REQUIRE_TOKENIZERS=1 $(PY) -m pytest -q -rP -n $(TEST_WORKERS) --dist loadfile --durations=25
+	TRAINER_REQUIRE_TOKENIZERS=1 $(PY) -m pytest -q -rP -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: setup                             ## unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit

@@ -156,6 +156,14 @@ def main() -> None:
         os.environ.update(TRAINER_CPU="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     import torch
 
+    from trainer.deepspeed_patches import build_ops_without_debug_info, import_muon_lazily, skip_inference_shm_op
+
+    # DeepSpeed as bin/train starts it (trainer/dist.py): on CPU without the inference-only shared-
+    # memory op, which it would otherwise JIT-compile here (50 s of CPU on a fresh machine: CI's).
+    if device == "cpu":
+        skip_inference_shm_op()
+    import_muon_lazily()
+    build_ops_without_debug_info()
     torch.set_num_threads(1)
     peak = CudaPeak() if device == "cuda" else Peak()
     for arg in args or ["0:torch", "0:deepspeed", "2:torch"]:

@@ -18,30 +18,23 @@ import json
 import random
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = (
-    "Which section covers {topic}?",
-    "Where do I read about {topic}?",
-    "Name the section on {topic}.",
-)
+from make_tiny_sft import ROOT, TITLE_QUESTIONS, sections
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "data" / "tiny" / "python_prefs.jsonl"))
     a = p.parse_args()
-    docs = [
-        json.loads(line) for line in (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines()
-    ]
-    titles = [d["text"].split("\n", 1)[0].strip() for d in docs]
+    docs = sections()
+    titles = [title for _, title, _ in docs]
     rows = []
-    for i, doc in enumerate(docs):
-        for k, q in enumerate(QUESTIONS):
+    for i, (topic, _, _) in enumerate(docs):
+        for k, q in enumerate(TITLE_QUESTIONS):
             wrong = titles[(i + 1 + k % 2) % len(titles)]
             if wrong == titles[i]:
                 continue
             rows.append({
-                "prompt": [{"role": "user", "content": q.format(topic=doc["topic"])}],
+                "prompt": [{"role": "user", "content": q.format(topic=topic)}],
                 "chosen": [{"role": "assistant", "content": titles[i]}],
                 "rejected": [{"role": "assistant", "content": wrong}],
             })  # fmt: skip

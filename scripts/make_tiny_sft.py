@@ -25,6 +25,12 @@ TITLE_QUESTIONS = (
 QUESTIONS = ("What does the Python reference say about {topic}?", "Explain {topic}.")
 
 
+def sections() -> list[tuple[str, str, str]]:
+    """(topic, title, text) of each section of the tiny corpus, in its order."""
+    docs = [json.loads(line) for line in (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines()]
+    return [(d["topic"], d["text"].split("\n", 1)[0].strip(), d["text"]) for d in docs]
+
+
 def first_sentence(paragraph: str, limit: int = 80) -> str | None:
     text = " ".join(paragraph.split())
     m = re.match(r"(.+?[.!?])(\s|$)", text)
@@ -41,14 +47,11 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "data" / "tiny" / "python_qa.jsonl"))
     a = p.parse_args()
     rows = []
-    for line in (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines():
-        doc = json.loads(line)
-        topic = doc["topic"]
-        title = doc["text"].split("\n", 1)[0].strip()
+    for topic, title, text in sections():
         for q in TITLE_QUESTIONS:
             rows.append({"messages": [{"role": "user", "content": q.format(topic=topic)},
                                       {"role": "assistant", "content": title}]})  # fmt: skip
-        paragraphs = [x for x in doc["text"].split("\n\n") if x and not x.startswith((" ", "*"))]
+        paragraphs = [x for x in text.split("\n\n") if x and not x.startswith((" ", "*"))]
         answers = [s for s in (first_sentence(x) for x in paragraphs) if s]
         for k, answer in enumerate(answers[:2]):
             question = QUESTIONS[k % len(QUESTIONS)].format(topic=topic)

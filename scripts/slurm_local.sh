@@ -47,13 +47,15 @@ chmod 400 "$DIR/munge.key"
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 HOST=$(hostname -s)
 CPUS=$(nproc)
+# cred_expire=10 and sched_interval=2: a requeued job waits its credential lifetime (default 120 s)
+# and pending jobs are tested every sched_interval (default 60 s); on one machine neither need be long.
 cat >"$DIR/slurm.conf" <<EOF
 ClusterName=trainer
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=$(port)
 SlurmdPort=$(port)
 AuthType=auth/munge
-AuthInfo=socket=$DIR/munge.sock
+AuthInfo=socket=$DIR/munge.sock,cred_expire=10
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -66,6 +68,7 @@ SlurmdLogFile=$DIR/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 # Rendezvous ports outside the ephemeral range, from this pytest-xdist worker's share (conftest).
 from trainer.dist import free_port  # noqa: F401
 
@@ -518,3 +520,51 @@ def real_chat_data(path: Path, rows: int = 60, system: bool = True, tools: bool 
     from make_chat_samples import conversations, write
 
     return write(path, conversations(rows, system, tools, seed, random_users))
+
+
+def private_services(script: str, name: str, binaries: tuple[str, ...], commands: tuple[str, ...],
+                     packages: str):
+    """`bash scripts/SCRIPT up DIR` (private daemons: the loopback sshds, the one-machine Slurm
+    cluster), yield DIR, then `down DIR`, which stops them by their pids. Skipped, naming what is
+    missing, where the packages or root are not there (.ci/run installs them)."""
+    missing = [b for b in binaries if not Path(b).exists()] + [c for c in commands if not shutil.which(c)]
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"needs {packages} and root (missing: {', '.join(missing) or 'root'}; .ci/run installs them)")
+    path = ROOT / "scripts" / script
+    d = Path(f"/tmp/trainer-{name}-{os.getpid()}")
+    p = subprocess.run(["bash", str(path), "up", str(d)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    yield d
+    subprocess.run(["bash", str(path), "down", str(d)], timeout=60)
+    assert not d.exists()
+
+
+def loopback_nodes(name: str):
+    """A private sshd on 127.0.0.1 and one on 127.0.0.2 (scripts/loopback_sshd.sh)."""
+    yield from private_services("loopback_sshd.sh", name, ("/usr/sbin/sshd",), ("pdsh",), "openssh-server, pdsh")
+
+
+# One global batch of 4 rows split three ways: name -> (sets, launcher, ranks).
+SPLITS = {
+    "micro4": ({"train.micro_batch_size": 4, "train.grad_accum": 1}, "none", 1),
+    "accum4": ({"train.micro_batch_size": 1, "train.grad_accum": 4}, "none", 1),
+    "2ranks": ({"train.micro_batch_size": 2, "train.grad_accum": 1}, "deepspeed", 2),
+}
+
+
+def split_losses(tmp: Path, sets_for, names=tuple(SPLITS), check=None) -> dict[str, dict[int, float]]:
+    """Per-step losses of each split in `names` (sets_for(split) gives the run's sets; `check(result)`,
+    if given, is asserted on each run), and the assertion that every split logs micro4's losses at
+    every step within 1e-6 relative."""
+    losses = {}
+    for name in names:
+        split, launcher, n = SPLITS[name]
+        r = train(tmp / name, sets_for(split), launcher=launcher, nproc=n, debug=False)
+        if check:
+            check(r)
+        losses[name] = r.losses
+    ref = losses[names[0]]
+    for name in names[1:]:
+        for step, value in ref.items():
+            assert losses[name][step] == pytest.approx(value, rel=1e-6), (name, step, losses[name], ref)
+    return losses

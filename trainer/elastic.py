@@ -63,21 +63,21 @@ def survivors_hostfile(run_dir: Path, alive: list[tuple[str, int]], attempt: int
 
 def on_survivors(sup: Any, attempt: int, overrides: list[str]) -> list[str] | None:
     """The overrides of `sup`'s (the Supervisor's) next attempt on the nodes that answer; it then
-    launches on `sup._active` (the survivors' hostfile, None: the hostfile as given). None: too few
+    launches on `sup.survivors` (the survivors' hostfile, None: the hostfile as given). None: too few
     answer, or the global batch cannot be kept on them (said why)."""
     if sup.min_nodes is None or not sup.hostfile:
         return overrides
     hosts = sup.hosts()
     alive = answering(hosts)
-    rest = [o for o in overrides if o != sup._accum]
+    rest = [o for o in overrides if o != sup.kept_accum]
     if len(alive) == len(hosts):
-        if sup._active is not None:
-            sup._say(f"every node answers again ({len(hosts)}): back on {sup.hostfile}")
-        sup._active = sup._accum = None
+        if sup.survivors is not None:
+            sup.say(f"every node answers again ({len(hosts)}): back on {sup.hostfile}")
+        sup.survivors = sup.kept_accum = None
         return rest
     lost = ", ".join(h for h, n in hosts if (h, n) not in alive)
     if len(alive) < sup.min_nodes:
-        sup._say(
+        sup.say(
             f"{len(alive)} of {len(hosts)} nodes answer (lost: {lost}); --min-nodes {sup.min_nodes}: stopping"
         )
         return None
@@ -89,10 +89,10 @@ def on_survivors(sup: Any, attempt: int, overrides: list[str]) -> list[str] | No
             sum(n for _, n in hosts), t.grad_accum, sum(n for _, n in alive), t.micro_batch_size
         )
     except UserError as e:
-        sup._say(str(e))
+        sup.say(str(e))
         return None
-    sup._active = str(survivors_hostfile(sup.run_dir, alive, attempt))
-    sup._accum = f"train.grad_accum={accum}"
-    sup._say(f"{len(alive)} of {len(hosts)} nodes answer (lost: {lost}); continuing on {sup._active} with "
-             f"{sup._accum}, the global batch kept")  # fmt: skip
-    return [*rest, sup._accum]
+    sup.survivors = str(survivors_hostfile(sup.run_dir, alive, attempt))
+    sup.kept_accum = f"train.grad_accum={accum}"
+    sup.say(f"{len(alive)} of {len(hosts)} nodes answer (lost: {lost}); continuing on {sup.survivors} with "
+             f"{sup.kept_accum}, the global batch kept")  # fmt: skip
+    return [*rest, sup.kept_accum]

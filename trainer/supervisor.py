@@ -176,8 +176,10 @@ class Supervisor:
     extra_args: list[str] = field(default_factory=list)
     backoff_s: float = 2.0
     min_nodes: int | None = None  # elastic continuation (elastic.py); None: every node of the hostfile
-    _active: str | None = None  # the hostfile of this attempt: the survivors' (elastic.py), or None: hostfile
-    _accum: str | None = None  # the train.grad_accum override that keeps the global batch on the survivors
+    # Set by elastic.py under --min-nodes: the survivors' hostfile for this attempt (None: the hostfile
+    # as given) and the train.grad_accum override that keeps the global batch on them.
+    survivors: str | None = field(default=None, init=False)
+    kept_accum: str | None = field(default=None, init=False)
     _child: subprocess.Popen | None = None
     _stopping: int | None = None  # the signal that asked us to stop
     _wake: threading.Event = field(default_factory=threading.Event)
@@ -210,13 +212,13 @@ class Supervisor:
             final = failure["exit"] if failure else rc if rc in FINAL_EXITS else None
             if final is not None:
                 what = failure["message"].splitlines()[0] if failure else FINAL_EXITS[final]
-                self._say(
+                self.say(
                     f"attempt {attempt} failed with {FINAL_EXITS[final]} (exit {final}): {what}\n"
                     "[supervisor] not restarting: another attempt would fail the same way"
                 )
                 return final
             if attempt >= self.max_restarts:
-                self._say(f"attempt {attempt} failed (exit {rc}); no restarts left")
+                self.say(f"attempt {attempt} failed (exit {rc}); no restarts left")
                 return rc
             if escalated is not None:
                 overrides = self._escalate(escalated, overrides, attempt)
@@ -227,10 +229,10 @@ class Supervisor:
             resume = "latest" if found is not None else self.resume
             start = f"from {found.tag}" if found else f"from {self.resume}" if self.resume else "from scratch"
             delay = min(self.backoff_s * 2**attempt, 60.0)
-            self._say(f"attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s {start}")
+            self.say(f"attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s {start}")
             if self._wake.wait(delay) or self._stopping:
                 name = signal.Signals(self._stopping).name if self._stopping else "a signal"
-                self._say(f"{name} during the back-off: stopping, no further attempt")
+                self.say(f"{name} during the back-off: stopping, no further attempt")
                 return 128 + (self._stopping or signal.SIGTERM)
             attempt += 1
 
@@ -246,7 +248,7 @@ class Supervisor:
         failure_file = self.run_dir / ".supervisor" / f"attempt-{attempt}-{os.getpid()}.json"
         failure_file.unlink(missing_ok=True)
         env = attempt_env(attempt, failure_file, self.launcher, self.hostfile, self.run_dir)
-        self._say(f"attempt {attempt}: {' '.join(cmd)}")
+        self.say(f"attempt {attempt}: {' '.join(cmd)}")
         t0 = time.time()
         self._child = subprocess.Popen(cmd, env=env, start_new_session=True)
         rc = self._child.wait()
@@ -266,11 +268,11 @@ class Supervisor:
         """The overrides of the next attempt, one rung above the one that ran out of memory (None:
         it was the last rung)."""
         out, said = escalated_overrides(escalated, overrides, attempt)
-        self._say(said)
+        self.say(said)
         return out
 
     @staticmethod
-    def _say(line: str) -> None:
+    def say(line: str) -> None:
         print(f"[supervisor] {line}", flush=True)
 
     def _forward(self, signum: int, _frame: Any) -> None:
@@ -324,7 +326,7 @@ def launch_command(sup: Supervisor, overrides: list[str], resume: str | None, po
         return [sys.executable, *args]
     if sup.launcher == "deepspeed":
         head = launcher_program("deepspeed", "deepspeed.launcher.runner")
-        hostfile = sup._active or sup.hostfile  # the survivors' under --min-nodes (elastic.py)
+        hostfile = sup.survivors or sup.hostfile  # the survivors' under --min-nodes (elastic.py)
         if hostfile:
             head += ["--hostfile", hostfile, "--master_addr", read_hostfile(hostfile)[0][0]]
         else:

@@ -7,7 +7,6 @@ losses after the shrink within fp32's resharding tolerance of the uninterrupted 
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FAST, NODROP, ROOT, TINY, TRAIN, data_cache, env_for, train
+from helpers import FAST, NODROP, ROOT, TINY, TRAIN, data_cache, env_for, loopback_nodes, train
 
 pytestmark = pytest.mark.dist
 SCRIPT = ROOT / "scripts" / "loopback_sshd.sh"
@@ -26,14 +25,7 @@ SETS = {**FAST, **NODROP, "train.max_steps": 16, "checkpoint.every_steps": 4, "c
 @pytest.fixture
 def own_nodes():
     """Two sshds of this test's own (one is stopped in it); both stopped by their pids afterwards."""
-    if not (Path("/usr/sbin/sshd").exists() and shutil.which("pdsh")) or os.geteuid() != 0:
-        pytest.skip("needs openssh-server, pdsh and root (.ci/run installs them)")
-    d = Path(f"/tmp/trainer-sshd-elastic-{os.getpid()}")
-    p = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    yield d
-    subprocess.run(["bash", str(SCRIPT), "down", str(d)], timeout=60)
-    assert not d.exists()
+    yield from loopback_nodes("sshd-elastic")
 
 
 def test_a_lost_node_the_job_goes_on_with_the_survivors(tmp_path, own_nodes):

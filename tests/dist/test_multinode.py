@@ -3,28 +3,30 @@
 Both give the same per-step losses as a single-node 2-rank run."""
 
 import os
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
-from helpers import BIN, FAST, ROOT, TINY, TRAIN, data_cache, env_for, free_port, train, Result
+from helpers import (
+    BIN,
+    FAST,
+    ROOT,
+    TINY,
+    TRAIN,
+    Result,
+    data_cache,
+    env_for,
+    free_port,
+    loopback_nodes,
+    train,
+)
 
 pytestmark = pytest.mark.dist
-SCRIPT = ROOT / "scripts" / "loopback_sshd.sh"
 
 
 @pytest.fixture(scope="session")
-def nodes(tmp_path_factory):
+def nodes():
     """A private sshd on 127.0.0.1 and 127.0.0.2; stopped by its pid afterwards."""
-    if not (Path("/usr/sbin/sshd").exists() and shutil.which("pdsh")) or os.geteuid() != 0:
-        pytest.skip("needs openssh-server, pdsh and root (.ci/run installs them)")
-    d = Path(f"/tmp/trainer-sshd-{os.getpid()}")
-    p = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    yield d
-    subprocess.run(["bash", str(SCRIPT), "down", str(d)], timeout=60)
-    assert not d.exists()
+    yield from loopback_nodes("sshd")
 
 
 @pytest.fixture(scope="session")

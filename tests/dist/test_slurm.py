@@ -2,20 +2,19 @@
 slurmd on loopback, stopped by their pids), the sbatch script of docs/launching.md submitted with 2
 tasks on tiny: rank and world from Slurm's environment, USR1 mid-run (a pre-emption: scancel
 --signal=USR1), the save, the requeue, and the requeued run resuming to the end (Slurm holds a
-requeued job 120 s before it starts it again: most of this test's time; starting it earlier with
-`scontrol update StartTime=now` made the requeued batch step fail at once in 5 of 8 tries). Skipped, saying
-why, where Slurm is not installed or this is not root."""
+requeued job for its credential lifetime, 120 s by default, and tests pending jobs every 60 s:
+the cluster sets cred_expire=10 and sched_interval=2, 190 s -> 32 s; starting the requeued job
+earlier with `scontrol update StartTime=now` instead made its batch step fail at once in 5 of 8
+tries). Skipped, saying why, where Slurm is not installed or this is not root."""
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import FAST, ROOT, TINY, data_cache, free_port
+from helpers import FAST, ROOT, TINY, data_cache, free_port, private_services
 
 pytestmark = pytest.mark.dist
 SCRIPT = ROOT / "scripts" / "slurm_local.sh"
@@ -23,19 +22,8 @@ SCRIPT = ROOT / "scripts" / "slurm_local.sh"
 
 @pytest.fixture
 def cluster():
-    missing = [
-        b for b in ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged") if not Path(b).exists()
-    ]
-    missing += [b for b in ("sbatch", "scontrol", "scancel") if not shutil.which(b)]
-    if missing or os.geteuid() != 0:
-        pytest.skip(f"needs Slurm and root (missing: {', '.join(missing) or 'root'}; .ci/run installs slurmctld "
-                    "slurmd slurm-client munge)")  # fmt: skip
-    d = Path(f"/tmp/trainer-slurm-{os.getpid()}")
-    p = subprocess.run(["bash", str(SCRIPT), "up", str(d)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    yield d
-    subprocess.run(["bash", str(SCRIPT), "down", str(d)], timeout=60)
-    assert not d.exists()
+    yield from private_services("slurm_local.sh", "slurm", ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged"),
+                                ("sbatch", "scontrol", "scancel"), "Slurm (slurmctld slurmd slurm-client munge)")
 
 
 def documented_script() -> str:
