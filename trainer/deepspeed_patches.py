@@ -1,10 +1,12 @@
 """What bin/train changes in DeepSpeed's start-up, each a measured cost of every rank at every start
 (BENCHMARKS.md): no debug information in its JIT-built ops, no shared-memory all-reduce op built for
-inference, its Muon module imported without TorchInductor. Each falls back to DeepSpeed's own
-behaviour when DeepSpeed renames what it changes. trainer/dist.py calls them in `setup`."""
+inference, its Muon module imported without TorchInductor, the CPU's description read once. Each
+falls back to DeepSpeed's own behaviour when DeepSpeed renames what it changes. trainer/dist.py
+calls them in `setup`."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -16,8 +18,6 @@ def build_ops_without_debug_info() -> None:
     that may build an op calls this (each rank, and scripts/build_ops.py), so they agree on the
     flags and none rebuilds what another built. (If DeepSpeed renames jit_load, the ops are built
     with its own flags, as before.)"""
-    import importlib
-
     builder = importlib.import_module("deepspeed.ops.op_builder.builder")
     base = getattr(builder, "OpBuilder", None)
     if base is None or not hasattr(base, "jit_load") or getattr(base.jit_load, "_no_debug_info", False):
@@ -43,8 +43,6 @@ def skip_inference_shm_op() -> None:
     The op also leaves /dev/shm/deepspeed_allreduce_buffer_* behind, which DeepSpeed never removes.
     Training does not build it. (If DeepSpeed renames the hook, the op is built as before, and the
     fail-fast tests, which check /dev/shm after every run, say so.)"""
-    import importlib
-
     # The module itself: the attribute deepspeed.comm.torch is the torch package, not this module.
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     if hasattr(ds_torch, "build_shm_op"):
@@ -59,7 +57,6 @@ def import_muon_lazily() -> None:
     of at the import, it costs nothing; Muon itself works as before (compiled when first used).
     (If DeepSpeed moves or renames these, the module is imported as before.)"""
     import functools
-    import importlib
 
     name = "deepspeed.runtime.zero.muon.muon_optimizer"
     if name in sys.modules:
@@ -94,3 +91,28 @@ def import_muon_lazily() -> None:
         pass
     finally:
         compiler.compile = eager_compile
+
+
+def read_cpu_info_once() -> None:
+    """py-cpuinfo's get_cpu_info starts a Python process (`python cpuinfo.py --json`: 0.66 s of CPU
+    here), and DeepSpeed asks it three times in every rank that offloads the optimizer
+    (DeepSpeedCPUAdam's vendor check, then its op builder's -march and SIMD flags at load). The CPU
+    does not change while a process runs: the first answer is kept and a copy returned after.
+    (If py-cpuinfo is missing or renames get_cpu_info, DeepSpeed asks it as before.)"""
+    import copy
+    import functools
+
+    try:
+        cpuinfo = importlib.import_module("cpuinfo")
+    except ImportError:
+        return
+    ask = getattr(cpuinfo, "get_cpu_info", None)
+    if ask is None or getattr(ask, "_once", False):
+        return
+    first = functools.cache(ask)
+
+    def get_cpu_info() -> dict:
+        return copy.deepcopy(first())
+
+    get_cpu_info._once = True  # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -21,6 +21,7 @@ from typing import Any
 from trainer.deepspeed_patches import (  # noqa: F401 (re-exported: scripts/build_ops.py, tests)
     build_ops_without_debug_info,
     import_muon_lazily,
+    read_cpu_info_once,
     skip_inference_shm_op,
 )
 
@@ -303,6 +304,7 @@ def setup(timeout_s: float = 600.0) -> Runtime:
         skip_inference_shm_op()
     import_muon_lazily()
     build_ops_without_debug_info()
+    read_cpu_info_once()
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,

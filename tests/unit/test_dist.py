@@ -229,3 +229,32 @@ def test_hidden_gpus_make_a_cpu_run_on_a_gpu_machine(monkeypatch, tmp_path, visi
     dist.hide_gpus_if_asked()  # set-up: under TRAINER_CPU=1 torch must find none either
     if cpu == "1":
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_deepspeed_asks_py_cpuinfo_once_per_process():
+    """DeepSpeed asks py-cpuinfo for the CPU three times in a rank that offloads (DeepSpeedCPUAdam's
+    vendor check, its builder's -march and SIMD flags), and each answer is a new Python process.
+    After dist.read_cpu_info_once it is one process, the flags are the same, and a caller changing
+    its copy changes no one else's. Counted at subprocess.Popen in a child process (the patch stays
+    there): 3 without the patch, 1 with it."""
+    import subprocess
+
+    code = (
+        "import subprocess, sys, cpuinfo; from trainer import dist; n = []; real = subprocess.Popen.__init__\n"
+        "def counted(self, args, *a, **k):\n"
+        "    n.extend(['spawn'] if '--json' in list(args) else [])\n"
+        "    return real(self, args, *a, **k)\n"
+        "subprocess.Popen.__init__ = counted\n"
+        "from deepspeed.ops.op_builder import CPUAdamBuilder\n"
+        "if sys.argv[1:]: dist.read_cpu_info_once(); dist.read_cpu_info_once()\n"
+        "b = CPUAdamBuilder(); flags = [b.cpu_arch(), b.simd_width()]\n"
+        "cpuinfo.get_cpu_info()['arch'] = 'changed'\n"
+        "print(len(n), *flags, cpuinfo.get_cpu_info()['arch'] != 'changed')\n"
+    )
+    out = {}
+    for patched in ([], ["patched"]):
+        p = subprocess.run([sys.executable, "-c", code, *patched], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        out[bool(patched)] = p.stdout.strip().splitlines()[-1].split()
+    assert out[False][0] == "3" and out[True][0] == "1", out
+    assert out[True][1:] == out[False][1:] and out[True][-1] == "True", out
