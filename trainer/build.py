@@ -209,11 +209,9 @@ def build(
         exp.checkpoint, store, background=background, record=mets.record, heartbeat=control.heartbeat
     )
     if exp.checkpoint.every_minutes == "auto":  # the Young/Daly interval (checkpoint/interval.py)
-        from trainer.checkpoint.interval import auto_interval
+        from trainer.checkpoint.interval import for_plan
 
-        checkpointer.cadence.auto = auto_interval(
-            exp.checkpoint.mtbf_hours, env.nodes, planned.plan.estimate.snapshot, background
-        )
+        checkpointer.cadence.auto = for_plan(exp.checkpoint, planned.plan, env.nodes)
     run = Run(
         exp=exp, runtime=runtime, planned=planned, resume=resume, data=data, engine=engine, layout=layout,
         stream=stream, evaluator=evaluator, state=state, metrics=mets, control=control, faults=faults,

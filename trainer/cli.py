@@ -319,11 +319,9 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         )
         print(strategy.describe_plan(planned.plan))
         if exp.checkpoint.every_minutes == "auto":  # the interval before any save is measured
-            from trainer.checkpoint.interval import auto_interval
+            from trainer.checkpoint.interval import for_plan
 
-            on, _ = planned.plan.checkpoint_async(exp.checkpoint.async_)
-            snapshot = planned.plan.estimate.snapshot
-            print(auto_interval(exp.checkpoint.mtbf_hours, -(-world // per_node), snapshot, on).describe())
+            print(for_plan(exp.checkpoint, planned.plan, -(-world // per_node)).describe())
     return 0
 
 

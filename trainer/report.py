@@ -26,17 +26,7 @@ from trainer.errors import EXIT_USER_ERROR, UserError
 
 def saves(run_dir: Path) -> list[dict[str, Any]]:
     """The checkpoint records of metrics.jsonl (one per committed save), in order."""
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        if '"checkpoint"' in line:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "checkpoint" in rec:
-                out.append(rec)
-    return out
+    return [r for r in _records(run_dir / "metrics.jsonl", '"checkpoint"') if "checkpoint" in r]
 
 
 def load(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
@@ -131,10 +121,12 @@ def cost_rows(run_dir: Path, train: list[dict[str, Any]]) -> list[tuple[str, str
     """Device-hours (ranks x wall time) per attempt and in total, and tokens per device-hour: from the
     supervisor's attempts.jsonl where a supervisor ran the job (every attempt, a killed one too), else
     from the attempts' own records in metrics.jsonl."""
-    attempts = _lines(run_dir / "attempts.jsonl")
+    attempts = _records(run_dir / "attempts.jsonl")
     source = "attempts.jsonl"
     if not attempts:
-        attempts = [r for r in _lines(run_dir / "metrics.jsonl") if r.get("event") == "attempt"]
+        attempts = [
+            r for r in _records(run_dir / "metrics.jsonl", '"attempt"') if r.get("event") == "attempt"
+        ]
         source = "metrics.jsonl"
     attempts = [a for a in attempts if "device_hours" in a]
     if not attempts:
@@ -148,13 +140,14 @@ def cost_rows(run_dir: Path, train: list[dict[str, Any]]) -> list[tuple[str, str
     return rows
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
+def _records(path: Path, marker: str = "") -> list[dict[str, Any]]:
+    """The JSON lines of `path` that contain `marker` (a cheap filter before parsing), skipping any
+    that do not parse (a line cut by a crash); none where the file is missing."""
     out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if marker in line:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
     return out
 
 

@@ -193,9 +193,8 @@ class Supervisor:
     def run(self) -> int:
         from trainer.checkpoint import checkpoints_dir, latest
 
-        check_resolves(
-            self.hosts(), self.hostfile
-        )  # a missing, malformed or unresolvable hostfile: before anything
+        # a missing, malformed or unresolvable hostfile: an error before anything starts
+        check_resolves(self.hosts(), self.hostfile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from trainer.checkpoint.interval import FLEET_MTBF_NODE_HOURS, AutoInterval, auto_interval, daly
+from trainer.checkpoint.interval import AutoInterval, auto_interval, daly
+from trainer.config.schema import FLEET_MTBF_NODE_HOURS
 
 
 @pytest.mark.parametrize(

@@ -21,10 +21,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
-# Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days of pre-training on
-# 16,384 H100 GPUs (2,048 nodes of 8): 54 x 24 x 2048 / 419 = 6,335 node-hours between failures.
-FLEET_MTBF_NODE_HOURS = 6335.0
 HOST_COPY_BYTES_PER_S = 2e9
 DISK_BYTES_PER_S = 0.5e9
 MIN_COST_S = 1e-3
@@ -74,3 +72,10 @@ def auto_interval(mtbf_node_hours: float, nodes: int, snapshot_bytes: int, backg
     cost = snapshot_bytes / rate
     source = f"estimated from {how} of {snapshot_bytes / 1e9:.3g} GB per node at {rate / 1e9:g} GB/s until measured"
     return AutoInterval(mtbf_s=mtbf_node_hours * 3600 / max(1, nodes), cost_s=cost, source=source)
+
+
+def for_plan(section: Any, plan: Any, nodes: int) -> AutoInterval:
+    """The interval of `section` (checkpoint: every_minutes auto) for a job of `nodes` nodes on `plan`
+    (strategy.Plan): its host copy per node, its saves asynchronous or not, before any is measured."""
+    background, _ = plan.checkpoint_async(section.async_)
+    return auto_interval(section.mtbf_hours, nodes, plan.estimate.snapshot, background)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from trainer.config.fields import FrozenMapping, Globs, Section, auto_or_count, choice
+from trainer.config.fields import FrozenMapping, Globs, Section, auto_or, choice
 
 
 class DataSource(Section):
@@ -83,7 +83,7 @@ class DataSection(Section):
     )
     seq_len: int = Field(256, ge=8, description="tokens per packed training sequence")
     append_eos: bool = Field(True, description="append the EOS token after every document")
-    num_workers: auto_or_count() = Field(
+    num_workers: auto_or(int, "a whole number") = Field(
         "auto",
         description="DataLoader worker processes per rank; auto = from the CPU cores per rank and the device "
         "(see docs/experiments.md)",

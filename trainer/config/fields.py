@@ -33,31 +33,19 @@ def choice(*allowed: Any) -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
-def auto_or_count() -> Any:
-    """A field that takes "auto" or a whole number >= 0."""
+def auto_or(number: type, what: str) -> Any:
+    """A field that takes "auto" or a `number` >= 0 (int or float; a float field takes an int as
+    float); `what` names the number in the error."""
+    accepted = (int, float) if number is float else (int,)
 
     def check(value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-        raise ValueError("must be auto or a whole number >= 0")
+        if isinstance(value, accepted) and not isinstance(value, bool) and value >= 0:
+            return number(value)
+        raise ValueError(f"must be auto or {what} >= 0")
 
-    check.allowed = "auto|int"  # type: ignore[attr-defined]  (for the reference)
-    return Annotated[Any, BeforeValidator(check)]
-
-
-def auto_or_minutes() -> Any:
-    """A field that takes "auto" or a number of minutes >= 0."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
-            return float(value)
-        raise ValueError("must be auto or a number of minutes >= 0")
-
-    check.allowed = "auto|float"  # type: ignore[attr-defined]  (for the reference)
+    check.allowed = f"auto|{number.__name__}"  # type: ignore[attr-defined]  (for the reference)
     return Annotated[Any, BeforeValidator(check)]
 
 

@@ -16,8 +16,7 @@ from trainer.config.fields import (
     FrozenMapping,
     Section,
     Size,
-    auto_or_count,
-    auto_or_minutes,
+    auto_or,
     choice,
     thaw,
 )
@@ -256,7 +255,7 @@ class StrategySection(Section):
     allow_deepspeed_keys: list[str] = Field(
         default_factory=list, description="extra top-level DeepSpeed keys to accept in a template"
     )
-    sequence_parallel: auto_or_count() = Field(
+    sequence_parallel: auto_or(int, "a whole number") = Field(
         "auto",
         description="Ulysses sequence parallelism: ranks that split every sequence between them (each holds "
         "seq_len / N of it; attention heads exchanged by all-to-all); 1 = off; auto = when the plan needs it "
@@ -294,17 +293,22 @@ class DistSection(Section):
     )
 
 
+# Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days of pre-training on
+# 16,384 H100 GPUs (2,048 nodes of 8): 54 x 24 x 2048 / 419 = 6,335 node-hours between failures.
+FLEET_MTBF_NODE_HOURS = 6335.0
+
+
 class CheckpointSection(Section):
     """When and how checkpoints are written and resumed (see docs/checkpoints.md)."""
 
     every_steps: int = Field(0, ge=0, description="save every N steps (0 = off)")
-    every_minutes: auto_or_minutes() = Field(
+    every_minutes: auto_or(float, "a number of minutes") = Field(
         0.0,
         description="save every N minutes (0 = off); auto = the Young/Daly interval from the measured cost of a "
         "save and mtbf_hours (docs/checkpoints.md)",
     )
     mtbf_hours: float = Field(
-        6335.0,
+        FLEET_MTBF_NODE_HOURS,
         gt=0.0,
         description="with every_minutes: auto, each node's mean time between failures; default from the Llama 3 "
         "paper's fleet: 419 interruptions in 54 days on 2,048 nodes of 8 H100s",
