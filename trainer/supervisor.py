@@ -306,7 +306,8 @@ class Supervisor:
         escalated: dict | None,
         failure: dict | None,
     ) -> None:
-        ranks = sum(n for _, n in self.hosts()) or (1 if self.launcher == "none" else self.nproc_per_node)
+        hosts = read_hostfile(self.survivors) if self.survivors else self.hosts()  # this attempt's nodes
+        ranks = sum(n for _, n in hosts) or (1 if self.launcher == "none" else self.nproc_per_node)
         rec = {"attempt": attempt, "exit": rc, "seconds": round(seconds, 1), "ranks": ranks,
                "device_hours": ranks * seconds / 3600, "command": cmd, "oom": escalated, "failure": failure}  # fmt: skip
         with open(self.run_dir / ATTEMPTS, "a") as f:

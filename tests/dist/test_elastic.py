@@ -83,6 +83,8 @@ def test_a_lost_node_the_job_goes_on_with_the_survivors(tmp_path, own_nodes):
         if "loss" in m:
             losses[m["step"]] = m
     assert [losses[s]["world_size"] for s in (8, 9)] == [2, 1] and losses[9]["grad_accum"] == 2
+    attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [a["ranks"] for a in attempts] == [2, 1], attempts  # device-hours count the survivors only
     drift = max(abs(losses[s]["loss"] - reference.losses[s]) / reference.losses[s] for s in range(9, 17))
     assert drift < 1e-4, drift  # fp32 on another world size: the same sums in another order
     print(f"elastic: node lost after step 8, training again {first_after - last_before:.1f} s later on 1 node "
