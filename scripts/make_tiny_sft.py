@@ -27,7 +27,9 @@ QUESTIONS = ("What does the Python reference say about {topic}?", "Explain {topi
 
 def sections() -> list[tuple[str, str, str]]:
     """(topic, title, text) of each section of the tiny corpus, in its order."""
-    docs = [json.loads(line) for line in (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines()]
+    docs = [
+        json.loads(line) for line in (ROOT / "data" / "tiny" / "python_docs.jsonl").read_text().splitlines()
+    ]
     return [(d["topic"], d["text"].split("\n", 1)[0].strip(), d["text"]) for d in docs]
 
 

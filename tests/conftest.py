@@ -68,4 +68,3 @@ WALL_S = {
     "tests/e2e/test_resume_errors.py": 18,
     "tests/e2e/test_checkpoint_interval.py": 12,
 }
-

@@ -522,14 +522,17 @@ def real_chat_data(path: Path, rows: int = 60, system: bool = True, tools: bool 
     return write(path, conversations(rows, system, tools, seed, random_users))
 
 
-def private_services(script: str, name: str, binaries: tuple[str, ...], commands: tuple[str, ...],
-                     packages: str):
+def private_services(
+    script: str, name: str, binaries: tuple[str, ...], commands: tuple[str, ...], packages: str
+):
     """`bash scripts/SCRIPT up DIR` (private daemons: the loopback sshds, the one-machine Slurm
     cluster), yield DIR, then `down DIR`, which stops them by their pids. Skipped, naming what is
     missing, where the packages or root are not there (.ci/run installs them)."""
     missing = [b for b in binaries if not Path(b).exists()] + [c for c in commands if not shutil.which(c)]
     if missing or os.geteuid() != 0:
-        pytest.skip(f"needs {packages} and root (missing: {', '.join(missing) or 'root'}; .ci/run installs them)")
+        pytest.skip(
+            f"needs {packages} and root (missing: {', '.join(missing) or 'root'}; .ci/run installs them)"
+        )
     path = ROOT / "scripts" / script
     d = Path(f"/tmp/trainer-{name}-{os.getpid()}")
     p = subprocess.run(["bash", str(path), "up", str(d)], capture_output=True, text=True, timeout=120)
@@ -541,7 +544,9 @@ def private_services(script: str, name: str, binaries: tuple[str, ...], commands
 
 def loopback_nodes(name: str):
     """A private sshd on 127.0.0.1 and one on 127.0.0.2 (scripts/loopback_sshd.sh)."""
-    yield from private_services("loopback_sshd.sh", name, ("/usr/sbin/sshd",), ("pdsh",), "openssh-server, pdsh")
+    yield from private_services(
+        "loopback_sshd.sh", name, ("/usr/sbin/sshd",), ("pdsh",), "openssh-server, pdsh"
+    )
 
 
 # One global batch of 4 rows split three ways: name -> (sets, launcher, ranks).
