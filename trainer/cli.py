@@ -430,38 +430,39 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 
     from trainer import checkpoint, startup
 
-    # The libraries are imported from here to the model's code (torch, DeepSpeed, transformers):
-    # without the garbage collector's full passes over them (trainer/startup.py)
-    with startup.importing():
-        found, warnings = checkpoint.resolve_resume(args.resume, exp.checkpoint.resume, exp.run_dir)
-        if found is not None and Faults(dist.detect().rank, dist.attempt()).stale_resume():
-            found = checkpoint.before(found)  # tests: this rank sees an older run_dir
-        resume = None
-        if found is not None:
-            diffs = checkpoint.check_compatible(found, exp)
-            resume = checkpoint.Resume(found, warnings, diffs)
-            if (
-                resume.done(exp, dist.detect().rank) and dist.detect().world_size == 1
-            ):  # several ranks: once they agree on it
-                return 0
+    found, warnings = checkpoint.resolve_resume(args.resume, exp.checkpoint.resume, exp.run_dir)
+    if found is not None and Faults(dist.detect().rank, dist.attempt()).stale_resume():
+        found = checkpoint.before(found)  # tests: this rank sees an older run_dir
+    resume = None
+    if found is not None:
+        diffs = checkpoint.check_compatible(found, exp)
+        resume = checkpoint.Resume(found, warnings, diffs)
+        if (
+            resume.done(exp, dist.detect().rank) and dist.detect().world_size == 1
+        ):  # several ranks: once they agree on it
+            return 0
 
-        env = dist.detect()
-        device_type = "cuda" if dist.gpu_present() else "cpu"
-        vocab, eos = vocab_for_planning(exp)
-        planned = make_plan(
-            exp,
-            world_size=env.world_size,
-            gpus_per_node=env.local_world_size,
-            device_type=device_type,
-            device_memory=dist.device_memory(),
-            vocab_size=vocab,
-            eos_id=eos,
-            force=args.force,
-            source=args.experiment,
-            saved_ds_config=resume.ds_config if resume is not None else None,
-        )
-        runtime = dist.setup(exp.dist.timeout_s)
-        startup.import_modeling(planned.model or exp.model)
+    # torch and transformers' modeling code without the garbage collector's full passes over them
+    # (trainer/startup.py)
+    with startup.importing():
+        startup.import_libraries(exp.model)
+
+    env = dist.detect()
+    device_type = "cuda" if dist.gpu_present() else "cpu"
+    vocab, eos = vocab_for_planning(exp)
+    planned = make_plan(
+        exp,
+        world_size=env.world_size,
+        gpus_per_node=env.local_world_size,
+        device_type=device_type,
+        device_memory=dist.device_memory(),
+        vocab_size=vocab,
+        eos_id=eos,
+        force=args.force,
+        source=args.experiment,
+        saved_ds_config=resume.ds_config if resume is not None else None,
+    )
+    runtime = dist.setup(exp.dist.timeout_s)
     try:
         mode = next((m for m in MODES if getattr(args, m)), "train")
         run = build(

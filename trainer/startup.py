@@ -1,14 +1,14 @@
-"""A rank's start without the garbage collector walking the libraries it imports.
+"""A rank's start without the garbage collector walking the libraries it imports again and again.
 
-Importing torch, DeepSpeed and transformers' modeling code makes ~380,000 objects (modules,
-classes, functions) that live as long as the process. CPython runs a full collection each time the
-objects that survived its young generations grow by a quarter: 7 full passes while a rank imports,
-each over everything imported so far, 0.7 s of CPU of a rank's ~5 s start on a CPU machine (then a
-0.18 s pass when the loop starts). None of it is garbage (a pass finds ~20 objects), so bin/train
-keeps the collector off while it imports and then freezes what exists (`gc.freeze`: later passes
-skip it) before it builds anything large. The collector is on again for the data, the model and
-the engine; the training loop collects and freezes once more when everything is built
-(trainer/loop.py).
+Importing torch and transformers' modeling code makes ~350,000 objects (modules, classes,
+functions) that live as long as the process. CPython runs a full collection each time the objects
+that survived its young generations grow by a quarter: 7 full passes while a rank starts, each over
+everything imported so far (0.7 s of CPU of a rank's ~5 s start on a CPU machine), then another when
+the loop starts (0.18 s). Nothing is built there, only imported, so bin/train imports them with
+the collector off and then freezes what exists (`gc.freeze`: later passes skip it; the ~20 objects of
+garbage importing leaves are kept). Planning, the process group, the data, the model and the engine
+are built with the collector on; the training loop collects and freezes once more when everything
+is built, a pass over only what the run built (trainer/loop.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 @contextlib.contextmanager
 def importing() -> Iterator[None]:
-    """Around the imports of a rank's start: the collector off, then what exists frozen and the
-    collector on again (also when the block raises)."""
+    """Around imports only (no garbage of any size is made): the collector off, then what exists
+    frozen and the collector on again (also when the block raises)."""
     was_on = gc.isenabled()
     gc.disable()
     try:
@@ -33,11 +33,13 @@ def importing() -> Iterator[None]:
             gc.enable()
 
 
-def import_modeling(section: Any) -> None:
-    """transformers' modeling code that every model family's module imports (DTensor through the
-    weight loading, torch._dynamo through the attention masks), for a model of transformers (not a
-    `model.factory`'s): inside `importing`, before the model is built."""
-    if section.factory is not None:
-        return
-    import transformers.masking_utils  # noqa: F401
-    import transformers.modeling_utils  # noqa: F401
+def import_libraries(section: Any) -> None:
+    """What a rank imports anyway, now, inside `importing`: torch and, for a model of transformers
+    (not a `model.factory`'s), the modeling code every family's module imports (DTensor through the
+    weight loading, torch._dynamo through the attention masks). DeepSpeed is imported by
+    trainer/dist.py's `setup`, after the accelerator is chosen."""
+    import torch  # noqa: F401
+
+    if section.factory is None:
+        import transformers.masking_utils  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
