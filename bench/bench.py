@@ -9,6 +9,7 @@
     bench/bench.py checkpoint [--rounds 2] [--steps 21] [--every 4] [--stage 2]
     bench/bench.py scaling  [--stages 0 2 3] [--ranks 1 2] [--steps 60] [--out runs/scaling]
     bench/bench.py sequence [--seq-len 4096] [--nproc 2] [--rounds 3] [--precision bf16]
+    bench/bench.py preference [--experiment E] [--micro 16] [--nproc 1] [--rounds 3] [--set K=V]
 
 compare: the same model, data, seed and DeepSpeed JSON (a) through bin/train and (b) through a
 minimal hand-written DeepSpeed loop (bench/raw_loop.py), interleaved A B A B under the deepspeed
@@ -27,6 +28,8 @@ checkpoint: synchronous against asynchronous saves (checkpoint.async) of a ~100M
 interleaved: training blocked per save, the background write time, step times around saves.
 sequence: sequence parallel N against 1 on the same N ranks and global batch (a Llama shape): the
 step-time ratio, what Ulysses costs where it is not needed, and each side's activations per rank.
+preference: a DPO step against an SFT step on the same pairs (SFT on prompt and chosen response),
+interleaved: the step-time ratio beside the ratio of tokens a step feeds.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from bench.checkpoint import checkpoint  # noqa: E402
 from bench.compare import compare  # noqa: E402
 from bench.datawait import datawait  # noqa: E402
 from bench.peer import PEER_SHAPES, peer  # noqa: E402
+from bench.preference import PAIRS, preference  # noqa: E402
 from bench.scaling import scaling  # noqa: E402
 from bench.sequence import sequence  # noqa: E402
 from bench.startup import startup  # noqa: E402
@@ -64,6 +68,7 @@ BENCHMARKS = {
     "checkpoint": checkpoint,
     "scaling": scaling,
     "sequence": sequence,
+    "preference": preference,
 }
 
 
@@ -137,7 +142,18 @@ def add_others(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]
     q.add_argument("--warmup", type=int, default=5)
     q.add_argument("--log-every", type=int, default=5)
     q.add_argument("--precision", default="bf16")
-    return [s, t, d, k, sc, q]
+    pr = sub.add_parser("preference", help="a DPO step against an SFT step on the same pairs")
+    pr.add_argument("--experiment", default=None, help="the model and precision (default: tiny)")
+    pr.add_argument("--pairs", default=str(PAIRS), help="preference data (prompt, chosen, rejected)")
+    pr.add_argument("--micro", type=int, default=16, help="pairs (DPO) and conversations (SFT) a micro batch")
+    pr.add_argument("--nproc", type=int, default=1)
+    pr.add_argument("--cpu", action="store_true", help="on CPU even where CUDA is present")
+    pr.add_argument("--rounds", type=int, default=3)
+    pr.add_argument("--steps", type=int, default=30)
+    pr.add_argument("--warmup", type=int, default=10)
+    pr.add_argument("--log-every", type=int, default=5)
+    pr.add_argument("--set", action="append", help="an override for both sides")
+    return [s, t, d, k, sc, q, pr]
 
 
 def parser() -> argparse.ArgumentParser:

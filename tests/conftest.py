@@ -52,7 +52,7 @@ WALL_S = {
     "tests/dist/test_bf16_reshard.py": 121,
     "tests/e2e/test_bad_input.py": 93,
     "tests/dist/test_reshard.py": 91,
-    "tests/dist/test_bench.py": 84,
+    "tests/dist/test_bench.py": 100,
     "tests/dist/test_kills.py": 76,
     "tests/dist/test_step_memory.py": 74,
     "tests/e2e/test_resume_safety.py": 58,

@@ -444,6 +444,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 
     # torch and transformers' modeling code without the garbage collector's full passes over them
     # (trainer/startup.py)
+    dist.hide_gpus_if_asked()  # TRAINER_CPU=1: before torch looks for GPUs
     with startup.importing():
         startup.import_libraries(exp.model)
 

@@ -1,6 +1,7 @@
-"""The benchmark harness's CPU mode (bench/bench.py compare): bin/train and the hand-written
-DeepSpeed loop run the same model, data order and DeepSpeed JSON under the deepspeed launcher, so
-their final weights are bitwise equal. Timings are reported, not asserted (see BENCHMARKS.md)."""
+"""The benchmark harness's CPU mode (bench/bench.py compare, peer, preference): bin/train and the
+hand-written DeepSpeed loop run the same model, data order and DeepSpeed JSON under the deepspeed
+launcher, so their final weights are bitwise equal. Timings are reported, not asserted (see
+BENCHMARKS.md)."""
 
 import json
 import subprocess
@@ -46,3 +47,14 @@ def test_peer_runs_bin_train_and_the_hf_trainer_on_the_same_job(tmp_path):
     assert abs(ours[0] - hf[0]) < 0.1 and ours[-1] < ours[0] and hf[-1] < hf[0], row["losses"]
     assert row["paired"] == pytest.approx(row["ratio"]) and row["ours_faster"] == (row["ratio"] >= 1), row
     assert "| tiny | 0 |" in p.stdout and "of 1) |" in p.stdout
+
+
+def test_preference_times_a_dpo_step_against_an_sft_step_on_the_same_pairs(tmp_path):
+    """bench/bench.py preference on one rank: SFT on a chat file made from the pairs (prompt and chosen
+    response) and DPO on the pairs both train, and a DPO step feeds about twice the tokens (each
+    pair's prompt twice, beside both its responses); the step-time ratio is reported, not asserted."""
+    p, res = run_bench(tmp_path, "preference", 1, "--micro", "8")
+    r = res["preference"]
+    assert len(r["sft"]) == len(r["dpo"]) == 1 and r["ratio"]["ratio"] > 0, r
+    assert 1.5 < r["tokens_ratio"] < 3, r
+    assert "# preference: tiny.yaml, micro 8" in p.stdout, p.stdout[-2000:]

@@ -1,0 +1,89 @@
+"""preference: what a DPO step costs against an SFT step on the same pairs. The same model, micro batch
+(pairs on one side, conversations on the other), precision and ranks, interleaved: SFT on each
+pair's prompt and chosen response (a chat file made from the pairs), DPO on the pairs (chosen and
+rejected in one forward; the reference's log-probs computed once as training starts, so a step runs
+no reference model). The median step times' ratio DPO / SFT beside the ratio of the tokens a step
+feeds: with the reference precomputed the first should follow the second (about 2x), where a
+reference model run every step would add another forward (about 3x)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    ROOT,
+    TINY,
+    TRAIN,
+    cache_dir,
+    cores,
+    env_for,
+    interleave,
+    launch,
+    median_after,
+    overrides,
+    ratio,
+    run_sets,
+)
+
+PAIRS = ROOT / "data" / "tiny" / "python_prefs.jsonl"
+
+
+def chat_from_pairs(pairs: Path, out: Path) -> Path:
+    """Each pair's prompt and chosen response as one conversation (`messages`), the SFT side's data."""
+    rows = [json.loads(line) for line in pairs.read_text().splitlines() if line.strip()]
+    out.write_text("".join(json.dumps({"messages": r["prompt"] + r["chosen"]}) + "\n" for r in rows))
+    return out
+
+
+def preference(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-preference-"))
+    experiment = Path(a.experiment) if a.experiment else TINY
+    n = a.nproc or 1
+    base = {
+        **run_sets(a.steps, a.log_every, work / "run", cache_dir(a)),
+        "train.micro_batch_size": a.micro,
+        "train.eval_prompts": [],
+        "data.eval_fraction": 0,
+    }
+    for item in a.set or []:
+        k, _, v = item.partition("=")
+        base[k] = v
+    sides = {
+        "sft": {"data.train.files": str(chat_from_pairs(Path(a.pairs), work / "chat.jsonl")),
+                "data.train.kind": "chat", "train.objective": "sft",
+                "data.packing": False},  # pairs are not packed: neither are the conversations
+        "dpo": {"data.train.files": str(Path(a.pairs).resolve()), "data.train.kind": "preference",
+                "train.objective": "dpo"},
+    }  # fmt: skip
+    tokens: dict[str, list[float]] = {s: [] for s in sides}
+
+    def run(name: str, r: int) -> float:
+        shutil.rmtree(work / "run", ignore_errors=True)
+        args = [str(TRAIN), str(experiment), *overrides({**base, **sides[name]})]
+        launch(args, n, env_for(n, {"OMP_NUM_THREADS": str(max(1, cores() // n))}))
+        lines = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+        steps = [m for m in lines if "loss" in m and "step_time_s" in m]
+        med = median_after(steps, a.warmup, a.log_every)
+        tokens[name].append(statistics.median(m["tokens_per_step"] for m in steps))
+        print(
+            f"  {name}  round {r}: median step {med * 1000:.1f} ms, {tokens[name][-1]:.0f} tokens a step",
+            flush=True,
+        )
+        return med
+
+    results = interleave(tuple(sides), a.rounds, run, alternate=True)
+    shutil.rmtree(work, ignore_errors=True)
+    r = ratio(results["dpo"], results["sft"])
+    fed = statistics.median(tokens["dpo"]) / statistics.median(tokens["sft"])
+    print(
+        f"\n# preference: {experiment.name}, micro {a.micro}, {n} rank(s): DPO {r['num'] * 1000:.1f} ms/step, SFT "
+        f"{r['den'] * 1000:.1f} ms/step: ratio {r['ratio']:.2f} (rounds {r['ratio_min']:.2f}-{r['ratio_max']:.2f}); "
+        f"tokens a step DPO/SFT {fed:.2f}"
+    )
+    return {"preference": {**results, "ratio": r, "tokens_per_step": tokens, "tokens_ratio": fed}}
