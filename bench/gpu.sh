@@ -30,7 +30,9 @@
 #          28 layers, the 8B's vocabulary and positions): --plan --max-seq-len, the planned activation
 #          bytes against the measured peak at 16k and 64k tokens, then the longest sequence planned, 3 steps.
 # preference: issue 41 item 5: bench/bench.py preference on Llama 1B (whole loss, no Liger on either
-#          side): a DPO step against an SFT step on the same pairs, with the ratio of tokens a step feeds.
+#          side): a DPO step against an SFT step on the same pairs, with the ratio of tokens a step feeds;
+#          micro 64 (MICRO_PREF), so that the forward and backward of the short pairs (~100 tokens a
+#          response) outweigh the optimizer step, which both sides pay alike.
 # stepmem: bench/step_memory.py --cuda: what the optimizer step allocates for itself at stage 0
 #          (DeepSpeed's fused wrapper and the unfused one) and stage 2, against the planner's step column.
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
@@ -173,7 +175,7 @@ if [[ $what == longseq ]]; then
         probe longseq_max "${L3B[@]}" data.seq_len=$longest
 fi
 if [[ $what == preference ]]; then
-    timeout ${LIMIT:-560} $PY bench/bench.py preference --experiment configs/experiments/llama-1b.yaml --micro ${MICRO_PREF:-16} \
+    timeout ${LIMIT:-560} $PY bench/bench.py preference --experiment configs/experiments/llama-1b.yaml --micro ${MICRO_PREF:-64} \
         --rounds ${ROUNDS:-2} --steps 30 --warmup 10 --set model.chunked_loss=false --set model.kernels=none \
         --cache-dir $CACHE --json "$out/preference.json" 2>&1 | tee "$out/preference.log"
 fi
