@@ -100,6 +100,7 @@ def train(
     # garbage collector's full passes, which a ZeRO-3 step's many short-lived objects trigger.
     gc.collect()
     gc.freeze()
+    metrics.start()
     t_attempt = time.perf_counter()
     wall0 = state.wall_time
     while state.step < max_steps:

@@ -99,6 +99,14 @@ class Metrics:
         if self.is_main:
             self.sinks.append(sink)
 
+    def start(self) -> None:
+        """The training loop starts: the first interval's clock starts here, not when the metrics were
+        built, so that the first logged step time, tokens/s and MFU count training only (not the
+        reference's log-probs of DPO, a resume's load or the set-up between). An interval with steps
+        in it (the loop run again, as --profile does) is kept."""
+        if self.interval.steps == 0:
+            self.interval = Interval()
+
     @property
     def wandb_id(self) -> str | None:
         """Stored in checkpoints, so that a resumed run continues the same wandb run."""
