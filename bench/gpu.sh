@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of BENCHMARKS.md in one go, for a machine with one CUDA GPU:
 #
-#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b|stepmem|longseq|preference]
+#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b|stepmem|longseq|longseq_max|preference]
 #
 # probe:   the environment, --plan on the GPU, and bin/train on the GPT-2 124M experiment at micro
 #          batch 32 and 64 for 40 steps each (tokens/s, MFU and peak memory from metrics.jsonl);
@@ -25,14 +25,17 @@
 #          went non-finite at step 4 and is refused since). LEVERS="name:stage:micro:accum[:k=v,...]".
 #          Each probe's results are also appended to OUT/levers.jsonl (one line a probe).
 # longseq: issue 41 item 4 on the machine lent (one H100, 128 GiB of host memory, 64 GiB of disk), where
-#          the Llama-8B shape's optimizer cannot be offloaded (the planner: 202 GB of host memory at
-#          zero3+cpu with synchronous saves; 96+ GB of NVMe): a Llama 3.2 3B shape stands in (hidden 3072,
-#          28 layers, the 8B's vocabulary and positions): --plan --max-seq-len, the planned activation
-#          bytes against the measured peak at 16k and 64k tokens, then the longest sequence planned, 3 steps.
-# preference: issue 41 item 5: bench/bench.py preference on Llama 1B (whole loss, no Liger on either
-#          side): a DPO step against an SFT step on the same pairs, with the ratio of tokens a step feeds;
-#          micro 64 (MICRO_PREF), so that the forward and backward of the short pairs (~100 tokens a
-#          response) outweigh the optimizer step, which both sides pay alike.
+#          the Llama-8B shape's optimizer cannot be offloaded (the planner: 201.93 GiB of host memory at
+#          zero3+cpu with synchronous saves; its states and offloaded bf16 weights alone are 134.6 GiB): a
+#          Llama 3.2 3B shape stands in (hidden 3072, 28 layers, the 8B's vocabulary and positions):
+#          --plan --max-seq-len, then the planned activation bytes against the measured peak at 16k and
+#          64k tokens (4 steps each). zero3+cpu needs DeepSpeed's CPU Adam: JIT-built by the first run.
+# longseq_max: the longest sequence that plan found, 3 steps (a call of its own: minutes a step).
+# preference: issue 41 item 5: bench/bench.py preference on Llama 1B (whole loss, no Liger, ZeRO 0, no
+#          activation checkpointing, on both sides: the bench stops if the two are planned apart), at
+#          seq_len 128 (the pairs' rows are 77-113 byte tokens; at 2048 the planner sizes each row at
+#          2048 and refuses) and micro 64 (MICRO_PREF), so that the forward and backward outweigh the
+#          optimizer step both sides pay alike.
 # stepmem: bench/step_memory.py --cuda: what the optimizer step allocates for itself at stage 0
 #          (DeepSpeed's fused wrapper and the unfused one) and stage 2, against the planner's step column.
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
@@ -159,26 +162,31 @@ if [[ $what == llama1b ]]; then
     probe l1b_z2_liger train.micro_batch_size=8 strategy.zero_stage=2 model.kernels=liger
     probe l1b_z3_liger train.micro_batch_size=8 strategy.zero_stage=3 model.kernels=liger
 fi
-# profile: torch.profiler over 5 steps after 3 (--profile) of the compiled experiment: the top
-# kernels by GPU time, the time by kind of work and how busy the GPU was.
-if [[ $what == longseq ]]; then
-    L3B=(model.config.hidden_size=3072 model.config.intermediate_size=8192 model.config.num_hidden_layers=28
-         model.config.num_attention_heads=24 checkpoint.async=false data.eval_fraction=0 data.train.files=/tmp/longseq.jsonl)
+L3B=(model.config.hidden_size=3072 model.config.intermediate_size=8192 model.config.num_hidden_layers=28
+     model.config.num_attention_heads=24 checkpoint.async=false data.eval_fraction=0 data.train.files=/tmp/longseq.jsonl)
+LONG_EXP=configs/experiments/llama3-8b-32k.yaml
+if [[ $what == longseq || $what == longseq_max ]]; then
     for i in 1 2 3 4; do cat data/tiny/python_docs.jsonl; done > /tmp/longseq.jsonl  # ~1.9M byte tokens
     sets=(); for kv in "${L3B[@]}"; do sets+=(--set "$kv"); done
-    $PY bin/train configs/experiments/llama3-8b-32k.yaml --plan --max-seq-len "${sets[@]}" 2>&1 | tee "$out/longseq_plan.txt"
+    $PY bin/train $LONG_EXP --plan --max-seq-len "${sets[@]}" 2>&1 | tee "$out/longseq_plan.txt"
     longest=$(grep -oP 'longest sequence: \K[\d,]+' "$out/longseq_plan.txt" | tr -d ,)
+fi
+if [[ $what == longseq ]]; then
     for len in 16384 65536; do
-        EXP=configs/experiments/llama3-8b-32k.yaml HEADROOM=0.9 PROBE_STEPS=4 probe longseq_$len "${L3B[@]}" data.seq_len=$len
+        EXP=$LONG_EXP HEADROOM=0.9 PROBE_STEPS=4 PROBE_LIMIT=${PROBE_LIMIT:-250} probe longseq_$len "${L3B[@]}" data.seq_len=$len
     done
-    [ -n "$longest" ] && EXP=configs/experiments/llama3-8b-32k.yaml HEADROOM=0.9 PROBE_STEPS=3 PROBE_LIMIT=${LIMIT:-560} \
-        probe longseq_max "${L3B[@]}" data.seq_len=$longest
+fi
+if [[ $what == longseq_max && -n ${longest:-} ]]; then
+    EXP=$LONG_EXP HEADROOM=0.9 PROBE_STEPS=3 PROBE_LIMIT=${LIMIT:-540} probe longseq_max "${L3B[@]}" data.seq_len=$longest
 fi
 if [[ $what == preference ]]; then
     timeout ${LIMIT:-560} $PY bench/bench.py preference --experiment configs/experiments/llama-1b.yaml --micro ${MICRO_PREF:-64} \
-        --rounds ${ROUNDS:-2} --steps 30 --warmup 10 --set model.chunked_loss=false --set model.kernels=none \
+        --rounds ${ROUNDS:-2} --steps 30 --warmup 10 --set data.seq_len=128 --set model.chunked_loss=false \
+        --set model.kernels=none --set strategy.zero_stage=0 --set model.activation_checkpointing=false \
         --cache-dir $CACHE --json "$out/preference.json" 2>&1 | tee "$out/preference.log"
 fi
+# profile: torch.profiler over 5 steps after 3 (--profile) of the compiled experiment: the top
+# kernels by GPU time, the time by kind of work and how busy the GPU was.
 if [[ $what == profile ]]; then
     rm -rf /tmp/prof
     timeout ${PROBE_LIMIT:-300} $PY bin/train $EXP --profile --set run_dir=/tmp/prof --set data.cache_dir=$CACHE \

@@ -204,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.dist import under_torchrun
 
     if under_torchrun():  # torchrun's failure summary then shows this rank's exception, not just an exit code
-        from torch.distributed.elastic.multiprocessing.errors import record
+        from trainer import startup
+
+        with startup.importing():  # torch, without the collector's full passes (trainer/startup.py)
+            from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(_main)(argv)
     return _main(argv)

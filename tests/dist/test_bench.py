@@ -57,4 +57,5 @@ def test_preference_times_a_dpo_step_against_an_sft_step_on_the_same_pairs(tmp_p
     r = res["preference"]
     assert len(r["sft"]) == len(r["dpo"]) == 1 and r["ratio"]["ratio"] > 0, r
     assert 1.5 < r["tokens_ratio"] < 3, r
-    assert "# preference: tiny.yaml, micro 8" in p.stdout, p.stdout[-2000:]
+    assert "# preference: tiny.yaml, micro 8, 1 rank(s), ZeRO stage 0, offload none" in p.stdout, p.stdout[-2000:]
+    assert r["plan"]["sft"] == r["plan"]["dpo"], r

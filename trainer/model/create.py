@@ -183,8 +183,8 @@ def info(
 
     With `cache_dir`, the count is kept in `<cache_dir>/model-info/` keyed by the model section, the
     vocabulary and the transformers version, so that `--plan` and `--print-config` of a model seen
-    before import neither torch nor transformers (whose import alone takes seconds, and pulls in
-    DeepSpeed through accelerate). Factories and hub ids are counted every time: their code or
+    before import neither torch nor transformers (whose import alone takes seconds: torch,
+    accelerate, DTensor, torch._dynamo). Factories and hub ids are counted every time: their code or
     config can change under the same name."""
     key = _info_key(section, vocab_size, eos_id)
     path = Path(cache_dir).expanduser() / "model-info" / f"{key}.json" if cache_dir and key else None
