@@ -20,12 +20,11 @@ from typing import Any
 
 from bench.common import (
     ROOT,
-    TINY,
     TRAIN,
     cache_dir,
-    cores,
     env_for,
     interleave,
+    job,
     launch,
     median_after,
     overrides,
@@ -63,21 +62,19 @@ def preference(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    experiment = Path(a.experiment) if a.experiment else TINY
+    experiment, sets = job(a, gpu=False, cpu_sets={})  # tiny unless --experiment; then each --set
+    if "data.packing" in sets:
+        raise SystemExit(
+            "preference: pairs are never packed, and the SFT side is not either; drop data.packing"
+        )
     n = a.nproc or 1
     base = {
         **run_sets(a.steps, a.log_every, work / "run", cache_dir(a)),
         "train.micro_batch_size": a.micro,
         "train.eval_prompts": [],
         "data.eval_fraction": 0,
+        **sets,
     }
-    for item in a.set or []:
-        k, _, v = item.partition("=")
-        if k == "data.packing":
-            raise SystemExit(
-                "preference: pairs are never packed, and the SFT side is not either; drop data.packing"
-            )
-        base[k] = v
     sides = {
         "sft": {"data.train.files": str(chat_from_pairs(Path(a.pairs), work / "chat.jsonl")),
                 "data.train.kind": "chat", "train.objective": "sft",
@@ -91,7 +88,7 @@ def _measure(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     def run(name: str, r: int) -> float:
         shutil.rmtree(work / "run", ignore_errors=True)
         args = [str(TRAIN), str(experiment), *overrides({**base, **sides[name]})]
-        p = launch(args, n, env_for(n, {"OMP_NUM_THREADS": str(max(1, cores() // n))}))
+        p = launch(args, n, env_for(n))
         plans[name] = "; ".join(x for m in PLAN.finditer(p.stdout) for x in m.groups() if x)
         if len(plans) == 2 and len(set(plans.values())) > 1:
             raise SystemExit(

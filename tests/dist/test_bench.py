@@ -1,7 +1,7 @@
-"""The benchmark harness's CPU mode (bench/bench.py compare, peer, preference): bin/train and the
-hand-written DeepSpeed loop run the same model, data order and DeepSpeed JSON under the deepspeed
-launcher, so their final weights are bitwise equal. Timings are reported, not asserted (see
-BENCHMARKS.md)."""
+"""The benchmark harness's CPU mode (bench/bench.py compare, peer, preference): compare's bin/train
+and hand-written DeepSpeed loop run the same model, data order and DeepSpeed JSON under the
+deepspeed launcher, so their final weights are bitwise equal; peer and preference run both their
+sides. Timings are reported, not asserted (see BENCHMARKS.md)."""
 
 import json
 import subprocess
