@@ -1,10 +1,78 @@
+import json
 import os
+import subprocess
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# ----------------------------------------------------------------- subprocess timeouts as hang detectors
+# A test's subprocess timeout detects a hang; it is no budget. Every wait on a subprocess with a timeout
+# (subprocess.run, Popen.communicate, Popen.wait) is timed here, and the end of the run lists the ones
+# closest to their timeout, with a warning for any that used more than a third of it: on a host 3x
+# slower (an AVX2-only CPU under load) it would be killed. TRAINER_TEST_TIMINGS=path also writes them,
+# and each test file's wall time, as JSON (what WALL_S below is made from).
+MARGIN = 3
+_records: list[dict] = []
+_file_seconds: dict[str, float] = defaultdict(float)
+
+
+def _timed(real):
+    def call(self, *args, timeout=None, **kwargs):
+        if timeout is None or getattr(self, "_trainer_timing", False):
+            return real(self, *args, timeout=timeout, **kwargs)
+        self._trainer_timing = True  # communicate() waits with what is left of the same timeout
+        start = time.monotonic()
+        try:
+            return real(self, *args, timeout=timeout, **kwargs)
+        finally:
+            self._trainer_timing = False
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+            args0 = self.args if isinstance(self.args, list | tuple) else [self.args]
+            what = " ".join(Path(str(a)).name for a in args0[:2])
+            _records.append({"test": test, "what": what, "seconds": round(time.monotonic() - start, 1),
+                             "timeout": timeout})  # fmt: skip
+
+    return call
+
+
+subprocess.Popen.communicate = _timed(subprocess.Popen.communicate)
+subprocess.Popen.wait = _timed(subprocess.Popen.wait)
+
+
+def pytest_runtest_logreport(report):
+    if not hasattr(report, "node"):  # on the controller (or plain pytest): sum each file's time
+        _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the records to the controller
+        session.config.workeroutput["trainer_subprocess_timings"] = json.dumps(_records)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _records.extend(json.loads(getattr(node, "workeroutput", {}).get("trainer_subprocess_timings", "[]")))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _records or hasattr(terminalreporter.config, "workeroutput"):
+        return
+    write = terminalreporter.write_line
+    ranked = sorted(_records, key=lambda r: -r["seconds"] / r["timeout"])
+    terminalreporter.section("subprocess timeouts (hang detectors): the closest to their timeout")
+    for r in ranked[:10]:
+        write(f"{r['seconds']:7.1f} s of {r['timeout']:g} s ({r['seconds'] / r['timeout']:.0%})  {r['what']}  {r['test']}")
+    close = [r for r in ranked if r["seconds"] * MARGIN > r["timeout"]]
+    if close:
+        write(f"warning: {len(close)} subprocess wait(s) used more than 1/{MARGIN} of their timeout; a host "
+              f"{MARGIN}x slower would time them out: raise the timeout (a hang detector, not a budget)")  # fmt: skip
+    if path := os.environ.get("TRAINER_TEST_TIMINGS"):
+        Path(path).write_text(json.dumps({"subprocesses": ranked, "files": dict(_file_seconds)}, indent=1))
 
 
 def pytest_configure(config):

@@ -24,15 +24,13 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_each_family_trains_packed(name, tmp_path):
     """bin/train on the family's tokenizer and template, packed: the banner names the strategy and why,
-    and the project's own packing check for the family; the loss falls."""
+    and the project's own packing check for the family; the loss falls. In fp32: precision is not what
+    this proves, and on an AVX2-only host a bf16 step over a 150k-262k vocabulary costs many fp32 ones."""
     path = data_for(name, tmp_path, rows=40)
-    sets = sets_for(
-        name, path, tmp_path, **{"train.max_steps": 12, "train.log_every": 4, "train.precision": "bf16"}
-    )
+    sets = sets_for(name, path, tmp_path, **{"train.max_steps": 12, "train.log_every": 4})
     r = train(tmp_path, sets, debug=False)
     assert f"chat template: multi_turn {EXPECTED[name][2]} (auto: " in r.output, r.output[-3000:]
     model_type = FAMILIES[name]["model_type"]
-    # bf16 on the CPU: eager attention up to 256 tokens, sdpa beyond (model.attn_implementation: auto)
     verdict = rf"packing: model type '{model_type}' with (eager|sdpa) attention: a packed row trains as its examples"
     assert re.search(verdict, r.output), r.output[-3000:]
     steps = sorted(r.losses)
@@ -43,10 +41,10 @@ def test_each_family_trains_packed(name, tmp_path):
 def test_masking_learns_fixed_answers_to_random_questions_and_train_on_prompt_cannot(tmp_path):
     """A black box: user turns of random letters, every answer the same, Qwen3 (one example per turn,
     with its <think> block). With the answers as targets the loss falls below 0.1; training on the
-    random prompts too, it stays above 1."""
+    random prompts too, it stays above 1. In fp32 (family_sets' precision), as the test above."""
     path = real_chat_data(tmp_path / "b.jsonl", rows=120, system=True, random_users=True)
     sets = family_sets("qwen3", path, **{"train.max_steps": 36, "train.micro_batch_size": 2, "data.seq_len": 128,
-                                         "train.precision": "bf16", "train.log_every": 4,
+                                         "train.log_every": 4,
                                          "model.config.hidden_size": 64, "model.config.intermediate_size": 128,
                                          "optim.schedule": "constant",
                                          "data.cache_dir": str(tmp_path / "cache")})  # fmt: skip

@@ -50,6 +50,87 @@ def test_loss_and_gradients_match_the_whole_logits(dtype):
         assert loss.linear_cross_entropy(hidden, weight, labels, rows=7).item() == pytest.approx(got.item())
 
 
+def _old_chunks(hidden, weight, targets, rows, num_items=None):
+    """The chunked loss as it was before the CPU products (torch.mm in the operands' precision): the
+    native path must stay this, bit for bit."""
+    from trainer.data.pack import IGNORE
+
+    valid = targets != IGNORE
+    denom = valid.sum().clamp(min=1).to(torch.float32)
+    safe = torch.where(valid, targets, 0)[:, None]
+    total = torch.zeros((), dtype=torch.float32)
+    grad_h, grad_w = torch.empty_like(hidden), torch.zeros(weight.shape, dtype=torch.float32)
+    for start in range(0, hidden.shape[0], rows):
+        h, t, v = hidden[start : start + rows], safe[start : start + rows], valid[start : start + rows, None]
+        logp = torch.log_softmax(torch.mm(h, weight.t()), dim=1, dtype=torch.float32)
+        total = total - torch.where(v, logp.gather(1, t), 0.0).sum()
+        g = logp.exp_().scatter_add_(1, t, torch.full_like(t, -1.0, dtype=logp.dtype)).to(h.dtype)
+        grad_h[start : start + rows] = torch.mm(g, weight).float().mul_(v / denom).to(h.dtype)
+        grad_w.add_(torch.mm(g.t(), h * v.to(h.dtype)))
+    return total / denom, grad_h, grad_w.div_(denom)
+
+
+def _bf16_case(vocab=3001, d=48, n=200):
+    torch.manual_seed(1)
+    hidden = torch.randn(n, d).to(torch.bfloat16)
+    weight = (0.3 * torch.randn(vocab, d)).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,))
+    targets[::7] = -100
+    return hidden, weight, targets
+
+
+def test_native_bf16_products_are_the_operands_own_mm_bit_for_bit(monkeypatch):
+    """Where bf16 products are native (GPUs, AVX-512 hosts) the chunked loss is what it was: loss and
+    both gradients equal the former implementation's bit for bit."""
+    monkeypatch.setattr(loss, "native_bf16_matmul", lambda: True)
+    hidden, weight, targets = _bf16_case()
+    got = loss._chunks(hidden, weight, targets, rows=64, grads=True)
+    want = _old_chunks(hidden, weight, targets, rows=64)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_without_native_bf16_products_the_same_math_runs_in_fp32(monkeypatch):
+    """On a CPU without AVX-512 (make test-avx2) the three products of a bf16 chunk run in fp32 on the
+    bf16 values and are rounded to bf16: the loss and gradients are the bf16 products' up to the order
+    of fp32 sums (one bf16 rounding step at most), and fp32 runs are untouched."""
+    hidden, weight, targets = _bf16_case()
+    want = _old_chunks(hidden, weight, targets, rows=64)
+    monkeypatch.setattr(loss, "native_bf16_matmul", lambda: False)
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.dtype) or real_mm(a, b))
+    got = loss._chunks(hidden, weight, targets, rows=64, grads=True)
+    assert set(calls) == {torch.float32}, calls  # no bf16 product left
+    assert got[0].item() == pytest.approx(want[0].item(), rel=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1.6e-2, atol=1e-6)  # bf16: one rounding step
+    torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-6)
+    calls.clear()
+    h32, w32 = hidden.float(), weight.float()
+    got32 = loss._chunks(h32, w32, targets, rows=64, grads=True)
+    assert set(calls) == {torch.float32}
+    for a, b in zip(got32, _old_chunks(h32, w32, targets, rows=64), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_native_bf16_products_follow_the_cpu_capability(monkeypatch):
+    """AVX2 hosts, and AVX-512 hosts made to act as them (make test-avx2's environment), take the fp32
+    products; an AVX-512 host with oneDNN uncapped keeps bf16's."""
+    answers = {}
+    for capability, isa in [("AVX512", None), ("AVX512", "AVX2"), ("AVX512", "AVX512_CORE_AMX"), ("AVX2", None),
+                            ("DEFAULT", None)]:  # fmt: skip
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        if isa:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        else:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        loss.native_bf16_matmul.cache_clear()
+        answers[(capability, isa)] = loss.native_bf16_matmul()
+    loss.native_bf16_matmul.cache_clear()
+    assert answers == {("AVX512", None): True, ("AVX512", "AVX2"): False, ("AVX512", "AVX512_CORE_AMX"): True,
+                       ("AVX2", None): False, ("DEFAULT", None): False}  # fmt: skip
+
+
 TINY_MODELS = {
     "gpt2": dict(n_layer=2, n_embd=64, n_head=4, n_positions=32),  # head tied to the embedding
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -124,7 +124,7 @@ class ModelSection(Section):
         "auto",
         description="LM head and cross-entropy in chunks, never the whole logits (less memory and memory "
         "traffic; transformers causal LMs with a plain LM head, see docs/experiments.md); auto = when the plan "
-        "needs it",
+        "needs it, and always on CPU in bf16 (the faster loss there)",
     )
     kernels: choice("none", "liger") = Field(
         "none",

@@ -13,6 +13,12 @@ The loss is the same as transformers' `ForCausalLMLoss` (labels shifted left, -1
 over the counted tokens, softmax in fp32); the hidden states and the weight keep their precision,
 so bf16 results differ from the unchunked loss by rounding only.
 
+On a CPU without AVX-512 (oneDNN has bf16 matrix kernels for AVX-512 and AMX only; on AVX2 a bf16
+`torch.mm` takes a fallback 40-100x slower than fp32's, 2.6-10 GFLOP/s against 40-60 here), the
+three products of a bf16 chunk run in fp32 on the bf16 values and are rounded to bf16 as a bf16
+product's output is (`native_bf16_matmul`): the same math, up to the order of the fp32 sums.
+Everywhere else (GPUs, AVX-512 hosts, fp32) the products are the operands' own `torch.mm`, unchanged.
+
 It replaces the model's `forward` (an attribute of the instance: the class, the state dict and
 checkpoints are untouched) by one that runs the base model and then this loss; with no labels
 the original forward runs. Supported: transformers models whose logits are `lm_head(hidden)`
@@ -23,6 +29,8 @@ for the model's forward and backward.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import torch
@@ -31,6 +39,25 @@ import torch.nn.functional as F
 from trainer.config import chunked_loss_problem, loss_chunk_rows
 from trainer.data.pack import IGNORE  # transformers' ignore_index, defined once
 from trainer.errors import UserError
+
+
+@functools.cache
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices with oneDNN's own kernels: ATen's AVX-512 build
+    (AVX-512 BW/VL/DQ; AMX where there is one) and oneDNN not capped below AVX-512 by
+    ONEDNN_MAX_CPU_ISA. `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (make test-avx2) makes an
+    AVX-512 host answer as an AVX2-only one does."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    return capability.startswith("AVX512") and (cap == "ALL" or "AVX512" in cap or "AMX" in cap)
+
+
+def _mm(a: Any, b: Any) -> Any:
+    """a @ b in the operands' precision: bf16 on a CPU without native bf16 products as fp32 products
+    of the same values, rounded to bf16 (see the module docstring)."""
+    if a.dtype == torch.bfloat16 and a.device.type == "cpu" and not native_bf16_matmul():
+        return torch.mm(a.float(), b.float()).to(torch.bfloat16)
+    return torch.mm(a, b)
 
 
 def _chunks(
@@ -60,13 +87,13 @@ def _chunks(
         h = hidden[start : start + rows]
         t = safe[start : start + rows]
         v = valid[start : start + rows, None]
-        logp = torch.log_softmax(torch.mm(h, weight.t()), dim=1, dtype=torch.float32)
+        logp = torch.log_softmax(_mm(h, weight.t()), dim=1, dtype=torch.float32)
         total = total - torch.where(v, logp.gather(1, t), 0.0).sum()
         if grads:
             # d(loss of a row)/d logits = softmax - one_hot(target), in fp32, then in h's precision
             g = logp.exp_().scatter_add_(1, t, torch.full_like(t, -1.0, dtype=logp.dtype)).to(h.dtype)
-            grad_h[start : start + rows] = torch.mm(g, weight).float().mul_(v / denom).to(h.dtype)
-            grad_w.add_(torch.mm(g.t(), h * v.to(h.dtype)))
+            grad_h[start : start + rows] = _mm(g, weight).float().mul_(v / denom).to(h.dtype)
+            grad_w.add_(_mm(g.t(), h * v.to(h.dtype)))
     if grads:
         grad_w.div_(denom)
     return total / denom, grad_h, grad_w

@@ -15,7 +15,7 @@ from trainer.errors import UserError
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, next_rung, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all
-from trainer.strategy.planning.levers import Levers, lever_sets
+from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
 from trainer.strategy.planning.states import low_precision_bytes
 
 
@@ -218,7 +218,7 @@ def plan(
             host_activations=extra * gpus_per_node,
         )  # fmt: skip
 
-    settings = list(lever_sets(exp, info, world_size, device_type))
+    settings = list(lever_sets(exp, info, world_size, device_type, precision))
     found, first, order = _search(settings, estimates_for, pinned)
     if found is None:
         levers, estimates, by, options = first
@@ -247,7 +247,12 @@ def plan(
         justification=s.justification.strip(),
         auto_choice=auto_choice,
         levers=levers,
-        levers_reason=_levers_reason(levers, settings, estimates_for, pinned, budget),
+        levers_reason=(
+            "the tiled loss by default on CPU in bf16, where it is the faster loss; "
+            if tiled_loss_by_default(exp, info, device_type, precision)
+            else ""
+        )
+        + _levers_reason(levers, settings, estimates_for, pinned, budget),
         order=tuple(order),
         offload_pin=pinned[1],
     )

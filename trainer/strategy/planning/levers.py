@@ -94,14 +94,36 @@ def _choices(setting: Any, allowed: bool) -> list[bool]:
     return [bool(setting)]
 
 
-def lever_sets(exp: Experiment, info: ModelInfo, world_size: int, device_type: str) -> Iterator[Levers]:
+def tiled_loss_by_default(exp: Experiment, info: ModelInfo, device_type: str, precision: str) -> bool:
+    """model.chunked_loss: auto is on from the start on CPU in bf16 where the model allows it: there the
+    tiled loss is the fast path, not a memory lever (its products run in fp32 on CPUs without AVX-512's
+    bf16 kernels, where the whole logits' bf16 products are 3-14x slower; 1.4x faster on AVX-512 too;
+    trainer/model/loss.py, BENCHMARKS.md)."""
+    return (
+        exp.model.chunked_loss == "auto"
+        and device_type == "cpu"
+        and precision == "bf16"
+        and _tiled_loss_allowed(exp, info)
+    )
+
+
+def _tiled_loss_allowed(exp: Experiment, info: ModelInfo) -> bool:
+    # a preference objective needs each response's log-prob, which the tiled loss does not give
+    sft = exp.train.objective == "sft"
+    return sft and exp.model.factory is None and not chunked_loss_problem(info.model_type)
+
+
+def lever_sets(
+    exp: Experiment, info: ModelInfo, world_size: int, device_type: str, precision: str = ""
+) -> Iterator[Levers]:
     """Every setting of the levers the experiment allows, cheapest first (see the module docstring)."""
     m, s = exp.model, exp.strategy
     transformers_model = m.factory is None
-    # a preference objective needs each response's log-prob, which the tiled loss does not give
     sft = exp.train.objective == "sft"
-    chunked = _choices(
-        m.chunked_loss, sft and transformers_model and not chunked_loss_problem(info.model_type)
+    chunked = (
+        [True]
+        if tiled_loss_by_default(exp, info, device_type, precision)
+        else _choices(m.chunked_loss, _tiled_loss_allowed(exp, info))
     )
     tiled = _choices(m.tiled_mlp, transformers_model)
     checkpointing = _choices(m.activation_checkpointing, True)
