@@ -97,6 +97,33 @@ def test_llama3_without_generation_markers(tok):
     assert "assistant<|end_header_id|>" in prompt_text(ex, tok)  # the header is the template's, not a target
 
 
+# Meta-Llama-3-8B-Instruct's template as first published: the assistant header after every rendering,
+# with or without add_generation_prompt (bos_token written out: the test tokenizer has none).
+LLAMA3_0 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = '<|begin_of_text|>' + content %}{% endif %}"
+    "{{ content }}{% endfor %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+)
+
+
+@pytest.mark.parametrize("multi_turn", ["auto", "each", "last"])
+def test_what_a_template_renders_after_the_end_of_turn_is_not_trained(tok, multi_turn):
+    """Llama 3.0's published template appends the assistant header to every rendering: a turn's targets
+    end at its <|eot_id|>, the header after it is never trained, and the probe does not take it for a
+    rewritten history (auto renders the conversation once)."""
+    examples = render_chat(CONVERSATION, tok, LLAMA3_0, multi_turn=multi_turn)
+    assert [targets_text(ex, tok) for ex in examples] == {
+        "auto": ["".join(a + "<|eot_id|>" for a in ANSWERS)],
+        "each": [a + "<|eot_id|>" for a in ANSWERS],
+        "last": [ANSWERS[-1] + "<|eot_id|>"],
+    }[multi_turn]
+    from trainer.data.templates import profile
+
+    p = profile(tok, LLAMA3_0, {}, "auto", "test")
+    assert p.eot == "<|eot_id|>" and p.strategy == "all", p.why
+
+
 def test_a_users_jinja_file(tok, tmp_path):
     path = tmp_path / "mistral.jinja"
     path.write_text(MISTRAL_FILE)

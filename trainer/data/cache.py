@@ -30,7 +30,8 @@ from trainer.data.tokenizer import load_tokenizer, tokenizer_id
 from trainer.errors import UserError
 from trainer.files import file_lock, write_atomic
 
-CACHE_VERSION = 3  # 3: text packed across map batches, last block padded (2: .npy files, 1: Arrow)
+CACHE_VERSION = 4  # 4: a chat turn's targets end at its end-of-turn token (3: text packed across map
+# batches, last block padded; 2: .npy files; 1: Arrow)
 
 
 @dataclass

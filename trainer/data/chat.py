@@ -12,9 +12,11 @@
 
 The targets come from where the template itself puts each assistant turn, never from searching the
 text: rendering the conversation up to the turn with the generation prompt gives where the turn
-starts, rendering it with the turn gives where it ends. The rendering is tokenized with character
-offsets, and a token is a target when it starts inside the turn, up to the turn's last special token
-(the end-of-turn: `<|im_end|>`, `<|eot_id|>`, EOS), so text the template adds after it is not.
+starts, rendering it with the turn gives where it ends: at the template's end-of-turn token
+(`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, EOS: templates.Profile.eot), so that text the template
+adds after it (Llama 3.0's template appends the next assistant header to every rendering) is not the
+turn's. The rendering is tokenized with character offsets, and a token is a target when it starts
+inside the turn, up to the turn's last special token.
 
 How a conversation of several assistant turns becomes examples is the template profile's strategy
 (trainer/data/templates.py, data.multi_turn): `all` renders it once and trains every turn (the
@@ -303,7 +305,7 @@ def render_each(
                 "data.chat_template"
             )
         before, upto = found
-        out.append(_targets(tok, upto, [(len(before), len(upto))], train_on_prompt))
+        out.append(_targets(tok, upto, [(len(before), p.turn_end(upto, len(before)))], train_on_prompt))
     return out
 
 
@@ -314,9 +316,10 @@ def render_all(p: Profile, tok: Any, conv: Conversation, train_on_prompt: bool) 
     spans = []
     for i in conv.trained:
         found = _turn(p, tok, conv, i)
-        if found is None or not full.startswith(found[1]):
+        end = p.turn_end(found[1], len(found[0])) if found is not None else 0
+        if found is None or not full.startswith(found[1][:end]):
             return _marked(p, tok, conv, train_on_prompt) if p.markers else None
-        spans.append((len(found[0]), len(found[1])))
+        spans.append((len(found[0]), end))
     return _targets(tok, full, spans, train_on_prompt)
 
 

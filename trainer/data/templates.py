@@ -14,6 +14,10 @@ rendering (trainer/data/chat.py) follows.
 - **Keys read**: every `x.name` / `x['name']` the template mentions; a key of the data that the
   template never mentions (say `tool_calls` under a template without tool support) would render as
   nothing, so chat.py refuses or reports it instead of training on a turn that lost it.
+- **End of turn**: the special token the template closes an assistant turn with (`<|im_end|>`,
+  `<|eot_id|>`, `<end_of_turn>`, EOS), read off a probe answer's rendering. A turn's targets end with
+  it; what a template renders after it (Llama 3.0's appends the assistant header to every rendering)
+  is not the turn's, is never trained, and does not make the history look rewritten.
 - **Generation markers** (`{% generation %}`), `tools`, and today's date (`strftime_now`, which makes
   the rendered data change from day to day unless `data.chat_template_kwargs.date_string` is set).
 """
@@ -56,6 +60,14 @@ class Profile:
     reads_tools: bool = False
     markers: bool = False  # {% generation %} blocks
     dated: bool = False  # renders today's date unless kwargs give one
+    eot: str = ""  # the special token that ends an assistant turn, as text ("" when the probe found none)
+
+    def turn_end(self, rendered: str, start: int) -> int:
+        """Where the assistant turn that starts at `start` of `rendered` ends: just after its end-of-turn
+        token; the rendering's end when the template closes no turn with one (then the turn's last
+        special token ends its targets, chat._targets)."""
+        at = rendered.find(self.eot, start) if self.eot else -1
+        return len(rendered) if at < 0 else at + len(self.eot)
 
     @property
     def digest(self) -> str:
@@ -130,6 +142,7 @@ def profile(tok: Any, template: str, kwargs: Mapping[str, Any], multi_turn: str,
         markers=re.search(r"{%-?\s*generation\s*-?%}", template) is not None,
         dated="strftime_now" in template and "date_string" not in kwargs,
     )  # fmt: skip
+    base = Profile(**{**base.__dict__, "eot": _probe_eot(tok, base)})
     consistent, turn, error = _probe_history(tok, base)
     parts = _probe_parts(tok, base)
     if multi_turn != "auto":
@@ -164,8 +177,35 @@ def _probe_messages(p: Profile, system: bool) -> list[dict[str, Any]]:
     return out
 
 
+_EOT_MARK = "probe-answer-end"
+
+
+def _probe_eot(tok: Any, p: Profile) -> str:
+    """The special token right after an assistant answer's text in the template's rendering (the first
+    special token after it), as text; "" when there is none."""
+    special = {t for t in tok.all_special_tokens if t} | {
+        t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if getattr(t, "special", False)
+    }
+    for system in (False, True):
+        messages = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": _EOT_MARK}]
+        if system:
+            messages.insert(0, {"role": "system", "content": "You answer briefly."})
+        try:
+            text = p.render(tok, messages)
+        except Exception:  # noqa: BLE001 (a template that needs a system prompt, or refuses one)
+            continue
+        at = text.rfind(_EOT_MARK)
+        if at < 0:
+            continue
+        after = text[at + len(_EOT_MARK) :]
+        found = [(after.find(t), t) for t in special if after.find(t) >= 0]
+        return min(found, key=lambda x: (x[0], -len(x[1])))[1] if found else ""
+    return ""
+
+
 def _probe_history(tok: Any, p: Profile) -> tuple[bool, int | None, str | None]:
-    """(consistent, the first assistant turn rendered otherwise, an error the probe met)."""
+    """(consistent, the first assistant turn rendered otherwise, an error the probe met). A turn is
+    compared up to its end-of-turn token: what the template adds after it is not the turn's."""
     error = None
     for system in (True, False):  # some templates refuse a system prompt
         messages = _probe_messages(p, system)
@@ -176,7 +216,7 @@ def _probe_history(tok: Any, p: Profile) -> tuple[bool, int | None, str | None]:
                     continue
                 before = p.render(tok, messages[:i], prompt=True)
                 upto = p.render(tok, messages[: i + 1])
-                if not (upto.startswith(before) and full.startswith(upto)):
+                if not (upto.startswith(before) and full.startswith(upto[: p.turn_end(upto, len(before))])):
                     return False, i, None
             return True, None, None
         except Exception as e:  # noqa: BLE001 (whatever the template raises)
