@@ -494,16 +494,14 @@ EXPECTED = {
     "llama3_2": ("", "<|eot_id|>", "all"),
     "qwen3": ("<think>\n\n</think>\n\n", "<|im_end|>", "each"),
     "gemma3": ("", "<end_of_turn>", "all"),
-    "mistral_nemo": ("", "</s>", "each"),
+    # Mistral's template puts the system prompt in the last user turn only: conversations with one are
+    # rendered turn by turn, each prompt as inference sees it (test_real_templates.py)
+    "mistral_nemo": ("", "</s>", "all"),
 }
 
 
 def data_for(name: str, tmp_path: Path, rows: int = 30) -> Path:
-    # Mistral's template puts the system prompt in the last user turn only, and drops it once the
-    # conversation ends with an answer: refused (test_a_template_that_drops_the_system_prompt_...).
-    return real_chat_data(
-        tmp_path / f"{name}.jsonl", rows=rows, system=name != "mistral_nemo", tools=name == "qwen3"
-    )
+    return real_chat_data(tmp_path / f"{name}.jsonl", rows=rows, system=True, tools=name == "qwen3")
 
 
 def sets_for(name: str, path: Path, tmp_path: Path, **kw: Any) -> dict[str, Any]:

@@ -289,13 +289,34 @@ def _turn(p: Profile, tok: Any, conv: Conversation, i: int) -> tuple[str, str] |
     return (before, upto) if upto.startswith(before) else None
 
 
+_CONTENT_MARK = "chat-turn-content-mark"
+
+
+def _as_inference_sees(p: Profile, tok: Any, conv: Conversation, i: int) -> tuple[str, str] | None:
+    """Turn i of a conversation whose prompt the template renders otherwise once the turn follows it
+    (Mistral's templates put the system prompt in the last user turn only): (the prompt inference sees,
+    that prompt + the turn as the template renders it from its content on). None where the turn's
+    content is not a plain string to find it by."""
+    m = conv.messages[i]
+    if not isinstance(m.get("content"), str) or not m["content"] or m.get("tool_calls"):
+        return None
+    before = _render(p, tok, conv, i, prompt=True)
+    marked = dataclasses.replace(conv, messages=[*conv.messages[:i], {**m, "content": _CONTENT_MARK}])
+    text = _render(p, tok, marked, i + 1)
+    upto = _render(p, tok, conv, i + 1)
+    at = text.find(_CONTENT_MARK)
+    if at < 0 or not upto.startswith(text[:at]):
+        return None
+    return before, before + upto[at:]
+
+
 def render_each(
     p: Profile, tok: Any, conv: Conversation, turns: tuple[int, ...], train_on_prompt: bool
 ) -> list[Example]:
     """One example per turn in `turns`: the conversation up to it, the turn rendered as the last."""
     out = []
     for i in turns:
-        found = _turn(p, tok, conv, i)
+        found = _turn(p, tok, conv, i) or _as_inference_sees(p, tok, conv, i)
         if found is None:
             raise UserError(
                 f"{conv.where}: the chat template renders the prompt of assistant turn {i} otherwise once the "

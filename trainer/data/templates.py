@@ -56,6 +56,8 @@ class Profile:
     why: str  # why this strategy: said at start and in --preview-data
     consistent: bool  # the probe rendered every assistant turn the same with later turns after it
     renders_parts: bool  # content parts render as their text without joining them first
+    # consistent with a system prompt first too (Mistral's templates put it in the last user turn only)
+    consistent_system: bool = False
     reads: frozenset[str] = field(default_factory=frozenset)  # names the template reads off any object
     reads_tools: bool = False
     markers: bool = False  # {% generation %} blocks
@@ -143,7 +145,10 @@ def profile(tok: Any, template: str, kwargs: Mapping[str, Any], multi_turn: str,
         dated="strftime_now" in template and "date_string" not in kwargs,
     )  # fmt: skip
     base = Profile(**{**base.__dict__, "eot": _probe_eot(tok, base)})
-    consistent, turn, error = _probe_history(tok, base)
+    # the shapes data has: without a system prompt, and with one (a conversation of that shape that a
+    # template renders otherwise is rendered turn by turn under auto: chat.render_conversation)
+    consistent, turn, error = _probe_history(tok, base, system=False)
+    consistent_system = _probe_history(tok, base, system=True)[0]
     parts = _probe_parts(tok, base)
     if multi_turn != "auto":
         strategy, why = multi_turn, f"data.multi_turn: {multi_turn}"
@@ -155,6 +160,11 @@ def profile(tok: Any, template: str, kwargs: Mapping[str, Any], multi_turn: str,
     elif consistent:
         strategy = "all"
         why = "auto: the template renders each assistant turn the same whether or not later turns follow, so one rendering trains every turn"
+        if not consistent_system:
+            why += (
+                " (with a system prompt it renders the turns otherwise: a conversation with one is rendered turn "
+                "by turn, each prompt as inference sees it)"
+            )
     else:
         strategy = "each"
         why = (
@@ -163,7 +173,7 @@ def profile(tok: Any, template: str, kwargs: Mapping[str, Any], multi_turn: str,
             + ", so each assistant turn is its own example, rendered as inference sees it"
         )
     return Profile(**{**base.__dict__, "strategy": strategy, "why": why, "consistent": consistent,
-                      "renders_parts": parts})  # fmt: skip
+                      "consistent_system": consistent_system, "renders_parts": parts})  # fmt: skip
 
 
 def _probe_messages(p: Profile, system: bool) -> list[dict[str, Any]]:
@@ -203,25 +213,23 @@ def _probe_eot(tok: Any, p: Profile) -> str:
     return ""
 
 
-def _probe_history(tok: Any, p: Profile) -> tuple[bool, int | None, str | None]:
-    """(consistent, the first assistant turn rendered otherwise, an error the probe met). A turn is
-    compared up to its end-of-turn token: what the template adds after it is not the turn's."""
-    error = None
-    for system in (True, False):  # some templates refuse a system prompt
-        messages = _probe_messages(p, system)
-        try:
-            full = p.render(tok, messages)
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                before = p.render(tok, messages[:i], prompt=True)
-                upto = p.render(tok, messages[: i + 1])
-                if not (upto.startswith(before) and full.startswith(upto[: p.turn_end(upto, len(before))])):
-                    return False, i, None
-            return True, None, None
-        except Exception as e:  # noqa: BLE001 (whatever the template raises)
-            error = f"{type(e).__name__}: {e}"
-    return False, None, error
+def _probe_history(tok: Any, p: Profile, system: bool) -> tuple[bool, int | None, str | None]:
+    """(consistent, the first assistant turn rendered otherwise, an error the probe met), for the probe
+    conversation with or without a system prompt. A turn is compared up to its end-of-turn token: what
+    the template adds after it is not the turn's."""
+    messages = _probe_messages(p, system)
+    try:
+        full = p.render(tok, messages)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = p.render(tok, messages[:i], prompt=True)
+            upto = p.render(tok, messages[: i + 1])
+            if not (upto.startswith(before) and full.startswith(upto[: p.turn_end(upto, len(before))])):
+                return False, i, None
+        return True, None, None
+    except Exception as e:  # noqa: BLE001 (whatever the template raises: some refuse a system prompt)
+        return False, None, f"{type(e).__name__}: {e}"
 
 
 def _probe_parts(tok: Any, p: Profile) -> bool:
