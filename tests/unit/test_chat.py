@@ -158,8 +158,29 @@ def test_truncation_keeps_the_start_and_as_much_of_the_answer_as_fits(tok):
 
 
 def test_train_on_prompt_trains_on_every_token(tok):
+    """Every token up to the last turn's end of turn; the newline the template writes after it is not."""
     (ex,) = render_chat(CONVERSATION, tok, CHATML, train_on_prompt=True)
-    assert all(ex.targets) and ex.ids == render_chat(CONVERSATION, tok, CHATML)[0].ids
+    assert ex.ids == render_chat(CONVERSATION, tok, CHATML)[0].ids
+    assert all(ex.targets[:-1]) and not ex.targets[-1] and tok.decode(ex.ids[-2:]) == "<|im_end|>\n"
+
+
+@pytest.mark.parametrize(("template", "multi_turn"), [("REWRITING", "auto"), ("CHATML", "each"),
+                                                      ("LLAMA3_0", "each")])  # fmt: skip
+def test_train_on_prompt_trains_each_token_of_a_conversation_once(tok, template, multi_turn):
+    """One example a turn would train the system prompt and first exchange once per later answer (k
+    times in a conversation of k answers): with data.train_on_prompt a conversation is one example, its
+    last turn as inference sees it, every token of it a target once; the template's tail after the last
+    end of turn (Llama 3.0's appended header) is not trained."""
+    text = globals()[template]
+    three = CONVERSATION + [{"role": "user", "content": "And a list?"}, {"role": "assistant", "content": "Its items."}]
+    examples = render_chat(three, tok, text, multi_turn=multi_turn, train_on_prompt=True)
+    assert len(examples) == 1, [tok.decode(e.ids) for e in examples]
+    (ex,) = examples
+    (last,) = render_chat(three, tok, text, multi_turn="last")
+    assert ex.ids == last.ids  # the conversation as inference sees its last turn
+    trained = tok.decode([i for i, t in zip(ex.ids, ex.targets, strict=True) if t])
+    assert trained.count("Answer in one sentence.") == 1 and trained.count("What does len() return?") == 1
+    assert trained.endswith("Its items." + ("<|eot_id|>" if template == "LLAMA3_0" else "<|im_end|>"))
 
 
 # Only the last assistant turn is shown in full (as templates that drop earlier reasoning do).

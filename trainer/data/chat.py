@@ -24,7 +24,10 @@ turn's rendering must then be the same with later turns after it, or the templat
 markers must say where it is); `each` makes one example per turn, rendered as inference sees it (the
 history as the template renders history, the turn as it renders the last one: Qwen3's `<think>`
 block included); `last` trains the final turn only. Under auto, a conversation on which a consistent
-template still renders a turn otherwise is rendered turn by turn too, and counted.
+template still renders a turn otherwise is rendered turn by turn too, and counted. With
+data.train_on_prompt every token is a target, so `each` makes one example of a conversation (its last
+trained turn, the history before it as the template renders history): one example a turn would train
+the early turns once for every later answer.
 
 Truncation keeps the example's start (the prompt's start, then as much of the answer as fits);
 an example with no target left is dropped, and counted by the caller.
@@ -267,8 +270,9 @@ def _targets(tok: Any, text: str, spans: list[tuple[int, int]], train_on_prompt:
     answer's), up to the span's last special token."""
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    if train_on_prompt:
-        return Example(ids, [True] * len(ids))
+    if train_on_prompt:  # everything up to the last turn's end; not what the template adds after it
+        last = max(end for _, end in spans)
+        return Example(ids, [a < last for a, _ in offsets])
     special = set(tok.all_special_ids)
     targets = [False] * len(ids)
     for start, end in spans:
@@ -365,15 +369,18 @@ def render_conversation(
 ) -> tuple[list[Example], bool]:
     """A checked conversation -> its examples under the profile's strategy, and whether (auto) it had to
     be rendered turn by turn although the template passed the probe."""
+    # data.train_on_prompt trains every token: one example a turn would train a conversation's early
+    # turns once per later answer, so a conversation is one example, rendered as its last turn is seen
+    each = conv.trained[-1:] if train_on_prompt else conv.trained
     if p.strategy == "last":
         return render_each(p, tok, conv, conv.trained[-1:], train_on_prompt), False
     if p.strategy == "each":
-        return render_each(p, tok, conv, conv.trained, train_on_prompt), False
+        return render_each(p, tok, conv, each, train_on_prompt), False
     ex = render_all(p, tok, conv, train_on_prompt)
     if ex is not None:
         return [ex], False
     if p.why.startswith("auto"):
-        return render_each(p, tok, conv, conv.trained, train_on_prompt), True
+        return render_each(p, tok, conv, each, train_on_prompt), True
     raise UserError(
         f"{conv.where}: the chat template renders an assistant turn of this conversation otherwise once later "
         "turns follow (it rewrites history), so one rendering cannot train every turn as inference sees it; "

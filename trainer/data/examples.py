@@ -126,7 +126,8 @@ def build_rows(
     if prof[0] is not None:
         p = prof[0]
         stats["template"] = {"strategy": p.strategy, "why": p.why, "parts": p.renders_parts, "dated": p.dated,
-                             "turn_by_turn": c.turn_by_turn, "unread_keys": c.unread}  # fmt: skip
+                             "turn_by_turn": c.turn_by_turn, "unread_keys": c.unread,
+                             "train_on_prompt": section.train_on_prompt}  # fmt: skip
     return rows, stats
 
 
@@ -189,6 +190,11 @@ def describe_template(stats: dict[str, Any]) -> str | None:
     out = f"chat template: multi_turn {t['strategy']} ({t['why']})"
     if t.get("turn_by_turn"):
         out += f"; {t['turn_by_turn']:,} conversations rendered turn by turn (the template rewrote their history)"
+    if t.get("train_on_prompt") and (t["strategy"] == "each" or t.get("turn_by_turn")):
+        out += (
+            "; data.train_on_prompt: a conversation rendered turn by turn is one example, its last turn as "
+            "inference sees it (one a turn would train its early turns once per later answer)"
+        )
     if not t.get("parts"):
         out += "; content parts are joined to text (the template reads content as a string)"
     if t.get("dated"):
