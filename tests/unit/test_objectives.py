@@ -83,6 +83,14 @@ def test_a_pair_is_two_rows_with_the_same_prompt_and_each_response_trained():
         ({"prompt": [{"role": "user", "content": "q1"}],
           "chosen": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a"}],
           "rejected": [{"role": "assistant", "content": "b"}]}, "the pair's prompts do not match"),
+        # the same system prompt, then different questions: the shared prefix is no prompt of both
+        ({"chosen": [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 2+2?"},
+                     {"role": "assistant", "content": "4"}],
+          "rejected": [{"role": "system", "content": "S"}, {"role": "user", "content": "Name a colour"},
+                       {"role": "assistant", "content": "Red"}]},
+         "share their first 1 message.*chosen goes on with a user turn .message 1.*answer different prompts"),
+        ({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+          "rejected": [{"role": "user", "content": "q"}]}, "then rejected ends"),
     ],
 )  # fmt: skip
 def test_bad_pairs_are_refused_naming_the_row_and_the_key(row, says):

@@ -93,6 +93,16 @@ def _implicit_prompt(chosen: Any, rejected: Any, src: DataSource, where: Any) ->
             "messages differ): the pair's prompts do not match; give the same prompt messages first in both, or a "
             f"{src.prompt_field} column"
         )
+    for field, side in ((src.chosen_field, chosen), (src.rejected_field, rejected)):
+        first = side[n] if n < len(side) else None
+        role = first.get("role") if isinstance(first, Mapping) else None
+        if role != "assistant":
+            what = "ends" if first is None else f"goes on with a {role or 'non-message'} turn"
+            raise UserError(
+                f"{where}: {src.chosen_field} and {src.rejected_field} share their first {n} message(s), then "
+                f"{field} {what} (message {n}) where a response must begin with an assistant turn: the two sides "
+                f"answer different prompts; give both the same prompt messages, or a {src.prompt_field} column"
+            )
     return chosen[:n], chosen[n:], rejected[n:]
 
 
