@@ -47,6 +47,15 @@ def data_lines(run: Run) -> list[str]:
             f"{m['source']} (weight {m['weight']:g}, {m['sequences']:,} sequences)" for m in data.mixture
         ]
         lines.append("mixture: " + "; ".join(parts) + "; each epoch takes every source's share by weight")
+    from trainer.data.tokenizer import describe_edges
+
+    edges = describe_edges(data.tokenizer)
+    if edges and exp.data.kind in ("text", "prompt_completion", "preference"):
+        lines.append(
+            f"special tokens: {'each document' if exp.data.kind == 'text' else 'each prompt given as text'} "
+            f"between the ones the tokenizer adds by default ({edges}), as serving tokenizes it; chat data has "
+            "what its template renders"
+        )
     if not data.finetune:
         return lines
     from trainer.data.examples import describe, describe_template

@@ -182,12 +182,15 @@ def complete(
     completion up to the end-of-sequence token, and whether it reached one."""
     import torch
 
+    from trainer.data.tokenizer import special_edges
+
     eos = tok.eos_token_id
+    bos = special_edges(tok)[0]  # as the training text began (data/pack.py)
     out = []
     engine.ds.train(False)
     with torch.no_grad():
         for prompt in prompts:
-            ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(engine.device)
+            ids = torch.tensor([bos + tok(prompt, add_special_tokens=False)["input_ids"]], device=engine.device)
             gen = engine.ds.module.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                 synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,

@@ -150,3 +150,34 @@ def test_content_parts_render_as_their_text(name):
     plain = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "Four."}]
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in plain]
     assert render_chat(parts, tok, tok.chat_template) == render_chat(plain, tok, tok.chat_template)
+
+
+# What each family's tokenizer begins a text with by default (serving tokenizes a plain prompt so).
+BOS = {"llama3_2": [128000], "qwen3": [], "gemma3": [2], "mistral_nemo": [1]}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_plain_text_and_prompts_begin_as_the_tokenizer_begins_them(name):
+    """Text documents and prompt/completion strings get the special tokens the family's tokenizer adds
+    by default (Gemma 3's own tokenizer gives [2, ...]; this pipeline gave [2202, ...] before), once,
+    then EOS after a document; chat data keeps what its template renders (the template writes BOS)."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from trainer import config
+    from trainer.data.chat import render_chat, render_prompt_completion
+    from trainer.data.pack import tokenize_documents
+    from trainer.data.tokenizer import special_edges
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(name))
+    assert special_edges(tok) == (BOS[name], [])
+    section = config.load(str(TINY), []).data
+    docs = datasets.Dataset.from_dict({"text": ["Hello world.", "Second document."]})
+    ids, _ = tokenize_documents(docs, tok, section, "text", 1)
+    assert ids["ids"][0] == tok("Hello world.")["input_ids"] + [tok.eos_token_id]
+    assert ids["ids"][0][: len(BOS[name]) + 1] == BOS[name] + tok("Hello", add_special_tokens=False)["input_ids"][:1]
+    ex = render_prompt_completion("Q: 2+2?", " 4", tok)
+    assert ex.ids == tok("Q: 2+2?")["input_ids"] + tok(" 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    (chat,) = render_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tok,
+                          tok.chat_template, kwargs={"date_string": "26 Jul 2024"})  # fmt: skip
+    assert chat.ids[: len(BOS[name])] == BOS[name] and chat.ids.count(BOS[name][0] if BOS[name] else -1) <= 1

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.data.templates import Profile
+from trainer.data.tokenizer import special_edges
 from trainer.errors import UserError
 
 # The built-in byte tokenizer's template: role markers in plain bytes, each assistant turn ending
@@ -391,8 +392,9 @@ def render_conversation(
 def render_prompt_completion(
     prompt: str, completion: str, tok: Any, *, train_on_prompt: bool = False
 ) -> Example:
-    """Prompt then completion then EOS; the completion and the EOS are the targets."""
-    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    """Prompt (after the special tokens the tokenizer begins a text with by default: BOS for Llama 3,
+    Gemma, Mistral) then completion then EOS; the completion and the EOS are the targets."""
+    p = special_edges(tok)[0] + tok(prompt, add_special_tokens=False)["input_ids"]
     c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return Example(p + c, [train_on_prompt] * len(p) + [True] * len(c))
 

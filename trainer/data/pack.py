@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from trainer.config import DataSection
+from trainer.data.tokenizer import special_edges
 
 IGNORE = -100  # a label the loss skips (transformers' ignore_index)
 
@@ -15,18 +16,20 @@ IGNORE = -100  # a label the loss skips (transformers' ignore_index)
 def tokenize_documents(
     raw: Any, tok: Any, section: DataSection, text_field: str, num_proc: int
 ) -> tuple[Any, int]:
-    """datasets.map over the documents: token ids (EOS appended), in order. -> (dataset of `ids`, tokens)."""
+    """datasets.map over the documents: token ids, in order, each document between the special tokens
+    the tokenizer adds by default (BOS for Llama 3, Gemma, Mistral: tokenizer.special_edges) and with
+    EOS appended (data.append_eos, unless the tokenizer ends a text with it itself). -> (dataset of
+    `ids`, tokens)."""
     import pyarrow.compute as pc
 
     eos = tok.eos_token_id
-    append_eos = section.append_eos
+    before, after = special_edges(tok)
+    tail = after + ([eos] if section.append_eos and not (after and after[-1] == eos) else [])
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
         texts = [t for t in batch[text_field] if isinstance(t, str) and t]
         ids = tok(texts, add_special_tokens=False)["input_ids"]
-        if append_eos:
-            ids = [x + [eos] for x in ids]
-        return {"ids": ids}
+        return {"ids": [before + x + tail for x in ids]}
 
     proc = num_proc if num_proc > 1 and len(raw) >= 1000 * num_proc else None
     ids = raw.map(

@@ -5,6 +5,7 @@ data cache's key."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -45,6 +46,29 @@ def load_tokenizer(spec: str) -> Any:
             f"data.tokenizer: cannot load '{spec}': {str(e).splitlines()[0]}. Use 'byte', a local tokenizer "
             "directory, or a hub id on a machine with network access"
         ) from None
+
+
+@functools.lru_cache(maxsize=16)
+def special_edges(tok: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts around a text by default (`add_special_tokens=True`, as
+    serving and transformers' own pipelines tokenize): Llama 3's, Gemma's and Mistral's BOS before,
+    nothing after for most; ([], []) for Qwen's and the byte tokenizer."""
+    probe = "probe text"
+    plain = tok(probe, add_special_tokens=False)["input_ids"]
+    full = tok(probe)["input_ids"]
+    for at in range(len(full) - len(plain) + 1):
+        if full[at : at + len(plain)] == plain:
+            return list(full[:at]), list(full[at + len(plain) :])
+    return [], []
+
+
+def describe_edges(tok: Any) -> str:
+    """The banner's words for special_edges (empty when the tokenizer adds nothing)."""
+    before, after = special_edges(tok)
+    if not before and not after:
+        return ""
+    parts = [f"{tok.decode(before)} before" if before else "", f"{tok.decode(after)} after" if after else ""]
+    return " and ".join(p for p in parts if p)
 
 
 def tokenizer_shape(spec: str, cache_dir: str | Path | None = None) -> tuple[int, int | None]:
