@@ -103,10 +103,6 @@ def _ranks(rs: list[int]) -> str:
     )
 
 
-def row_digest(row: Any) -> str:
-    return hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest()
-
-
 def write_debug_report(
     directory: str, rank: int, world_size: int, module: Any, samples: list[str], extra: dict | None = None
 ) -> None:

@@ -58,7 +58,7 @@ class FixedBatch:
 
     def next(self) -> Any:
         if self.record is not None:
-            from trainer.consistency import row_digest
+            from trainer.data.stream import row_digest
 
             self.record += [row_digest(row) for row in self.batch]
         return self.batch
@@ -425,7 +425,7 @@ def check_run(run: Run) -> int:
     import torch
 
     from trainer import consistency
-    from trainer.checkpoint import Found, Store, read_state
+    from trainer.checkpoint import Found, Store, read_state, restore
 
     start(run, checks=True)
     engine, stream, state, env = run.engine, run.stream, run.state, run.env
@@ -456,7 +456,7 @@ def check_run(run: Run) -> int:
     before = probe_loss()
     one_step()  # move the weights away
     moved = probe_loss()
-    store.load(Found(saved, read_state(saved)), state)
+    restore.load(store, Found(saved, read_state(saved)), state)
     after = probe_loss()
     store.barrier()
     if env.rank == 0:

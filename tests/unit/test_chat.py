@@ -4,14 +4,8 @@ contents plus their end-of-turn tokens."""
 
 import pytest
 
-from trainer.data.chat import (
-    BYTE_TEMPLATE,
-    Example,
-    check_conversation,
-    render_chat,
-    render_prompt_completion,
-    template_for,
-)
+from trainer.data.chat import Example, check_conversation, render_chat, render_prompt_completion
+from trainer.data.templates import BYTE_TEMPLATE, template_for
 from trainer.data.tokenizer import byte_tokenizer
 from trainer.errors import UserError
 

@@ -129,3 +129,43 @@ def test_the_reference_is_current():
     assert REFERENCE.read_text() == text(), (
         "docs/reference.md is stale: run python scripts/update_reference.py"
     )
+
+
+# Where the repository's text may point: its own files only (not a page beside a checkout nobody else has).
+TEXTS = [
+    *(ROOT / name for name in ("README.md", "BENCHMARKS.md", "Makefile", "pyproject.toml", ".ci/run")),
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "bin").iterdir()),
+    *sorted((ROOT / "scripts").iterdir()),
+    *sorted(p for d in ("trainer", "tests", "bench") for p in (ROOT / d).rglob("*.py")),
+]
+
+
+def named_elsewhere(path: Path, text: str) -> list[str]:
+    """The pages (`*.md`) and the relative links of markdown outside its code blocks that `text` names
+    and the repository does not hold: neither beside `path`, nor from the root, nor in docs/."""
+    text = re.sub(r"[a-z]+://\S+", "", text)
+    links = (
+        re.findall(r"\]\(([^)\s#]+)", re.sub(r"```.*?```", "", text, flags=re.S))
+        if path.suffix == ".md"
+        else []
+    )
+    pages = re.findall(r"[\w./-]*\w\.md\b", text)
+    out = []
+    for name in dict.fromkeys([*pages, *links]):
+        places = [path.parent / name] + ([ROOT / name, ROOT / "docs" / name] if name in pages else [])
+        if not any(p.resolve().is_relative_to(ROOT) and p.exists() for p in places):
+            out.append(name)
+    return out
+
+
+def test_the_repository_points_only_to_its_own_files():
+    missing = [
+        f"{p.relative_to(ROOT)}: {n}" for p in TEXTS if p.is_file() for n in named_elsewhere(p, p.read_text())
+    ]
+    assert not missing, "\n".join(missing)
+    outside = "../shared/BLUEPRINT" + ".md"  # (spelt in two, or this file would name it)
+    assert named_elsewhere(ROOT / "README.md", f"the blueprint: {outside}; [it](../x.py)") == [
+        outside,
+        "../x.py",
+    ]

@@ -3,7 +3,7 @@
 - `disk.py`: the layout on disk, finding and verifying checkpoints, the manifest, the commit's
   renames and `latest`, pruning;
 - `store.py`: saving one atomically (`Store`: staging, the writers, the barrier, the commit);
-- `restore.py`: loading one (`Store.load`);
+- `restore.py`: loading one into the Store's engine (`restore.load`);
 - `cadence.py`: when to save (`Checkpointer`, which the loop offers every step; `Cadence`), the
   commit of a save written in the background, then pruning;
 - `writer.py`: asynchronous saves (`checkpoint.async`): the host copy and the writer thread;

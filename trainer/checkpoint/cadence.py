@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint import restore
 from trainer.checkpoint.disk import Found, tag_for
 from trainer.checkpoint.interval import AutoInterval
 from trainer.checkpoint.store import Pending, Store
@@ -183,7 +184,7 @@ class Checkpointer:
         return path
 
     def load(self, found: Found, state: Any) -> None:
-        self.store.load(found, state, wait_s=self.section.convert_timeout_minutes * 60)
+        restore.load(self.store, found, state, wait_s=self.section.convert_timeout_minutes * 60)
         self.cadence.saved(state.step)
 
 

@@ -1,20 +1,19 @@
-"""Loading a checkpoint into a run (`Store.load`, every rank): weights, optimizer, scheduler (through
-trainer/checkpoint/reshard.py, converting for another ZeRO stage or world size), the frozen
-weights' check (model.lora, trainer/checkpoint/frozen.py), step, data position and this rank's RNG.
+"""Loading a checkpoint into a run (`load(store, found, state)`, every rank): weights, optimizer,
+scheduler (through trainer/checkpoint/reshard.py, converting for another ZeRO stage or world size),
+the frozen weights' check (model.lora, trainer/checkpoint/frozen.py), step, data position and this
+rank's RNG. The Checkpointer (a resume) and --check call it; the Store itself only saves.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainer.checkpoint import frozen
 from trainer.checkpoint.disk import Found
+from trainer.checkpoint.store import Store
 from trainer.errors import UserError
-
-if TYPE_CHECKING:
-    from trainer.checkpoint.store import Store
 
 log = logging.getLogger("trainer")
 

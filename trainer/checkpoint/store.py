@@ -1,5 +1,6 @@
 """Checkpoints you can trust: saving one atomically (the layout on disk, finding and verifying
-checkpoints: trainer/checkpoint/disk.py; loading one: trainer/checkpoint/restore.py).
+checkpoints: trainer/checkpoint/disk.py; loading one into a Store's engine:
+trainer/checkpoint/restore.py).
 
 Saving: every rank writes into a hidden staging directory (`.tmp-step_00000500`); once every rank
 has written its files, rank 0 writes the metadata and the manifest, renames the directory to its
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import frozen
-from trainer.checkpoint.disk import CheckpointDir, Found, tag_for
+from trainer.checkpoint.disk import CheckpointDir, tag_for
 from trainer.config import Experiment
 from trainer.faults import Faults
 
@@ -200,14 +201,6 @@ class Store:
         calls it after a resume's load, which takes it itself); every rank (ZeRO-3 gathers)."""
         if self.frozen_digest is None and frozen.guarded(self.exp):
             self.frozen_digest = frozen.engine_digest(self.engine.ds)
-
-    def load(self, found: Found, state: Any, wait_s: float = 7200.0) -> None:
-        """Restore weights, optimizer, scheduler, step, data position and this rank's RNG. `wait_s`:
-        how long every rank waits for a conversion to another stage or world size
-        (trainer/checkpoint/restore.py)."""
-        from trainer.checkpoint import restore
-
-        restore.load(self, found, state, wait_s)
 
 
 def _snapshot(store: Store, pending: Pending, rng: tuple[Path, Any]) -> None:

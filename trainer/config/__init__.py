@@ -1,6 +1,7 @@
 """Experiment configuration: one YAML file -> a typed, immutable `Experiment`.
 
 - `schema.py`: the sections a user reads (one pydantic model each; descriptions = the reference);
+- `data_schema.py`: the data section, and the chat vocabulary (`ROLES`, `MAP_KEYS`) the data reads;
 - `rules.py`: contradictions between fields, and warnings;
 - `loading.py`: YAML with line numbers, `--set` overrides, validation, every problem at once;
 - `fields.py`: the field types (choices, sizes, globs, read-only mappings);
@@ -9,6 +10,7 @@
 Precedence is defaults < YAML < `--set section.key=value`.
 """
 
+from trainer.config.data_schema import MAP_KEYS, PRESETS, ROLES
 from trainer.config.describe import describe, describe_table
 from trainer.config.fields import thaw
 from trainer.config.loading import apply_override, load, parse_yaml, validate
@@ -37,6 +39,9 @@ from trainer.units import format_size, parse_size
 __all__ = [
     "CHUNKED_LOSS_TYPES",
     "LOSS_CHUNK_BYTES",
+    "MAP_KEYS",
+    "PRESETS",
+    "ROLES",
     "SECTIONS",
     "TEMPLATES_DIR",
     "CheckpointSection",

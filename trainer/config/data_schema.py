@@ -1,11 +1,29 @@
 """The data section of the experiment schema (schema.py holds the rest): one source (`DataSource`) and
-the tokenized, packed, per-rank data (`DataSection`)."""
+the tokenized, packed, per-rank data (`DataSection`); and the chat vocabulary that both the rules
+(rules.py) and the data (trainer/data/chat.py, formats.py) read: the roles a message may have and the
+keys each formatting's format_map renames."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import Field
 
 from trainer.config.fields import FrozenMapping, Globs, Section, auto_or, choice
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+PRESETS = ("openai", "sharegpt", "alpaca")  # data.train.formatting (null = openai)
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+    "function_call": "assistant", "observation": "tool", "tool": "tool",
+}  # fmt: skip
+# format_map keys each preset takes, and their defaults
+MAP_KEYS: dict[str, dict[str, Any]] = {
+    "openai": {"role": "role", "content": "content", "roles": {}, "system": None},
+    "sharegpt": {"role": "from", "content": "value", "roles": SHAREGPT_ROLES, "system": "system"},
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system",
+               "history": "history"},
+}  # fmt: skip
 
 
 class DataSource(Section):
@@ -47,7 +65,7 @@ class DataSource(Section):
         description="kind chat: the column of each example's tool schemas, passed to the chat template as "
         "tools= (a list, or a JSON string of one); used where the data has it",
     )
-    formatting: choice(None, "openai", "sharegpt", "alpaca") = Field(
+    formatting: choice(None, *PRESETS) = Field(
         None,
         description="kind chat: how rows hold conversations: null/openai = OpenAI-style messages (content "
         "strings or parts, tool_calls...), sharegpt = conversations of {from, value}, alpaca = instruction/"

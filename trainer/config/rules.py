@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainer.config.data_schema import MAP_KEYS, ROLES
 from trainer.config.schema import TEMPLATES_DIR, Experiment, chunked_loss_problem
 from trainer.errors import Problem
 
@@ -132,9 +133,6 @@ def _data_sources(exp: Experiment) -> list[tuple[str, str]]:
 
 def _formatting(key: str, src: Any) -> list[tuple[str, str]]:
     """A source's formatting and format_map: for kind chat, with the keys its preset takes."""
-    from trainer.data.chat import ROLES
-    from trainer.data.formats import MAP_KEYS
-
     out = []
     if src.formatting is not None and src.kind != "chat":
         out.append((f"{key}.formatting", f"{src.formatting} gives conversations: set {key}.kind: chat"))

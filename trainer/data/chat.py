@@ -41,21 +41,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.data.templates import Profile
+from trainer.config import ROLES
+from trainer.data.templates import Profile, profile
 from trainer.data.tokenizer import special_edges
 from trainer.errors import UserError
 
-# The built-in byte tokenizer's template: role markers in plain bytes, each assistant turn ending
-# with EOS (the byte tokenizer's only special token), so that everything works offline.
-BYTE_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
-ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 TRAINING = "training"  # a message's own flag: false keeps an assistant turn out of the targets
 # Keys of what the model itself says: refused when the template never renders them (the turn would be
 # trained without them); other keys it never renders (a tool result's name, metadata) are reported.
@@ -104,21 +94,6 @@ class Conversation:
     tools: list[Any] | None
     trained: tuple[int, ...]
     where: str
-
-
-def template_for(tok: Any, template: str | None, source: str = "data.chat_template") -> str:
-    """The chat template to render with: the user's, else the tokenizer's, else (the byte tokenizer)
-    the built-in one."""
-    if template:
-        return template
-    if getattr(tok, "chat_template", None):
-        return tok.chat_template
-    if len(tok) == 257 and tok.eos_token == "<|endoftext|>":  # the built-in byte tokenizer
-        return BYTE_TEMPLATE
-    raise UserError(
-        f"{source}: the tokenizer has no chat template; give one: data.chat_template: FILE.jinja "
-        "(a Jinja template over `messages`, as transformers' apply_chat_template takes)"
-    )
 
 
 def _check_content(content: Any, n: int, where: str) -> None:
@@ -411,8 +386,6 @@ def render_chat(
     where: str = "conversation",
 ) -> list[Example]:
     """One conversation as data holds it -> its examples (the template profiled for it alone)."""
-    from trainer.data.templates import profile
-
     p = profile(tok, template, kwargs or {}, multi_turn, "data.chat_template")
     conv, _ = prepared(check_conversation(messages, where, tools), p, tok)
     return render_conversation(conv, tok, p, train_on_prompt=train_on_prompt)[0]

@@ -20,10 +20,10 @@ from trainer.data.chat import (
     prepared,
     render_conversation,
     render_prompt_completion,
-    template_for,
 )
 from trainer.data.pack import pack_examples, tokenize_documents
-from trainer.data.templates import Profile, load_template, profile
+from trainer.data.sources import locator
+from trainer.data.templates import Profile, load_template, profile, template_for
 from trainer.errors import UserError
 
 
@@ -85,7 +85,7 @@ def build_rows(
     seq_len = section.seq_len
     if src.kind == "text":
         return _document_rows(raw, tok, section, src, key)
-    where = formats.locator(src, key)
+    where = locator(src, key)
     if src.kind == "preference":  # each response rendered after the prompt as prompt_completion data is
         from trainer.data.preference import build_pairs
 

@@ -12,32 +12,16 @@
   alpaca's `instruction`, `input`, `output`, `history`).
 
 Kind prompt_completion reads strings (plain text) or lists of messages (TRL's conversational
-prompt/completion: the messages of both, the completion's assistant turns trained).
-
-`locator` names a row by its file and line (JSON lines), file and item (a JSON array) or file and row
-(parquet), for the errors that name an example."""
+prompt/completion: the messages of both, the completion's assistant turns trained)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from trainer.config import DataSource
+from trainer.config import MAP_KEYS, DataSource
 from trainer.errors import UserError
-
-PRESETS = ("openai", "sharegpt", "alpaca")
-SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-    "function_call": "assistant", "observation": "tool", "tool": "tool",
-}  # fmt: skip
-# format_map keys each preset takes, and their defaults
-MAP_KEYS: dict[str, dict[str, Any]] = {
-    "openai": {"role": "role", "content": "content", "roles": {}, "system": None},
-    "sharegpt": {"role": "from", "content": "value", "roles": SHAREGPT_ROLES, "system": "system"},
-    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system",
-               "history": "history"},
-}  # fmt: skip
 
 
 def preset(src: DataSource) -> str | None:
@@ -170,71 +154,3 @@ def conversation(row: Mapping[str, Any], src: DataSource, where: Any) -> tuple[A
 def is_conversational(row: Mapping[str, Any], src: DataSource) -> bool:
     """A prompt_completion row of messages (TRL's conversational form) rather than of strings."""
     return isinstance(row[src.prompt_field], list)
-
-
-class Place:
-    """Where row `n` of a source is, worked out only when shown (an error message): 'FILE:LINE' for JSON
-    lines, 'FILE item K' for a JSON array, 'FILE row K' for parquet, the key and the row for a hub
-    dataset."""
-
-    def __init__(self, files: Callable[[], list[tuple[str, str, int]]], key: str, n: int) -> None:
-        self.files, self.key, self.n = files, key, n
-
-    def __str__(self) -> str:
-        n = self.n
-        for name, kind, rows in self.files():
-            if n < rows:
-                return f"{name}:{_line(name, n)}" if kind == "lines" else f"{name} {kind} {n}"
-            n -= rows
-        return f"{self.key} row {self.n}"
-
-    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731 (f-strings)
-
-
-def locator(src: DataSource, key: str) -> Callable[[int], Place]:
-    """Row number -> its Place; the files are read once, at the first Place shown."""
-    found: list[tuple[str, str, int]] = []
-
-    def files() -> list[tuple[str, str, int]]:
-        if src.files is not None and not found:
-            found.extend(_rows_of_files(src, key))
-        return found
-
-    return lambda n: Place(files, key, n)
-
-
-def _rows_of_files(src: DataSource, key: str) -> list[tuple[str, str, int]]:
-    """(file, 'lines' | 'item' | 'row', rows) for each file of a source, in the order datasets reads them."""
-    from trainer.data.sources import open_text, resolve_files
-
-    files, fmt = resolve_files(src, key)
-    out = []
-    for f in files:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            out.append((f, "row", pq.ParquetFile(f).metadata.num_rows))
-            continue
-        with open_text(f) as fh:
-            text = fh.read()
-        if text.lstrip().startswith("["):
-            try:
-                out.append((f, "item", len(json.loads(text))))
-            except json.JSONDecodeError:
-                out.append((f, "item", 0))
-        else:
-            out.append((f, "lines", sum(1 for line in text.split("\n") if line.strip())))
-    return out
-
-
-def _line(path: str, n: int) -> int:
-    """The line number of the n-th non-blank line (JSON lines: datasets skips blank lines)."""
-    from trainer.data.sources import open_text
-
-    with open_text(path) as fh:
-        for i, line in enumerate(fh.read().split("\n"), 1):
-            if line.strip():
-                if n == 0:
-                    return i
-                n -= 1
-    return -1

@@ -24,6 +24,7 @@ import numpy as np
 from trainer.config import DataSection, DataSource
 from trainer.data.chat import Example
 from trainer.data.pack import pack_examples
+from trainer.data.sources import locator
 from trainer.errors import UserError
 
 
@@ -136,9 +137,7 @@ def build_pairs(
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """(rows (pairs, 2, 3, seq_len) int32, statistics). `render(row, n) -> [Example]`: one response
     rendered after its prompt as prompt_completion data is (examples.py)."""
-    from trainer.data import formats
-
-    where = formats.locator(src, key)
+    where = locator(src, key)
     seq_len, c = section.seq_len, PairCounts()
     kept: list[Example] = []
     shown = None

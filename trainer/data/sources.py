@@ -1,14 +1,19 @@
 """Where training text comes from: local files (globs; text, json/jsonl, parquet) or a hub dataset,
-read with Hugging Face datasets; and what identifies a source's content for the cache."""
+read with Hugging Face datasets; what identifies a source's content for the cache; and where a row
+came from (`locator`: file and line for JSON lines, file and item for a JSON array, file and row for
+parquet), for the errors that name an example."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.config import DataSource
+from trainer.config import DataSource, thaw
+from trainer.data.formats import required_columns
 from trainer.errors import UserError
 
 FORMATS = {
@@ -64,9 +69,6 @@ def source_key(src: DataSource, key: str) -> dict[str, Any]:
 
 def _fields(src: DataSource) -> dict[str, Any]:
     """The columns a source's kind reads and how (text: only text_field, so text caches keep their key)."""
-    from trainer.config import thaw
-    from trainer.data.formats import required_columns
-
     if src.kind == "text":
         return {"text_field": src.text_field}
     return {"kind": src.kind, "columns": [c for _, c in required_columns(src)], "tools": src.tools_field,
@@ -109,8 +111,6 @@ def load_raw(src: DataSource, key: str) -> Any:
             raise UserError(
                 f"{key}.hub: cannot load '{src.hub}' (split {src.split}): {str(e).splitlines()[0]}"
             ) from None
-    from trainer.data.formats import required_columns
-
     for name, column in required_columns(src):
         if column not in ds.column_names:
             how = f"{key}.formatting: {src.formatting}" if src.formatting else f"{key}.kind: {src.kind}"
@@ -123,3 +123,67 @@ def load_raw(src: DataSource, key: str) -> Any:
 
 def _where(src: DataSource) -> str:
     return ", ".join(src.files) if src.files else str(src.hub)
+
+
+class Place:
+    """Where row `n` of a source is, worked out only when shown (an error message): 'FILE:LINE' for JSON
+    lines, 'FILE item K' for a JSON array, 'FILE row K' for parquet, the key and the row for a hub
+    dataset."""
+
+    def __init__(self, files: Callable[[], list[tuple[str, str, int]]], key: str, n: int) -> None:
+        self.files, self.key, self.n = files, key, n
+
+    def __str__(self) -> str:
+        n = self.n
+        for name, kind, rows in self.files():
+            if n < rows:
+                return f"{name}:{_line(name, n)}" if kind == "lines" else f"{name} {kind} {n}"
+            n -= rows
+        return f"{self.key} row {self.n}"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731 (f-strings)
+
+
+def locator(src: DataSource, key: str) -> Callable[[int], Place]:
+    """Row number -> its Place; the files are read once, at the first Place shown."""
+    found: list[tuple[str, str, int]] = []
+
+    def files() -> list[tuple[str, str, int]]:
+        if src.files is not None and not found:
+            found.extend(_rows_of_files(src, key))
+        return found
+
+    return lambda n: Place(files, key, n)
+
+
+def _rows_of_files(src: DataSource, key: str) -> list[tuple[str, str, int]]:
+    """(file, 'lines' | 'item' | 'row', rows) for each file of a source, in the order datasets reads them."""
+    files, fmt = resolve_files(src, key)
+    out = []
+    for f in files:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            out.append((f, "row", pq.ParquetFile(f).metadata.num_rows))
+            continue
+        with open_text(f) as fh:
+            text = fh.read()
+        if text.lstrip().startswith("["):
+            try:
+                out.append((f, "item", len(json.loads(text))))
+            except json.JSONDecodeError:
+                out.append((f, "item", 0))
+        else:
+            out.append((f, "lines", sum(1 for line in text.split("\n") if line.strip())))
+    return out
+
+
+def _line(path: str, n: int) -> int:
+    """The line number of the n-th non-blank line (JSON lines: datasets skips blank lines)."""
+    with open_text(path) as fh:
+        for i, line in enumerate(fh.read().split("\n"), 1):
+            if line.strip():
+                if n == 0:
+                    return i
+                n -= 1
+    return -1

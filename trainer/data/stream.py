@@ -6,6 +6,7 @@ ranks."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -269,6 +270,11 @@ class Position:
         return {"epoch": self.epoch, "sample": self.sample}
 
 
+def row_digest(row: Any) -> str:
+    """A fed row's digest, as a stream records it (`record`: the samples in consistency's debug report)."""
+    return hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest()
+
+
 class TrainStream:
     """Endless micro batches for this rank, across epochs; knows its position for checkpoints."""
 
@@ -328,8 +334,6 @@ class TrainStream:
             batch = next(self._it)
         self.position.sample += self.sampler.global_batch
         if self.record is not None:
-            from trainer.consistency import row_digest
-
             self.record += [row_digest(row) for row in batch]
         return batch
 

@@ -1,5 +1,6 @@
-"""What a chat template does, found by testing it (never by the model's name): the profile that chat
-rendering (trainer/data/chat.py) follows.
+"""Which chat template renders chat data (`template_for`, `load_template`: data.chat_template's file, the
+tokenizer's, or the built-in `BYTE_TEMPLATE` of the byte tokenizer), and what it does, found by testing it
+(never by the model's name): the profile that chat rendering (trainer/data/chat.py) follows.
 
 - **History**: a probe conversation of three assistant turns is rendered whole and turn by turn. A
   template that renders every assistant turn the same whether or not later turns follow is
@@ -29,11 +30,22 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
 
 STRATEGIES = ("all", "each", "last")
+
+# The built-in byte tokenizer's template: role markers in plain bytes, each assistant turn ending
+# with EOS (the byte tokenizer's only special token), so that everything works offline.
+BYTE_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 # The probe: a system prompt and three exchanges, each answer with reasoning where the template reads it.
 _PROBE_TURNS = [
@@ -248,13 +260,24 @@ def _probe_parts(tok: Any, p: Profile) -> bool:
     return all(m in text for m in marks) and "'type'" not in text and '"type"' not in text
 
 
+def template_for(tok: Any, template: str | None, source: str = "data.chat_template") -> str:
+    """The chat template to render with: the user's, else the tokenizer's, else (the byte tokenizer)
+    the built-in one."""
+    if template:
+        return template
+    if getattr(tok, "chat_template", None):
+        return tok.chat_template
+    if len(tok) == 257 and tok.eos_token == "<|endoftext|>":  # the built-in byte tokenizer
+        return BYTE_TEMPLATE
+    raise UserError(
+        f"{source}: the tokenizer has no chat template; give one: data.chat_template: FILE.jinja "
+        "(a Jinja template over `messages`, as transformers' apply_chat_template takes)"
+    )
+
+
 def load_template(section: Any, tok: Any) -> tuple[str, str]:
     """(the template text chat data renders with, where it came from): data.chat_template's file, else the
     tokenizer's, else (the byte tokenizer) the built-in one."""
-    from pathlib import Path
-
-    from trainer.data.chat import template_for
-
     if section.chat_template:
         path = Path(section.chat_template).expanduser()
         try:
