@@ -88,31 +88,7 @@ def build(
     tok = load_tokenizer(section.tokenizer)
     if section.append_eos and tok.eos_token_id is None:
         raise UserError(f"data.tokenizer '{section.tokenizer}' has no EOS token; set data.append_eos: false")
-    key = {
-        "version": CACHE_VERSION,
-        "train": (
-            [{**source_key(s, k), "weight": s.weight} for k, s in section.sources]
-            if section.mixture
-            else source_key(section.train, "data.train")
-        ),
-        "eval": source_key(section.eval, "data.eval") if section.eval is not None else None,
-        "eval_fraction": section.eval_fraction if section.eval is None else 0.0,
-        "tokenizer": tokenizer_id(tok, section.tokenizer),
-        "seq_len": section.seq_len,
-        "append_eos": section.append_eos,
-    }
-    if section.kind != "text" or section.separate_documents:
-        from trainer.data.examples import chat_template
-
-        key["finetune"] = {
-            "template": chat_template(section, tok),  # the template, its kwargs and multi_turn
-            "train_on_prompt": section.train_on_prompt,
-            "packing": section.packing,
-            "truncation": section.truncation,
-            "row_targets": True,  # targets.npy beside train.npy
-        }
-        if section.kind == "text":
-            key["finetune"]["separate_documents"] = True
+    key = cache_key(section, tok)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     root = Path(os.path.expanduser(section.cache_dir))
     root.mkdir(parents=True, exist_ok=True)
@@ -149,6 +125,40 @@ def build(
         targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
         lengths=_lengths(final, train),
     )
+
+
+# data options that do not change the tokens the cache holds (how they are read, batched and ordered at
+# run time, or where the cache lives); every other option of the data section and of each source is in
+# the key, so that an option added later keys the cache until it is listed here
+NOT_IN_THE_TOKENS = frozenset(
+    {"num_workers", "pin_memory", "persistent_workers", "num_proc", "shuffle", "cache_dir", "group_by_length"}
+)
+
+
+def cache_key(section: DataSection, tok: Any) -> dict[str, Any]:
+    """What determines the cached tokens: every data option (NOT_IN_THE_TOKENS aside) with each source's
+    files by path, size and modification time, the tokenizer by content (tokenizer_id), the chat
+    template's rendering and the cache's format."""
+    options = section.model_dump(mode="json", exclude=set(NOT_IN_THE_TOKENS))
+    key: dict[str, Any] = {
+        "version": CACHE_VERSION,
+        "options": options,
+        "train": (
+            [{**source_key(s, k), "weight": s.weight} for k, s in section.sources]
+            if section.mixture
+            else source_key(section.train, "data.train")
+        ),
+        "eval": source_key(section.eval, "data.eval") if section.eval is not None else None,
+        "tokenizer": tokenizer_id(tok, section.tokenizer),
+    }
+    if section.kind != "text" or section.separate_documents:
+        from trainer.data.examples import chat_template
+
+        key["finetune"] = {
+            "template": chat_template(section, tok),  # the template, its kwargs and multi_turn
+            "row_targets": True,  # targets.npy beside train.npy
+        }
+    return key
 
 
 def _lengths(directory: Path, train: np.ndarray) -> np.ndarray | None:

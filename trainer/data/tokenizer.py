@@ -97,8 +97,35 @@ def tokenizer_shape(spec: str, cache_dir: str | Path | None = None) -> tuple[int
     return shape
 
 
+# a tokenizer directory's files that are no part of the tokenizer (a model directory's weights)
+_NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+
+
+def _plain(value: Any) -> Any:
+    """JSON for a tokenizer setting that is not: an AddedToken's content and flags; of other objects
+    (a tokenizer object given in code) only the type, never an address that differs by process."""
+    state = getattr(value, "__getstate__", None)
+    if type(value).__name__ == "AddedToken" and state is not None:
+        return state()
+    return type(value).__name__
+
+
 def tokenizer_id(tok: Any, spec: str) -> str:
-    """A stable identity for the cache key: the spec plus a hash of the vocabulary."""
-    vocab = tok.get_vocab()
-    h = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
-    return f"{spec}:{len(vocab)}:{h}"
+    """The tokenizer's identity for the data cache's key, by content: its whole state as loaded (the
+    vocabulary, merges, normaliser, pre-tokenizer, post-processor, decoder and added tokens with their
+    flags), the special tokens and every setting of its config (chat template included), and for a local
+    directory the bytes of each of its files but model weights. An edit of any of them (say
+    tokenizer_config.json's eos_token) makes another key."""
+    h = hashlib.sha256()
+    backend = getattr(tok, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else json.dumps(sorted(tok.get_vocab().items())).encode())
+    settings = {k: v for k, v in getattr(tok, "init_kwargs", {}).items() if k != "name_or_path"}
+    h.update(json.dumps([settings, tok.special_tokens_map, getattr(tok, "chat_template", None)],
+                        sort_keys=True, default=_plain).encode())  # fmt: skip
+    local = Path(spec).expanduser()
+    if spec != "byte" and local.is_dir():
+        for f in sorted(local.rglob("*")):
+            if f.is_file() and not f.name.endswith(_NOT_TOKENIZER) and ".cache" not in f.parts:
+                h.update(f.relative_to(local).as_posix().encode())
+                h.update(hashlib.sha256(f.read_bytes()).digest())
+    return f"{spec}:{len(tok)}:{h.hexdigest()[:16]}"
