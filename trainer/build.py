@@ -232,7 +232,10 @@ def prepare_objective(exp: Experiment, env: Any, engine: Any, data: Any, mets: A
     if objective is None:
         return []
     mets.reduced = lambda: objective.flush(env.world_size)
-    lines = [f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward"]
+    lines = [f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward; "
+             + ("dropout off (train.preference.disable_dropout, as TRL: the reference is computed without it)"
+                if exp.train.preference.disable_dropout else "the model's dropout kept (train.preference."
+                "disable_dropout: false): the policy differs from its reference from the first step")]  # fmt: skip
     if objective.needs_reference:
         from trainer.objectives.reference import prepare
 

@@ -27,6 +27,8 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         seq_len=exp.data.seq_len,
         ds_config=planned.ds_config,
     )
+    if exp.train.objective != "sft" and exp.train.preference.disable_dropout:
+        model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     section = planned.model or exp.model

@@ -96,3 +96,21 @@ def test_the_dpo_loss_does_not_depend_on_how_the_batch_is_split(tmp_path, prefs)
     more = {"train.max_steps": 5, "checkpoint.save_final": False, "checkpoint.every_steps": 0, "optim.lr": 1e-3}
     ref = split_losses(tmp_path, lambda split: dpo_sets(prefs, **split, **more))["micro4"]
     assert sorted(ref) == list(range(1, 6)) and len(set(ref.values())) == 5  # every step its own loss
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_dropout_is_off_in_preference_training_by_default(tmp_path, prefs, disable):
+    """A model with dropout in its config (GPT-2's 0.1 on residuals, embeddings and attention): the
+    reference's log-probs are computed without dropout, so by default (train.preference.disable_dropout,
+    as TRL) the policy's first forward is the reference's and the first step's rewards are 0; with the
+    model's dropout kept they differ from step 1, and the banner says so."""
+    drop = {"model.config.resid_pdrop": 0.1, "model.config.embd_pdrop": 0.1, "model.config.attn_pdrop": 0.1}
+    sets = {**dpo_sets(prefs, **{"train.max_steps": 1, "checkpoint.save_final": False}), **drop,
+            "train.preference.disable_dropout": disable}  # fmt: skip
+    r = train(tmp_path, sets, debug=False)
+    first = next(m for m in r.metrics if m.get("step") == 1 and "rewards_chosen" in m)
+    rewards = abs(first["rewards_chosen"]) + abs(first["rewards_rejected"])
+    if disable:
+        assert rewards < 1e-6 and "dropout off (train.preference.disable_dropout" in r.output, first
+    else:
+        assert rewards > 1e-4 and "the model's dropout kept" in r.output, first

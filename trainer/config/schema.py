@@ -155,6 +155,12 @@ class PreferenceSection(Section):
         0.0, ge=0.0, lt=0.5, description="dpo: the share of pairs assumed flipped (conservative DPO)"
     )
     gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin")
+    disable_dropout: bool = Field(
+        True,
+        description="turn every dropout of the model off (as TRL's DPOConfig does by default): the reference's "
+        "log-probs are computed without dropout, so a policy trained with it differs from its reference from "
+        "the first step; false keeps the model's dropout in training",
+    )
 
 
 class TrainSection(Section):

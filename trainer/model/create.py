@@ -348,6 +348,29 @@ def build(
     return model
 
 
+def disable_dropout(model: Any) -> int:
+    """Every dropout of `model` off (train.preference.disable_dropout): the dropout layers' p (peft's
+    adapter dropout among them), the float rates attention kernels read off their module
+    (`attention_dropout`) and the config's; returns how many were on."""
+    import torch
+
+    on = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            on += m.p > 0
+            m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if isinstance(value, float) and name.endswith(("dropout", "pdrop")) and value > 0:
+                on += 1
+                setattr(m, name, 0.0)
+    cfg = getattr(model, "config", None)
+    for c in {id(x): x for x in (cfg, getattr(cfg, "get_text_config", lambda: None)()) if x is not None}.values():
+        for name, value in list(vars(c).items()):
+            if isinstance(value, float) and name.endswith(("dropout", "pdrop")):
+                setattr(c, name, 0.0)
+    return on
+
+
 def _transformers_model(
     section: ModelSection, vocab_size: int | None, eos_id: int | None, seq_len: int,
     ds_config: Mapping[str, Any] | None,
