@@ -421,6 +421,9 @@ FORWARD_PREFIXES = (
     "TORCH_",
     "CUDA_",
     "OMP_",
+    "ATEN_",  # ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA: the CPU kernels (make test-avx2), alike on every node
+    "ONEDNN_",
+    "DNNL_",
     "MKL_",
     "GLOO_",
 )
