@@ -4,7 +4,7 @@ a 2-layer Qwen3 shape (hidden 32) with Qwen3's published tokenizer (151,669 toke
 template, micro 4 x 256 chat tokens, one process, one thread. Each side is a whole bin/train run;
 the step time is the median of the logged steps after the first (metrics.jsonl), the loss the last.
 
-    bench/cpu_bf16.py [--root REPO] [--steps 6] [--rounds 2] [--precisions bf16 fp32]
+    bench/cpu_bf16.py [--root REPO] [--steps 6] [--rounds 2] [--precisions bf16 fp32] [--set KEY=VALUE]
 
 `--root` runs another checkout's bin/train on the same data (the code before a change), with this
 one's tokenizers. Run it under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` to see an
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def job(root: Path, tmp: Path, precision: str, steps: int, data: Path) -> tuple[float, float]:
+def job(root: Path, tmp: Path, precision: str, steps: int, data: Path, more: list[str]) -> tuple[float, float]:
     model = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
              "tie_word_embeddings": True}  # fmt: skip
@@ -40,6 +40,8 @@ def job(root: Path, tmp: Path, precision: str, steps: int, data: Path) -> tuple[
     args = [sys.executable, str(root / "bin" / "train"), str(root / "configs" / "experiments" / "tiny.yaml")]
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
+    for kv in more:
+        args += ["--set", kv]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True)
     if p.returncode:
@@ -56,6 +58,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--set", action="append", default=[], help="an override for every run (KEY=VALUE)")
     a = ap.parse_args()
     import torch
 
@@ -68,7 +71,7 @@ def main() -> None:
         got: dict[str, list[float]] = {p: [] for p in a.precisions}
         for r in range(a.rounds):
             for p in a.precisions:
-                t, loss = job(a.root.resolve(), tmp, p, a.steps, data)
+                t, loss = job(a.root.resolve(), tmp, p, a.steps, data, a.set)
                 got[p].append(t)
                 print(f"round {r}: {p} {t * 1000:.0f} ms a step, last loss {loss:.6f}", flush=True)
         med = {p: statistics.median(v) for p, v in got.items()}
