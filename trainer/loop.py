@@ -49,6 +49,7 @@ class Evaluator:
         self.batches, self.every, self.world_size = batches, every, world_size
         self.prompts = prompts  # (tokenizer, prompts, max new tokens): greedy samples at each eval
         self.last_step = -1
+        self.extra: dict[str, Any] = {}  # a preference objective's eval rewards, margin and accuracy
 
     def due(self, step: int) -> bool:
         return self.batches is not None and self.every > 0 and step % self.every == 0
@@ -68,6 +69,8 @@ class Evaluator:
         engine.train(True)
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(total)
+        if engine.objective is not None:
+            self.extra = engine.objective.flush(self.world_size, "eval")
         return (total[0] / total[1].clamp(min=1)).item()
 
     def samples(self, engine: Any) -> list[dict[str, Any]] | None:
@@ -138,7 +141,7 @@ def train(
         if evaluator.due(state.step) and not stop:  # a stop's grace period is for the save
             control.heartbeat()
             with metrics.paused():  # step time and throughput count training only
-                metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine))
+                metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine), evaluator.extra)
         control.heartbeat()
         with metrics.paused():
             checkpointer.offer(state, force=stop, time_due=agreed.timed, agreed=agreed)
@@ -149,7 +152,7 @@ def train(
             return state
     control.heartbeat()
     if evaluator.batches is not None and evaluator.last_step != state.step:
-        metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine))
+        metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine), evaluator.extra)
     control.heartbeat()
     checkpointer.offer(state, final=True)
     control.disarm()

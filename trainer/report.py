@@ -80,7 +80,11 @@ def summary(
         first, final = prefs[0], prefs[-1]
         rows.append(("reward margin / accuracy", f"{first['reward_margin']:.3f} / {first['reward_accuracy']:.2f} at "
                      f"step {first['step']} -> {final['reward_margin']:.3f} / {final['reward_accuracy']:.2f}"))  # fmt: skip
-    if evals:
+    if evals and "eval_reward_margin" in evals[-1]:
+        e = evals[-1]
+        rows.append(("final eval loss (margin / accuracy)",
+                     f"{e['eval_loss']:.4f} ({e['eval_reward_margin']:.3f} / {e['eval_reward_accuracy']:.2f})"))  # fmt: skip
+    elif evals:
         rows.append(("final eval loss (ppl)", f"{evals[-1]['eval_loss']:.4f} ({evals[-1]['eval_ppl']:.2f})"))
     mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
     if mfu:

@@ -114,3 +114,19 @@ def test_dropout_is_off_in_preference_training_by_default(tmp_path, prefs, disab
         assert rewards < 1e-6 and "dropout off (train.preference.disable_dropout" in r.output, first
     else:
         assert rewards > 1e-4 and "the model's dropout kept" in r.output, first
+
+
+def test_a_preference_evals_margin_accuracy_and_rewards_not_perplexity(tmp_path, prefs):
+    """The eval of a DPO run logs the held-out pairs' margin, accuracy and rewards; no perplexity (the
+    exponential of a DPO loss means nothing: `make tiny-dpo` printed `ppl 3.37`)."""
+    sets = dpo_sets(prefs, **{"train.max_steps": 4, "train.eval_every": 2, "data.eval_fraction": 0.25,
+                              "checkpoint.save_final": False})  # fmt: skip
+    r = train(tmp_path, sets, debug=False)
+    evals = [m for m in r.metrics if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [2, 4], evals
+    for m in evals:
+        assert "eval_ppl" not in m and 0 <= m["eval_reward_accuracy"] <= 1 and m["eval_pairs"] == 4, m
+        assert m["eval_reward_margin"] == pytest.approx(m["eval_rewards_chosen"] - m["eval_rewards_rejected"])
+    assert evals[-1]["eval_reward_margin"] != 0
+    line = next(x for x in r.output.splitlines() if "eval  step      4" in x)
+    assert "margin" in line and "acc" in line and "ppl" not in line, line

@@ -167,8 +167,16 @@ class Metrics:
         finally:
             self.interval.paused += time.perf_counter() - t
 
-    def eval(self, step: int, loss: float, samples: list[dict[str, Any]] | None = None) -> None:
-        rec: dict[str, Any] = {"step": step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+    def eval(
+        self, step: int, loss: float, samples: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None
+    ) -> None:
+        """An eval's record: the loss and its perplexity; a preference objective's loss has none (the
+        exponential of a DPO loss means nothing), its eval rewards, margin and accuracy instead."""
+        rec: dict[str, Any] = {"step": step, "eval_loss": loss}
+        if extra:
+            rec |= {f"eval_{k}": v for k, v in extra.items()}
+        else:
+            rec["eval_ppl"] = math.exp(min(loss, 50.0))
         if samples:
             rec["samples"] = samples
         self.record(rec)

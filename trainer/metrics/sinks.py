@@ -106,7 +106,13 @@ class ConsoleSink:
 
     def write(self, rec: dict[str, Any]) -> None:
         if "eval_loss" in rec:
-            log.info(f"eval  step {rec['step']:>6}  loss {rec['eval_loss']:.4f}  ppl {rec['eval_ppl']:.2f}")
+            what = (
+                f"margin {rec['eval_reward_margin']:.3f}  acc {rec['eval_reward_accuracy']:.2f}  rewards chosen "
+                f"{rec['eval_rewards_chosen']:.3f} rejected {rec['eval_rewards_rejected']:.3f}"
+                if "eval_reward_margin" in rec
+                else f"ppl {rec['eval_ppl']:.2f}"
+            )
+            log.info(f"eval  step {rec['step']:>6}  loss {rec['eval_loss']:.4f}  {what}")
             for s in rec.get("samples", []):
                 end = " [end]" if s["ended"] else " [...]"
                 log.info(f"sample step {rec['step']}: {s['prompt']!r} -> {s['completion']!r}{end}")

@@ -39,6 +39,7 @@ class PairObjective:
         self.gamma = settings.gamma
         self.reference: Any = None  # reference.py: (pairs, 2) log-probs of the train set, of the eval set
         self.sums: Any = None
+        self.eval_sums: Any = None  # the same, over an eval's pairs
         self.device: Any = "cpu"  # the engine's (the metrics' all-reduce runs there)
 
     def describe(self) -> str:
@@ -52,7 +53,7 @@ class PairObjective:
 
     def forward(self, ds: Any, batch: Any, training: bool = True, split: str = "train") -> Any:
         """The pairs' losses of one micro batch (`batch`: stream.Pairs), summed; the rewards counted
-        for the metrics when `training`."""
+        for the metrics (the training interval's, or with split eval the eval's)."""
         logps, counts = response_logps(ds, batch.rows)
         m = batch.pairs
         c, r, nc, nr = logps[:m], logps[m:], counts[:m], counts[m:]
@@ -61,31 +62,34 @@ class PairObjective:
             table = self.reference[split]
             ref = torch.as_tensor(table[batch.index.numpy()], dtype=torch.float32, device=c.device)
         losses, rc, rr = self.pair_losses(c, r, nc.float(), nr.float(), ref)
-        if training:
-            self._count(rc.detach(), rr.detach(), c.detach(), r.detach())
+        if training or split == "eval":
+            self._count(rc.detach(), rr.detach(), c.detach(), r.detach(), "train" if training else "eval")
         return losses.sum()
 
     def loss(self, ds: Any, batch: Any) -> Any:
         """The training loss of a micro batch: the mean over its pairs."""
         return self.forward(ds, batch) / batch.pairs
 
-    def _count(self, rc: Any, rr: Any, c: Any, r: Any) -> None:
+    def _count(self, rc: Any, rr: Any, c: Any, r: Any, split: str = "train") -> None:
         row = torch.stack([torch.tensor(float(len(rc)), device=rc.device), rc.sum(), rr.sum(),
                            (rc > rr).float().sum(), (rc - rr).sum(), c.sum(), r.sum()]).double()  # fmt: skip
-        self.sums = row if self.sums is None else self.sums + row
+        name = "sums" if split == "train" else "eval_sums"
+        setattr(self, name, row if getattr(self, name) is None else getattr(self, name) + row)
 
-    def flush(self, world_size: int) -> dict[str, float]:
-        """The interval's means over every rank's pairs (one all-reduce; every rank calls it)."""
+    def flush(self, world_size: int, split: str = "train") -> dict[str, float]:
+        """The interval's (or with split eval, the eval's) means over every rank's pairs (one
+        all-reduce; every rank calls it)."""
         import torch.distributed as dist
 
+        name = "sums" if split == "train" else "eval_sums"
         sums = (
-            self.sums
-            if self.sums is not None
+            getattr(self, name)
+            if getattr(self, name) is not None
             else torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
         )
         if dist.is_initialized() and world_size > 1:
             dist.all_reduce(sums)
-        self.sums = None
+        setattr(self, name, None)
         n = max(float(sums[0]), 1.0)
         return {k: float(v) / n for k, v in zip(STATS[1:], sums[1:].tolist(), strict=True)} | {
             "pairs": int(sums[0])
