@@ -43,11 +43,24 @@ class FixedBatch:
         self.sampler = stream.sampler
         self.steps_per_epoch = stream.steps_per_epoch
         self.record = stream.record
+        # the fixed batches' target tokens over every rank (as training's loss_denominator counts them)
+        targets = getattr(stream, "targets", None)
+        self.targets = None if targets is None else int(targets[next(stream._ahead(1))].sum())
         self.batch = stream.next()
         self.position = stream.position
+        self._stream = stream
 
-    def loss_denominator(self, micro_steps: int) -> None:
-        return None  # each micro batch's own mean: the same batch every step
+    def __getattr__(self, name: str) -> Any:  # the rest as the stream has it (the banner's padding())
+        return getattr(self.__dict__["_stream"], name)
+
+    def loss_denominator(self, micro_steps: int) -> float | None:
+        """As training's (stream.loss_denominator): the step's target tokens over every rank, divided by
+        ranks x micro steps; every micro step is the same batch. So the loss is the mean over the
+        targets (under sequence parallelism too: not over positions), a rank whose batch has no target
+        adds 0 (not NaN). None for token blocks (every micro batch as many targets)."""
+        if self.targets is None:
+            return None
+        return max(self.targets * micro_steps, 1) / (self.sampler.world * micro_steps)
 
     def step_tokens(self, micro_steps: int) -> int | None:
         """Fine-tuning rows: this rank's batch as fed, counted for every rank (the ranks' batches differ
@@ -431,8 +444,9 @@ def check_run(run: Run) -> int:
     engine, stream, state, env = run.engine, run.stream, run.state, run.env
 
     def one_step() -> None:  # every micro batch of an optimizer step (DeepSpeed updates at the last)
+        per_micro = stream.loss_denominator(run.exp.train.grad_accum)  # as training normalises it
         for _ in range(run.exp.train.grad_accum):
-            engine.backward_step(engine.forward(stream.next()))
+            engine.backward_step(engine.forward(stream.next(), per_micro))
 
     lr = engine.lr  # the first step's (a warmup from 0: the adapter's B matrices stay zero)
     one_step()

@@ -150,3 +150,22 @@ def test_measured_activation_bytes_per_rank_are_the_planned_ones_at_sequence_par
             assert got["count"] == 2
             assert got["layers"] == pytest.approx(layers, rel=0.1)
             assert got["layers"] + got["other"] == pytest.approx(planned, rel=0.1)
+
+
+def test_overfit_batch_and_check_normalise_by_targets_under_sequence_parallelism(tmp_path, chat):
+    """--overfit-batch at sequence parallel 2 trains the fixed batch with training's per-target mean: its
+    losses are the same batch's on one rank without sequence parallelism (they were its targets' summed
+    loss over every position of the rows: several times lower); --check passes at 2."""
+    losses = {}
+    for sp, launcher in ((1, "none"), (2, "torchrun")):
+        run_dir = tmp_path / f"sp{sp}"
+        s = {**sets(chat, sp, **{"train.micro_batch_size": 2, "train.max_steps": 3}), "run_dir": str(run_dir)}
+        train(tmp_path / f"t{sp}", s, launcher=launcher, extra_args=["--overfit-batch"], debug=False)
+        rows = [json.loads(x) for x in (run_dir / "overfit-batch" / "metrics.jsonl").read_text().splitlines()]
+        losses[sp] = {m["step"]: m["loss"] for m in rows if "loss" in m}
+    assert losses[1].keys() == losses[2].keys() == {1, 2, 3}
+    for step, loss in losses[1].items():
+        assert losses[2][step] == pytest.approx(loss, rel=1e-5), (step, losses)
+    c = train(tmp_path / "check", sets(chat, 2, **{"train.micro_batch_size": 2}), launcher="torchrun",
+              extra_args=["--check"], debug=False)  # fmt: skip
+    assert "check passed" in c.output
