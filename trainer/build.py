@@ -322,7 +322,7 @@ def data_for_rank(
         # that few shapes are compiled (CUDA graphs record one per shape); 0: seq_len wide
         "width_multiple": 0 if fixed else WIDTH_MULTIPLE_COMPILED if t.compile else 1,
     }
-    stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, **where)
+    stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, accum=t.grad_accum, **where)
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
     asked = eval_prompts(exp, data)
     if asked and sp > 1 and runtime.is_main:

@@ -221,3 +221,32 @@ def test_data_changes_name_what_differs():
         "the same number of training sequences (10) with other tokens",
         "tokenizer: byte:257:x at the checkpoint, other:300:y now",
     ]
+
+
+def step_rows(n, world, micro, accum, epochs=3, seed=5, start=None):
+    """Each optimizer step's rows (every rank's micro batches, as a set), as the loop takes them: each
+    rank's micro batches epoch after epoch, accum of them a step; `start`: an (epoch, sample) to
+    continue from, as a resume does."""
+    first_epoch, first_sample = start or (0, 0)
+    micros = [[] for _ in range(world)]  # each rank's micro batches, in order
+    for epoch in range(first_epoch, epochs):
+        for rank in range(world):
+            s = RankSampler(n, rank, world, micro, seed, True, accum=accum)
+            s.set_epoch(epoch, first_sample if epoch == first_epoch else 0)
+            rows = list(s)
+            micros[rank] += [rows[i : i + micro] for i in range(0, len(rows), micro)]
+    steps = len(micros[0]) // accum
+    return [{x for r in micros for m in r[k * accum : (k + 1) * accum] for x in m} for k in range(steps)]
+
+
+def test_the_rows_of_each_step_depend_on_the_global_batch_only():
+    """An elastic shrink keeps the global batch (4 ranks x accumulation 1 -> 2 ranks x 2): every step
+    trains the same rows, epoch ends included. The rows an epoch drops are n mod the global batch (they
+    were n mod world x micro: 4 x 1 dropped 3 of 103 rows, 2 x 2 one, and every later step shifted)."""
+    n, micro = 103, 2  # global batch 8: 12 steps an epoch, 7 rows dropped
+    four = step_rows(n, 4, micro, 1)
+    two = step_rows(n, 2, micro, 2)
+    one = step_rows(n, 1, micro, 4)
+    assert len(four) == 3 * 12 and four == two == one
+    # resumed mid-epoch at the other world size (the position is global: epoch 1, after 5 steps)
+    assert step_rows(n, 2, micro, 2, start=(1, 5 * 8)) == four[12 + 5 :]

@@ -68,7 +68,7 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
     sampler = RankSampler(
         len(data.train), 0, world_size, exp.train.micro_batch_size, exp.seed, d.shuffle,
         mixture=([m["sequences"] for m in mix], [m["weight"] for m in mix]) if mix else None,
-        lengths=data.lengths if d.group_by_length else None,
+        lengths=data.lengths if d.group_by_length else None, accum=exp.train.grad_accum,
     )  # fmt: skip
     order = sampler.order(0)
     before, fed = padding_shares(sampler, data.lengths, d.seq_len)

@@ -23,8 +23,10 @@ class RankSampler:
     """Yields this rank's sample indices for one epoch, from global sample `start` on.
 
     The global order of an epoch is a permutation seeded by (seed, epoch); each micro step takes
-    the next world*micro samples of it and rank r takes its micro-slice. Incomplete global batches
-    at the end of an epoch are dropped, so every rank takes the same number of steps."""
+    the next world*micro samples of it and rank r takes its micro-slice. An epoch yields whole
+    optimizer steps only (world x micro x accum samples): the rows dropped at its end are n mod the
+    global batch, so a run whose ranks change and whose accumulation keeps the global batch (an
+    elastic shrink from 4 x 1 to 2 x 2) trains the same rows in the same steps."""
 
     def __init__(
         self,
@@ -36,7 +38,9 @@ class RankSampler:
         shuffle: bool,
         mixture: tuple[list[int], list[float]] | None = None,
         lengths: np.ndarray | None = None,
+        accum: int = 1,
     ) -> None:
+        self.accum = accum  # micro steps an optimizer step (train.grad_accum)
         self.n, self.rank, self.world, self.micro, self.seed, self.shuffle = (
             n,
             rank,
@@ -64,19 +68,27 @@ class RankSampler:
 
     @property
     def global_batch(self) -> int:
+        """Samples a micro step takes over every rank."""
         return self.world * self.micro
 
+    @property
+    def usable(self) -> int:
+        """Samples of an epoch trained: whole optimizer steps (global batch x accumulation)."""
+        step = self.global_batch * self.accum
+        return self.n // step * step
+
     def steps_per_epoch(self) -> int:
-        return self.n // self.global_batch
+        """Micro steps an epoch."""
+        return self.usable // self.global_batch
 
     def __iter__(self) -> Iterator[int]:
-        rest = self.order(self.epoch)[self.start :]
+        rest = self.order(self.epoch)[self.start : self.usable]
         steps = len(rest) // self.global_batch
         mine = rest[: steps * self.global_batch].reshape(steps, self.world, self.micro)[:, self.rank, :]
         return iter(mine.reshape(-1).tolist())
 
     def __len__(self) -> int:
-        return ((self.n - self.start) // self.global_batch) * self.micro
+        return (max(0, self.usable - self.start) // self.global_batch) * self.micro
 
 
 GROUP = 1024  # data.group_by_length: rows ordered by length within each run of this many
@@ -289,21 +301,22 @@ class TrainStream:
         seed: int,
         device_type: str,
         width_multiple: int = 1,
+        accum: int = 1,
     ) -> None:
         mix = data.mixture
         self.multiple = width_multiple  # fine-tuning batches: widths rounded up to this (_collate)
         self.sampler = RankSampler(
             len(data.train), rank, world, micro, seed, section.shuffle,
             mixture=([m["sequences"] for m in mix], [m["weight"] for m in mix]) if mix else None,
-            lengths=data.lengths if section.group_by_length else None,
+            lengths=data.lengths if section.group_by_length else None, accum=accum,
         )  # fmt: skip
         self.lengths = data.lengths  # fine-tuning rows: each batch is as wide as its longest row
         self.sources = [m["source"] for m in mix] if mix else None
         self.seq_len = data.seq_len
         if self.sampler.steps_per_epoch() == 0:
             raise UserError(
-                f"data.train: {len(data.train)} sequences are fewer than one global micro batch ({world} ranks x "
-                f"train.micro_batch_size {micro}); lower the micro batch or add data"
+                f"data.train: {len(data.train)} sequences are fewer than one step's global batch ({world} ranks x "
+                f"train.micro_batch_size {micro} x train.grad_accum {accum}); lower the micro batch or add data"
             )
         self.loader = make_loader(data.train, self.sampler, section, device_type, width_multiple)
         self.targets = data.targets  # fine-tuning rows: target tokens per row (cache), for the step's loss
@@ -316,7 +329,7 @@ class TrainStream:
     def seek(self, position: Position) -> None:
         """Continue from `position` (global samples in the epoch; any world size)."""
         gb = self.sampler.global_batch
-        if position.sample + gb > self.sampler.n:  # the saved epoch was finished
+        if position.sample + gb > self.sampler.usable:  # the saved epoch was finished
             position = Position(position.epoch + 1, 0)
         self.position = Position(position.epoch, position.sample)
         self._it = None
@@ -359,10 +372,10 @@ class TrainStream:
     def _ahead(self, micro_steps: int) -> Iterator[np.ndarray]:
         """The rows of every rank in each of the next `micro_steps` micro batches (global batches in
         order; known without communication: the order is global)."""
-        gb, n = self.sampler.global_batch, self.sampler.n
+        gb, n = self.sampler.global_batch, self.sampler.usable
         epoch, sample = self.position.epoch, self.position.sample
         for _ in range(micro_steps):
-            if sample + gb > n:  # as next(): an epoch yields whole global batches only
+            if sample + gb > n:  # as next(): an epoch yields whole optimizer steps only
                 epoch, sample = epoch + 1, 0
             if epoch not in self._orders:
                 self._orders = {epoch: self.sampler.order(epoch)}
