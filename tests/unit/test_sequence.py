@@ -57,24 +57,46 @@ def test_a_model_without_mlps_to_tile_is_refused_with_the_key():
         sequence.tile_mlps(torch.nn.Sequential(torch.nn.Linear(2, 2)), 8)
 
 
-def test_the_packed_core_keeps_packed_examples_apart():
-    """Ulysses hands the core the whole sequence with no mask: where the position ids restart, each
-    example attends within itself, as it would alone; with no restart, the plain causal attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _reference(q, k, v, window=None):
+    """Each position's attention over the keys a causal (windowed) mask allows, the long way."""
+    n = q.shape[2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (j <= i) & ((i - j < window) if window else True)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
 
+
+@pytest.mark.parametrize("window", [None, 3, 600])
+def test_the_sequence_parallel_core_keeps_examples_apart_and_windows_without_a_dense_mask(window, monkeypatch):
+    """Ulysses hands the core the whole sequence with no mask: where the position ids restart, each
+    example attends within itself, as it would alone, within the layer's sliding window where it passes
+    one (in blocks of WINDOW_BLOCK queries: set to 4 here so that windows cross blocks); with no
+    restart, the plain causal attention."""
+    monkeypatch.setattr(sequence, "WINDOW_BLOCK", 4)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 10, 8) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 14, 8) for _ in range(3))
     module = types.SimpleNamespace(is_causal=True, training=False, num_key_value_groups=1)
-    attend = sequence.packed_sdpa(sdpa_attention_forward)
-    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
-    got, _ = attend(module, q, k, v, None, position_ids=pos)
-    first, _ = sdpa_attention_forward(module, q[:, :, :6], k[:, :, :6], v[:, :, :6], None)
-    second, _ = sdpa_attention_forward(module, q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], None)
-    torch.testing.assert_close(got, torch.cat([first, second], dim=1), rtol=1e-6, atol=1e-6)
-    whole, _ = attend(module, q, k, v, None, position_ids=torch.arange(10)[None])
-    plain, _ = sdpa_attention_forward(module, q, k, v, None)
-    torch.testing.assert_close(whole, plain, rtol=0, atol=0)
-    assert not torch.allclose(got, plain, atol=1e-3)  # the mask changed what the second example saw
+    pos = torch.tensor([[*range(14)], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7]])
+    got, _ = sequence.sequence_sdpa(module, q, k, v, None, position_ids=pos, sliding_window=window)
+    assert got.shape == (2, 14, 4, 8)  # (batch, sequence, heads, size), as transformers' attention functions
+    want = torch.stack([
+        _reference(q[:1], k[:1], v[:1], window)[0],
+        torch.cat([_reference(q[1:, :, :6], k[1:, :, :6], v[1:, :, :6], window)[0],
+                   _reference(q[1:, :, 6:], k[1:, :, 6:], v[1:, :, 6:], window)[0]], dim=1),
+    ]).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kv = sequence.sequence_sdpa(module, q, k[:, :2], v[:, :2], None, position_ids=pos, sliding_window=window)[0]
+    torch.testing.assert_close(kv, sequence.sequence_sdpa(  # grouped key/value heads: repeated
+        module, q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), None, position_ids=pos,
+        sliding_window=window)[0])  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwarg", "why"), [("s_aux", "sinks"), ("softcap", "softcaps")])
+def test_the_sequence_parallel_core_refuses_what_it_cannot_honour(kwarg, why):
+    q = torch.randn(1, 2, 4, 8)
+    module = types.SimpleNamespace(is_causal=True)
+    with pytest.raises(sequence.UnsupportedAttention, match=why):
+        sequence.sequence_sdpa(module, q, q, q, None, position_ids=torch.arange(4)[None], **{kwarg: torch.ones(2)})
 
 
 def test_shards_cut_after_the_labels_are_shifted():
@@ -102,6 +124,17 @@ HYBRID = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
         ("mixtral", dict(SHAPES["llama"], num_local_experts=4), None),  # experts: rounding, not mixing
         ("falcon", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), "attention functions"),
         ("lfm2", HYBRID, "layers other than its attention mix positions"),  # a convolution beside attention
+        # sliding windows (the check's small model: a window of 6 in rows of 16), honoured by the core
+        ("mistral", dict(SHAPES["llama"], sliding_window=16), None),
+        ("qwen2", dict(SHAPES["llama"], use_sliding_window=True, sliding_window=16, max_window_layers=0), None),
+        ("gemma3_text", dict(SHAPES["qwen3"], sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+         None),
+        ("phi3", dict(SHAPES["llama"], sliding_window=16, pad_token_id=0), None),
+        # sinks (gpt-oss) and softcapping (Gemma 2): transformers has no sdpa path for them (the core
+        # refuses both too: test_the_sequence_parallel_core_refuses_what_it_cannot_honour)
+        ("gpt_oss", dict(SHAPES["qwen3"], num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"]), "could not be built with sdpa"),
+        ("gemma2", dict(SHAPES["qwen3"], sliding_window=16), "could not be built with sdpa"),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )
@@ -112,3 +145,19 @@ def test_the_family_check_takes_the_families_whose_attention_ulysses_can_replace
         assert problem is None, problem
     else:
         assert why in (problem or ""), problem
+
+
+def test_the_family_check_drops_the_masks_as_the_run_does(monkeypatch):
+    """A core that ignored the layer's sliding window (as the mask-only one did: transformers' sdpa path
+    applies windows through the mask alone, which Ulysses drops) is caught: Mistral's logits past the
+    window differ, and the family is refused with the measured difference."""
+    real = sequence.sequence_sdpa
+
+    def windowless(module, q, k, v, mask, *args, sliding_window=None, **kwargs):
+        return real(module, q, k, v, mask, *args, **kwargs)
+
+    monkeypatch.setattr(sequence, "sequence_sdpa", windowless)
+    cfg = AutoConfig.for_model("mistral", vocab_size=97, bos_token_id=0, eos_token_id=0, sliding_window=16,
+                               **SHAPES["llama"])  # fmt: skip
+    problem = sequence.ulysses_verdict(cfg, "sdpa")
+    assert "differ from its own by" in (problem or ""), problem

@@ -214,7 +214,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 5,  # 4: intermediate and kv_heads; 5: ulysses
+        "v": 6,  # 4: intermediate and kv_heads; 5: ulysses; 6: its check drops the masks, windows and packs
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,

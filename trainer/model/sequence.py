@@ -8,8 +8,10 @@
   or replicated where there are fewer than `sp`, as DeepSpeed does). The labels are shifted before the
   rows are cut, so the token after a shard's last one is its target. DeepSpeed's wrapper drops the
   attention mask and leaves sdpa causal over the whole sequence; packed rows need their examples kept
-  apart, so the core attention here builds the per-example causal mask from the gathered position ids
-  when they restart (`packed_sdpa`; flash_attention_2 reads packed sequences from them itself).
+  apart and sliding windows their window, so the core attention here (`sequence_sdpa`) attends each
+  example on its own from the gathered position ids (where they restart), windowed in blocks where the
+  layer passes a window, without a dense n x n mask (flash_attention_2 reads packed sequences and
+  windows itself); attention sinks and softcapping are refused.
 - **Tiled MLP** (`model.tiled_mlp`): DeepSpeed's `TiledMLP` around every decoder layer's MLP: the
   sequence in shards of about `hidden` tokens, the MLP recomputed shard by shard in backward, its
   intermediates never kept. The shard count is fixed from the planned sequence, so that every rank runs
@@ -29,25 +31,73 @@ from typing import Any
 IGNORE = -100
 
 
-def packed_sdpa(core: Any) -> Any:
-    """transformers' sdpa attention, given the gathered position ids: where they restart (packed
-    examples), a causal mask per example; otherwise the plain causal attention."""
+WINDOW_BLOCK = 512  # sliding-window attention: queries a call, against the window's keys before them
 
-    def attend(
-        module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        pos = kwargs.get("position_ids")
-        if attention_mask is None and pos is not None and bool((pos[:, 1:] <= pos[:, :-1]).any()):
-            import torch
 
-            example = torch.cumsum((pos == 0).to(torch.int32), dim=-1)  # which example each token is of
-            n = pos.shape[-1]
-            causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
-            attention_mask = (example[:, :, None] == example[:, None, :]) & causal
-            attention_mask = attention_mask[:, None]  # (batch, 1, query, key)
-        return core(module, query, key, value, attention_mask, *args, **kwargs)
+class UnsupportedAttention(Exception):
+    """An attention argument the sequence-parallel core cannot honour (sinks, softcapping): refused at
+    the plan by the family check (ulysses_verdict) with this reason."""
 
-    return attend
+
+def sequence_sdpa(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
+    scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any,
+) -> Any:  # fmt: skip
+    """transformers' sdpa attention over the whole gathered sequence under Ulysses (which drops the
+    model's masks: they were built for a rank's shard), rebuilt without a dense mask from what the
+    layer passes: each row's examples (where the gathered position ids restart) attend causally
+    within themselves in an sdpa call of their own (`is_causal`: the flash kernels, no n x n mask); a
+    sliding window (`sliding_window`: Mistral, Gemma 3's local layers, Phi-3, Qwen2/3 with
+    use_sliding_window; transformers' rule, a key within the last `window` positions) in blocks of
+    WINDOW_BLOCK queries against their window's keys, a block x (block + window) mask a call.
+    Attention sinks (`s_aux`, gpt-oss) and logit softcapping (`softcap`) are refused."""
+    import torch
+
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedAttention("its attention adds learned sinks (s_aux), which sequence parallelism's sdpa core does not")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedAttention("its attention softcaps the logits, which sdpa cannot")
+    if not getattr(module, "is_causal", True) or is_causal is False:
+        raise UnsupportedAttention("its attention is not causal")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    window = kwargs.get("sliding_window")
+    pos = kwargs.get("position_ids")
+    n = query.shape[2]
+    rows = []
+    for b in range(query.shape[0]):
+        starts = [0] if pos is None else (pos[b if pos.shape[0] > 1 else 0] == 0).nonzero().flatten().tolist()
+        bounds = sorted({0, *starts}) + [n]
+        parts = [
+            _causal(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], window, dropout,
+                    scaling)  # fmt: skip
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+            if e > s
+        ]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _causal(q: Any, k: Any, v: Any, window: int | None, dropout: float, scale: float | None) -> Any:
+    """Causal attention of one example (batch 1), within `window` keys back where there is one."""
+    import torch
+    import torch.nn.functional as F
+
+    n = q.shape[2]
+    if window is None or window >= n:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+    out = []
+    for i in range(0, n, WINDOW_BLOCK):
+        j = min(n, i + WINDOW_BLOCK)
+        lo = max(0, i - window + 1)
+        qpos = torch.arange(i, j, device=q.device)[:, None]
+        kpos = torch.arange(lo, j, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (qpos - kpos < window)
+        out.append(F.scaled_dot_product_attention(q[:, :, i:j], k[:, :, lo:j], v[:, :, lo:j], attn_mask=mask,
+                                                  dropout_p=dropout, scale=scale))  # fmt: skip
+    return torch.cat(out, dim=2)
 
 
 def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any:
@@ -72,7 +122,7 @@ def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any
     cfg = model.config.get_text_config()
     core = ALL_ATTENTION_FUNCTIONS[kernel]
     uattn = UlyssesSPAttentionHF(
-        attn=packed_sdpa(core) if kernel == "sdpa" else core,
+        attn=sequence_sdpa if kernel == "sdpa" else core,
         batch_size=micro_batch,
         attn_head_count=cfg.num_attention_heads,
         attn_head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -88,7 +138,7 @@ def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any
     def wrapper(
         module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        # the mask transformers built is for the shard's length: the core builds its own (packed_sdpa)
+        # the mask transformers built is for the shard's length: the core attends without one (sequence_sdpa)
         out, weights = uattn(module, query, key, value, None, *args, **kwargs)
         # Ulysses returns (batch, sequence, heads x size); transformers' attention functions return
         # (batch, sequence, heads, size), which some families read as such (GPT-2 flattens the last two)
@@ -173,7 +223,7 @@ def ulysses_verdict(config: Any, kernel: str, cache_dir: Any = None) -> str | No
     from trainer.files import write_atomic
 
     fields = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
-    key = json.dumps(["ulysses", kernel, transformers.__version__, fields], sort_keys=True, default=str)
+    key = json.dumps(["ulysses-2", kernel, transformers.__version__, fields], sort_keys=True, default=str)
     path = None
     if cache_dir is not None:
         path = (
@@ -201,24 +251,30 @@ def _ulysses_problem(config: Any, kernel: str) -> str | None:
         model = AutoModelForCausalLM.from_config(shrunk(config), attn_implementation=kernel).float().eval()
     except Exception as e:  # noqa: BLE001 (a family without this kernel)
         return f"a small model of it could not be built with {kernel} attention ({type(e).__name__}: {str(e)[:150]})"
-    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(12).expand(2, 12)
+    # two rows longer than the small model's sliding window (packing.shrunk: 6): one example, and two
+    # packed; the reference is each example alone through the model's own attention and masks
+    n, first = 16, 9
+    ids = torch.randint(3, VOCAB, (2, n), generator=torch.Generator().manual_seed(0))
+    pos = torch.stack([torch.arange(n), torch.cat([torch.arange(first), torch.arange(n - first)])])
     try:
         with torch.no_grad():
-            want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            alone = [model(input_ids=x[None], use_cache=False).logits[0] for x in (ids[0], ids[1, :first], ids[1, first:])]
     except Exception as e:  # noqa: BLE001 (a family whose small model does not run: unchecked, so refused)
         return f"a small model of it did not run to check it ({type(e).__name__}: {str(e)[:150]})"
+    want = torch.stack([alone[0], torch.cat(alone[1:])])
     core, seen = ALL_ATTENTION_FUNCTIONS[kernel], []
+    run_core = sequence_sdpa if kernel == "sdpa" else core
 
     def as_ulysses(module: Any, q: Any, k: Any, v: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append("position_ids" in kwargs)
-        out, weights = core(module, q, k, v, mask, *args, **kwargs)
-        return out, weights  # the shape register_ulysses' wrapper returns: transformers' own
+        return run_core(module, q, k, v, None, *args, **kwargs)  # as at run time: the mask dropped
 
     ALL_ATTENTION_FUNCTIONS[kernel] = as_ulysses
     try:
         with torch.no_grad():
             got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    except UnsupportedAttention as e:
+        return str(e)
     except Exception as e:  # noqa: BLE001
         return f"its attention layers fail through a replaced attention function ({type(e).__name__}: {str(e)[:150]})"
     finally:
@@ -227,9 +283,16 @@ def _ulysses_problem(config: Any, kernel: str) -> str | None:
         return "its attention layers do not call transformers' attention functions, which Ulysses replaces"
     if not all(seen):
         return "its attention layers do not pass the position ids, which Ulysses gathers across the ranks"
+    mixing = _mixing_outside_attention(model, ids, pos, kernel)
+    if mixing is not None:
+        return mixing
     if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
-        return "its logits change when its attention function is replaced by the same one"
-    return _mixing_outside_attention(model, ids, pos, kernel)
+        worst = ((got - want).abs().max() / want.abs().max()).item()
+        return (
+            f"its logits under the sequence-parallel attention (the model's masks dropped, as at run time) differ "
+            f"from its own by {worst:.1e} relative (an attention rule the core does not apply)"
+        )
+    return None
 
 
 def _mixing_outside_attention(model: Any, ids: Any, pos: Any, kernel: str) -> str | None:
