@@ -45,10 +45,11 @@ def test_an_8b_model_at_32k_tokens_on_8_gpus_fits_with_sequence_parallelism():
 
 def test_sequence_parallelism_divides_the_activations_and_adds_the_all_to_all_buffers():
     """Every per-token term over seq/sp tokens (the whole logits too); the tiled loss's chunk and the
-    head's gradient stay whole."""
+    head's gradient stay whole; one layer's attention over the whole sequence adds 8 contexts (its
+    all-to-all buffers and the sdpa core's backward: tests/unit/test_sequence.py measures them)."""
     one = strategy.activations(L8, 1, 32768, 2, False)
     eight = strategy.activations(L8, 1, 32768, 2, False, sp=8)
-    buffers = 4 * 32768 / 8 * 4096
+    buffers = 8 * 32768 / 8 * 4096 * 2  # contexts of bf16 values: the rank's 1/8 of the heads, every token
     assert eight == pytest.approx(one / 8 + buffers, rel=1e-6)
 
 

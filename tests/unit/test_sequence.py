@@ -5,6 +5,7 @@ whose attention goes through transformers' attention functions and refuses the o
 parallelism itself: tests/dist/test_sequence_parallel.py; the tiled loss: test_loss.py.)"""
 
 import copy
+import importlib
 import types
 
 import pytest
@@ -13,6 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.errors import UserError
 from trainer.model import sequence
+
+activations = importlib.import_module("trainer.strategy.planning.activations")  # the module (a function shares its name)
 
 SHAPES = {
     "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -72,9 +75,9 @@ def test_the_sequence_parallel_core_keeps_examples_apart_and_windows_without_a_d
     example attends within itself, as it would alone, within the layer's sliding window where it passes
     one (in blocks of WINDOW_BLOCK queries: set to 4 here so that windows cross blocks); with no
     restart, the plain causal attention."""
-    monkeypatch.setattr(sequence, "WINDOW_BLOCK", 4)
+    monkeypatch.setattr(activations, "WINDOW_BLOCK", 4)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 14, 8) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 14, 8, requires_grad=True) for _ in range(3))
     module = types.SimpleNamespace(is_causal=True, training=False, num_key_value_groups=1)
     pos = torch.tensor([[*range(14)], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7]])
     got, _ = sequence.sequence_sdpa(module, q, k, v, None, position_ids=pos, sliding_window=window)
@@ -85,6 +88,12 @@ def test_the_sequence_parallel_core_keeps_examples_apart_and_windows_without_a_d
                    _reference(q[1:, :, 6:], k[1:, :, 6:], v[1:, :, 6:], window)[0]], dim=1),
     ]).transpose(1, 2)  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(got)  # and the gradients towards q, k and v
+    mine = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    theirs = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    q, k, v = q.detach(), k.detach(), v.detach()
     kv = sequence.sequence_sdpa(module, q, k[:, :2], v[:, :2], None, position_ids=pos, sliding_window=window)[0]
     torch.testing.assert_close(kv, sequence.sequence_sdpa(  # grouped key/value heads: repeated
         module, q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), None, position_ids=pos,
@@ -161,3 +170,49 @@ def test_the_family_check_drops_the_masks_as_the_run_does(monkeypatch):
                                **SHAPES["llama"])  # fmt: skip
     problem = sequence.ulysses_verdict(cfg, "sdpa")
     assert "differ from its own by" in (problem or ""), problem
+
+
+MEMORY = """
+import sys, types, torch
+from trainer.model import sequence
+torch.set_num_threads(1)
+n, window = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2]))
+def status(key):
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
+q = torch.randn(1, 4, n, 16, requires_grad=True)  # a rank's 4 heads of 16 (2 key/value heads)
+k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(2))
+pos = torch.cat([torch.arange(n // 4)] * 4)[None]  # a row of 4 packed examples
+m = types.SimpleNamespace(is_causal=True)
+small = [x[:, :, :64].detach().requires_grad_() for x in (q, k, v)]  # the kernels' one-off allocations
+sequence.sequence_sdpa(m, *small, None, position_ids=pos[:, :64], sliding_window=window)[0].sum().backward()
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) from here
+base = status("VmRSS:")
+out, _ = sequence.sequence_sdpa(m, q, k, v, None, position_ids=pos, sliding_window=window)
+out.sum().backward()
+print(status("VmHWM:") - base)
+"""
+
+
+@pytest.mark.parametrize("window", [None, 1024])
+def test_the_attentions_memory_at_a_long_length_is_the_planned_one(window):
+    """One layer's attention over 32,768 tokens (a rank's 4 heads at sequence parallel 2, a row of 4
+    packed examples, fp32), forward and backward, in a process of its own (its peak resident memory):
+    within the plan's count (sequence_attention_bytes, and the output the layers' count holds: 2
+    contexts) and above 60% of it; a dense mask of the whole row, as the core built before, was 1 GiB
+    (bool) by itself."""
+    import subprocess
+    import sys
+
+    from trainer.strategy import ModelInfo
+
+    n = 32768
+    p = subprocess.run([sys.executable, "-c", MEMORY, str(n), str(window or "none")], capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    measured = int(p.stdout.split()[-1])
+    info = ModelInfo(params=0, largest_layer=0, hidden=128, heads=8, kv_heads=4, window=window)
+    context = n * 4 * 16 * 4  # the rank's heads over every token, fp32
+    planned = activations.sequence_attention_bytes(info, 1, n, 4, 2) + 2 * context
+    print(f"window {window}: measured {measured / 2**20:.1f} MiB ({measured / context:.1f} contexts), planned "
+          f"{planned / 2**20:.1f} MiB; a dense bool mask {n * n / 2**20:.0f} MiB")  # fmt: skip
+    assert 0.6 * planned <= measured <= planned

@@ -38,6 +38,15 @@ class ForwardTimer:
         self.metrics.interval.forward += time.perf_counter() - self._t
 
 
+def eval_record(step: int, loss: float, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """An eval's record: the loss and its perplexity; a preference objective's loss has none (the
+    exponential of a DPO loss means nothing), its eval rewards, margin and accuracy (`extra`) instead."""
+    rec: dict[str, Any] = {"step": step, "eval_loss": loss}
+    if extra:
+        return rec | {f"eval_{k}": v for k, v in extra.items()}
+    return rec | {"eval_ppl": math.exp(min(loss, 50.0))}
+
+
 class Metrics:
     """Collects per-step values cheaply; reduces them and records a line every `log_every` steps."""
 
@@ -167,16 +176,8 @@ class Metrics:
         finally:
             self.interval.paused += time.perf_counter() - t
 
-    def eval(
-        self, step: int, loss: float, samples: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None
-    ) -> None:
-        """An eval's record: the loss and its perplexity; a preference objective's loss has none (the
-        exponential of a DPO loss means nothing), its eval rewards, margin and accuracy instead."""
-        rec: dict[str, Any] = {"step": step, "eval_loss": loss}
-        if extra:
-            rec |= {f"eval_{k}": v for k, v in extra.items()}
-        else:
-            rec["eval_ppl"] = math.exp(min(loss, 50.0))
+    def eval(self, step: int, loss: float, samples: list | None = None, extra: dict | None = None) -> None:
+        rec = eval_record(step, loss, extra)
         if samples:
             rec["samples"] = samples
         self.record(rec)

@@ -158,6 +158,7 @@ def _shape(cfg: Any) -> dict[str, Any]:
         "positions": positions(cfg),
         "model_type": getattr(cfg, "model_type", None),
         "kv_heads": first("num_key_value_heads"),
+        "window": first("sliding_window") if getattr(cfg, "use_sliding_window", True) is not False else None,
     }
 
 
@@ -214,7 +215,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 6,  # 4: intermediate and kv_heads; 5: ulysses; 6: its check drops the masks, windows and packs
+        "v": 7,  # 4: intermediate and kv_heads; 5: ulysses; 6: its check drops the masks; 7: window
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,

@@ -31,7 +31,6 @@ from typing import Any
 IGNORE = -100
 
 
-WINDOW_BLOCK = 512  # sliding-window attention: queries a call, against the window's keys before them
 
 
 class UnsupportedAttention(Exception):
@@ -59,45 +58,54 @@ def sequence_sdpa(
         raise UnsupportedAttention("its attention softcaps the logits, which sdpa cannot")
     if not getattr(module, "is_causal", True) or is_causal is False:
         raise UnsupportedAttention("its attention is not causal")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     window = kwargs.get("sliding_window")
     pos = kwargs.get("position_ids")
-    n = query.shape[2]
-    rows = []
-    for b in range(query.shape[0]):
+    batch, heads, n, size = query.shape
+    gqa = {"enable_gqa": True} if key.shape[1] != heads else {}  # grouped key/value heads, not repeated
+    parts = []  # each example's output, (tokens, heads, size), in order: one concatenation at the end
+    # unbind and split, never slices: the backward of a slice writes a whole-sized gradient each time
+    for b, (q, k, v) in enumerate(zip(*(x.unbind(0) for x in (query, key, value)), strict=True)):
         starts = [0] if pos is None else (pos[b if pos.shape[0] > 1 else 0] == 0).nonzero().flatten().tolist()
         bounds = sorted({0, *starts}) + [n]
-        parts = [
-            _causal(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], window, dropout,
-                    scaling)  # fmt: skip
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-            if e > s
-        ]
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
-    return out.transpose(1, 2).contiguous(), None
+        lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True) if e > s]
+        for example in zip(*(x.split(lengths, dim=1) for x in (q, k, v)), strict=True):
+            parts += _causal(*example, window, dropout, scaling, gqa)
+    # (batch, sequence, heads, size), as transformers' attention functions return it
+    return torch.cat(parts).view(batch, n, heads, size), None
 
 
-def _causal(q: Any, k: Any, v: Any, window: int | None, dropout: float, scale: float | None) -> Any:
-    """Causal attention of one example (batch 1), within `window` keys back where there is one."""
+def _causal(q: Any, k: Any, v: Any, window: int | None, dropout: float, scale: float | None, gqa: dict) -> list:
+    """Causal attention of one example ((heads, tokens, size)), within `window` keys back where there
+    is one: its output as pieces of (tokens, heads, size). A window: blocks of WINDOW_BLOCK queries,
+    each against the blocks of keys its window reaches, with one mask for the blocks of the same shape."""
     import torch
     import torch.nn.functional as F
 
-    n = q.shape[2]
+    from trainer.strategy.planning.activations import WINDOW_BLOCK
+
+    n, block = q.shape[1], WINDOW_BLOCK
     if window is None or window >= n:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
-    out = []
-    for i in range(0, n, WINDOW_BLOCK):
-        j = min(n, i + WINDOW_BLOCK)
-        lo = max(0, i - window + 1)
-        qpos = torch.arange(i, j, device=q.device)[:, None]
-        kpos = torch.arange(lo, j, device=q.device)[None, :]
-        mask = (kpos <= qpos) & (qpos - kpos < window)
-        out.append(F.scaled_dot_product_attention(q[:, :, i:j], k[:, :, lo:j], v[:, :, lo:j], attn_mask=mask,
-                                                  dropout_p=dropout, scale=scale))  # fmt: skip
-    return torch.cat(out, dim=2)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scale,
+                                             **gqa)  # fmt: skip
+        return [out[0].transpose(0, 1)]
+    qs, ks, vs = (x.split(block, dim=1) for x in (q, k, v))
+    back = -(-(window - 1) // block)  # key blocks before a query block that its window reaches
+    pieces, masks = [], {}
+    for i, qb in enumerate(qs):
+        first = max(0, i - back)
+        kb, vb = torch.cat(ks[first : i + 1], dim=1), torch.cat(vs[first : i + 1], dim=1)
+        shape = (qb.shape[1], kb.shape[1], (i - first) * block)  # queries, keys, the first query's offset
+        if shape not in masks:
+            qpos = torch.arange(shape[2], shape[2] + shape[0], device=q.device)[:, None]
+            kpos = torch.arange(shape[1], device=q.device)[None, :]
+            allowed = (kpos <= qpos) & (qpos - kpos < window)
+            masks[shape] = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~allowed, float("-inf")
+            )
+        out = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=masks[shape], dropout_p=dropout,
+                                             scale=scale, **gqa)  # fmt: skip
+        pieces.append(out[0].transpose(0, 1))
+    return pieces
 
 
 def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any:

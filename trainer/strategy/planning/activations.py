@@ -70,8 +70,8 @@ def activations(
     gave 76 and refused the run).
 
     The sequence levers (levers.py): with sequence parallelism of degree `sp` a rank holds s/sp of
-    every sequence, so every term is over s*b/sp tokens, plus one layer's all-to-all buffers (its
-    query, key, value and context gathered to the whole sequence for the rank's heads: 4*s*b*h/sp);
+    every sequence, so every term is over s*b/sp tokens, plus one layer's attention across the whole
+    sequence (`sequence_attention_bytes`);
     the tiled MLP keeps only the MLP's input (2h a token) where the layer kept its intermediates (the
     MLP's share of `layer_bytes_per_token`: 8I or 6I with Liger, GPT's 19h of 34h); `offload` keeps
     the checkpointed layer inputs on the host (`host_activations`), two layers' of them in flight."""
@@ -93,7 +93,7 @@ def activations(
     else:
         total = per_layer * layers
     if sp > 1:
-        total += 4 * s * b * h * scale
+        total += sequence_attention_bytes(info, micro_batch, seq_len, lp, sp)
     if v and chunked_loss and kernels == "liger":
         rows = min(b * s, 1 << max(0, math.ceil(math.log2(max(1, b * s / math.ceil(v / h))))))
         total += 2 * rows * v * lp + b * s * h * lp + v * h * lp
@@ -105,6 +105,29 @@ def activations(
     elif v:
         total += 3 * b * s * v * (lp + 4)
     return int(total)
+
+
+# Sequence parallelism's attention over the whole sequence, in "contexts" (s*b*h/sp values: the rank's
+# heads over every token), one layer at a time: the all-to-all buffers of its query, key, value and
+# output (4), and the sdpa core's backward (trainer/model/sequence.py: each example in its own call,
+# no n x n mask): the gradients of the gathered query, key, value and output and the kernels' buffers
+# (4). A sliding window shorter than the sequence runs in blocks of WINDOW_BLOCK queries, each keeping
+# a copy of the key and value blocks its window reaches (1 + window / WINDOW_BLOCK of them) for
+# backward. Measured on CPU (tests/unit/test_sequence.py, a row of 4 packed examples): 6.8 contexts
+# without a window and 12.1 with one of 1,024 at 32,768 tokens in fp32, with the output the layers'
+# count holds (2 contexts).
+SEQUENCE_ATTENTION_CONTEXTS = 8
+WINDOW_BLOCK = 512  # sliding-window attention: queries a call, against the blocks of keys the window reaches
+
+
+def sequence_attention_bytes(info: ModelInfo, micro_batch: int, seq_len: int, lp: int, sp: int) -> int:
+    """Bytes of one layer's attention across the whole sequence under sequence parallelism of degree
+    `sp` (see SEQUENCE_ATTENTION_CONTEXTS): no term grows with seq_len squared."""
+    contexts = SEQUENCE_ATTENTION_CONTEXTS
+    if info.window and info.window < seq_len:
+        kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
+        contexts += 2 * (1 + math.ceil((info.window - 1) / WINDOW_BLOCK)) * kv
+    return int(contexts * seq_len / sp * micro_batch * (info.hidden or 0) * lp)
 
 
 def mlp_bytes_per_token(info: ModelInfo, lp: int, kernels: str = "none") -> float:

@@ -33,6 +33,7 @@ class ModelInfo:
     intermediate: int | None = None  # a gated MLP's width (gate_proj/up_proj), None for GPT-style MLPs
     kv_heads: int | None = None  # grouped-query attention's key/value heads (None: as many as heads)
     ulysses: str | None = None  # why DeepSpeed's Ulysses cannot wrap this family's attention (None: it can)
+    window: int | None = None  # sliding-window attention's window (Mistral, Gemma 3's local layers...)
 
 
 def describe_params(info: ModelInfo, lora: Any = None) -> str:
