@@ -188,6 +188,10 @@ def build(
     state = TrainState()
     mets = make_metrics(exp, runtime, planned, engine, hosts, max_steps or exp.train.max_steps)
     objective_notes = prepare_objective(exp, env, engine, data, mets)
+    if engine.experts is not None:  # the router's expert load, per layer, over every rank
+        objective_reduced = mets.reduced
+        mets.reduced = lambda: {**(objective_reduced() if objective_reduced else {}),
+                                **engine.experts[1].flush(env.world_size)}  # fmt: skip
     if data.mixture:
         mets.extra = lambda: {"tokens_by_source": stream.tokens_by_source()}
     faults = Faults(env.rank, dist.attempt())
@@ -352,8 +356,8 @@ def make_metrics(
         hosts=hosts,
         straggler_margin=exp.dist.straggler_margin,
         progress=progress_enabled(exp.logging.progress),
-        flops_per_token=metrics.flops_per_token(
-            info.params, info.layers, info.hidden, exp.data.seq_len, info.trainable
+        flops_per_token=metrics.flops_per_token(  # a mixture of experts: the parameters a token runs through
+            info.active or info.params, info.layers, info.hidden, exp.data.seq_len, info.trainable
         ),
         peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
         tags={

@@ -77,6 +77,7 @@ class Engine:
         self.objective = objective  # a preference objective (trainer/objectives/), None: the model's loss
         if objective is not None:
             objective.device = self.device
+        self.experts = router(model)  # a mixture of experts returning router logits: (aux coef, ExpertLoad)
         self._record_fp32_grad_norm()
 
     def _record_fp32_grad_norm(self) -> None:
@@ -109,9 +110,11 @@ class Engine:
             if self.objective is not None:  # preference pairs: the mean of the micro batch's pair losses
                 return self.objective.loss(self.ds, batch)
             if self.sp > 1:
-                return sequence_parallel_loss(self.ds, batch, num_items, self.sp, self.sp_rank, self.one_row)
+                return sequence_parallel_loss(
+                    self.ds, batch, num_items, self.sp, self.sp_rank, self.one_row, self.experts
+                )
             return plain_loss(
-                self.ds, as_one_row(batch) if self.one_row and batch.dim() == 3 else batch, num_items
+                self.ds, as_one_row(batch) if self.one_row and batch.dim() == 3 else batch, num_items, self.experts
             )
 
     def backward(self, loss: Any) -> Any:
@@ -208,8 +211,32 @@ def complete(
     return out
 
 
+def router(model: Any) -> tuple[float, Any] | None:
+    """A mixture of experts whose config has output_router_logits: (its router_aux_loss_coef, an
+    ExpertLoad); None otherwise (trainer/model/experts.py)."""
+    from trainer.model.experts import ExpertLoad, routing
+
+    cfg = getattr(model, "config", None)
+    found = routing(cfg) if cfg is not None else None
+    if found is None or not getattr(cfg.get_text_config(), "output_router_logits", False):
+        return None
+    return float(getattr(cfg.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0), ExpertLoad(*found)
+
+
+def _with_router(out: Any, experts: Any, targets: Any, num_items: float | None) -> Any:
+    """The forward's loss, its router's auxiliary term weighted as the main loss (experts.router_loss),
+    its expert load counted."""
+    loss = loss_of(out)
+    if experts is None:
+        return loss
+    from trainer.model.experts import router_loss
+
+    experts[1].update(out)
+    return router_loss(loss, out, experts[0], targets, num_items)
+
+
 def sequence_parallel_loss(
-    ds: Any, batch: Any, num_items: float | None, sp: int, rank: int, one_row: bool
+    ds: Any, batch: Any, num_items: float | None, sp: int, rank: int, one_row: bool, experts: Any = None
 ) -> Any:
     """This rank's seq/sp of every row (trainer/model/sequence.py: shard): its targets' summed loss
     over `num_items` (the step's targets of the data-parallel ranks; DeepSpeed sums the sequence
@@ -221,23 +248,22 @@ def sequence_parallel_loss(
     ids, pos, shifted = shard(batch, sp, rank)
     if num_items is None:  # token blocks: every micro batch holds as many targets
         num_items = float(batch.shape[0] * (batch.shape[-1] - 1))
-    return loss_of(
-        ds(input_ids=ids, position_ids=pos, labels=shifted, shift_labels=shifted, use_cache=False,
-           num_items_in_batch=num_items)
-    )  # fmt: skip
+    out = ds(input_ids=ids, position_ids=pos, labels=shifted, shift_labels=shifted, use_cache=False,
+             num_items_in_batch=num_items)  # fmt: skip
+    return _with_router(out, experts, (shifted != -100).sum(), num_items)
 
 
-def plain_loss(ds: Any, batch: Any, num_items: float | None) -> Any:
+def plain_loss(ds: Any, batch: Any, num_items: float | None, experts: Any = None) -> Any:
     """The loss of one micro batch (see Engine.forward)."""
     # use_cache=False: a training forward builds no key/value cache (transformers would by default:
     # a copy of every layer's keys and values per step, ~3% of a tiny step on CPU)
     if batch.dim() == 2:  # every token a target: their mean, unless a padded block is in the data
         extra = {} if num_items is None else {"num_items_in_batch": num_items}
-        return loss_of(ds(input_ids=batch, labels=batch, use_cache=False, **extra))
-    return loss_of(
-        ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
-           num_items_in_batch=num_items)
-    )  # fmt: skip
+        out = ds(input_ids=batch, labels=batch, use_cache=False, **extra)
+    else:
+        out = ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
+                 num_items_in_batch=num_items)  # fmt: skip
+    return _with_router(out, experts, target_count(batch) if experts is not None else 0, num_items)
 
 
 def target_count(batch: Any, sp: int = 1, rank: int = 0) -> Any:

@@ -215,7 +215,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 7,  # 4: intermediate and kv_heads; 5: ulysses; 6: its check drops the masks; 7: window
+        "v": 8,  # 4: intermediate and kv_heads; 5: ulysses; 6: its check drops the masks; 7: window; 8: active
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -252,12 +252,13 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         attn = getattr(module.config, "_attn_implementation", None)
         module, trainable = _with_lora(module, section)
     params, largest = count(module)
+    from trainer.model.experts import active_params
     from trainer.model.sequence import ulysses_verdict
 
     return ModelInfo(
         params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable,
         param_sizes=sizes(module), intermediate=_gated_width(module, cfg), **_shape(cfg),
-        ulysses=ulysses_verdict(cfg, "sdpa"),
+        ulysses=ulysses_verdict(cfg, "sdpa"), active=active_params(module, cfg),
     )  # fmt: skip
 
 

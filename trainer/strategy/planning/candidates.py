@@ -34,12 +34,14 @@ class ModelInfo:
     kv_heads: int | None = None  # grouped-query attention's key/value heads (None: as many as heads)
     ulysses: str | None = None  # why DeepSpeed's Ulysses cannot wrap this family's attention (None: it can)
     window: int | None = None  # sliding-window attention's window (Mistral, Gemma 3's local layers...)
+    active: int | None = None  # a mixture of experts: parameters a token runs through (None: dense, all)
 
 
 def describe_params(info: ModelInfo, lora: Any = None) -> str:
     """'N parameters', and with LoRA how many train and how many are frozen."""
+    active = f" ({info.active:,} active a token: its top-k experts)" if info.active else ""
     if info.trainable is None:
-        return f"{info.params:,} parameters"
+        return f"{info.params:,} parameters{active}"
     what = f"LoRA r={lora.r}: " if lora is not None else ""
     return (
         f"{info.params:,} parameters ({what}{info.trainable:,} trainable = {info.trainable / info.params:.2%}, "
