@@ -269,25 +269,19 @@ def _turn(p: Profile, tok: Any, conv: Conversation, i: int) -> tuple[str, str] |
     return (before, upto) if upto.startswith(before) else None
 
 
-_CONTENT_MARK = "chat-turn-content-mark"
-
-
 def _as_inference_sees(p: Profile, tok: Any, conv: Conversation, i: int) -> tuple[str, str] | None:
     """Turn i of a conversation whose prompt the template renders otherwise once the turn follows it
-    (Mistral's templates put the system prompt in the last user turn only): (the prompt inference sees,
-    that prompt + the turn as the template renders it from its content on). None where the turn's
-    content is not a plain string to find it by."""
-    m = conv.messages[i]
-    if not isinstance(m.get("content"), str) or not m["content"] or m.get("tool_calls"):
+    because of its system prompt (Mistral's templates put it in the last user turn only): (the prompt
+    inference sees, that prompt + the turn as the template renders it after the same history without
+    the system prompt, where that history renders consistently). None otherwise."""
+    if i < 2 or conv.messages[0].get("role") != "system":
         return None
-    before = _render(p, tok, conv, i, prompt=True)
-    marked = dataclasses.replace(conv, messages=[*conv.messages[:i], {**m, "content": _CONTENT_MARK}])
-    text = _render(p, tok, marked, i + 1)
-    upto = _render(p, tok, conv, i + 1)
-    at = text.find(_CONTENT_MARK)
-    if at < 0 or not upto.startswith(text[:at]):
+    rest = dataclasses.replace(conv, messages=conv.messages[1:])
+    found = _turn(p, tok, rest, i - 1)
+    if found is None:
         return None
-    return before, before + upto[at:]
+    before, (plain, upto) = _render(p, tok, conv, i, prompt=True), found
+    return before, before + upto[len(plain) : p.turn_end(upto, len(plain))]
 
 
 def render_each(
