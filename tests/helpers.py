@@ -571,3 +571,50 @@ def split_losses(tmp: Path, sets_for, names=tuple(SPLITS), check=None) -> dict[s
         for step, value in ref.items():
             assert losses[name][step] == pytest.approx(value, rel=1e-6), (name, step, losses[name], ref)
     return losses
+
+
+# ----------------------------------------------------------------------------- the family matrix
+# A tiny model of each family users bring, with its special features on and windows (16) shorter than the
+# matrix's rows (32): tests/unit/test_family_matrix.py (packed = one by one, chunked loss = plain loss) and
+# tests/dist/test_family_matrix.py (sequence parallel 2 = 1, 2-rank ZeRO-3 = 1 rank).
+MATRIX_BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 97, "max_position_embeddings": 128, "bos_token_id": 1,
+               "eos_token_id": 2, "pad_token_id": 0}  # fmt: skip
+MATRIX = {
+    "llama": {},
+    "mistral": {"sliding_window": 16},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    "phi3": {"sliding_window": 16},
+    "gpt2": {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+             "attn_pdrop": 0.0, "num_key_value_heads": None},  # GPT-2 has as many as heads
+    "olmo2": {},
+    "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": None,
+                    "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
+                    "topk_group": 1},
+}  # fmt: skip
+
+
+def matrix_config(model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**MATRIX_BASE, **MATRIX[model_type]})
+
+
+def matrix_rows(seq: int = 32) -> Any:
+    """Two fine-tuning rows of [input_ids, labels, position_ids]: one example, and two packed (20 and
+    12 tokens), their first 3 tokens prompt (no target)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 97, (2, seq), generator=g)
+    pos = torch.stack([torch.arange(seq), torch.cat([torch.arange(20), torch.arange(seq - 20)])])
+    labels = ids.clone()
+    labels[pos < 3] = -100
+    return torch.stack([ids, labels, pos], dim=1)

@@ -174,10 +174,18 @@ def test_unsupported_models_are_refused_with_the_key():
         "gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, vocab_size=64,
     )  # fmt: skip
+    with pytest.raises(UserError, match=r"model.chunked_loss: .*final_logit_softcapping .*set it to false"):
+        loss.attach(AutoModelForCausalLM.from_config(cfg))  # Gemma 2's soft-capped logits
+    cfg.final_logit_softcapping = None
     with pytest.raises(
         UserError, match=r"model.chunked_loss: not available for model_type 'gemma2'.*set it to false"
     ):
         loss.attach(AutoModelForCausalLM.from_config(cfg))
+    moe = AutoConfig.for_model("qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                               vocab_size=64, num_experts=4, num_experts_per_tok=2, output_router_logits=True)  # fmt: skip
+    with pytest.raises(UserError, match=r"output_router_logits .*adds the router's auxiliary loss"):
+        loss.attach(AutoModelForCausalLM.from_config(moe))
     with pytest.raises(ConfigError) as e:
         config.load(TINY, ["model.chunked_loss=true", "model.config.model_type=gemma2"])
     assert "model.chunked_loss: not available for model_type 'gemma2'" in e.value.render()

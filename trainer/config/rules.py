@@ -83,7 +83,7 @@ def _model_source(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("model.lora.quantization", f"{m.lora.quantization} base weights (QLoRA) need a GPU kernel library "
                     "(bitsandbytes) that this project does not use; remove it (LoRA on bf16 weights)"))  # fmt: skip
     if m.chunked_loss is True and m.config is not None and isinstance(m.config.get("model_type"), str):
-        problem = chunked_loss_problem(m.config["model_type"])
+        problem = chunked_loss_problem(m.config["model_type"], m.config)
         if problem:
             out.append(("model.chunked_loss", problem))
     if m.config is not None:

@@ -4,6 +4,7 @@ field has a one-line description, which is also the config reference (`bin/train
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ from trainer.optimizers import OPTIMIZERS
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "deepspeed"
 
 # model.chunked_loss: model types whose logits are plain lm_head(base_model(...)[0]): no logit scale
-# (cohere, granite), no soft-capping (gemma2/3), no router loss added to the LM loss (mixtral...).
+# (cohere, granite), no soft-capping (gemma2); the mixtures of experts and Gemma 3 measured equal to their
+# own loss in the family matrix (tests/unit/test_family_matrix.py), unless their config asks for a
+# router loss or a logit softcap (chunked_loss_problem's `config`).
 CHUNKED_LOSS_TYPES = frozenset(
     {
         "gpt2",
@@ -40,8 +43,19 @@ CHUNKED_LOSS_TYPES = frozenset(
         "gemma",
         "smollm3",
         "opt",
+        "gemma3_text",
+        "qwen3_moe",
+        "mixtral",
+        "deepseek_v3",
+        "gpt_oss",
     }
 )
+# config fields that put more than the LM head between the hidden states and the loss
+CHUNKED_LOSS_FIELDS = {
+    "final_logit_softcapping": "soft-caps the logits",
+    "logit_scale": "scales the logits",
+    "output_router_logits": "adds the router's auxiliary loss to the LM loss",
+}
 
 
 LOSS_CHUNK_BYTES = 1 << 30  # model.chunked_loss: fp32 logits per chunk
@@ -52,8 +66,15 @@ def loss_chunk_rows(vocab: int) -> int:
     return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
 
 
-def chunked_loss_problem(model_type: str | None) -> str | None:
-    """Why model.chunked_loss cannot serve this model type (None: it can)."""
+def chunked_loss_problem(model_type: str | None, config: Any = None) -> str | None:
+    """Why model.chunked_loss cannot serve this model type, or this model config (a mapping or a
+    transformers config: CHUNKED_LOSS_FIELDS set), None: it can."""
+    get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
+    for name, what in CHUNKED_LOSS_FIELDS.items():
+        value = get(name) if config is not None else None
+        idle = value is None or value is False or (name == "logit_scale" and value == 1)  # a scale of 1 is none
+        if not idle:
+            return f"the model's config sets {name} ({value!r}: it {what}), which the tiled loss leaves out; set it to false"
     if model_type in CHUNKED_LOSS_TYPES:
         return None
     return (

@@ -49,9 +49,10 @@ def shrunk(config: Any) -> Any:
     for name, value in (("hidden_size", 64), ("num_attention_heads", 4), ("intermediate_size", 128),
                         ("vocab_size", VOCAB)):  # fmt: skip
         _set(cfg, name, value)
-    for name, value in (("num_key_value_heads", 2), ("head_dim", 16), ("moe_intermediate_size", 32),
-                        ("shared_expert_intermediate_size", 32)):  # fmt: skip
-        if getattr(cfg, name, None) is not None:
+    mla = isinstance(getattr(cfg, "kv_lora_rank", None), int)  # multi-head latent attention (DeepSeek):
+    for name, value in (("num_key_value_heads", 4 if mla else 2), ("head_dim", 16), ("moe_intermediate_size", 32),
+                        ("shared_expert_intermediate_size", 32)):  # its own head sizes, a key/value head each  # fmt: skip
+        if getattr(cfg, name, None) is not None and not (mla and name == "head_dim"):
             _set(cfg, name, value)
     for name, cap in (("num_experts", 4), ("num_local_experts", 4), ("num_experts_per_tok", 2)):
         if isinstance(getattr(cfg, name, None), int):

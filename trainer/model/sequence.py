@@ -133,7 +133,7 @@ def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any
         attn=sequence_sdpa if kernel == "sdpa" else core,
         batch_size=micro_batch,
         attn_head_count=cfg.num_attention_heads,
-        attn_head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        attn_head_size=head_size(cfg),
         kv_head_count=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         num_hidden_layers=cfg.num_hidden_layers,
         process_group=mpu.get_sequence_parallel_group(),
@@ -154,6 +154,12 @@ def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any
 
     ALL_ATTENTION_FUNCTIONS[kernel] = wrapper
     return mpu
+
+
+def head_size(cfg: Any) -> int:
+    """The attention head size DeepSpeed's Ulysses is told (its shapes are fixed from it): the config's
+    head_dim, else hidden / heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def shard(batch: Any, sp: int, rank: int) -> tuple[Any, Any, Any]:
@@ -270,11 +276,12 @@ def _ulysses_problem(config: Any, kernel: str) -> str | None:
     except Exception as e:  # noqa: BLE001 (a family whose small model does not run: unchecked, so refused)
         return f"a small model of it did not run to check it ({type(e).__name__}: {str(e)[:150]})"
     want = torch.stack([alone[0], torch.cat(alone[1:])])
-    core, seen = ALL_ATTENTION_FUNCTIONS[kernel], []
+    core, seen, sizes = ALL_ATTENTION_FUNCTIONS[kernel], [], set()
     run_core = sequence_sdpa if kernel == "sdpa" else core
 
     def as_ulysses(module: Any, q: Any, k: Any, v: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append("position_ids" in kwargs)
+        sizes.update((q.shape[-1], k.shape[-1], v.shape[-1]))
         return run_core(module, q, k, v, None, *args, **kwargs)  # as at run time: the mask dropped
 
     ALL_ATTENTION_FUNCTIONS[kernel] = as_ulysses
@@ -291,6 +298,12 @@ def _ulysses_problem(config: Any, kernel: str) -> str | None:
         return "its attention layers do not call transformers' attention functions, which Ulysses replaces"
     if not all(seen):
         return "its attention layers do not pass the position ids, which Ulysses gathers across the ranks"
+    told = head_size(model.config.get_text_config())
+    if sizes != {told}:
+        return (
+            f"its attention's query, key and value heads are of size {sorted(sizes)} where DeepSpeed's Ulysses "
+            f"splits heads of one size ({told}, from its config; multi-head latent attention differs)"
+        )
     mixing = _mixing_outside_attention(model, ids, pos, kernel)
     if mixing is not None:
         return mixing

@@ -1,0 +1,117 @@
+"""The family matrix's two-rank half, one process per rank (torchrun --nproc_per_node 2), every family
+in turn (tests/dist/test_family_matrix.py runs it once): for helpers.MATRIX's tiny models on two
+fine-tuning rows (one example; two packed), against one rank computing both rows with the model's
+own attention and masks (bin/train's loss functions, trainer/engine.py, normalised by the targets):
+
+- sequence parallel 2: the project's Ulysses attention (trainer/model/sequence.py: the masks dropped,
+  each example and window kept by its core), each rank half of every row, gradients summed over the
+  group; or the family check's refusal (ulysses_verdict);
+- ZeRO-3 on 2 ranks: DeepSpeed's engine, each rank one row, the gathered gradients after backward.
+
+Rank 0 writes {family: {"sp": {...} or {"refused": why}, "zero3": {...}}} to argv[1] as JSON."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from helpers import MATRIX, matrix_config, matrix_rows  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+from trainer.engine import plain_loss, sequence_parallel_loss  # noqa: E402
+from trainer.model import sequence  # noqa: E402
+
+ATTENTION = {"gpt_oss": "eager"}  # no sdpa path for its sinks in transformers
+
+
+def build(model_type: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    kernel = ATTENTION.get(model_type, "sdpa")
+    return AutoModelForCausalLM.from_config(matrix_config(model_type), attn_implementation=kernel).float().train()
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(loss: float, got: dict, ref_loss: float, ref: dict) -> dict:
+    assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))[:5]
+    worst = max(((got[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref)
+    return {"loss": abs(loss - ref_loss) / abs(ref_loss), "grads": worst, "params": len(ref)}
+
+
+def sequence_parallel(model_type: str, rows: torch.Tensor, targets: float, ref: tuple, rank: int) -> dict:
+    problem = sequence.ulysses_verdict(matrix_config(model_type), "sdpa")
+    if problem is not None:
+        return {"refused": problem}
+    model = build(model_type)
+    core = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        sequence.register_ulysses(model, 2, rows.shape[0], rows.shape[-1])
+        loss = sequence_parallel_loss(model, rows, targets, 2, rank, False)
+        loss.backward()
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = core
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # the shards' summed losses over the step's targets
+    g = grads(model)
+    for t in g.values():
+        dist.all_reduce(t)  # the sequence group's gradients add up (DeepSpeed does so with its mpu)
+    return compare(total.item(), g, *ref)
+
+
+def zero3(model_type: str, rows: torch.Tensor, targets: float, ref: tuple, rank: int) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    model = build(model_type)
+    names = [n for n, p in model.named_parameters()]
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "steps_per_print": 10**9}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # each rank one row; the step's targets over ranks x micro steps, as TrainStream.loss_denominator
+    loss = plain_loss(engine, rows[rank : rank + 1], targets / 2)
+    engine.backward(loss)
+    g = {n: safe_get_full_grad(p).detach().clone() for n, p in zip(names, engine.module.parameters(), strict=True)
+         if p.requires_grad and safe_get_full_grad(p) is not None}  # fmt: skip
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    engine.destroy()
+    return compare(mean.item() / 2, g, *ref)
+
+
+def main() -> None:
+    import deepspeed
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    rows = matrix_rows()
+    targets = float((rows[:, 1, 1:] != -100).sum())
+    out = {}
+    for model_type in sys.argv[2:] or MATRIX:
+        reference = build(model_type)
+        loss = plain_loss(reference, rows, targets)  # one rank, both rows, the model's own attention
+        loss.backward()
+        ref = (loss.item(), grads(reference))
+        out[model_type] = {"sp": sequence_parallel(model_type, rows, targets, ref, rank),
+                           "zero3": zero3(model_type, rows, targets, ref, rank)}  # fmt: skip
+        if rank == 0:
+            print(model_type, json.dumps(out[model_type]), flush=True)
+    if rank == 0:
+        Path(sys.argv[1]).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
