@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def job(root: Path, tmp: Path, precision: str, steps: int, data: Path, more: list[str]) -> tuple[float, float]:
+def job(
+    root: Path, tmp: Path, precision: str, steps: int, data: Path, more: list[str]
+) -> tuple[float, float]:
     model = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
              "tie_word_embeddings": True}  # fmt: skip
@@ -61,7 +63,6 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="an override for every run (KEY=VALUE)")
     a = ap.parse_args()
     import torch
-
     from make_chat_samples import conversations, write
 
     print(f"ATen CPU capability {torch.backends.cpu.get_cpu_capability()}; {a.root}")
@@ -75,7 +76,9 @@ def main() -> None:
                 got[p].append(t)
                 print(f"round {r}: {p} {t * 1000:.0f} ms a step, last loss {loss:.6f}", flush=True)
         med = {p: statistics.median(v) for p, v in got.items()}
-        print(json.dumps({"step_s": med, **({"bf16/fp32": med["bf16"] / med["fp32"]} if len(med) == 2 else {})}))
+        print(
+            json.dumps({"step_s": med, **({"bf16/fp32": med["bf16"] / med["fp32"]} if len(med) == 2 else {})})
+        )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ subprocess.Popen.wait = _timed(subprocess.Popen.wait)
 
 
 def pytest_runtest_logreport(report):
-    if not hasattr(report, "node"):  # on the controller (or plain pytest): sum each file's time
+    if (
+        not _worker
+    ):  # on the controller (or plain pytest), which sees every worker's reports: each file's time
         _file_seconds[report.nodeid.split("::")[0]] += report.duration
 
 
@@ -66,7 +68,9 @@ def pytest_terminal_summary(terminalreporter):
     ranked = sorted(_records, key=lambda r: -r["seconds"] / r["timeout"])
     terminalreporter.section("subprocess timeouts (hang detectors): the closest to their timeout")
     for r in ranked[:10]:
-        write(f"{r['seconds']:7.1f} s of {r['timeout']:g} s ({r['seconds'] / r['timeout']:.0%})  {r['what']}  {r['test']}")
+        write(
+            f"{r['seconds']:7.1f} s of {r['timeout']:g} s ({r['seconds'] / r['timeout']:.0%})  {r['what']}  {r['test']}"
+        )
     close = [r for r in ranked if r["seconds"] * MARGIN > r["timeout"]]
     if close:
         write(f"warning: {len(close)} subprocess wait(s) used more than 1/{MARGIN} of their timeout; a host "
@@ -75,7 +79,12 @@ def pytest_terminal_summary(terminalreporter):
         Path(path).write_text(json.dumps({"subprocesses": ranked, "files": dict(_file_seconds)}, indent=1))
 
 
+_worker = False  # this process is a pytest-xdist worker (set in pytest_configure)
+
+
 def pytest_configure(config):
+    global _worker
+    _worker = hasattr(config, "workerinput")
     # Rendezvous ports: each pytest-xdist worker, and every job it starts, chooses from its own share
     # of the range (TRAINER_PORTS), so that jobs of two workers never pick the same port.
     worker = os.environ.get("PYTEST_XDIST_WORKER")

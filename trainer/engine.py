@@ -114,7 +114,10 @@ class Engine:
                     self.ds, batch, num_items, self.sp, self.sp_rank, self.one_row, self.experts
                 )
             return plain_loss(
-                self.ds, as_one_row(batch) if self.one_row and batch.dim() == 3 else batch, num_items, self.experts
+                self.ds,
+                as_one_row(batch) if self.one_row and batch.dim() == 3 else batch,
+                num_items,
+                self.experts,
             )
 
     def backward(self, loss: Any) -> Any:
@@ -193,7 +196,9 @@ def complete(
     engine.ds.train(False)
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([bos + tok(prompt, add_special_tokens=False)["input_ids"]], device=engine.device)
+            ids = torch.tensor(
+                [bos + tok(prompt, add_special_tokens=False)["input_ids"]], device=engine.device
+            )
             gen = engine.ds.module.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                 synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,

@@ -141,7 +141,9 @@ def train(
         if evaluator.due(state.step) and not stop:  # a stop's grace period is for the save
             control.heartbeat()
             with metrics.paused():  # step time and throughput count training only
-                metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine), evaluator.extra)
+                metrics.eval(
+                    state.step, evaluator.run(engine, state.step), evaluator.samples(engine), evaluator.extra
+                )
         control.heartbeat()
         with metrics.paused():
             checkpointer.offer(state, force=stop, time_due=agreed.timed, agreed=agreed)
@@ -152,7 +154,9 @@ def train(
             return state
     control.heartbeat()
     if evaluator.batches is not None and evaluator.last_step != state.step:
-        metrics.eval(state.step, evaluator.run(engine, state.step), evaluator.samples(engine), evaluator.extra)
+        metrics.eval(
+            state.step, evaluator.run(engine, state.step), evaluator.samples(engine), evaluator.extra
+        )
     control.heartbeat()
     checkpointer.offer(state, final=True)
     control.disarm()

@@ -116,8 +116,9 @@ def test_bf16_oom_escalation_climbs_0_2_3_and_finishes(tmp_path, small_data, run
     attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [x["exit"] != 0 for x in attempts] == [True, True, False]
     assert [(x["oom"] or {}).get("stage") for x in attempts] == [0, 2, None]
-    assert "on zero0 at step 8 (attempt 0): next attempt on zero2" in out
-    assert "on zero2 at step 11 (attempt 1): next attempt on zero3" in out
+    # bf16 on CPU: the tiled loss is on from the start (the faster loss there), and stays on each rung
+    assert "on zero0 with tiled loss at step 8 (attempt 0): next attempt on zero2 with activation levers: tiled loss" in out
+    assert "on zero2 with tiled loss at step 11 (attempt 1): next attempt on zero3 with activation levers: tiled loss" in out
     final = json.loads((run_dir / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
     assert final["zero_stage"] == 3 and final["step"] == 12
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -18,11 +18,9 @@ from helpers import (
     FAMILIES,
     TINY,
     data_for,
-    family_sets,
     real_chat_data,
     sets_for,
     tokenizer_dir,
-    train,
     yaml_value,
 )
 
@@ -95,7 +93,9 @@ def test_the_targets_are_the_answers_and_their_end_of_turn_token_by_token(name, 
     if name == "mistral_nemo":  # each turn's prompt holds the system prompt, as inference renders it
         systems = sum(json.loads(x)["messages"][0]["role"] == "system" for x in path.read_text().splitlines())
         assert d.finetune["template"]["turn_by_turn"] == systems > 0
-        with_system = [ex for row in d.train for ex in examples_of(row) if "You answer" in d.tokenizer.decode(ex.ids)]
+        with_system = [
+            ex for row in d.train for ex in examples_of(row) if "You answer" in d.tokenizer.decode(ex.ids)
+        ]
         assert all(d.tokenizer.decode(ex.ids).count("You answer") == 1 for ex in with_system)
 
 
@@ -175,9 +175,14 @@ def test_plain_text_and_prompts_begin_as_the_tokenizer_begins_them(name):
     docs = datasets.Dataset.from_dict({"text": ["Hello world.", "Second document."]})
     ids, _ = tokenize_documents(docs, tok, section, "text", 1)
     assert ids["ids"][0] == tok("Hello world.")["input_ids"] + [tok.eos_token_id]
-    assert ids["ids"][0][: len(BOS[name]) + 1] == BOS[name] + tok("Hello", add_special_tokens=False)["input_ids"][:1]
+    assert (
+        ids["ids"][0][: len(BOS[name]) + 1]
+        == BOS[name] + tok("Hello", add_special_tokens=False)["input_ids"][:1]
+    )
     ex = render_prompt_completion("Q: 2+2?", " 4", tok)
-    assert ex.ids == tok("Q: 2+2?")["input_ids"] + tok(" 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ex.ids == tok("Q: 2+2?")["input_ids"] + tok(" 4", add_special_tokens=False)["input_ids"] + [
+        tok.eos_token_id
+    ]
     (chat,) = render_chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tok,
                           tok.chat_template, kwargs={"date_string": "26 Jul 2024"})  # fmt: skip
     assert chat.ids[: len(BOS[name])] == BOS[name] and chat.ids.count(BOS[name][0] if BOS[name] else -1) <= 1

@@ -43,7 +43,7 @@ def test_masking_learns_fixed_answers_to_random_questions_and_train_on_prompt_ca
     with its <think> block). With the answers as targets the loss falls below 0.1; training on the
     random prompts too, it stays above 1. In fp32 (family_sets' precision), as the test above."""
     path = real_chat_data(tmp_path / "b.jsonl", rows=120, system=True, random_users=True)
-    sets = family_sets("qwen3", path, **{"train.max_steps": 36, "train.micro_batch_size": 2, "data.seq_len": 128,
+    sets = family_sets("qwen3", path, **{"train.max_steps": 48, "train.micro_batch_size": 2, "data.seq_len": 128,
                                          "train.log_every": 4,
                                          "model.config.hidden_size": 64, "model.config.intermediate_size": 128,
                                          "optim.schedule": "constant",

@@ -24,7 +24,10 @@ def digest(section, tok=None):
 @pytest.fixture
 def base(tmp_path):
     chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    chat.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+        + "\n"
+    )
     template = tmp_path / "t.jinja"
     from trainer.data.templates import BYTE_TEMPLATE
 

@@ -166,7 +166,10 @@ def test_train_on_prompt_trains_each_token_of_a_conversation_once(tok, template,
     last turn as inference sees it, every token of it a target once; the template's tail after the last
     end of turn (Llama 3.0's appended header) is not trained."""
     text = globals()[template]
-    three = CONVERSATION + [{"role": "user", "content": "And a list?"}, {"role": "assistant", "content": "Its items."}]
+    three = CONVERSATION + [
+        {"role": "user", "content": "And a list?"},
+        {"role": "assistant", "content": "Its items."},
+    ]
     examples = render_chat(three, tok, text, multi_turn=multi_turn, train_on_prompt=True)
     assert len(examples) == 1, [tok.decode(e.ids) for e in examples]
     (ex,) = examples

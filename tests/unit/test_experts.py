@@ -22,7 +22,9 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_s
 def test_mfu_counts_the_parameters_a_token_runs_through():
     """Qwen3-30B-A3B: 30.53B parameters, 3.35B a token runs through (its 8 of 128 experts); MFU's 6N
     was the 30.5B, ~9x too high. A dense model has no separate count."""
-    exp = config.load("configs/experiments/tiny.yaml", [f"model.config={__import__('json').dumps(QWEN3_30B_A3B)}"])
+    exp = config.load(
+        "configs/experiments/tiny.yaml", [f"model.config={__import__('json').dumps(QWEN3_30B_A3B)}"]
+    )
     info = model.info(exp.model, None, None)
     assert info.params == pytest.approx(30.53e9, rel=1e-3) and info.active == pytest.approx(3.353e9, rel=1e-3)
     assert "3,353,032,704 active a token" in describe_params(info)
@@ -53,7 +55,9 @@ def test_the_routers_auxiliary_loss_is_weighted_by_the_forwards_share_of_targets
     assert coef == 0.5 and isinstance(load, ExpertLoad)
     out = m(input_ids=ids, labels=ids, use_cache=False)
     main = out.loss - coef * out.aux_loss
-    assert router_loss(out.loss, out, coef, torch.tensor(30), 60.0).item() == pytest.approx((main + coef * out.aux_loss * 0.5).item())
+    assert router_loss(out.loss, out, coef, torch.tensor(30), 60.0).item() == pytest.approx(
+        (main + coef * out.aux_loss * 0.5).item()
+    )
     assert router_loss(out.loss, out, coef, torch.tensor(30), None) is out.loss  # blocks: every forward alike
 
     from trainer.model.sequence import shard
@@ -65,7 +69,9 @@ def test_the_routers_auxiliary_loss_is_weighted_by_the_forwards_share_of_targets
         o = m(input_ids=x, position_ids=pos, labels=shifted, shift_labels=shifted, num_items_in_batch=30.0,
               use_cache=False)  # fmt: skip
         weights.append(((got - (o.loss - coef * o.aux_loss)) / (coef * o.aux_loss)).item())
-    assert weights == pytest.approx([16 / 30, 14 / 30], rel=1e-5) and sum(weights) == pytest.approx(1.0, rel=1e-5)
+    assert weights == pytest.approx([16 / 30, 14 / 30], rel=1e-5) and sum(weights) == pytest.approx(
+        1.0, rel=1e-5
+    )
     counted = load.flush(1)
     assert len(counted["expert_load"]) == 2 and all(r >= 1 for r in counted["expert_load"])
 
@@ -77,7 +83,9 @@ def test_expert_load_counts_each_tokens_top_k_per_layer():
     out = plain_loss(m, ids, None, (0.5, load))
     assert torch.isfinite(out)
     counts = load.counts
-    assert counts.shape == (2, 4) and counts.sum(dim=1).tolist() == [2 * 16 * 2] * 2  # tokens x top-k, per layer
+    assert (
+        counts.shape == (2, 4) and counts.sum(dim=1).tolist() == [2 * 16 * 2] * 2
+    )  # tokens x top-k, per layer
     flushed = load.flush(1)
     want = (counts.max(dim=1).values / counts.mean(dim=1)).tolist()
     assert flushed["expert_load"] == [round(x, 3) for x in want] and load.counts is None

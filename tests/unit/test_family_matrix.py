@@ -40,7 +40,9 @@ def test_packed_rows_train_as_their_examples_one_by_one_or_are_refused(model_typ
 def test_the_chunked_loss_is_the_models_own_or_is_refused(model_type):
     cfg = matrix_config(model_type)
     torch.manual_seed(0)
-    plain = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTENTION.get(model_type, "sdpa")).float()
+    plain = AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=ATTENTION.get(model_type, "sdpa")
+    ).float()
     chunked = copy.deepcopy(plain)
     problem = chunked_loss_problem(model_type, cfg)
     if problem is not None:

@@ -15,7 +15,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from trainer.errors import UserError
 from trainer.model import sequence
 
-activations = importlib.import_module("trainer.strategy.planning.activations")  # the module (a function shares its name)
+activations = importlib.import_module(
+    "trainer.strategy.planning.activations"
+)  # the module (a function shares its name)
 
 SHAPES = {
     "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -70,7 +72,9 @@ def _reference(q, k, v, window=None):
 
 
 @pytest.mark.parametrize("window", [None, 3, 600])
-def test_the_sequence_parallel_core_keeps_examples_apart_and_windows_without_a_dense_mask(window, monkeypatch):
+def test_the_sequence_parallel_core_keeps_examples_apart_and_windows_without_a_dense_mask(
+    window, monkeypatch
+):
     """Ulysses hands the core the whole sequence with no mask: where the position ids restart, each
     example attends within itself, as it would alone, within the layer's sliding window where it passes
     one (in blocks of WINDOW_BLOCK queries: set to 4 here so that windows cross blocks); with no
@@ -94,7 +98,9 @@ def test_the_sequence_parallel_core_keeps_examples_apart_and_windows_without_a_d
     for a, b in zip(mine, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     q, k, v = q.detach(), k.detach(), v.detach()
-    kv = sequence.sequence_sdpa(module, q, k[:, :2], v[:, :2], None, position_ids=pos, sliding_window=window)[0]
+    kv = sequence.sequence_sdpa(module, q, k[:, :2], v[:, :2], None, position_ids=pos, sliding_window=window)[
+        0
+    ]
     torch.testing.assert_close(kv, sequence.sequence_sdpa(  # grouped key/value heads: repeated
         module, q, k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1), None, position_ids=pos,
         sliding_window=window)[0])  # fmt: skip
@@ -105,7 +111,9 @@ def test_the_sequence_parallel_core_refuses_what_it_cannot_honour(kwarg, why):
     q = torch.randn(1, 2, 4, 8)
     module = types.SimpleNamespace(is_causal=True)
     with pytest.raises(sequence.UnsupportedAttention, match=why):
-        sequence.sequence_sdpa(module, q, q, q, None, position_ids=torch.arange(4)[None], **{kwarg: torch.ones(2)})
+        sequence.sequence_sdpa(
+            module, q, q, q, None, position_ids=torch.arange(4)[None], **{kwarg: torch.ones(2)}
+        )
 
 
 def test_shards_cut_after_the_labels_are_shifted():
@@ -135,14 +143,30 @@ HYBRID = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
         ("lfm2", HYBRID, "layers other than its attention mix positions"),  # a convolution beside attention
         # sliding windows (the check's small model: a window of 6 in rows of 16), honoured by the core
         ("mistral", dict(SHAPES["llama"], sliding_window=16), None),
-        ("qwen2", dict(SHAPES["llama"], use_sliding_window=True, sliding_window=16, max_window_layers=0), None),
-        ("gemma3_text", dict(SHAPES["qwen3"], sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
-         None),
+        (
+            "qwen2",
+            dict(SHAPES["llama"], use_sliding_window=True, sliding_window=16, max_window_layers=0),
+            None,
+        ),
+        (
+            "gemma3_text",
+            dict(SHAPES["qwen3"], sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+            None,
+        ),
         ("phi3", dict(SHAPES["llama"], sliding_window=16, pad_token_id=0), None),
         # sinks (gpt-oss) and softcapping (Gemma 2): transformers has no sdpa path for them (the core
         # refuses both too: test_the_sequence_parallel_core_refuses_what_it_cannot_honour)
-        ("gpt_oss", dict(SHAPES["qwen3"], num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-                         layer_types=["sliding_attention", "full_attention"]), "could not be built with sdpa"),
+        (
+            "gpt_oss",
+            dict(
+                SHAPES["qwen3"],
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            "could not be built with sdpa",
+        ),
         ("gemma2", dict(SHAPES["qwen3"], sliding_window=16), "could not be built with sdpa"),
     ],
     ids=lambda x: x if isinstance(x, str) else "",

@@ -34,7 +34,11 @@ TEMPLATES = {
     "system in the last user turn": ("test", SYSTEM_LAST, (" ", "<|im_end|>")),
     "history rewritten": ("test", REWRITING, ("", "<|im_end|>")),
     "llama3_2": ("llama3_2", None, ("", "<|eot_id|>")),
-    "llama3_0 published": ("llama3_2", LLAMA3_0.replace("'<|begin_of_text|>'", "bos_token"), ("", "<|eot_id|>")),
+    "llama3_0 published": (
+        "llama3_2",
+        LLAMA3_0.replace("'<|begin_of_text|>'", "bos_token"),
+        ("", "<|eot_id|>"),
+    ),
     "qwen3": ("qwen3", None, ("<think>\n\n</think>\n\n", "<|im_end|>")),
     "gemma3": ("gemma3", None, ("", "<end_of_turn>")),
     "mistral_nemo": ("mistral_nemo", None, ("", "</s>")),
@@ -110,4 +114,6 @@ def test_each_turns_targets_are_the_text_the_template_renders_for_it(name, shape
                                      return_assistant_tokens_mask=True)  # fmt: skip
         whole = [ex for ex in examples if len(ex.ids) == len(hf["input_ids"])]
         if len(examples) == 1:
-            assert whole[0].ids == hf["input_ids"] and whole[0].targets == [bool(x) for x in hf["assistant_masks"]]
+            assert whole[0].ids == hf["input_ids"] and whole[0].targets == [
+                bool(x) for x in hf["assistant_masks"]
+            ]

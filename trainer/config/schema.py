@@ -72,7 +72,9 @@ def chunked_loss_problem(model_type: str | None, config: Any = None) -> str | No
     get = config.get if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
     for name, what in CHUNKED_LOSS_FIELDS.items():
         value = get(name) if config is not None else None
-        idle = value is None or value is False or (name == "logit_scale" and value == 1)  # a scale of 1 is none
+        idle = (
+            value is None or value is False or (name == "logit_scale" and value == 1)
+        )  # a scale of 1 is none
         if not idle:
             return f"the model's config sets {name} ({value!r}: it {what}), which the tiled loss leaves out; set it to false"
     if model_type in CHUNKED_LOSS_TYPES:

@@ -209,7 +209,10 @@ def _probe_eot(tok: Any, p: Profile) -> str:
         t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if getattr(t, "special", False)
     }
     for system in (False, True):
-        messages = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": _EOT_MARK}]
+        messages = [
+            {"role": "user", "content": "What is 1 + 1?"},
+            {"role": "assistant", "content": _EOT_MARK},
+        ]
         if system:
             messages.insert(0, {"role": "system", "content": "You answer briefly."})
         try:

@@ -118,7 +118,11 @@ def tokenizer_id(tok: Any, spec: str) -> str:
     tokenizer_config.json's eos_token) makes another key."""
     h = hashlib.sha256()
     backend = getattr(tok, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None else json.dumps(sorted(tok.get_vocab().items())).encode())
+    h.update(
+        backend.to_str().encode()
+        if backend is not None
+        else json.dumps(sorted(tok.get_vocab().items())).encode()
+    )
     settings = {k: v for k, v in getattr(tok, "init_kwargs", {}).items() if k != "name_or_path"}
     h.update(json.dumps([settings, tok.special_tokens_map, getattr(tok, "chat_template", None)],
                         sort_keys=True, default=_plain).encode())  # fmt: skip

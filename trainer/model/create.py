@@ -366,7 +366,9 @@ def disable_dropout(model: Any) -> int:
                 on += 1
                 setattr(m, name, 0.0)
     cfg = getattr(model, "config", None)
-    for c in {id(x): x for x in (cfg, getattr(cfg, "get_text_config", lambda: None)()) if x is not None}.values():
+    for c in {
+        id(x): x for x in (cfg, getattr(cfg, "get_text_config", lambda: None)()) if x is not None
+    }.values():
         for name, value in list(vars(c).items()):
             if isinstance(value, float) and name.endswith(("dropout", "pdrop")):
                 setattr(c, name, 0.0)

@@ -73,8 +73,10 @@ class ExpertLoad:
         if not logits:
             return
         rows = [
-            torch.bincount(x.detach().reshape(-1, x.shape[-1]).topk(self.k, dim=-1).indices.reshape(-1),
-                           minlength=self.experts)[: self.experts]  # fmt: skip
+            torch.bincount(
+                x.detach().reshape(-1, x.shape[-1]).topk(self.k, dim=-1).indices.reshape(-1),
+                minlength=self.experts,
+            )[: self.experts]  # fmt: skip
             for x in logits
             if x is not None
         ]

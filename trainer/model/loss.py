@@ -139,7 +139,9 @@ def linear_cross_entropy(
 def attach(model: Any, zero3: bool = False) -> Any:
     """Give `model` (a transformers causal LM) the chunked loss; returns the model."""
     config = getattr(model, "config", None)
-    problem = chunked_loss_problem(getattr(config, "model_type", None), getattr(config, "get_text_config", lambda: config)())
+    problem = chunked_loss_problem(
+        getattr(config, "model_type", None), getattr(config, "get_text_config", lambda: config)()
+    )
     if problem:
         raise UserError(f"model.chunked_loss: {problem}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -31,8 +31,6 @@ from typing import Any
 IGNORE = -100
 
 
-
-
 class UnsupportedAttention(Exception):
     """An attention argument the sequence-parallel core cannot honour (sinks, softcapping): refused at
     the plan by the family check (ulysses_verdict) with this reason."""
@@ -53,7 +51,9 @@ def sequence_sdpa(
     import torch
 
     if kwargs.get("s_aux") is not None:
-        raise UnsupportedAttention("its attention adds learned sinks (s_aux), which sequence parallelism's sdpa core does not")
+        raise UnsupportedAttention(
+            "its attention adds learned sinks (s_aux), which sequence parallelism's sdpa core does not"
+        )
     if kwargs.get("softcap") is not None:
         raise UnsupportedAttention("its attention softcaps the logits, which sdpa cannot")
     if not getattr(module, "is_causal", True) or is_causal is False:
@@ -74,7 +74,9 @@ def sequence_sdpa(
     return torch.cat(parts).view(batch, n, heads, size), None
 
 
-def _causal(q: Any, k: Any, v: Any, window: int | None, dropout: float, scale: float | None, gqa: dict) -> list:
+def _causal(
+    q: Any, k: Any, v: Any, window: int | None, dropout: float, scale: float | None, gqa: dict
+) -> list:
     """Causal attention of one example ((heads, tokens, size)), within `window` keys back where there
     is one: its output as pieces of (tokens, heads, size). A window: blocks of WINDOW_BLOCK queries,
     each against the blocks of keys its window reaches, with one mask for the blocks of the same shape."""
@@ -272,7 +274,10 @@ def _ulysses_problem(config: Any, kernel: str) -> str | None:
     pos = torch.stack([torch.arange(n), torch.cat([torch.arange(first), torch.arange(n - first)])])
     try:
         with torch.no_grad():
-            alone = [model(input_ids=x[None], use_cache=False).logits[0] for x in (ids[0], ids[1, :first], ids[1, first:])]
+            alone = [
+                model(input_ids=x[None], use_cache=False).logits[0]
+                for x in (ids[0], ids[1, :first], ids[1, first:])
+            ]
     except Exception as e:  # noqa: BLE001 (a family whose small model does not run: unchecked, so refused)
         return f"a small model of it did not run to check it ({type(e).__name__}: {str(e)[:150]})"
     want = torch.stack([alone[0], torch.cat(alone[1:])])
