@@ -14,7 +14,8 @@ Production code calls a `Faults` object (bound to this rank and attempt) at name
   `at("killcommit", step)`: killsave (SIGKILL once this rank's files are written, after a 2 s pause
   so that the other ranks finish theirs), slowsave (M ms longer), failsave (an OSError "no space
   left on device"), killcommit (SIGKILL after every rank wrote its files, before `latest` is
-  replaced);
+  replaced); `stuck_file(step, path)` before each file of a background write: hangwrite (the file a
+  FIFO nobody reads, so that opening it blocks as on a hung network mount);
 - `stale_resume()`, when choosing the checkpoint to resume: staleresume@0 (this rank takes the one
   before the latest, as a node-local or stale run_dir would show it);
 - `conversion()`, in the process converting a checkpoint for another stage or world size, before
@@ -151,6 +152,13 @@ class Faults:
                 errno.ENOSPC,
                 f"No space left on device (injected failsave at rank {self.rank} step {step}, TRAINER_FAULT)",
             )
+
+    def stuck_file(self, step: int, path: Any) -> None:
+        """hangwrite: `path` becomes a FIFO with no reader, so that the writer blocks opening it, as
+        on a hung NFS or Lustre mount."""
+        if self._due("hangwrite", step) and not os.path.exists(path):
+            log.warning(f"injected hangwrite at rank {self.rank} step {step}: {path} is a FIFO (TRAINER_FAULT)")
+            os.mkfifo(path)
 
     def after_write(self, step: int) -> None:
         """killsave: die once this rank's files are written (before the checkpoint is committed)."""

@@ -187,3 +187,23 @@ def test_stragglers_are_named(slow_then_nan):
     assert re.search(r"straggler: rank 1 on \S+ spends \d+ ms per step", r.output)
     last = [m for m in r.metrics if "loss" in m][-1]
     assert last["step"] == 4 and [s["rank"] for s in last["stragglers"]] == [1] and len(last["rank_busy_s"]) == 2
+
+
+def test_a_background_write_stuck_on_a_hung_mount_ends_the_job_within_the_watchdog_timeout(tmp_path):
+    """Every rank's background write of the step-6 checkpoint blocks opening its first file (a FIFO
+    nobody reads, as a hung NFS or Lustre mount blocks); training goes on to step 8, where the final
+    save waits for it. The wait pets the watchdog only while bytes are written, so the watchdog ends
+    the job after dist.watchdog_s (it petted it every second for as long as the writer thread lived:
+    the job hung forever), and `latest` still names step 3."""
+    sets = {"train.max_steps": 8, "checkpoint.every_steps": 3, "checkpoint.async": True, "dist.watchdog_s": 20,
+            "checkpoint.save_final": True}  # fmt: skip
+    r, took = launch(tmp_path, "deepspeed", "hangwrite@6", sets=sets, timeout=240)
+    assert r.returncode != 0 and "injected hangwrite at rank 1 step 6" in r.output, r.output[-3000:]
+    assert "made no progress (no step, eval or save) for 20 s" in r.output, r.output[-3000:]
+    last = max(t for t, line in r.lines if re.search(r"step +8/8", line))
+    after = took - last
+    print(f"the writes hung at step 6; the final save waited from step 8; the job exited {r.returncode} "
+          f"{after:.1f} s later (watchdog 20 s)")  # fmt: skip
+    assert 20 - 2 <= after < 20 + 25, after
+    latest = (r.run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_00000003", latest

@@ -132,12 +132,28 @@ def snapshot_engine(base: Any, copier: HostCopier) -> Any:
     return SnapshotEngine()
 
 
-def write_file(path: Path, obj: Any, zipfile: bool = True) -> int:
-    """torch.save, then fsync: the bytes are on disk before the checkpoint can be committed."""
+class _Counted:
+    """A binary file that counts the bytes written through it (a Writer's progress)."""
+
+    def __init__(self, f: Any, count: Any) -> None:
+        self._f, self._count = f, count
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        self._count(len(data) if n is None else n)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def write_file(path: Path, obj: Any, zipfile: bool = True, count: Any = None) -> int:
+    """torch.save, then fsync: the bytes are on disk before the checkpoint can be committed. `count`:
+    called with the bytes of each write (progress)."""
     import torch
 
     with open(path, "wb") as f:
-        torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
+        torch.save(obj, _Counted(f, count) if count is not None else f, _use_new_zipfile_serialization=zipfile)
         f.flush()
         os.fsync(f.fileno())
         return f.tell()
@@ -159,6 +175,7 @@ class Writer:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.bytes = 0
+        self.progress = 0  # bytes written so far, as they go (a file half written counts its half)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{step}", daemon=True)
         self._thread.start()
@@ -170,7 +187,8 @@ class Writer:
             self.faults.before_write(self.step)
             dirs = set()
             for path, obj in self.files:
-                self.bytes += write_file(path, obj, self.zipfile)
+                self.faults.stuck_file(self.step, path)
+                self.bytes += write_file(path, obj, self.zipfile, self._advance)
                 dirs.add(path.parent)
             for d in dirs:
                 fsync_dir(d)
@@ -183,6 +201,9 @@ class Writer:
             self.seconds = time.perf_counter() - t0
             self._done.set()
 
+    def _advance(self, n: int) -> None:
+        self.progress += n
+
     @property
     def status(self) -> int:
         if not self._done.is_set():
@@ -190,9 +211,13 @@ class Writer:
         return FAILED if self.error is not None else DONE
 
     def wait(self, heartbeat: Any = None, poll_s: float = 1.0) -> None:
-        """Until the write is done (calling `heartbeat` while it goes on: a long write is progress)."""
+        """Until the write is done, calling `heartbeat` (the watchdog's) whenever bytes were written
+        since the last look: a long write is progress, a write stuck on a hung mount is not, and the
+        watchdog ends the job after dist.watchdog_s as it would a stuck synchronous save."""
+        seen = self.progress
         while not self._done.wait(poll_s):
-            if heartbeat is not None:
+            if heartbeat is not None and self.progress != seen:
+                seen = self.progress
                 heartbeat()
         # The thread itself ends too: a daemon thread still alive when the interpreter finalizes is
         # stopped where it stands (inside torch's C++ that can abort the process).
