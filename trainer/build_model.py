@@ -27,6 +27,14 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         seq_len=exp.data.seq_len,
         ds_config=planned.ds_config,
     )
+    if exp.train.objective != "sft" and getattr(
+        module.config.get_text_config(), "output_router_logits", False
+    ):
+        raise UserError(
+            f"train.objective: {exp.train.objective} computes each response's log-probability without labels, so the "
+            "router's auxiliary loss that output_router_logits asks for would never be added; set "
+            "model.config.output_router_logits: false (the router trains on the objective alone) or train sft"
+        )
     if exp.train.objective != "sft" and exp.train.preference.disable_dropout:
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
     groups = model.param_groups(module, exp.optim.weight_decay)

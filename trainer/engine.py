@@ -144,7 +144,12 @@ class Engine:
         with torch.no_grad():
             if self.objective is not None:  # the pairs' losses, summed (eval_weight: the pairs)
                 return self.objective.forward(self.ds, batch.to(self.device), training=False, split="eval")
-            return self._loss(batch.to(self.device, non_blocking=True), 1.0).detach()
+            experts = self.experts  # eval: the LM loss alone (no auxiliary term), no expert load counted
+            self.experts = None if experts is None else (experts[0], None)
+            try:
+                return self._loss(batch.to(self.device, non_blocking=True), 1.0).detach()
+            finally:
+                self.experts = experts
 
     def eval_weight(self, batch: Any) -> Any:
         """What `eval_loss` of this batch counts for in a mean: its target tokens (this rank's shard's,
@@ -196,8 +201,10 @@ def complete(
     engine.ds.train(False)
     with torch.no_grad():
         for prompt in prompts:
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
             ids = torch.tensor(
-                [bos + tok(prompt, add_special_tokens=False)["input_ids"]], device=engine.device
+                [ids if ids[: len(bos)] == bos else bos + ids],
+                device=engine.device,  # a chat prompt has it
             )
             gen = engine.ds.module.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
@@ -236,6 +243,9 @@ def _with_router(out: Any, experts: Any, targets: Any, num_items: float | None) 
         return loss
     from trainer.model.experts import router_loss
 
+    if experts[1] is None:  # eval: transformers' loss less its auxiliary term
+        aux = getattr(out, "aux_loss", None)
+        return loss if aux is None else loss - experts[0] * aux.to(loss.dtype)
     experts[1].update(out)
     return router_loss(loss, out, experts[0], targets, num_items)
 

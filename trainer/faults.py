@@ -157,7 +157,9 @@ class Faults:
         """hangwrite: `path` becomes a FIFO with no reader, so that the writer blocks opening it, as
         on a hung NFS or Lustre mount."""
         if self._due("hangwrite", step) and not os.path.exists(path):
-            log.warning(f"injected hangwrite at rank {self.rank} step {step}: {path} is a FIFO (TRAINER_FAULT)")
+            log.warning(
+                f"injected hangwrite at rank {self.rank} step {step}: {path} is a FIFO (TRAINER_FAULT)"
+            )
             os.mkfifo(path)
 
     def after_write(self, step: int) -> None:

@@ -51,6 +51,8 @@ class FixedBatch:
         self._stream = stream
 
     def __getattr__(self, name: str) -> Any:  # the rest as the stream has it (the banner's padding())
+        if "_stream" not in self.__dict__ or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self.__dict__["_stream"], name)
 
     def loss_denominator(self, micro_steps: int) -> float | None:

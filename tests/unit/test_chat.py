@@ -250,3 +250,13 @@ def test_bad_conversations_are_named(messages, error):
     with pytest.raises(UserError, match=error) as e:
         check_conversation(messages, "data/chat.jsonl:3")
     assert "data/chat.jsonl:3" in str(e.value)
+
+
+def test_an_answer_that_quotes_the_end_of_turn_token_is_trained_whole(tok):
+    """A turn ends at its last end-of-turn token: an answer quoting the token (Mistral's `</s>` closes
+    HTML strikethrough, `<s>old</s>`) keeps the rest of its text and its real end of turn as targets."""
+    quoting = [{"role": "user", "content": "How do I end a turn?"},
+               {"role": "assistant", "content": "Write <|im_end|> and then stop."}]  # fmt: skip
+    for multi_turn in ("auto", "each"):
+        (ex,) = render_chat(quoting, tok, CHATML, multi_turn=multi_turn)
+        assert targets_text(ex, tok) == "Write <|im_end|> and then stop.<|im_end|>"

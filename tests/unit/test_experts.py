@@ -91,3 +91,17 @@ def test_expert_load_counts_each_tokens_top_k_per_layer():
     assert flushed["expert_load"] == [round(x, 3) for x in want] and load.counts is None
     assert target_count(ids) == 2 * 15
     assert active_params(m, m.config) < sum(p.numel() for p in m.parameters())
+
+
+def test_the_eval_loss_of_a_mixture_of_experts_leaves_the_auxiliary_loss_out():
+    """Eval (engine.eval_loss passes the router without its load counter): transformers' loss less the
+    auxiliary term, so eval loss and perplexity are the LM's; no expert load is counted."""
+    from trainer.engine import _with_router
+
+    m = tiny_moe()
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = m(input_ids=ids, labels=ids, use_cache=False)
+    got = _with_router(out, (0.5, None), torch.tensor(30), 1.0)
+    assert got.item() == pytest.approx((out.loss - 0.5 * out.aux_loss).item())
+    plain = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    assert got.item() == pytest.approx(plain.item(), rel=1e-5)

@@ -153,7 +153,9 @@ def write_file(path: Path, obj: Any, zipfile: bool = True, count: Any = None) ->
     import torch
 
     with open(path, "wb") as f:
-        torch.save(obj, _Counted(f, count) if count is not None else f, _use_new_zipfile_serialization=zipfile)
+        torch.save(
+            obj, _Counted(f, count) if count is not None else f, _use_new_zipfile_serialization=zipfile
+        )
         f.flush()
         os.fsync(f.fileno())
         return f.tell()

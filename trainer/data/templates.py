@@ -77,10 +77,11 @@ class Profile:
     eot: str = ""  # the special token that ends an assistant turn, as text ("" when the probe found none)
 
     def turn_end(self, rendered: str, start: int) -> int:
-        """Where the assistant turn that starts at `start` of `rendered` ends: just after its end-of-turn
-        token; the rendering's end when the template closes no turn with one (then the turn's last
-        special token ends its targets, chat._targets)."""
-        at = rendered.find(self.eot, start) if self.eot else -1
+        """Where the assistant turn that starts at `start` of `rendered` (a rendering that ends with
+        the turn) ends: just after its last end-of-turn token, so that content quoting it (`<s>old</s>`
+        under Mistral's `</s>`) stays in the turn; the rendering's end when the template closes no
+        turn with one (then the turn's last special token ends its targets, chat._targets)."""
+        at = rendered.rfind(self.eot, start) if self.eot else -1
         return len(rendered) if at < 0 else at + len(self.eot)
 
     @property

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ModelSection, thaw
+from trainer.config import ModelSection, chunked_loss_problem, thaw
 from trainer.errors import UserError
 from trainer.files import write_atomic
 from trainer.strategy import ModelInfo
@@ -215,7 +215,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 8,  # 4: intermediate and kv_heads; 5: ulysses; 6: its check drops the masks; 7: window; 8: active
+        "v": 9,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -259,6 +259,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable,
         param_sizes=sizes(module), intermediate=_gated_width(module, cfg), **_shape(cfg),
         ulysses=ulysses_verdict(cfg, "sdpa"), active=active_params(module, cfg),
+        chunked_problem=chunked_loss_problem(getattr(cfg, "model_type", None), cfg.get_text_config()),
     )  # fmt: skip
 
 
@@ -352,8 +353,9 @@ def build(
 
 def disable_dropout(model: Any) -> int:
     """Every dropout of `model` off (train.preference.disable_dropout): the dropout layers' p (peft's
-    adapter dropout among them), the float rates attention kernels read off their module
-    (`attention_dropout`) and the config's; returns how many were on."""
+    adapter dropout among them) and the float rates attention kernels read off their module
+    (`attention_dropout`); not the config, which checkpoints and exports save (a later fine-tune keeps
+    the model's dropout). Returns how many were on."""
     import torch
 
     on = 0
@@ -365,13 +367,6 @@ def disable_dropout(model: Any) -> int:
             if isinstance(value, float) and name.endswith(("dropout", "pdrop")) and value > 0:
                 on += 1
                 setattr(m, name, 0.0)
-    cfg = getattr(model, "config", None)
-    for c in {
-        id(x): x for x in (cfg, getattr(cfg, "get_text_config", lambda: None)()) if x is not None
-    }.values():
-        for name, value in list(vars(c).items()):
-            if isinstance(value, float) and name.endswith(("dropout", "pdrop")):
-                setattr(c, name, 0.0)
     return on
 
 

@@ -90,6 +90,9 @@ def _causal(
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scale,
                                              **gqa)  # fmt: skip
         return [out[0].transpose(0, 1)]
+    if gqa and q.device.type == "cuda":  # a mask: CUDA's flash kernels take none, its memory-efficient
+        k, v = (x.repeat_interleave(q.shape[0] // x.shape[0], dim=0) for x in (k, v))  # ones no grouped heads
+        gqa = {}
     qs, ks, vs = (x.split(block, dim=1) for x in (q, k, v))
     back = -(-(window - 1) // block)  # key blocks before a query block that its window reaches
     pieces, masks = [], {}

@@ -113,7 +113,8 @@ def activations(
 # no n x n mask): the gradients of the gathered query, key, value and output and the kernels' buffers
 # (4). A sliding window shorter than the sequence runs in blocks of WINDOW_BLOCK queries, each keeping
 # a copy of the key and value blocks its window reaches (1 + window / WINDOW_BLOCK of them) for
-# backward. Measured on CPU (tests/unit/test_sequence.py, a row of 4 packed examples): 6.8 contexts
+# backward, counted with every query head's (on CUDA grouped key/value heads are repeated there: its
+# kernels that take a mask take no groups). Measured on CPU (tests/unit/test_sequence.py, a row of 4 packed examples): 6.8 contexts
 # without a window and 12.1 with one of 1,024 at 32,768 tokens in fp32, with the output the layers'
 # count holds (2 contexts).
 SEQUENCE_ATTENTION_CONTEXTS = 8
@@ -125,8 +126,7 @@ def sequence_attention_bytes(info: ModelInfo, micro_batch: int, seq_len: int, lp
     `sp` (see SEQUENCE_ATTENTION_CONTEXTS): no term grows with seq_len squared."""
     contexts = SEQUENCE_ATTENTION_CONTEXTS
     if info.window and info.window < seq_len:
-        kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
-        contexts += 2 * (1 + math.ceil((info.window - 1) / WINDOW_BLOCK)) * kv
+        contexts += 2 * (1 + math.ceil((info.window - 1) / WINDOW_BLOCK))
     return int(contexts * seq_len / sp * micro_batch * (info.hidden or 0) * lp)
 
 

@@ -35,6 +35,7 @@ class ModelInfo:
     ulysses: str | None = None  # why DeepSpeed's Ulysses cannot wrap this family's attention (None: it can)
     window: int | None = None  # sliding-window attention's window (Mistral, Gemma 3's local layers...)
     active: int | None = None  # a mixture of experts: parameters a token runs through (None: dense, all)
+    chunked_problem: str | None = None  # why model.chunked_loss cannot serve this model and config
 
 
 def describe_params(info: ModelInfo, lora: Any = None) -> str:

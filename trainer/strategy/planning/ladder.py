@@ -406,7 +406,12 @@ def _chunked_loss_hint(
     """When nothing fits and the whole logits cost a rung of the ladder (or every rung): what
     model.chunked_loss would save per rank, and the rung that would then fit. Empty when it would
     change nothing."""
-    if levers.chunked_loss or exp.model.factory is not None or chunked_loss_problem(info.model_type):
+    if (
+        levers.chunked_loss
+        or exp.model.factory is not None
+        or info.chunked_problem
+        or chunked_loss_problem(info.model_type)
+    ):
         return ""
     import dataclasses as dc
 

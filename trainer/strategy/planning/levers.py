@@ -110,7 +110,8 @@ def tiled_loss_by_default(exp: Experiment, info: ModelInfo, device_type: str, pr
 def _tiled_loss_allowed(exp: Experiment, info: ModelInfo) -> bool:
     # a preference objective needs each response's log-prob, which the tiled loss does not give
     sft = exp.train.objective == "sft"
-    return sft and exp.model.factory is None and not chunked_loss_problem(info.model_type)
+    problem = info.chunked_problem or chunked_loss_problem(info.model_type)
+    return sft and exp.model.factory is None and not problem
 
 
 def lever_sets(
