@@ -118,6 +118,7 @@ def activations(
 # without a window and 12.1 with one of 1,024 at 32,768 tokens in fp32, with the output the layers'
 # count holds (2 contexts).
 SEQUENCE_ATTENTION_CONTEXTS = 8
+SEQUENCE_ATTENTION_BACKWARD = 6  # of which alive only in a layer's backward (autograd saves none of it)
 WINDOW_BLOCK = 512  # sliding-window attention: queries a call, against the blocks of keys the window reaches
 
 
