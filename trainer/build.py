@@ -207,6 +207,7 @@ def build(
         checkpoints_dir(exp.run_dir), engine=engine, stream=stream, exp=exp, rank=env.rank,
         world_size=env.world_size, plan=planned.plan.summary(), layout=layout, faults=faults,
         data_fingerprint=data.fingerprint, recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
+        resumed_from=str(resume.found.path.resolve()) if resume is not None else None,
     )  # fmt: skip
     background, _ = planned.plan.checkpoint_async(exp.checkpoint.async_)
     checkpointer = Checkpointer(
@@ -286,6 +287,11 @@ def claim_and_agree(
     if resume is not None and resume.done(exp, env.rank):
         return None
     notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
+    if resume is not None and runtime.is_main:  # a rollback: the newer checkpoints are another line
+        from trainer.checkpoint.disk import checkpoints_dir, fork
+
+        forked = fork(checkpoints_dir(exp.run_dir), resume.found, keep=exp.checkpoint.on_rollback == "keep")
+        notes += [forked] if forked else []
     return data, hosts, notes
 
 

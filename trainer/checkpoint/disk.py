@@ -175,6 +175,46 @@ def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Fou
     )
 
 
+def fork(root: Path, found: Found, keep: bool) -> str | None:
+    """A resume from `found` while `root` holds newer checkpoints (a rollback: `--resume
+    .../step_00000020` after training went on to 60): those belong to the abandoned line. They are
+    moved to `root/abandoned/<found's tag>-<time>/` (`keep`) or deleted, and `latest` names `found`
+    (or, when it lies in another directory, the newest left here), so that neither a plain `--resume`
+    (the supervisor's restart) nor pruning ever takes the abandoned line for this one. Rank 0, before
+    the first step. Returns what it did, for the banner (None: nothing newer)."""
+    import time as _time
+
+    newer = [f for f in complete(root) if f.step > found.step and f.path.resolve() != found.path.resolve()]
+    newer += [d for d in root.iterdir() if d.is_dir() and d.name.startswith(STAGING_PREFIX)] if root.is_dir() else []
+    if not newer:
+        return None
+    names = [getattr(f, "tag", getattr(f, "name", "")) for f in newer]
+    aside = root / "abandoned" / f"{found.tag}-{_time.strftime('%Y%m%d-%H%M%S')}"
+    if keep:
+        aside.mkdir(parents=True, exist_ok=True)
+    for item in newer:
+        path = getattr(item, "path", item)
+        if keep:
+            os.rename(path, aside / path.name)
+        else:
+            trash = root / (TRASH_PREFIX + path.name)
+            os.rename(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+    here = [f for f in complete(root) if f.step <= found.step]
+    target = found.tag if found.path.parent.resolve() == root.resolve() else (here[-1].tag if here else None)
+    if target is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(root / LATEST)
+    else:
+        write_atomic(root / LATEST, target + "\n", durable=True)
+    fsync_dir(root)
+    where = f"moved to {aside}" if keep else "removed (checkpoint.on_rollback: remove)"
+    return (
+        f"rollback: resumed from {found.tag}, older than this run directory's newest; the abandoned line's "
+        f"{', '.join(sorted(names))} {where}, so that no restart resumes it; `latest` names {target or 'nothing yet'}"
+    )
+
+
 # ----------------------------------------------------------------------------- the commit, retention
 
 

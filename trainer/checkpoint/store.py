@@ -92,6 +92,7 @@ class Store:
     data_fingerprint: dict[str, Any] = field(default_factory=dict)  # Data.fingerprint, compared on resume
     recent: Callable[[], dict[str, Any]] | None = None  # what trainer_state.json shows of the run so far
     on_save: Callable[[int], None] | None = None  # tests: called on every rank with the step after each save
+    resumed_from: str | None = None  # the checkpoint this run resumed from (its lineage; None: a fresh start)
     _group: Any = None
     copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
     omit_frozen: bool = False  # model.lora from model.pretrained: the frozen base stays out (frozen.py)
@@ -261,4 +262,5 @@ def metadata(store: Store, state: Any) -> dict[str, Any]:
         # bf16/fp16 optimizer state (export) needs them; the module alone does not say.
         "param_groups": store.layout[0],
         "tied": store.layout[1],
+        "resumed_from": store.resumed_from,  # the lineage: which checkpoint this line continued
     }

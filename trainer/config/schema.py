@@ -343,6 +343,12 @@ class CheckpointSection(Section):
         "paper's fleet: 419 interruptions in 54 days on 2,048 nodes of 8 H100s",
     )
     keep_last: int = Field(3, ge=0, description="keep the newest N complete checkpoints (0 = all)")
+    on_rollback: choice("keep", "remove") = Field(
+        "keep",
+        description="resuming from a checkpoint older than the run directory's newest (a rollback): keep = the "
+        "newer checkpoints of the abandoned line are moved to checkpoints/abandoned/, remove = deleted; either way "
+        "they are never resumed or pruned by mistake (see docs/checkpoints.md)",
+    )
     save_final: bool = Field(True, description="save at the end of training")
     save_on_signal: bool = Field(True, description="on SIGTERM/SIGUSR1: finish the step, save, exit")
     signal_exit_code: int = Field(0, ge=0, le=255, description="exit status after a save on a signal")
