@@ -180,7 +180,7 @@ def build(
     agreed = claim_and_agree(exp, runtime, resume, planned.plan)
     if agreed is None:
         return None
-    data, hosts, notes = agreed
+    data, hosts, notes, resume = agreed
     from trainer.build_model import model_and_engine
 
     engine, layout = model_and_engine(exp, env, planned, data)
@@ -253,10 +253,11 @@ def prepare_objective(exp: Experiment, env: Any, engine: Any, data: Any, mets: A
 
 def claim_and_agree(
     exp: Experiment, runtime: Any, resume: Any, plan: Any
-) -> tuple[Any, list[str], list[str]] | None:
+) -> tuple[Any, list[str], list[str], Any] | None:
     """The run directory (rank 0 holds it), the data, then one gather before anything else is built:
     the run directory is ours, every rank resumes from the same checkpoint and reads the same data.
-    Returns (data, every rank's host, notes on changed data), or None: nothing left to train."""
+    Returns (data, every rank's host, notes on changed data, the resume as checked), or None:
+    nothing left to train."""
     from trainer import consistency, rundir
     from trainer import data as data_mod
 
@@ -284,6 +285,7 @@ def claim_and_agree(
     )
     if lock is not None and runtime.is_main:
         log.warning(lock)  # the filesystem has no locks
+    resume = undamaged(exp, env, resume)
     if resume is not None and resume.done(exp, env.rank):
         return None
     notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
@@ -292,7 +294,39 @@ def claim_and_agree(
 
         forked = fork(checkpoints_dir(exp.run_dir), resume.found, keep=exp.checkpoint.on_rollback == "keep")
         notes += [forked] if forked else []
-    return data, hosts, notes
+    return data, hosts, notes, resume
+
+
+def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
+    """The checkpoint to resume from, its files' bytes checked against their writers' digests before
+    anything loads (every rank a share; disk.verify_digests): a damaged one stops a `--resume PATH` run
+    naming the file, and otherwise every rank falls back to the newest earlier complete checkpoint
+    that passes, saying so (a file zeroed in place kept its size, and torch's zip CRC failed only
+    while loading, which ended the run)."""
+    from trainer import consistency
+    from trainer.checkpoint import Resume, before, check_compatible, verify
+    from trainer.checkpoint.disk import verify_digests
+    from trainer.errors import UserError
+
+    while resume is not None:
+        found = resume.found
+        problems = sum(consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size), [])
+        if not problems:
+            return resume
+        if resume.explicit:
+            raise UserError(f"--resume {found.path}: the checkpoint is damaged: " + "; ".join(problems[:5]),
+                            everywhere=True)  # fmt: skip
+        older = before(found)
+        while older is not None and verify(older.path, older.state):
+            older = before(older)
+        if older is None:
+            raise UserError(f"{found.path} is damaged ({'; '.join(problems[:3])}) and no earlier complete checkpoint "
+                            "is left to resume from; start fresh in another run_dir", everywhere=True)  # fmt: skip
+        said = f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); resuming from {older.tag} instead"
+        if env.rank == 0:
+            log.warning(f"warning: {said}")
+        resume = Resume(older, [*resume.warnings, said], check_compatible(older, exp))
+    return None
 
 
 def eval_prompts(exp: Experiment, data: Any) -> list[str]:

@@ -439,7 +439,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     resume = None
     if found is not None:
         diffs = checkpoint.check_compatible(found, exp)
-        resume = checkpoint.Resume(found, warnings, diffs)
+        resume = checkpoint.Resume(found, warnings, diffs, explicit=args.resume not in (None, "latest"))
         if (
             resume.done(exp, dist.detect().rank) and dist.detect().world_size == 1
         ):  # several ranks: once they agree on it

@@ -97,6 +97,26 @@ def verify(path: Path, state: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def verify_digests(found: Found, rank: int = 0, world: int = 1) -> list[str]:
+    """Problems with the bytes of a checkpoint's files against the digests their writers recorded
+    (a file zeroed or overwritten in place keeps its size): this rank's share of them (every
+    `world`-th file from `rank`), so that the ranks read the checkpoint once between them."""
+    from trainer.checkpoint.writer import file_digest
+
+    digests = found.state.get("digests") or {}
+    out = []
+    for rel in sorted(digests)[rank::world]:
+        path = found.path / rel
+        try:
+            got = file_digest(path)
+        except OSError as e:
+            out.append(f"{path}: {e.strerror or e}")
+            continue
+        if got != digests[rel]:
+            out.append(f"{path} holds other bytes than were written (corrupted in place: its digest differs)")
+    return out
+
+
 def complete(root: Path) -> list[Found]:
     """Complete checkpoints under a checkpoints directory, oldest first (final names only)."""
     out = []
@@ -231,21 +251,30 @@ class CheckpointDir:
         return self.root / (STAGING_PREFIX + tag)
 
     def write_manifest(
-        self, stage_dir: Path, meta: dict[str, Any], ds_config: Any, exp: Any, fsync: bool = True
-    ) -> None:
+        self, stage_dir: Path, meta: dict[str, Any], ds_config: Any, exp: Any,
+        reported: list[dict[str, tuple[int, str]]] = (),
+    ) -> None:  # fmt: skip
         """The metadata of a save whose files are all written: ds_config.json, experiment.yaml, then
-        trainer_state.json (`meta` and the manifest: every file with its size) written atomically.
-        `fsync`: make every file durable here (a background writer has fsynced its own)."""
+        trainer_state.json (`meta` and the manifest) written atomically. The manifest holds every
+        file each rank `reported` (its path in the checkpoint: (bytes, digest), written and fsynced by
+        that rank), and what rank 0 finds here that no rank reported (its metadata, DeepSpeed's
+        script), fsynced and digested here: `files` (sizes), `digests` and `writers` (the reporting rank)."""
+        from trainer.checkpoint.writer import file_digest
+
         (stage_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
         (stage_dir / "experiment.yaml").write_text(exp.to_yaml())
-        files = {}
+        files, digests, writers = {}, {}, {}
+        for rank, rows in enumerate(reported):
+            for rel, (size, digest) in rows.items():
+                files[rel], digests[rel], writers[rel] = size, digest, rank
         for p in sorted(stage_dir.rglob("*")):
-            if p.is_file() and p.name != STATE:
-                if fsync or p.name in ("ds_config.json", "experiment.yaml") or p.suffix == ".py":
-                    with open(p, "rb") as f:
-                        os.fsync(f.fileno())
-                files[str(p.relative_to(stage_dir))] = p.stat().st_size
-        write_atomic(stage_dir / STATE, json.dumps({**meta, "files": files}, indent=2) + "\n", durable=True)
+            rel = str(p.relative_to(stage_dir))
+            if p.is_file() and p.name != STATE and rel not in files:
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+                files[rel], digests[rel], writers[rel] = p.stat().st_size, file_digest(p), 0
+        manifest = {"files": files, "digests": digests, "writers": writers}
+        write_atomic(stage_dir / STATE, json.dumps({**meta, **manifest}, indent=2) + "\n", durable=True)
 
     def publish(self, stage_dir: Path, tag: str) -> Path:
         """The commit: `stage_dir` (with its manifest) renamed to its final name, then `latest`

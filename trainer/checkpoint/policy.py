@@ -97,6 +97,7 @@ class Resume:
     found: Found
     warnings: list[str]
     differences: list[str]
+    explicit: bool = False  # `--resume PATH`: a damaged checkpoint stops the run (no fall back)
 
     def done(self, exp: Experiment, rank: int) -> bool:
         """The checkpoint is at train.max_steps already (said by rank 0)."""

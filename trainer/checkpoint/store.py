@@ -73,6 +73,7 @@ class Pending:
     commit_s: float = 0.0  # of which: the commit and pruning (rank 0)
     snapshot_bytes: int = 0  # the host copy (background)
     writer: Any = None  # writer.Writer of a background save; None: written in the foreground
+    written: dict[str, tuple[int, str]] = field(default_factory=dict)  # this rank's files: (bytes, digest)
 
 
 @dataclass
@@ -122,6 +123,16 @@ class Store:
 
             dist.barrier(group=self._group)
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), on every rank (on the checkpoint's CPU group)."""
+        if self._group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (a few ints), on every rank (on the checkpoint's CPU group)."""
         from trainer.dist import gather_ints
@@ -159,13 +170,21 @@ class Store:
             meta[frozen.KEY] = frozen.record(self.exp, now)
         rng = (stage_dir / f"rng_rank{self.rank:05d}.pt", rng_state())
         pending = Pending(step=state.step, tag=tag, stage_dir=stage_dir, meta=meta, started=t0)
-        if not background:  # every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers around)
-            torch.save(rng[1], rng[0])
-            self.faults.arm_save(state.step, self.engine.ds.checkpoint_engine)
-            self.ds_save(stage_dir.name)
+        if not background:  # every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers around),
+            from trainer.checkpoint.writer import recording_engine, write_file  # fsynced by who wrote them
+
+            pending.written[str(rng[0])] = write_file(rng[0], rng[1])
+            ds = self.engine.ds
+            real = ds.checkpoint_engine
+            ds.checkpoint_engine = recording_engine(real, pending.written)
+            self.faults.arm_save(state.step, ds.checkpoint_engine)
+            try:
+                self.ds_save(stage_dir.name)
+            finally:
+                ds.checkpoint_engine = real
         else:
             _snapshot(self, pending, rng)
-        _save_adapters(self, stage_dir, state)
+        pending.written.update(_save_adapters(self, stage_dir, state))
         pending.blocked_s = pending.copy_s = time.perf_counter() - t0
         if self.on_save is not None:
             self.on_save(state.step)
@@ -183,11 +202,13 @@ class Store:
         self.faults.at("killcommit", pending.step)
         t0 = time.perf_counter()
         final = self.root / pending.tag
+        # Every rank's files, as each wrote them (made durable by the rank that wrote them): the manifest
+        # lists what every rank reports, not what rank 0 can see.
+        mine = {**pending.written, **(pending.writer.written if pending.writer is not None else {})}
+        mine = {str(Path(k).resolve().relative_to(pending.stage_dir.resolve())): v for k, v in mine.items()}
+        reported = self.gather_objects(mine)
         if self.is_main:
-            # A synchronous save's files are made durable here; a background writer fsyncs its own.
-            self.disk.write_manifest(
-                pending.stage_dir, pending.meta, self.engine.ds_config, self.exp, fsync=pending.writer is None
-            )
+            self.disk.write_manifest(pending.stage_dir, pending.meta, self.engine.ds_config, self.exp, reported)
             self.disk.publish(pending.stage_dir, pending.tag)
         pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:
@@ -224,16 +245,29 @@ def _snapshot(store: Store, pending: Pending, rng: tuple[Path, Any]) -> None:
     )  # fmt: skip
 
 
-def _save_adapters(store: Store, stage_dir: Path, state: Any) -> None:
-    """model.lora: the checkpoint's verified adapter/ (trainer/model/adapters.py)."""
+def _save_adapters(store: Store, stage_dir: Path, state: Any) -> dict[str, tuple[int, str]]:
+    """model.lora: the checkpoint's verified adapter/ (trainer/model/adapters.py); rank 0 returns its
+    files, fsynced, with their (bytes, digest) (written on the training thread, in any save mode)."""
+    import os
+
+    from trainer.checkpoint.writer import file_digest
     from trainer.model import adapters
 
     ds = store.engine.ds
-    if adapters.is_peft(ds.module):  # every rank (a gather at ZeRO-3); rank 0 verifies and writes
-        adapters.save(
-            stage_dir / adapters.ADAPTER_DIR, ds.module, zero3=ds.zero_optimization_stage() == 3,
-            is_main=store.is_main, stepped=state.moved, base_name=store.exp.model.pretrained,
-        )  # fmt: skip
+    if not adapters.is_peft(ds.module):
+        return {}
+    out = stage_dir / adapters.ADAPTER_DIR  # every rank (a gather at ZeRO-3); rank 0 verifies and writes
+    adapters.save(
+        out, ds.module, zero3=ds.zero_optimization_stage() == 3,
+        is_main=store.is_main, stepped=state.moved, base_name=store.exp.model.pretrained,
+    )  # fmt: skip
+    written = {}
+    for f in sorted(out.rglob("*")) if store.is_main else ():
+        if f.is_file():
+            with open(f, "rb") as h:
+                os.fsync(h.fileno())
+            written[str(f)] = (f.stat().st_size, file_digest(f))
+    return written
 
 
 def metadata(store: Store, state: Any) -> dict[str, Any]:

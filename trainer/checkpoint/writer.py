@@ -133,12 +133,15 @@ def snapshot_engine(base: Any, copier: HostCopier) -> Any:
 
 
 class _Counted:
-    """A binary file that counts the bytes written through it (a Writer's progress)."""
+    """A binary file that counts the bytes written through it (a Writer's progress) and shows them to
+    `seen` (the digest)."""
 
-    def __init__(self, f: Any, count: Any) -> None:
-        self._f, self._count = f, count
+    def __init__(self, f: Any, count: Any, seen: Any = None) -> None:
+        self._f, self._count, self._seen = f, count, seen
 
     def write(self, data: Any) -> int:
+        if self._seen is not None:
+            self._seen(data)
         n = self._f.write(data)
         self._count(len(data) if n is None else n)
         return n
@@ -147,18 +150,54 @@ class _Counted:
         return getattr(self._f, name)
 
 
-def write_file(path: Path, obj: Any, zipfile: bool = True, count: Any = None) -> int:
-    """torch.save, then fsync: the bytes are on disk before the checkpoint can be committed. `count`:
+def write_file(path: Path, obj: Any, zipfile: bool = True, count: Any = None) -> tuple[int, str]:
+    """torch.save, then fsync: the bytes are on disk before the checkpoint can be committed (by the
+    process that wrote them: another node's fsync does not flush this one's cache). Returns (bytes,
+    digest of the bytes as written: the manifest's, checked before a resume loads anything). `count`:
     called with the bytes of each write (progress)."""
     import torch
+    import xxhash
 
+    h = xxhash.xxh3_128()
     with open(path, "wb") as f:
-        torch.save(
-            obj, _Counted(f, count) if count is not None else f, _use_new_zipfile_serialization=zipfile
-        )
+        out = _Counted(f, count or (lambda n: None), h.update)
+        torch.save(obj, out, _use_new_zipfile_serialization=zipfile)
         f.flush()
         os.fsync(f.fileno())
-        return f.tell()
+        return f.tell(), h.hexdigest()
+
+
+def file_digest(path: Path, chunk: int = 1 << 24) -> str:
+    """The digest write_file records, of a file on disk (xxh3-128 of its bytes)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def recording_engine(base: Any, record: dict[str, tuple[int, str]]) -> Any:
+    """A DeepSpeed checkpoint engine whose `save` writes through write_file (fsync, digest) and records
+    each file's (size, digest) under its path: a synchronous save's shards."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class RecordingEngine(TorchCheckpointEngine):
+        def __init__(self) -> None:  # noqa: D107  (the serialization is `base`'s)
+            self.name = "RecordingEngine"
+            self.zipfile_serialization = getattr(base, "zipfile_serialization", True)
+
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            record[str(path)] = write_file(Path(path), state_dict, self.zipfile_serialization)
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+    return RecordingEngine()
 
 
 class Writer:
@@ -177,6 +216,7 @@ class Writer:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.bytes = 0
+        self.written: dict[str, tuple[int, str]] = {}  # each file: (bytes, digest), for the manifest
         self.progress = 0  # bytes written so far, as they go (a file half written counts its half)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{step}", daemon=True)
@@ -190,7 +230,8 @@ class Writer:
             dirs = set()
             for path, obj in self.files:
                 self.faults.stuck_file(self.step, path)
-                self.bytes += write_file(path, obj, self.zipfile, self._advance)
+                self.written[str(path)] = write_file(path, obj, self.zipfile, self._advance)
+                self.bytes += self.written[str(path)][0]
                 dirs.add(path.parent)
             for d in dirs:
                 fsync_dir(d)
