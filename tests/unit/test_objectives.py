@@ -261,3 +261,67 @@ def test_a_micro_batchs_loss_is_the_mean_of_its_pairs_however_the_batch_is_split
     halves = [o.loss(model, _collate((rows[i : i + 2], np.arange(i, i + 2)), 1)).item() for i in (0, 2)]
     ones = [o.loss(model, _collate((rows[i : i + 1], np.arange(i, i + 1)), 1)).item() for i in range(4)]
     assert abs(whole - sum(halves) / 2) < 1e-6 and abs(whole - sum(ones) / 4) < 1e-6
+
+
+def test_the_reference_is_keyed_by_the_weights_content_not_their_files_times(tmp_path):
+    """A copy of model.pretrained elsewhere (another path, other times) keeps the reference's key, so a
+    resume from it is not refused as "data changed"; the same file rewritten in place with other bytes
+    of the same size changes it. Digests are computed once per file (cached by path, size and time)."""
+    import os
+    import shutil
+    import types
+
+    from trainer.objectives.reference import reference_key
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    data = types.SimpleNamespace(fingerprint={"train_digest": "d"}, eval=None)
+
+    def key(path):
+        exp = exp_with(f"model.pretrained={path}", "model.config=null", f"data.cache_dir={tmp_path / 'cache'}")
+        return reference_key(exp, data, "fp32", 0, 1)
+
+    first = key(model)
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy, copy_function=shutil.copy)  # new times
+    assert key(copy) == first
+    assert len(list((tmp_path / "cache" / "digests").iterdir())) == 4  # two files in each directory
+    weights = copy / "model.safetensors"
+    st = weights.stat()
+    weights.write_bytes(bytes(64 * 256))  # zeros: the same size
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert key(copy) != first
+
+
+def test_two_nodes_writing_the_reference_table_to_a_shared_cache_never_share_a_temporary_file(tmp_path, monkeypatch):
+    """Every node's first rank writes the same table into a shared cache_dir; containers give those
+    processes the same pid, so the temporary file is named by host and pid: two writers of one pid
+    on two hosts, racing, always leave a whole table (a shared name lost one's file mid-write)."""
+    import socket
+    import threading
+
+    from trainer.objectives import reference
+
+    local = threading.local()
+    monkeypatch.setattr(socket, "gethostname", lambda: getattr(local, "host", "main"))
+    monkeypatch.setattr(reference.os, "getpid", lambda: 4242)
+    path = tmp_path / "reference" / "key.npz"
+    table = {"train": np.arange(20000, dtype=np.float64).reshape(-1, 2)}
+    errors = []
+
+    def node(name):
+        local.host = name
+        try:
+            for _ in range(30):
+                reference.write_table(path, table)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=node, args=(f"node-{i}",)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    with np.load(path) as saved:
+        assert np.array_equal(saved["train"], table["train"])

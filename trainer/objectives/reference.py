@@ -26,27 +26,53 @@ import numpy as np
 log = logging.getLogger("trainer")
 
 
+def content_digests(root: Path, cache_dir: str | Path) -> list[tuple[str, str]]:
+    """(file, digest of its bytes) for every file under `root`, each digest computed once and kept in
+    `cache_dir/digests/` by the file's path, size and modification time: a copy of the directory
+    elsewhere (another path and time) has the same digests, an edit in place another."""
+    from trainer.checkpoint.writer import file_digest
+    from trainer.files import write_atomic
+
+    out = []
+    memo_dir = Path(cache_dir).expanduser() / "digests"
+    for p in sorted(x for x in root.rglob("*") if x.is_file()):
+        st = p.stat()
+        stamp = json.dumps([str(p.resolve()), st.st_size, st.st_mtime_ns])
+        memo = memo_dir / f"{hashlib.sha256(stamp.encode()).hexdigest()[:32]}.json"
+        try:
+            digest = json.loads(memo.read_text())["digest"]
+        except (OSError, ValueError, KeyError):
+            digest = file_digest(p)
+            try:
+                memo_dir.mkdir(parents=True, exist_ok=True)
+                write_atomic(memo, json.dumps({"file": str(p), "digest": digest}), writer=_writer())
+            except OSError:
+                pass
+        out.append((str(p.relative_to(root)), digest))
+    return out
+
+
+def _writer() -> str:
+    """A temporary file's name part unique to this process on this host (containers on two nodes
+    give their processes the same pid)."""
+    import socket
+
+    return f"{socket.gethostname()}.{os.getpid()}"
+
+
 def reference_key(exp: Any, data: Any, precision: str, stage: int, world_size: int) -> str:
     """A digest of what the reference's log-probs depend on: the model's source (the pretrained
-    directory's files by name, size and modification time, or the hub id and revision; or the config
-    or factory and the seed, and for those whether ZeRO-3 built it, on how many ranks: its partitioned
+    directory's files by content: content_digests; or the hub id and revision; or the config or
+    factory and the seed, and for those whether ZeRO-3 built it, on how many ranks: its partitioned
     initialisation draws other weights than stage 0-2's), LoRA's settings, the attention kernel, the
     precision and the data."""
     m = exp.model
     source: Any = None
     if m.pretrained is not None:
         root = Path(m.pretrained).expanduser()
-        source = (
-            sorted(
-                (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                for p in root.rglob("*")
-                if p.is_file()
-            )
-            if root.is_dir()
-            else [m.pretrained, m.revision]
-        )
+        source = content_digests(root, exp.data.cache_dir) if root.is_dir() else [m.pretrained, m.revision]
     ident = {
-        "version": 1,
+        "version": 2,
         "pretrained": source,
         "config": m.model_dump(mode="json").get("config"),
         "factory": [m.factory, m.model_dump(mode="json").get("factory_args")],
@@ -82,18 +108,23 @@ def prepare(
     tables = {"train": compute(engine, data.train, micro, rank, world)}
     if data.eval is not None:
         tables["eval"] = compute(engine, data.eval, micro, rank, world)
-    if local_rank == 0:  # each node's cache
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, **tables)
-        os.replace(tmp, path)
+    if local_rank == 0:  # each node's cache (a shared cache_dir: every node writes the same table)
+        write_table(path, tables)
     objective.reference = {"train": tables["train"], "eval": tables.get("eval")}
     pairs = sum(len(t) for t in tables.values())
     return (
         f"reference log-probs: computed for {pairs:,} pairs in {time.perf_counter() - t0:.1f} s by the model as "
         f"training starts (no reference copy in memory); cached in {path}"
     )
+
+
+def write_table(path: Path, tables: dict[str, Any]) -> None:
+    """The tables into `path` in one rename, through a temporary file of this host and process alone."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{_writer()}.tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **tables)
+    os.replace(tmp, path)
 
 
 def compute(engine: Any, rows: Any, micro: int, rank: int, world: int) -> np.ndarray:
