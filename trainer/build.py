@@ -260,6 +260,7 @@ def claim_and_agree(
     nothing left to train."""
     from trainer import consistency, rundir
     from trainer import data as data_mod
+    from trainer.errors import UserError
 
     env = runtime.env
     lock = rundir.acquire(exp.run_dir) if runtime.is_main else None  # before anything touches run_dir
@@ -274,6 +275,15 @@ def claim_and_agree(
 
         data.fingerprint["reference"] = reference_key(
             exp, data, plan.precision, plan.candidate.stage, plan.world_size
+        )
+    blind = rundir.shared_everywhere(exp.run_dir, env.rank, env.world_size, env.nodes)
+    if blind:  # node-local disks: every node would hold its own, partial checkpoints
+        raise UserError(
+            f"run_dir {exp.run_dir} is not shared between the nodes: rank(s) {', '.join(map(str, blind))} do not see "
+            f"the file rank 0 wrote in it (a node-local disk). Each node would keep its own part of every checkpoint "
+            "and rank 0 would commit checkpoints it cannot see whole, which no resume could load: set run_dir to a "
+            "directory on a filesystem every node mounts (a network or parallel filesystem)",
+            everywhere=True,
         )
     hosts = consistency.agree_at_start(
         env.world_size,

@@ -11,6 +11,7 @@ without locks (some network mounts) the run goes on with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -53,6 +54,39 @@ def acquire(run_dir: str | Path) -> str | None:
     f.flush()
     _held.append(f)
     return None
+
+
+SHARED = ".shared-check"
+
+
+def shared_everywhere(run_dir: str | Path, rank: int, world_size: int, nodes: int, wait_s: float = 10.0) -> list[int]:
+    """The ranks that do not see the run directory rank 0 writes (a node-local disk: each node its
+    own `run_dir`), found with one file rank 0 writes and every rank reads (a network filesystem's
+    cached lookups get `wait_s` to catch up). Every rank calls it; [] on one node."""
+    import secrets
+    import time
+
+    from trainer.consistency import all_gather
+
+    if nodes <= 1 or world_size <= 1:
+        return []
+    path = Path(run_dir) / SHARED
+    token = secrets.token_hex(8) if rank == 0 else None
+    if token is not None:
+        path.write_text(token)
+    token = all_gather(token, world_size)[0]  # after rank 0 wrote it
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sees = path.read_text() == token
+        except OSError:
+            sees = False
+        if sees or time.monotonic() > deadline:
+            break
+        with contextlib.suppress(OSError):  # revalidate the directory's entries (it may not exist here)
+            os.listdir(path.parent)
+        time.sleep(0.5)
+    return [r for r, s in enumerate(all_gather(sees, world_size)) if not s]
 
 
 def _describe(text: str) -> str:

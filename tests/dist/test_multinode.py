@@ -80,3 +80,35 @@ def test_torchrun_two_nodes_on_loopback(tmp_path, single_node):
     r = Result(0, outs[0], "", tmp_path / "run", debug)
     assert "2 rank(s) on 2 node(s) via torchrun" in outs[0] + outs[1]
     assert r.losses == single_node.losses
+
+
+def test_a_run_dir_on_node_local_disks_is_refused_at_start(tmp_path):
+    """Two torchrun "nodes" on loopback, node 1 in its own mount namespace where run_dir's parent is
+    another directory (a node-local disk at the same path, as cloud nodes and Kubernetes pods have):
+    every rank stops at start (exit 2) naming the ranks that do not see rank 0's run_dir and the setting
+    to change, before any checkpoint is written (each node would have kept its own part of every
+    checkpoint, rank 0 would have committed ones it could not see whole, and no resume could load them)."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a mount namespace per node)")
+    disk0, disk1, local = tmp_path / "disk0", tmp_path / "disk1", tmp_path / "local"
+    for d in (disk0, disk1, local):
+        d.mkdir()
+    port, debug = free_port(), tmp_path / "debug"
+    procs = []
+    for node in (0, 1):
+        args = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "node-local",
+                *args_for(local / "run", debug)]  # fmt: skip
+        disk = disk0 if node == 0 else disk1
+        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+               f'mount --bind "{disk}" "{local}" && exec "$@"', "node", *args]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env_for(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] != [0, 0], "\n".join(o[-3000:] for o in outs)
+    said = "\n".join(outs)
+    assert "is not shared between the nodes: rank(s) 1 do not see the file rank 0 wrote" in said, said[-4000:]
+    assert "set run_dir to a directory on a filesystem every node mounts" in said
+    assert not list((disk0 / "run").glob("checkpoints/*")) and not list((disk1 / "run").glob("checkpoints/*"))
