@@ -320,7 +320,9 @@ def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
 
     while resume is not None:
         found = resume.found
-        problems = sum(consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size), [])
+        problems = sum(
+            consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size), []
+        )
         if not problems:
             return resume
         if resume.explicit:

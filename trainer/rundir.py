@@ -59,7 +59,9 @@ def acquire(run_dir: str | Path) -> str | None:
 SHARED = ".shared-check"
 
 
-def shared_everywhere(run_dir: str | Path, rank: int, world_size: int, nodes: int, wait_s: float = 10.0) -> list[int]:
+def shared_everywhere(
+    run_dir: str | Path, rank: int, world_size: int, nodes: int, wait_s: float = 10.0
+) -> list[int]:
     """The ranks that do not see the run directory rank 0 writes (a node-local disk: each node its
     own `run_dir`), found with one file rank 0 writes and every rank reads (a network filesystem's
     cached lookups get `wait_s` to catch up). Every rank calls it; [] on one node."""

@@ -39,4 +39,6 @@ def test_a_rollback_is_a_new_line_a_restart_resumes(tmp_path, on_rollback):
     state = json.loads((root / "step_00000020" / "trainer_state.json").read_text())
     assert state["resumed_from"].endswith("step_00000010") and state["step"] == 20
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m][-1] == 20  # the new line trained on to 20 (the file appends)
+    assert [m["step"] for m in metrics if "loss" in m][
+        -1
+    ] == 20  # the new line trained on to 20 (the file appends)

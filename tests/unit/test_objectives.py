@@ -280,7 +280,9 @@ def test_the_reference_is_keyed_by_the_weights_content_not_their_files_times(tmp
     data = types.SimpleNamespace(fingerprint={"train_digest": "d"}, eval=None)
 
     def key(path):
-        exp = exp_with(f"model.pretrained={path}", "model.config=null", f"data.cache_dir={tmp_path / 'cache'}")
+        exp = exp_with(
+            f"model.pretrained={path}", "model.config=null", f"data.cache_dir={tmp_path / 'cache'}"
+        )
         return reference_key(exp, data, "fp32", 0, 1)
 
     first = key(model)
@@ -295,7 +297,9 @@ def test_the_reference_is_keyed_by_the_weights_content_not_their_files_times(tmp
     assert key(copy) != first
 
 
-def test_two_nodes_writing_the_reference_table_to_a_shared_cache_never_share_a_temporary_file(tmp_path, monkeypatch):
+def test_two_nodes_writing_the_reference_table_to_a_shared_cache_never_share_a_temporary_file(
+    tmp_path, monkeypatch
+):
     """Every node's first rank writes the same table into a shared cache_dir; containers give those
     processes the same pid, so the temporary file is named by host and pid: two writers of one pid
     on two hosts, racing, always leave a whole table (a shared name lost one's file mid-write)."""

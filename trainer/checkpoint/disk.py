@@ -205,7 +205,11 @@ def fork(root: Path, found: Found, keep: bool) -> str | None:
     import time as _time
 
     newer = [f for f in complete(root) if f.step > found.step and f.path.resolve() != found.path.resolve()]
-    newer += [d for d in root.iterdir() if d.is_dir() and d.name.startswith(STAGING_PREFIX)] if root.is_dir() else []
+    newer += (
+        [d for d in root.iterdir() if d.is_dir() and d.name.startswith(STAGING_PREFIX)]
+        if root.is_dir()
+        else []
+    )
     if not newer:
         return None
     names = [getattr(f, "tag", getattr(f, "name", "")) for f in newer]

@@ -149,7 +149,6 @@ class Store:
         """Begin a save of `state` (every rank, at the same step). In the foreground DeepSpeed writes
         the files now; in the `background` a host copy is taken now and a Writer thread writes it
         (trainer/checkpoint/writer.py). Either way nothing is visible until `commit`."""
-        import torch
 
         t0 = time.perf_counter()
         tag = tag_for(state.step)
@@ -208,7 +207,9 @@ class Store:
         mine = {str(Path(k).resolve().relative_to(pending.stage_dir.resolve())): v for k, v in mine.items()}
         reported = self.gather_objects(mine)
         if self.is_main:
-            self.disk.write_manifest(pending.stage_dir, pending.meta, self.engine.ds_config, self.exp, reported)
+            self.disk.write_manifest(
+                pending.stage_dir, pending.meta, self.engine.ds_config, self.exp, reported
+            )
             self.disk.publish(pending.stage_dir, pending.tag)
         pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:
