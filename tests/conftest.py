@@ -116,8 +116,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 WALL_S = {
-    "tests/e2e/test_real_templates_train.py": 295,
+    "tests/e2e/test_real_templates_train.py": 110,  # 295 before its tests took the tiled loss
     "tests/dist/test_lora.py": 235,
+    "tests/dist/test_durability.py": 90,  # added after that run (estimates)
+    "tests/e2e/test_rollback.py": 30,
     "tests/dist/test_stages.py": 227,
     "tests/e2e/test_tiny.py": 199,
     "tests/dist/test_bf16_stages.py": 196,

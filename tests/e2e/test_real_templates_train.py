@@ -25,9 +25,12 @@ pytestmark = pytest.mark.e2e
 def test_each_family_trains_packed(name, tmp_path):
     """bin/train on the family's tokenizer and template, packed: the banner names the strategy and why,
     and the project's own packing check for the family; the loss falls. In fp32: precision is not what
-    this proves, and on an AVX2-only host a bf16 step over a 150k-262k vocabulary costs many fp32 ones."""
+    this proves, and on an AVX2-only host a bf16 step over a 150k-262k vocabulary costs many fp32 ones;
+    the tiled loss, the faster loss over such a vocabulary (the same loss: tests/unit/test_family_matrix.py)."""
     path = data_for(name, tmp_path, rows=40)
-    sets = sets_for(name, path, tmp_path, **{"train.max_steps": 12, "train.log_every": 4})
+    sets = sets_for(
+        name, path, tmp_path, **{"train.max_steps": 12, "train.log_every": 4, "model.chunked_loss": True}
+    )
     r = train(tmp_path, sets, debug=False)
     assert f"chat template: multi_turn {EXPECTED[name][2]} (auto: " in r.output, r.output[-3000:]
     model_type = FAMILIES[name]["model_type"]
@@ -46,7 +49,7 @@ def test_masking_learns_fixed_answers_to_random_questions_and_train_on_prompt_ca
     sets = family_sets("qwen3", path, **{"train.max_steps": 48, "train.micro_batch_size": 2, "data.seq_len": 128,
                                          "train.log_every": 4,
                                          "model.config.hidden_size": 64, "model.config.intermediate_size": 128,
-                                         "optim.schedule": "constant",
+                                         "optim.schedule": "constant", "model.chunked_loss": True,
                                          "data.cache_dir": str(tmp_path / "cache")})  # fmt: skip
     masked = train(tmp_path / "masked", sets, debug=False)
     everything = train(tmp_path / "all", {**sets, "data.train_on_prompt": True}, debug=False)

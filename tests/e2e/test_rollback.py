@@ -14,8 +14,7 @@ SMALL = {**FAST, "model.config.n_layer": 1, "data.eval_fraction": 0, "checkpoint
          "checkpoint.async": False}  # fmt: skip
 
 
-@pytest.mark.parametrize("on_rollback", ["keep", "remove"])
-def test_a_rollback_is_a_new_line_a_restart_resumes(tmp_path, on_rollback):
+def test_a_rollback_is_a_new_line_a_restart_resumes(tmp_path, on_rollback="keep"):
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"
     code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 30, "checkpoint.keep_last": 0})
@@ -42,3 +41,21 @@ def test_a_rollback_is_a_new_line_a_restart_resumes(tmp_path, on_rollback):
     assert [m["step"] for m in metrics if "loss" in m][
         -1
     ] == 20  # the new line trained on to 20 (the file appends)
+
+
+def test_a_rollback_can_delete_the_abandoned_line(tmp_path):
+    """checkpoint.on_rollback: remove (disk.fork, as a resume calls it): the newer checkpoints and a
+    staging leftover of the abandoned line are deleted, `latest` names the checkpoint resumed from."""
+    from trainer.checkpoint.disk import Found, complete, fork
+
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        d = root / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        (d / "trainer_state.json").write_text(json.dumps({"step": step, "files": {}}))
+    (root / ".tmp-step_00000040").mkdir()
+    (root / "latest").write_text("step_00000030\n")
+    said = fork(root, Found(root / "step_00000010", {"step": 10}), keep=False)
+    assert "step_00000020, step_00000030" in said and "removed" in said
+    assert [f.tag for f in complete(root)] == ["step_00000010"] and not (root / ".tmp-step_00000040").exists()
+    assert (root / "latest").read_text().strip() == "step_00000010" and not (root / "abandoned").exists()
