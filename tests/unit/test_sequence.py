@@ -203,14 +203,14 @@ torch.set_num_threads(1)
 n, window = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2]))
 def status(key):
     return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
-q = torch.randn(1, 4, n, 16, requires_grad=True)  # a rank's 4 heads of 16 (2 key/value heads)
-k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(2))
 pos = torch.cat([torch.arange(n // 4)] * 4)[None]  # a row of 4 packed examples
 m = types.SimpleNamespace(is_causal=True)
-small = [x[:, :, :64].detach().requires_grad_() for x in (q, k, v)]  # the kernels' one-off allocations
+small = [torch.randn(1, h, 64, 16, requires_grad=True) for h in (4, 2, 2)]  # the kernels' one-off allocations
 sequence.sequence_sdpa(m, *small, None, position_ids=pos[:, :64], sliding_window=window)[0].sum().backward()
 open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) from here
 base = status("VmRSS:")
+q = torch.randn(1, 4, n, 16, requires_grad=True)  # the gathered query, key and value: a rank's 4 heads of 16
+k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(2))  # (2 key/value heads)
 out, _ = sequence.sequence_sdpa(m, q, k, v, None, position_ids=pos, sliding_window=window)
 out.sum().backward()
 print(status("VmHWM:") - base)
@@ -220,10 +220,10 @@ print(status("VmHWM:") - base)
 @pytest.mark.parametrize("window", [None, 1024])
 def test_the_attentions_memory_at_a_long_length_is_the_planned_one(window):
     """One layer's attention over 32,768 tokens (a rank's 4 heads at sequence parallel 2, a row of 4
-    packed examples, fp32), forward and backward, in a process of its own (its peak resident memory):
-    within the plan's count (sequence_attention_bytes, and the output the layers' count holds: 2
-    contexts) and above 60% of it; a dense mask of the whole row, as the core built before, was 1 GiB
-    (bool) by itself."""
+    packed examples, fp32), its gathered query, key and value, forward and backward, in a process of
+    its own (its peak resident memory): within the plan's count (sequence_attention_bytes, and the
+    output the layers' count holds: 2 contexts) and above 60% of it; a dense mask of the whole row, as
+    the core built before, was 1 GiB (bool) by itself."""
     import subprocess
     import sys
 
