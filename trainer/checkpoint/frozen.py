@@ -119,12 +119,21 @@ def leave_out_aliases(ds: Any) -> None:
     def module_state_dict(*args: Any, **kwargs: Any) -> Any:
         sd = original(*args, **kwargs)
         if kwargs.get("exclude_frozen_parameters"):
-            for name in names & set(sd):
+            for name in [k for k in sd if of_frozen(k, names)]:
                 del sd[name]
         return sd
 
     module_state_dict.leaves_out_aliases = True  # type: ignore[attr-defined]
     ds.module_state_dict = module_state_dict
+
+
+def of_frozen(key: str, names: set[str]) -> bool:
+    """A state-dict key that is a frozen parameter, or a quantized frozen weight's state that
+    bitsandbytes saves beside it (`....weight.absmax`, `....weight.quant_state.bitsandbytes__nf4`)."""
+    if key in names:
+        return True
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in names for i in range(len(parts) - 1, 0, -1))
 
 
 def record(exp: Any, value: str) -> dict[str, Any]:
@@ -187,7 +196,7 @@ def strict_but_frozen(names: Iterable[str], where: Path) -> Callable[..., None]:
 
     def load(src: Any, dst: Any) -> None:
         missing, unexpected = dst.load_state_dict(src, strict=False)
-        others = sorted(set(missing) - allowed)
+        others = sorted(k for k in missing if not of_frozen(k, allowed))
         if others or unexpected:
             raise UserError(
                 f"{where}: the saved module does not fit this job's model: missing {others[:5]}, unexpected "

@@ -79,9 +79,9 @@ def _model_source(exp: Experiment) -> list[tuple[str, str]]:
         out.append(
             ("model.kernels", "fused kernels go into transformers models, not a factory's; set it to none")
         )
-    if m.lora is not None and m.lora.quantization is not None:
-        out.append(("model.lora.quantization", f"{m.lora.quantization} base weights (QLoRA) need a GPU kernel library "
-                    "(bitsandbytes) that this project does not use; remove it (LoRA on bf16 weights)"))  # fmt: skip
+    if m.lora is not None and m.lora.quantization in ("4bit", "8bit") and m.pretrained is None:
+        out.append(("model.lora.quantization", f"{m.lora.quantization} quantizes a pretrained model's weights as "
+                    "they load: give model.pretrained (a random initialisation quantized would train nothing real)"))  # fmt: skip
     if m.chunked_loss is True and m.config is not None and isinstance(m.config.get("model_type"), str):
         problem = chunked_loss_problem(m.config["model_type"], m.config)
         if problem:

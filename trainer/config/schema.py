@@ -101,8 +101,18 @@ class LoraSection(Section):
         default_factory=list,
         description="modules trained in full beside the adapters (peft's modules_to_save), e.g. [lm_head]",
     )
-    quantization: choice(None, "4bit", "8bit") = Field(
-        None, description="QLoRA base weights: not supported (needs a GPU kernel library); null"
+    quantization: choice(None, "none", "4bit", "8bit") = Field(
+        None,
+        description="the frozen base's weights, loaded from model.pretrained quantized by bitsandbytes (pip "
+        "install -e '.[qlora]'): 4bit = QLoRA; 8bit = LLM.int8; null/none = in the training precision (see "
+        "docs/fine-tuning.md: QLoRA)",
+    )
+    quant_type: choice("nf4", "fp4") = Field("nf4", description="4bit: the 4-bit data type (QLoRA's NormalFloat4)")
+    double_quant: bool = Field(
+        True, description="4bit: quantize the quantization constants too (QLoRA's double quantization)"
+    )
+    compute_dtype: choice("auto", "bf16", "fp32") = Field(
+        "auto", description="4bit: the dtype a quantized layer computes in; auto = the run's precision"
     )
 
 

@@ -370,6 +370,45 @@ def disable_dropout(model: Any) -> int:
     return on
 
 
+def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> dict[str, Any]:
+    """from_pretrained's arguments for model.lora.quantization (bitsandbytes: 4bit = QLoRA's NF4 with
+    double quantization, computing in the run's precision, stored in it so that ZeRO-3 can partition the
+    packed weights; 8bit = LLM.int8), on this rank's device; {} without one."""
+    q = section.lora.quantization if section.lora is not None else None
+    if q not in ("4bit", "8bit"):
+        return {}
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(
+            f"model.lora.quantization: {q} needs bitsandbytes, which is not installed: pip install -e '.[qlora]' "
+            "(or pip install 'bitsandbytes>=0.50'), or set it to none"
+        )
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    lora = section.lora
+    dtype = {"auto": run_dtype, "bf16": torch.bfloat16, "fp32": torch.float32}[lora.compute_dtype]
+    if q == "4bit":
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=lora.quant_type, bnb_4bit_use_double_quant=lora.double_quant,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype,
+        )  # fmt: skip
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    if zero3:  # zero.Init places and partitions the weights itself
+        return {"quantization_config": config}
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}
+
+
+def quantized_layers(model: Any) -> int:
+    """bitsandbytes' own quantized layers in `model` (4-bit Linear4bit, 8-bit Linear8bitLt; not peft's
+    wrappers of them)."""
+    return sum(type(m).__module__.startswith("bitsandbytes") and type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+               for m in model.modules())  # fmt: skip
+
+
 def _transformers_model(
     section: ModelSection, vocab_size: int | None, eos_id: int | None, seq_len: int,
     ds_config: Mapping[str, Any] | None,
@@ -389,6 +428,8 @@ def _transformers_model(
         try:
             import torch
 
+            zero3 = (ds_config or {}).get("zero_optimization", {}).get("stage") == 3
+            quantized = quantization(section, torch.bfloat16 if mixed else torch.float32, zero3)
             model = AutoModelForCausalLM.from_pretrained(
                 section.pretrained,
                 config=cfg,
@@ -396,6 +437,7 @@ def _transformers_model(
                 trust_remote_code=section.trust_remote_code,
                 dtype="auto" if mixed else torch.float32,
                 **kwargs,
+                **quantized,
             )
         except OSError as e:
             raise UserError(f"model.pretrained: cannot load weights of '{section.pretrained}': {e}") from None
