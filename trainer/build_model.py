@@ -53,7 +53,9 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         if env.rank == 0:
             what = f"4bit {quantized.quant_type}{', double quantization' if quantized.double_quant else ''}" if (
                 quantized.quantization == "4bit") else "8bit (LLM.int8)"  # fmt: skip
-            log.info(f"base weights: {what}, {n} linear layers quantized by bitsandbytes (frozen; adapters train)")
+            log.info(
+                f"base weights: {what}, {n} linear layers quantized by bitsandbytes (frozen; adapters train)"
+            )
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     section = planned.model or exp.model

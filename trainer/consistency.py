@@ -185,10 +185,24 @@ def _flatten(x: Any) -> list[Any]:
     return [x]
 
 
+def quantization_state(module: Any) -> list[Any]:
+    """The tensors bitsandbytes keeps beside its quantized weights (model.lora.quantization): 4-bit
+    absmax, code and offset, and the second level's (double quantization); 8-bit row scales."""
+    out: list[Any] = []
+    for p in module.parameters():
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            out += [state.absmax, state.code, getattr(state, "offset", None)]
+            state = getattr(state, "state2", None)
+        out.append(getattr(p, "SCB", None))
+    return [t for t in out if t is not None]
+
+
 def census(ds: Any) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer states, counted from the
     engine's tensors (each storage once). Parameters: the module's weights (ZeRO-3: their
-    partitions, and the whole tensors it keeps resident below the persistence threshold). Optimizer: fp32 master copies (ZeRO) and Adam's moments. Gradients: the module's
+    partitions, and the whole tensors it keeps resident below the persistence threshold), with
+    bitsandbytes' quantization state where the base is quantized. Optimizer: fp32 master copies (ZeRO) and Adam's moments. Gradients: the module's
     .grad at stage 0, ZeRO's gradient partitions otherwise; module .grad left at stage >= 1 are
     gradients still waiting in a communication bucket, reported as `bucket`."""
     import torch
@@ -202,6 +216,7 @@ def census(ds: Any) -> dict[str, int]:
     param_store.update(
         _storages(p.data for p in module.parameters() if getattr(p, "ds_persist", False) and p.data.numel())
     )
+    param_store.update(_storages(quantization_state(module)))
     for flat in getattr(opt, "bit16_groups_flat", None) or []:
         param_store.update(_storages([flat]))
     if stage == 0:

@@ -455,3 +455,60 @@ def test_the_plan_of_gpt2_124m_compiled_and_not_against_its_h100_peaks(micro, co
     e = p.estimate
     planned = e.total - CUDA_CONTEXT
     assert measured <= planned <= 1.10 * measured, (planned / GiB, measured / GiB)
+
+
+# QLoRA (model.lora.quantization): the classic cases, from the published models' config.json
+# (configs/models/, no weights): Llama-3-8B on one 16 GB GPU and Llama-3-70B on two 24 GB ones.
+QLORA_EXP = "configs/experiments/llama3-8b-qlora.yaml"
+
+
+def qlora_plan(world, device, host, *sets):
+    exp = config.load(QLORA_EXP, list(sets))
+    info = model.info(exp.model, 257, 256)
+    p = strategy.plan(
+        exp, info, world_size=world, gpus_per_node=world, device_type="cuda", device_memory=device * GiB,
+        host_memory=host * GiB, precision="bf16",
+    )  # fmt: skip
+    return info, p, {e.candidate.name: e for e in p.estimates}
+
+
+def test_the_plan_counts_a_4bit_base_in_packed_bytes_and_its_quantization_state():
+    """The frozen base's linear layers at 0.5 bytes an element plus NF4's state with double
+    quantization (an 8-bit absmax per 64 elements, an fp32 one per 256 of those), the embeddings and
+    norms in bf16, one layer dequantized by a forward: counted here from Llama-3-8B's shapes."""
+    pytest.importorskip("bitsandbytes")
+    info, q, by = qlora_plan(1, 16, 64, "model.activation_checkpointing=true")
+    h, inter, layers, kv = 4096, 14336, 32, 1024
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * inter)  # q, o; k, v; gate, up, down
+    assert info.quantized[0] == linear and info.quantized[3] == h * inter
+    lora = info.trainable
+    dense = info.params - linear  # embeddings, head, norms, adapters
+    expected = 2 * dense + 0.5 * linear + linear * (1 / 64 + 4 / (64 * 256)) + 2 * h * inter
+    assert by["zero0"].params == pytest.approx(expected, rel=1e-6)
+    _, bf16, by_bf16 = qlora_plan(
+        1, 16, 64, "model.activation_checkpointing=true", "model.lora.quantization=none"
+    )
+    assert by_bf16["zero0"].params == 2 * info.params
+    # with activation checkpointing, the 8B fits one 16 GB GPU at ZeRO-0 in 4 bits and not in bf16
+    # (where only offloading the weights to the CPU fits)
+    assert q.candidate.name == "zero0" and by["zero0"].total < 14.4 * GiB < by_bf16["zero0"].total
+    assert bf16.candidate.name == "zero3+cpu"
+    assert lora and by["zero0"].grads == 2 * lora
+
+
+def test_the_plan_of_a_70b_qlora_on_two_24gb_gpus():
+    """Answer.AI's case: 70B over 2 x 24 GB. The packed base (35 GB) does not fit two GPUs whole or
+    sharded with one layer gathered; ZeRO-3 offloading the packed weights to the CPU does, with
+    activation checkpointing, and the host holds them packed (35 GB, not bf16's 141 GB)."""
+    pytest.importorskip("bitsandbytes")
+    info, q, by = qlora_plan(2, 24, 256, "model.pretrained=configs/models/llama-3-70b")
+    assert q.candidate.name == "zero3+cpu" and by["zero3+cpu"].fits
+    assert q.levers.checkpointing
+    assert not by["zero3"].fits_device and by["zero3"].params < info.params  # packed: under a byte each
+    _, _, by_bf16 = qlora_plan(
+        2, 24, 256, "model.pretrained=configs/models/llama-3-70b", "model.lora.quantization=none"
+    )
+    assert by["zero3+cpu"].host < 0.4 * by_bf16["zero3+cpu"].host, (
+        by["zero3+cpu"].host / GiB,
+        by_bf16["zero3+cpu"].host / GiB,
+    )

@@ -107,7 +107,9 @@ class LoraSection(Section):
         "install -e '.[qlora]'): 4bit = QLoRA; 8bit = LLM.int8; null/none = in the training precision (see "
         "docs/fine-tuning.md: QLoRA)",
     )
-    quant_type: choice("nf4", "fp4") = Field("nf4", description="4bit: the 4-bit data type (QLoRA's NormalFloat4)")
+    quant_type: choice("nf4", "fp4") = Field(
+        "nf4", description="4bit: the 4-bit data type (QLoRA's NormalFloat4)"
+    )
     double_quant: bool = Field(
         True, description="4bit: quantize the quantization constants too (QLoRA's double quantization)"
     )

@@ -215,7 +215,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 9,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked
+        "v": 11,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 11: quantized
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -260,6 +260,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         param_sizes=sizes(module), intermediate=_gated_width(module, cfg), **_shape(cfg),
         ulysses=ulysses_verdict(cfg, "sdpa"), active=active_params(module, cfg),
         chunked_problem=chunked_loss_problem(getattr(cfg, "model_type", None), cfg.get_text_config()),
+        quantized=quantized_count(module, section),
     )  # fmt: skip
 
 
@@ -400,6 +401,34 @@ def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> 
         return {"quantization_config": config}
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}
+
+
+# bitsandbytes' 4-bit layout: 4 bits an element packed; a block of 64 elements shares an absmax, in fp32,
+# or with double quantization in 8 bits, those in blocks of 256 sharing an fp32 absmax of their own
+BNB_BLOCK, BNB_NESTED_BLOCK = 64, 256
+
+
+def quantized_count(
+    module: Any, section: ModelSection
+) -> tuple[int, float, float, int, tuple[int, ...]] | None:
+    """ModelInfo.quantized for model.lora.quantization, from the model on the meta device: the linear
+    layers bitsandbytes replaces (every nn.Linear but the output embedding, as transformers converts
+    them): (their elements, packed bytes an element, quantization-state bytes an element, the largest,
+    each one's elements)."""
+    q = section.lora.quantization if section.lora is not None else None
+    if q not in ("4bit", "8bit"):
+        return None
+    import torch
+
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    sizes = [m.weight.numel() for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)
+             and m is not head and ".lora_" not in name and not m.weight.requires_grad]  # the frozen base's  # fmt: skip
+    if q == "8bit":  # int8 weights and an fp32 scale per output row (about 1/hidden an element)
+        return sum(sizes), 1.0, 4 / 1024, max(sizes, default=0), tuple(sorted(sizes))
+    state = (
+        (1 / BNB_BLOCK + 4 / (BNB_BLOCK * BNB_NESTED_BLOCK)) if section.lora.double_quant else 4 / BNB_BLOCK
+    )
+    return sum(sizes), 0.5, state, max(sizes, default=0), tuple(sorted(sizes))
 
 
 def quantized_layers(model: Any) -> int:

@@ -36,6 +36,10 @@ class ModelInfo:
     window: int | None = None  # sliding-window attention's window (Mistral, Gemma 3's local layers...)
     active: int | None = None  # a mixture of experts: parameters a token runs through (None: dense, all)
     chunked_problem: str | None = None  # why model.chunked_loss cannot serve this model and config
+    # model.lora.quantization: the elements of the quantized (frozen) weights, the bytes each takes packed
+    # (partitioned at ZeRO-3) and in quantization state (whole on every rank), the largest such layer,
+    # each one's elements
+    quantized: tuple[int, float, float, int, tuple[int, ...]] | None = None
 
 
 def describe_params(info: ModelInfo, lora: Any = None) -> str:
@@ -44,9 +48,13 @@ def describe_params(info: ModelInfo, lora: Any = None) -> str:
     if info.trainable is None:
         return f"{info.params:,} parameters{active}"
     what = f"LoRA r={lora.r}: " if lora is not None else ""
+    quantized = ""
+    if info.quantized and lora is not None:
+        kind = f"4-bit {lora.quant_type}" if info.quantized[1] < 1 else "8-bit"
+        quantized = f", {info.quantized[0]:,} of them in {kind} ({info.quantized[1]:g} bytes each, packed)"
     return (
         f"{info.params:,} parameters ({what}{info.trainable:,} trainable = {info.trainable / info.params:.2%}, "
-        f"{info.params - info.trainable:,} frozen)"
+        f"{info.params - info.trainable:,} frozen{quantized})"
     )
 
 

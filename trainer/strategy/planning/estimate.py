@@ -4,6 +4,7 @@ together (`estimate_all`), and whether that fits the device and the host (`Estim
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ class Estimate:
     fits_device: bool = False
     fits_host: bool = True
 
-    gather: int = 0  # stage 3: the gathered layer inside `params` (transient, 4 x largest layer)
+    # inside `params` and transient: stage 3's gathered layer (4 x the largest), model.lora.quantization's
+    # dequantized layer (the largest quantized one in the compute precision)
+    gather: int = 0
     step: int = 0  # allocated only during the optimizer step, when the activations are freed (`step_bytes`)
     snapshot: int = 0  # checkpoint.async: the host copy of a save, per node (counted in `host`)
 
@@ -49,6 +52,20 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
+
+
+def stored_sizes(info: ModelInfo, lp: int) -> list[int]:
+    """The elements ZeRO-3 sees in each parameter tensor: a quantized weight (model.lora.quantization)
+    is stored packed in a tensor of the compute precision (4-bit: an element of bf16 holds 4), so that
+    it is its packed bytes / lp elements against stage3_param_persistence_threshold."""
+    sizes = list(info.param_sizes)
+    if info.quantized:
+        packed = info.quantized[1]
+        for e in info.quantized[4]:
+            with contextlib.suppress(ValueError):
+                sizes.remove(e)
+                sizes.append(int(e * packed / lp))
+    return sizes
 
 
 def estimate_all(
@@ -83,7 +100,7 @@ def estimate_all(
         persistent = 0
         if c.stage == 3:
             threshold = zero_sizes(info, zero_section(template))["stage3_param_persistence_threshold"]
-            persistent = sum(x for x in info.param_sizes if x <= threshold)
+            persistent = sum(x for x in stored_sizes(info, lp) if x <= threshold)
         par, grad, opt = model_states(
             c,
             info.params,
@@ -94,12 +111,14 @@ def estimate_all(
             state_bytes,
             info.trainable,
             persistent,
+            info.quantized,
         )
         buf = buffers(c, info, lp, on_gpu, template)
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
         fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         step = step_bytes(c, trainable, world_size, lp, fused_wrapper, largest_tensor, sub_group)
-        host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable)
+        host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable,
+                          info.quantized)  # fmt: skip
         host += host_activations  # model.offload_activations: the checkpointed layer inputs, per node
         snap = 0
         if exp.checkpoint.async_ is not False:
@@ -111,7 +130,7 @@ def estimate_all(
         e = Estimate(
             c, par, grad, opt, act, buf, host + snap,
             fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
-            gather=4 * info.largest_layer if c.stage == 3 else 0,
+            gather=(4 * info.largest_layer if c.stage == 3 else 0) + (lp * info.quantized[3] if info.quantized else 0),
             snapshot=snap,
             step=step,
         )  # fmt: skip

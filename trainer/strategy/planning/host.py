@@ -10,11 +10,15 @@ HOST_BUFFER_FACTOR = 1.5  # DeepSpeed estimators' additional_buffer_factor
 
 
 def host_needs(
-    c: Candidate, p: int, largest: int, n: int, gpus_per_node: int, trainable: int | None = None
-) -> int:
+    c: Candidate, p: int, largest: int, n: int, gpus_per_node: int, trainable: int | None = None,
+    quantized: tuple[int, float, float, int, tuple[int, ...]] | None = None,
+) -> int:  # fmt: skip
     """Host bytes per node, DeepSpeed's estimator formulas (zero_init for stage 3); with offload the
-    optimizer's part counts the `trainable` parameters only."""
+    optimizer's part counts the `trainable` parameters only. `quantized` (ModelInfo.quantized): those
+    elements are loaded quantized, tensor by tensor onto the device, and offloaded packed: they count
+    their packed bytes where the formulas count 2 (offloaded) or 4 (loading) bytes an element."""
     t = p if trainable is None else trainable
+    q, packed = (quantized[0], quantized[1] + quantized[2]) if quantized else (0, 0.0)
     nodes = max(1, n // max(1, gpus_per_node))
     f = HOST_BUFFER_FACTOR
     if c.stage == 3:
@@ -22,10 +26,10 @@ def host_needs(
             return int(largest * 4 * gpus_per_node * f)
         if c.offload == "nvme":  # states live on NVMe; the host keeps pinned swap buffers
             return int(largest * 4 * gpus_per_node * f + 2 * GiB)
-        return int((16 * t + (2 * p if c.offload_params else 0)) / nodes * f)
+        return int((16 * t + (2 * (p - q) + packed * q if c.offload_params else 0)) / nodes * f)
     if c.offload != "none":
         return int(t * max(4 * n, 16) * f / nodes)
-    return int(p * 4 * gpus_per_node * f)
+    return int((4 * (p - q) + packed * q) * gpus_per_node * f)
 
 
 def snapshot_bytes(

@@ -20,6 +20,7 @@ def model_states(
     state_bytes: int = 8,
     trainable: int | None = None,
     persistent: int = 0,
+    quantized: tuple[int, float, float, int, tuple[int, ...]] | None = None,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for Adam that live through the backward pass,
     following DeepSpeed's estimators, less the fp32 gradient partitions ZeRO makes only at the step
@@ -40,22 +41,37 @@ def model_states(
     `trainable` (model.lora): only these have gradients, master weights and optimizer state; the frozen
     rest are weights in the training precision (partitioned at stage 3 like the others).
     `persistent`: at stage 3, the elements of the tensors small enough to be kept whole on every rank
-    (stage3_param_persistence_threshold).
+    (stage3_param_persistence_threshold). `quantized` (model.lora.quantization, ModelInfo.quantized):
+    q of the frozen elements are held packed (`packed` bytes each: 0.5 for 4-bit, partitioned at stage 3)
+    with their quantization state (`state` bytes each, whole on every rank), and a forward dequantizes one
+    layer at a time into the compute precision (the largest such layer, lp bytes an element).
     """
+    q, packed, qstate, qlargest = quantized[:4] if quantized else (0, 0.0, 0.0, 0)
     t = p if trainable is None else trainable
     master = 4  # fp32 master weights (a separate fp32 copy in DeepSpeed's ZeRO even for fp32 models)
     moments = state_bytes
+    if (
+        q
+    ):  # the quantized weights' elements are counted in packed bytes, their state and one dequantized layer
+        dense = lp * (p - q) + packed * q
+        extra = qstate * q + lp * qlargest
+    else:
+        dense, extra = lp * p, 0
     if c.stage == 0:
-        params, grads, optim = lp * p, lp * t, (master if lp < 4 else 0) * t + moments * t
+        params, grads, optim = dense + extra, lp * t, (master if lp < 4 else 0) * t + moments * t
     elif c.stage == 1:
         full = lp * t if grad_accum > 1 else lp * t / n
-        params, grads, optim = lp * p, full, (master + moments) * t / n
+        params, grads, optim = dense + extra, full, (master + moments) * t / n
     elif c.stage == 2:
-        params, grads, optim = lp * p, (2 if grad_accum > 1 else 1) * lp * t / n, (master + moments) * t / n
+        params, grads, optim = (
+            dense + extra,
+            (2 if grad_accum > 1 else 1) * lp * t / n,
+            (master + moments) * t / n,
+        )
     else:
         # own shard, the persistent small tensors also whole, one gathered layer (DeepSpeed: 4 x largest);
         # the gradient partitions in the training precision (stage3.py: grad_partitions_flat_buffer)
-        params = lp * p / n + lp * persistent + 4 * largest
+        params = dense / n + lp * persistent + 4 * largest + extra
         grads = lp * t / n
         optim = (master + moments) * t / n
     if c.offload != "none":
