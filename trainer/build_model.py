@@ -42,7 +42,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
     quantized = (planned.model or exp.model).lora
     if quantized is not None and quantized.quantization in ("4bit", "8bit"):
-        from trainer.model.create import quantized_layers
+        from trainer.model.quantized import quantized_layers
 
         n = quantized_layers(module)
         if n == 0:  # transformers dropped the quantization (a path that ignores it): never train unasked bf16

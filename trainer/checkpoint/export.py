@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # export runs on CPU; DeepSpeed need not guess
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # as in training (sinks.py)
     try:
         from trainer.checkpoint import resolve_resume
 

@@ -209,7 +209,8 @@ def strict_but_frozen(names: Iterable[str], where: Path) -> Callable[..., None]:
 def base_state(ckpt: Path, exp: Any, rec: dict[str, Any]) -> dict[str, Any]:
     """The frozen weights of an `omitted` checkpoint (`rec`: its record), built from model.pretrained
     as training built them (model.build, the run's precision, adapters applied: the engine's
-    parameter names), in fp32. For export; checks the digest first."""
+    parameter names), in fp32 (a quantized base's weights dequantized). For export; checks the digest
+    first."""
     import torch
 
     from trainer import data, model
@@ -227,9 +228,20 @@ def base_state(ckpt: Path, exp: Any, rec: dict[str, Any]) -> dict[str, Any]:
     for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         if precision.get(key, {}).get("enabled"):  # as DeepSpeed casts the parameters
             for p in module.parameters():
-                p.data = p.data.to(dtype)
+                if p.is_floating_point():  # (LLM.int8's weights stay int8, as module.to(dtype) keeps them)
+                    p.data = p.data.to(dtype)
     fix = f"Restore the weights at {exp.model.pretrained}, or point {ckpt / 'experiment.yaml'}'s model.pretrained at them"
     problem = mismatch(ckpt, rec, digest(module, zero3=False), fix)
     if problem:
         raise UserError(problem)
-    return {k: v.float() for k, v in module.state_dict().items() if "lora_" not in k}
+    # model.lora.quantization: a quantized weight's values are what the forward computes with (packed
+    # values dequantized, as bitsandbytes does); its quantization state is no weight of the model
+    deq = {}
+    lora = exp.model.lora
+    if lora is not None and lora.quantization in ("4bit", "8bit"):
+        from trainer.model.quantized import dequantized
+
+        deq = dequantized(module, torch.float32)
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
+    return {k: deq.get(k, v).float() for k, v in module.state_dict().items() if "lora_" not in k and k in names}

@@ -1,0 +1,93 @@
+"""model.lora.quantization (QLoRA): the frozen base's linear layers loaded by bitsandbytes in 4 bits
+(NF4 with double quantization, as QLoRA) or 8 bits (LLM.int8), what the planner counts of them, and
+their dequantized values for export."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.config import ModelSection
+from trainer.errors import UserError
+
+
+def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> dict[str, Any]:
+    """from_pretrained's arguments for model.lora.quantization (bitsandbytes: 4bit = QLoRA's NF4 with
+    double quantization, computing in the run's precision, stored in it so that ZeRO-3 can partition the
+    packed weights; 8bit = LLM.int8), on this rank's device; {} without one."""
+    q = section.lora.quantization if section.lora is not None else None
+    if q not in ("4bit", "8bit"):
+        return {}
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(
+            f"model.lora.quantization: {q} needs bitsandbytes, which is not installed: pip install -e '.[qlora]' "
+            "(or pip install 'bitsandbytes>=0.50'), or set it to none"
+        )
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    lora = section.lora
+    dtype = {"auto": run_dtype, "bf16": torch.bfloat16, "fp32": torch.float32}[lora.compute_dtype]
+    if q == "4bit":
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=lora.quant_type, bnb_4bit_use_double_quant=lora.double_quant,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype,
+        )  # fmt: skip
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    if zero3:  # zero.Init places and partitions the weights itself
+        return {"quantization_config": config}
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}
+
+
+# bitsandbytes' 4-bit layout: 4 bits an element packed; a block of 64 elements shares an absmax, in fp32,
+# or with double quantization in 8 bits, those in blocks of 256 sharing an fp32 absmax of their own
+BNB_BLOCK, BNB_NESTED_BLOCK = 64, 256
+
+
+def quantized_count(
+    module: Any, section: ModelSection
+) -> tuple[int, float, float, int, tuple[int, ...]] | None:
+    """ModelInfo.quantized for model.lora.quantization, from the model on the meta device: the linear
+    layers bitsandbytes replaces (every nn.Linear but the output embedding, as transformers converts
+    them): (their elements, packed bytes an element, quantization-state bytes an element, the largest,
+    each one's elements)."""
+    q = section.lora.quantization if section.lora is not None else None
+    if q not in ("4bit", "8bit"):
+        return None
+    import torch
+
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    sizes = [m.weight.numel() for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)
+             and m is not head and ".lora_" not in name and not m.weight.requires_grad]  # the frozen base's  # fmt: skip
+    if q == "8bit":  # int8 weights and an fp32 scale per output row (about 1/hidden an element)
+        return sum(sizes), 1.0, 4 / 1024, max(sizes, default=0), tuple(sorted(sizes))
+    state = (
+        (1 / BNB_BLOCK + 4 / (BNB_BLOCK * BNB_NESTED_BLOCK)) if section.lora.double_quant else 4 / BNB_BLOCK
+    )
+    return sum(sizes), 0.5, state, max(sizes, default=0), tuple(sorted(sizes))
+
+
+def quantized_layers(model: Any) -> int:
+    """bitsandbytes' own quantized layers in `model` (4-bit Linear4bit, 8-bit Linear8bitLt; not peft's
+    wrappers of them)."""
+    return sum(type(m).__module__.startswith("bitsandbytes") and type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+               for m in model.modules())  # fmt: skip
+
+
+def dequantized(module: Any, dtype: Any) -> dict[str, Any]:
+    """{parameter name: its values in `dtype`, in the layer's own shape} for every quantized weight of
+    `module` (bitsandbytes' Params4bit and Int8Params): what a forward computes with."""
+    import bitsandbytes.functional as F
+    import torch
+
+    out = {}
+    for name, p in module.named_parameters():
+        state = getattr(p, "quant_state", None)
+        if state is not None:  # 4-bit: the packed values through the code, scaled by the blocks' absmax
+            out[name] = F.dequantize_4bit(p.data, state).to(dtype)
+        elif getattr(p, "SCB", None) is not None and p.dtype == torch.int8:  # LLM.int8: a scale per row
+            out[name] = (p.data.float() * p.SCB.float().unsqueeze(1) / 127).to(dtype)
+    return out
