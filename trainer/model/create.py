@@ -23,7 +23,7 @@ from typing import Any
 from trainer.config import ModelSection, chunked_loss_problem, thaw
 from trainer.errors import UserError
 from trainer.files import write_atomic
-from trainer.model.quantized import quantization, quantized_count
+from trainer.model.quantized import one_layout, quantization, quantized_count
 from trainer.strategy import ModelInfo
 
 # model.attn_implementation: auto. On CPU in bf16, sdpa runs PyTorch's flash-attention kernel for CPU,
@@ -402,6 +402,8 @@ def _transformers_model(
                 **kwargs,
                 **quantized,
             )
+            if quantized:
+                one_layout(model)
         except OSError as e:
             raise UserError(f"model.pretrained: cannot load weights of '{section.pretrained}': {e}") from None
     if vocab_size is not None and cfg.vocab_size < vocab_size:

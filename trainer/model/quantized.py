@@ -70,6 +70,18 @@ def quantized_count(
     return sum(sizes), 0.5, state, max(sizes, default=0), tuple(sorted(sizes))
 
 
+def one_layout(model: Any) -> None:
+    """Keep every 4-bit weight in the layout it was loaded in. On a CPU with AVX512-BF16, bitsandbytes'
+    Linear4bit repacks its weight in place for a faster kernel at its first forward in eval mode without
+    gradients (an eval pass, DPO's reference log-probs) and marks the quantization state so. At ZeRO-3
+    the weight is gathered again from its partition, in the old layout, under the new mark: every
+    later forward computed with scrambled weights, silently (a DPO run's first margin 0.139, not 0).
+    Training and eval compute alike instead."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+
+
 def quantized_layers(model: Any) -> int:
     """bitsandbytes' own quantized layers in `model` (4-bit Linear4bit, 8-bit Linear8bitLt; not peft's
     wrappers of them)."""
