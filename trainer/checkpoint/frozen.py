@@ -244,4 +244,6 @@ def base_state(ckpt: Path, exp: Any, rec: dict[str, Any]) -> dict[str, Any]:
         deq = dequantized(module, torch.float32)
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     names |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
-    return {k: deq.get(k, v).float() for k, v in module.state_dict().items() if "lora_" not in k and k in names}
+    return {
+        k: deq.get(k, v).float() for k, v in module.state_dict().items() if "lora_" not in k and k in names
+    }
