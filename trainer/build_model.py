@@ -50,6 +50,10 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
                 f"model.lora.quantization: {quantized.quantization} was asked for, but no layer of the loaded model is "
                 "quantized; set it to none to train on the weights in the training precision"
             )
+        counted = len(planned.info.quantized.sizes) if planned.info.quantized else 0
+        if env.rank == 0 and counted != n:  # the plan's bytes assumed other layers
+            log.warning(f"warning: the memory plan counted {counted} quantized layers, bitsandbytes quantized {n}: "
+                        "the planned bytes of the base are off by the difference")  # fmt: skip
         if env.rank == 0:
             what = f"4bit {quantized.quant_type}{', double quantization' if quantized.double_quant else ''}" if (
                 quantized.quantization == "4bit") else "8bit (LLM.int8)"  # fmt: skip

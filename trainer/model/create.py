@@ -25,6 +25,7 @@ from trainer.errors import UserError
 from trainer.files import write_atomic
 from trainer.model.quantized import one_layout, quantization, quantized_count
 from trainer.strategy import ModelInfo
+from trainer.strategy.planning.candidates import Quantized
 
 # model.attn_implementation: auto. On CPU in bf16, sdpa runs PyTorch's flash-attention kernel for CPU,
 # whose backward takes 4x its forward at short sequences; eager attention (two batched matmuls and a
@@ -193,7 +194,9 @@ def info(
     if path is not None and path.is_file():
         with contextlib.suppress(OSError, ValueError, TypeError):
             found = json.loads(path.read_text())
-            return ModelInfo(**{**found, "param_sizes": tuple(found.get("param_sizes", ()))})
+            q = found.get("quantized")
+            q = Quantized(**{**q, "sizes": tuple(q["sizes"])}) if q else None
+            return ModelInfo(**{**found, "param_sizes": tuple(found.get("param_sizes", ())), "quantized": q})
     found = _count(section, vocab_size, eos_id)
     if path is not None:
         with contextlib.suppress(OSError):  # a read-only cache only costs speed
@@ -216,7 +219,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 11,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 11: quantized
+        "v": 13,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,

@@ -8,6 +8,7 @@ from typing import Any
 
 from trainer.config import ModelSection
 from trainer.errors import UserError
+from trainer.strategy.planning.candidates import Quantized
 
 
 def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> dict[str, Any]:
@@ -47,27 +48,29 @@ def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> 
 BNB_BLOCK, BNB_NESTED_BLOCK = 64, 256
 
 
-def quantized_count(
-    module: Any, section: ModelSection
-) -> tuple[int, float, float, int, tuple[int, ...]] | None:
+def quantized_count(module: Any, section: ModelSection) -> Quantized | None:
     """ModelInfo.quantized for model.lora.quantization, from the model on the meta device: the linear
-    layers bitsandbytes replaces (every nn.Linear but the output embedding, as transformers converts
-    them): (their elements, packed bytes an element, quantization-state bytes an element, the largest,
-    each one's elements)."""
+    layers bitsandbytes replaces (every nn.Linear and GPT-2's Conv1D but the output embedding, as
+    transformers converts them)."""
     q = section.lora.quantization if section.lora is not None else None
     if q not in ("4bit", "8bit"):
         return None
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
-    sizes = [m.weight.numel() for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)
-             and m is not head and ".lora_" not in name and not m.weight.requires_grad]  # the frozen base's  # fmt: skip
-    if q == "8bit":  # int8 weights and an fp32 scale per output row (about 1/hidden an element)
-        return sum(sizes), 1.0, 4 / 1024, max(sizes, default=0), tuple(sorted(sizes))
-    state = (
-        (1 / BNB_BLOCK + 4 / (BNB_BLOCK * BNB_NESTED_BLOCK)) if section.lora.double_quant else 4 / BNB_BLOCK
-    )
-    return sum(sizes), 0.5, state, max(sizes, default=0), tuple(sorted(sizes))
+    layers = [m for name, m in module.named_modules() if isinstance(m, torch.nn.Linear | Conv1D)
+              and m is not head and ".lora_" not in name and not m.weight.requires_grad]  # the frozen base's  # fmt: skip
+    sizes = tuple(sorted(m.weight.numel() for m in layers))
+    if q == "8bit":  # int8 weights and an fp32 scale per output row
+        rows = sum(m.weight.shape[1 if isinstance(m, Conv1D) else 0] for m in layers)
+        return Quantized(sum(sizes), 1.0, 0.0, 4 * rows // max(1, len(layers)), sizes)
+    if section.lora.double_quant:  # the absmax in 8 bits, an fp32 absmax per 256 of them; NF4's code,
+        # the offset and the 8-bit code table in fp32 a layer
+        return Quantized(
+            sum(sizes), 0.5, 1 / BNB_BLOCK + 4 / (BNB_BLOCK * BNB_NESTED_BLOCK), 16 * 4 + 4 + 256 * 4, sizes
+        )
+    return Quantized(sum(sizes), 0.5, 4 / BNB_BLOCK, 16 * 4, sizes)
 
 
 def one_layout(model: Any) -> None:

@@ -36,10 +36,25 @@ class ModelInfo:
     window: int | None = None  # sliding-window attention's window (Mistral, Gemma 3's local layers...)
     active: int | None = None  # a mixture of experts: parameters a token runs through (None: dense, all)
     chunked_problem: str | None = None  # why model.chunked_loss cannot serve this model and config
-    # model.lora.quantization: the elements of the quantized (frozen) weights, the bytes each takes packed
-    # (partitioned at ZeRO-3) and in quantization state (whole on every rank), the largest such layer,
-    # each one's elements
-    quantized: tuple[int, float, float, int, tuple[int, ...]] | None = None
+    quantized: Quantized | None = None  # model.lora.quantization's layers
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """The frozen linear layers model.lora.quantization stores quantized (bitsandbytes)."""
+
+    elements: int  # of all of them
+    packed: float  # bytes an element takes packed (4-bit: 0.5), partitioned at ZeRO-3
+    state: float  # quantization state, bytes an element (block absmax), whole on every rank
+    per_layer: int  # quantization state, bytes a layer (the code tables, the offset)
+    sizes: tuple[int, ...]  # each layer's elements
+
+    @property
+    def largest(self) -> int:
+        return max(self.sizes, default=0)
+
+    def state_bytes(self) -> float:
+        return self.state * self.elements + self.per_layer * len(self.sizes)
 
 
 def describe_params(info: ModelInfo, lora: Any = None) -> str:
@@ -50,8 +65,10 @@ def describe_params(info: ModelInfo, lora: Any = None) -> str:
     what = f"LoRA r={lora.r}: " if lora is not None else ""
     quantized = ""
     if info.quantized and lora is not None:
-        kind = f"4-bit {lora.quant_type}" if info.quantized[1] < 1 else "8-bit"
-        quantized = f", {info.quantized[0]:,} of them in {kind} ({info.quantized[1]:g} bytes each, packed)"
+        kind = f"4-bit {lora.quant_type}" if info.quantized.packed < 1 else "8-bit"
+        quantized = (
+            f", {info.quantized.elements:,} of them in {kind} ({info.quantized.packed:g} bytes each, packed)"
+        )
     return (
         f"{info.params:,} parameters ({what}{info.trainable:,} trainable = {info.trainable / info.params:.2%}, "
         f"{info.params - info.trainable:,} frozen{quantized})"

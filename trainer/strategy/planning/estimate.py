@@ -60,8 +60,8 @@ def stored_sizes(info: ModelInfo, lp: int) -> list[int]:
     it is its packed bytes / lp elements against stage3_param_persistence_threshold."""
     sizes = list(info.param_sizes)
     if info.quantized:
-        packed = info.quantized[1]
-        for e in info.quantized[4]:
+        packed = info.quantized.packed
+        for e in info.quantized.sizes:
             with contextlib.suppress(ValueError):
                 sizes.remove(e)
                 sizes.append(int(e * packed / lp))
@@ -130,7 +130,7 @@ def estimate_all(
         e = Estimate(
             c, par, grad, opt, act, buf, host + snap,
             fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
-            gather=(4 * info.largest_layer if c.stage == 3 else 0) + (lp * info.quantized[3] if info.quantized else 0),
+            gather=(4 * info.largest_layer if c.stage == 3 else 0) + (lp * info.quantized.largest if info.quantized else 0),
             snapshot=snap,
             step=step,
         )  # fmt: skip

@@ -4,21 +4,21 @@ offloaded states included) and the copy an asynchronous save takes (`snapshot_by
 
 from __future__ import annotations
 
-from trainer.strategy.planning.candidates import Candidate, GiB
+from trainer.strategy.planning.candidates import Candidate, GiB, Quantized
 
 HOST_BUFFER_FACTOR = 1.5  # DeepSpeed estimators' additional_buffer_factor
 
 
 def host_needs(
     c: Candidate, p: int, largest: int, n: int, gpus_per_node: int, trainable: int | None = None,
-    quantized: tuple[int, float, float, int, tuple[int, ...]] | None = None,
+    quantized: Quantized | None = None,
 ) -> int:  # fmt: skip
     """Host bytes per node, DeepSpeed's estimator formulas (zero_init for stage 3); with offload the
     optimizer's part counts the `trainable` parameters only. `quantized` (ModelInfo.quantized): those
     elements are loaded quantized, tensor by tensor onto the device, and offloaded packed: they count
     their packed bytes where the formulas count 2 (offloaded) or 4 (loading) bytes an element."""
     t = p if trainable is None else trainable
-    q, packed = (quantized[0], quantized[1] + quantized[2]) if quantized else (0, 0.0)
+    q, packed = (quantized.elements, quantized.packed + quantized.state) if quantized else (0, 0.0)
     nodes = max(1, n // max(1, gpus_per_node))
     f = HOST_BUFFER_FACTOR
     if c.stage == 3:

@@ -7,7 +7,7 @@ the backward pass (`model_states`), and what they are counted in: the training p
 from __future__ import annotations
 
 from trainer.errors import ConfigError, Problem
-from trainer.strategy.planning.candidates import Candidate
+from trainer.strategy.planning.candidates import Candidate, Quantized
 
 
 def model_states(
@@ -20,7 +20,7 @@ def model_states(
     state_bytes: int = 8,
     trainable: int | None = None,
     persistent: int = 0,
-    quantized: tuple[int, float, float, int, tuple[int, ...]] | None = None,
+    quantized: Quantized | None = None,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for Adam that live through the backward pass,
     following DeepSpeed's estimators, less the fp32 gradient partitions ZeRO makes only at the step
@@ -42,19 +42,17 @@ def model_states(
     rest are weights in the training precision (partitioned at stage 3 like the others).
     `persistent`: at stage 3, the elements of the tensors small enough to be kept whole on every rank
     (stage3_param_persistence_threshold). `quantized` (model.lora.quantization, ModelInfo.quantized):
-    q of the frozen elements are held packed (`packed` bytes each: 0.5 for 4-bit, partitioned at stage 3)
-    with their quantization state (`state` bytes each, whole on every rank), and a forward dequantizes one
-    layer at a time into the compute precision (the largest such layer, lp bytes an element).
+    its elements of the frozen ones are held packed (0.5 bytes each for 4-bit, partitioned at stage 3)
+    with their quantization state (whole on every rank), and a forward dequantizes one layer at a time
+    into the compute precision (the largest such layer, lp bytes an element).
     """
-    q, packed, qstate, qlargest = quantized[:4] if quantized else (0, 0.0, 0.0, 0)
+    q = quantized.elements if quantized else 0
     t = p if trainable is None else trainable
     master = 4  # fp32 master weights (a separate fp32 copy in DeepSpeed's ZeRO even for fp32 models)
     moments = state_bytes
-    if (
-        q
-    ):  # the quantized weights' elements are counted in packed bytes, their state and one dequantized layer
-        dense = lp * (p - q) + packed * q
-        extra = qstate * q + lp * qlargest
+    if quantized:  # the quantized elements in packed bytes; their state and one dequantized layer beside
+        dense = lp * (p - q) + quantized.packed * q
+        extra = quantized.state_bytes() + lp * quantized.largest
     else:
         dense, extra = lp * p, 0
     if c.stage == 0:
