@@ -93,6 +93,7 @@ def merged_logits_match_the_4bit_forward(tmp_path, shared_dir, ckpt, ids, quanti
     dequantized base. Its logits (fp32, and with --dtype bf16) are the 4-bit base's with the adapter
     to within rounding, several times closer than the same adapter over the original weights (the
     quantization's own error)."""
+    import json
     import subprocess
     import sys
 
@@ -126,6 +127,19 @@ def merged_logits_match_the_4bit_forward(tmp_path, shared_dir, ckpt, ids, quanti
     # against the bf16 ones in the checkpoint's adapter/, and the bf16-rounded embeddings and norms)
     assert err["merged fp32"].mean() < 0.25 * err["original bf16"].mean()
     assert err["merged bf16"].mean() < 0.5 * err["original bf16"].mean()
+    # --adapter: the adapter alone, naming the pretrained base, loads over the 4-bit base
+    out = tmp_path / "adapter"
+    p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(ckpt), str(out), "--adapter"], cwd=ROOT,
+                       env=env_for(1), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        base_dir(shared_dir)
+    )
+    with torch.no_grad():
+        fresh = AutoModelForCausalLM.from_pretrained(base_dir(shared_dir), quantization_config=fp32, dtype=torch.float32,
+                                                     device_map={"": "cpu"})  # fmt: skip
+        exported = PeftModel.from_pretrained(fresh, str(out))(input_ids=ids).logits.float()
+    assert (exported - logits["4bit fp32"]).abs().mean() < 0.25 * err["original bf16"].mean()
 
 
 def dequantized_base(shared_dir):

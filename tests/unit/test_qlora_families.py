@@ -57,3 +57,32 @@ def test_qlora_loads_trains_and_is_planned_for_every_family(tmp_path, model_type
         (name, p) for name, p in module.named_parameters() if "lora_B" in name
     ]  # (A has none while B is 0)
     assert adapters and all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in adapters), model_type
+
+
+def test_quantization_without_a_pretrained_model_or_bitsandbytes_is_refused_with_the_fix(monkeypatch):
+    """A config model quantized would be a random initialisation in 4 bits: refused at load, naming
+    model.pretrained. Without bitsandbytes: the error names the install (exit 2 through bin/train)."""
+    import importlib.util
+
+    from helpers import TINY
+
+    from trainer.errors import ConfigError, UserError
+    from trainer.model.quantized import quantization
+
+    with pytest.raises(ConfigError, match="give model.pretrained"):
+        config.load(TINY, ["model.lora={r: 4, quantization: 4bit}"])
+    section = config.ModelSection.model_validate(
+        {"pretrained": "some/model", "lora": {"r": 4, "quantization": "4bit"}}
+    )
+    q = quantization(section, torch.bfloat16)["quantization_config"]
+    assert (
+        q.bnb_4bit_quant_type == "nf4"
+        and q.bnb_4bit_use_double_quant
+        and q.bnb_4bit_compute_dtype == torch.bfloat16
+    )
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
+    with pytest.raises(UserError, match=r"pip install -e '\.\[qlora\]'"):
+        quantization(section, torch.bfloat16)

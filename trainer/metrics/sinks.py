@@ -41,9 +41,7 @@ def quiet_libraries() -> None:
     )
     for name in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # bitsandbytes (model.lora.quantization) on a CPU with AVX512-BF16 asks for the hub-downloaded
-    # `kernels` package, and falls back to its own CPU kernels without it: that is this project's
-    # choice (no network at run time), not a problem to report
+    # bitsandbytes on a CPU with AVX512-BF16 asks for the hub-downloaded `kernels` package (trainer/cli.py)
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         from deepspeed.utils import logger as ds_logger
