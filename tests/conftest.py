@@ -119,6 +119,9 @@ WALL_S = {
     "tests/e2e/test_real_templates_train.py": 110,  # 295 before its tests took the tiled loss
     "tests/dist/test_lora.py": 235,
     "tests/dist/test_durability.py": 90,  # added after that run (estimates)
+    "tests/dist/test_qlora.py": 150,
+    "tests/dist/test_qlora_training.py": 110,
+    "tests/unit/test_qlora_families.py": 10,
     "tests/e2e/test_rollback.py": 30,
     "tests/dist/test_stages.py": 227,
     "tests/e2e/test_tiny.py": 199,

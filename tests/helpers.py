@@ -620,3 +620,29 @@ def matrix_rows(seq: int = 32) -> Any:
     labels = ids.clone()
     labels[pos < 3] = -100
     return torch.stack([ids, labels, pos], dim=1)
+
+
+# ----------------------------------------------------------------------------- QLoRA
+# tests/dist/test_qlora.py (the stages, export) and tests/dist/test_qlora_training.py (the curves, splits, DPO)
+QLORA = {"model.lora": {"r": 4, "alpha": 8, "dropout": 0.0, "quantization": "4bit"}, "optim.lr": 1e-2,
+         "optim.warmup_steps": 0, "train.precision": "bf16", "strategy.justification": "test"}  # fmt: skip
+
+
+def qlora_base(shared_dir: Path) -> Path:
+    """A Llama of the byte tokenizer's vocabulary, saved as a from_pretrained directory once a session:
+    12.6M parameters in its linear layers (25 MB in bf16, 6.3 MB packed in 4 bits), enough for the
+    planner's packed bytes and quantization state to be told apart from the rest."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.files import file_lock
+
+    out = shared_dir / "qlora-base-512"
+    with file_lock(shared_dir / "qlora-base.lock"):
+        if not (out / "config.json").exists():
+            torch.manual_seed(0)
+            cfg = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                                       vocab_size=257, bos_token_id=256, eos_token_id=256)  # fmt: skip
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
