@@ -94,3 +94,18 @@ def test_qlora_dpo_at_zero3_its_reference_is_the_4bit_base(tmp_path, shared_dir)
     first = recs[0]
     assert abs(first["reward_margin"]) < 1e-5 and first["loss"] == pytest.approx(0.6931472, abs=1e-5), first
     assert sum(m["reward_margin"] for m in recs[-3:]) > 0, recs
+
+
+def test_8bit_shards_at_zero3_with_the_losses_of_zero0(tmp_path, shared_dir):
+    """LLM.int8 (model.lora.quantization: 8bit) at ZeRO-3 on 2 ranks: its int8 weights are partitioned
+    and gathered like the others, and it logs ZeRO-0's losses (fp32, 1e-6): nothing to refuse."""
+    sets = {**QLORA, "model.config": None, "model.pretrained": str(qlora_base(shared_dir)), "train.precision": "fp32",
+            "model.lora.quantization": "8bit", "data.eval_fraction": 0, "data.num_workers": 0, "train.max_steps": 4,
+            "train.log_every": 1, "train.eval_every": 0, "train.micro_batch_size": 2, "checkpoint.every_steps": 0,
+            "checkpoint.save_final": False}  # fmt: skip
+    runs = {stage: train(tmp_path / f"zero{stage}", {**sets, "strategy.zero_stage": stage}, launcher="torchrun",
+                         debug=False) for stage in (0, 3)}  # fmt: skip
+    assert "8bit (LLM.int8), 28 linear layers quantized" in runs[3].output
+    assert sorted(runs[0].losses) == [1, 2, 3, 4] and runs[0].losses[4] != runs[0].losses[1]
+    for step, value in runs[0].losses.items():
+        assert runs[3].losses[step] == pytest.approx(value, rel=1e-6), (runs[0].losses, runs[3].losses)

@@ -86,3 +86,34 @@ def test_quantization_without_a_pretrained_model_or_bitsandbytes_is_refused_with
     )
     with pytest.raises(UserError, match=r"pip install -e '\.\[qlora\]'"):
         quantization(section, torch.bfloat16)
+
+
+def test_a_checkpoint_stored_quantized_is_refused_unless_the_experiment_says_so(tmp_path):
+    """A bnb-4bit upload loads quantized whatever the experiment says: full fine-tuning of it (which
+    trained only its norms and embeddings, silently) and LoRA that calls it unquantized or another
+    4-bit type are refused, naming the setting; model.lora.quantization: 4bit with its own type loads."""
+    from helpers import matrix_config
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from trainer.errors import UserError
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(matrix_config("llama")).save_pretrained(tmp_path / "fp32")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp32", quantization_config=quant, device_map={"": "cpu"}
+    ).save_pretrained(tmp_path / "bnb4")
+
+    def section(lora):
+        return config.ModelSection.model_validate({"pretrained": str(tmp_path / "bnb4"), "lora": lora})
+
+    cases = {
+        "quantized weights cannot be trained in full; add model.lora": None,
+        "set model.lora.quantization: 4bit": {"r": 4},
+        "set model.lora.quant_type: nf4": {"r": 4, "quantization": "4bit", "quant_type": "fp4"},
+    }
+    for message, lora in cases.items():
+        with pytest.raises(UserError, match=message):
+            model.hf_config(section(lora), 97, 2)
+    assert model.hf_config(section({"r": 4, "quantization": "4bit"}), 97, 2).quantization_config

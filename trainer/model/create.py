@@ -23,7 +23,7 @@ from typing import Any
 from trainer.config import ModelSection, chunked_loss_problem, thaw
 from trainer.errors import UserError
 from trainer.files import write_atomic
-from trainer.model.quantized import one_layout, quantization, quantized_count
+from trainer.model.quantized import one_layout, quantization, quantized_count, stored_quantized
 from trainer.strategy import ModelInfo
 from trainer.strategy.planning.candidates import Quantized
 
@@ -93,9 +93,11 @@ def hf_config(section: ModelSection, vocab_size: int | None, eos_id: int | None)
         except TypeError as e:
             raise UserError(f"model.config: {e}") from None
     try:
-        return AutoConfig.from_pretrained(
+        cfg = AutoConfig.from_pretrained(
             section.pretrained, revision=section.revision, trust_remote_code=section.trust_remote_code
         )
+        stored_quantized(section, cfg)
+        return cfg
     except (
         OSError,
         ValueError,

@@ -73,6 +73,43 @@ def quantized_count(module: Any, section: ModelSection) -> Quantized | None:
     return Quantized(sum(sizes), 0.5, 4 / BNB_BLOCK, 16 * 4, sizes)
 
 
+def stored_quantized(section: ModelSection, cfg: Any) -> None:
+    """A checkpoint stored quantized (its config.json has a quantization_config: a bnb-4bit upload, GPTQ,
+    AWQ...) loads quantized whatever the experiment says. Its weights cannot train in full, and LoRA
+    over it is QLoRA, planned and checkpointed as such only when model.lora.quantization says so:
+    refused otherwise, naming the setting."""
+    stored = getattr(cfg, "quantization_config", None)
+    if stored is None:
+        return
+    stored = stored if isinstance(stored, dict) else stored.to_dict()
+    method = stored.get("quant_method", "an unknown method")
+    bits = "4bit" if stored.get("load_in_4bit") else "8bit" if stored.get("load_in_8bit") else None
+    where = (
+        f"model.pretrained: {section.pretrained} is stored quantized ({method}{', ' + bits if bits else ''})"
+    )
+    if section.lora is None:
+        raise UserError(f"{where}: quantized weights cannot be trained in full; add model.lora (adapters over it, "
+                        f"quantization: {bits or '4bit'}) or give the model's unquantized weights")  # fmt: skip
+    if method != "bitsandbytes" or bits is None:
+        raise UserError(f"{where}: only bitsandbytes' 4bit and 8bit are supported under the adapters; give the "
+                        "model's unquantized weights (model.lora.quantization then quantizes them as they load)")  # fmt: skip
+    if section.lora.quantization != bits:
+        raise UserError(f"{where}: set model.lora.quantization: {bits} (it loads so whatever the setting says, "
+                        "and the plan and the checkpoints must know it)")  # fmt: skip
+    lora = section.lora
+    kept = {
+        "quant_type": stored.get("bnb_4bit_quant_type", "fp4"),
+        "double_quant": stored.get("bnb_4bit_use_double_quant", False),
+    }
+    differ = [
+        f"model.lora.{k}: {str(v).lower()}"
+        for k, v in kept.items()
+        if bits == "4bit" and getattr(lora, k) != v
+    ]
+    if differ:
+        raise UserError(f"{where}: its weights are stored so; set {', '.join(differ)}")
+
+
 def one_layout(model: Any) -> None:
     """Keep every 4-bit weight in the layout it was loaded in. On a CPU with AVX512-BF16, bitsandbytes'
     Linear4bit repacks its weight in place for a faster kernel at its first forward in eval mode without
