@@ -50,6 +50,14 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
                 f"model.lora.quantization: {quantized.quantization} was asked for, but no layer of the loaded model is "
                 "quantized; set it to none to train on the weights in the training precision"
             )
+        trained = [name for name, p in module.named_parameters() if p.requires_grad and (
+            getattr(p, "quant_state", None) is not None or not p.is_floating_point())]  # fmt: skip
+        if trained:  # (model.lora.train_modules: peft's trainable copy of a quantized layer gets no gradient)
+            raise UserError(
+                f"model.lora.train_modules: {', '.join(quantized.train_modules)} would train quantized weights "
+                f"({trained[0]}{' ...' if len(trained) > 1 else ''}), which get no gradient; name modules that "
+                "are not quantized (the embeddings, the head) or set model.lora.quantization: none"
+            )
         counted = len(planned.info.quantized.sizes) if planned.info.quantized else 0
         if env.rank == 0 and counted != n:  # the plan's bytes assumed other layers
             log.warning(f"warning: the memory plan counted {counted} quantized layers, bitsandbytes quantized {n}: "

@@ -96,16 +96,66 @@ def test_qlora_dpo_at_zero3_its_reference_is_the_4bit_base(tmp_path, shared_dir)
     assert sum(m["reward_margin"] for m in recs[-3:]) > 0, recs
 
 
-def test_8bit_shards_at_zero3_with_the_losses_of_zero0(tmp_path, shared_dir):
-    """LLM.int8 (model.lora.quantization: 8bit) at ZeRO-3 on 2 ranks: its int8 weights are partitioned
-    and gathered like the others, and it logs ZeRO-0's losses (fp32, 1e-6): nothing to refuse."""
+def test_8bit_trains_at_zero_0_and_2_resumes_and_is_refused_at_zero3(tmp_path, shared_dir):
+    """LLM.int8 (model.lora.quantization: 8bit) on 2 ranks: ZeRO-2 logs ZeRO-0's losses (fp32, 1e-6),
+    and resumes bit for bit (its row scales are the base's state, left out of the checkpoint: a resume
+    failed on them before). ZeRO-3 is refused at config time: Linear8bitLt keeps each layer's whole
+    int8 weight in its state after a forward (measured), so ZeRO-3 would not shard it."""
+    from helpers import cli
+
     sets = {**QLORA, "model.config": None, "model.pretrained": str(qlora_base(shared_dir)), "train.precision": "fp32",
             "model.lora.quantization": "8bit", "data.eval_fraction": 0, "data.num_workers": 0, "train.max_steps": 4,
-            "train.log_every": 1, "train.eval_every": 0, "train.micro_batch_size": 2, "checkpoint.every_steps": 0,
-            "checkpoint.save_final": False}  # fmt: skip
+            "train.log_every": 1, "train.eval_every": 0, "train.micro_batch_size": 2, "checkpoint.every_steps": 2,
+            "checkpoint.save_final": False, "checkpoint.keep_last": 0}  # fmt: skip
     runs = {stage: train(tmp_path / f"zero{stage}", {**sets, "strategy.zero_stage": stage}, launcher="torchrun",
-                         debug=False) for stage in (0, 3)}  # fmt: skip
-    assert "8bit (LLM.int8), 28 linear layers quantized" in runs[3].output
+                         debug=False) for stage in (0, 2)}  # fmt: skip
+    assert "8bit (LLM.int8), 28 linear layers quantized" in runs[2].output
     assert sorted(runs[0].losses) == [1, 2, 3, 4] and runs[0].losses[4] != runs[0].losses[1]
     for step, value in runs[0].losses.items():
-        assert runs[3].losses[step] == pytest.approx(value, rel=1e-6), (runs[0].losses, runs[3].losses)
+        assert runs[2].losses[step] == pytest.approx(value, rel=1e-6), (runs[0].losses, runs[2].losses)
+    ckpt = runs[2].run_dir / "checkpoints" / "step_00000002"
+    b = train(tmp_path / "resumed", {**sets, "strategy.zero_stage": 2}, launcher="torchrun", debug=False,
+              extra_args=["--resume", str(ckpt)])  # fmt: skip
+    assert {s: v for s, v in b.losses.items() if s > 2} == {s: v for s, v in runs[2].losses.items() if s > 2}
+    code, out = cli({**sets, "strategy.zero_stage": 3, "run_dir": str(tmp_path / "refused")})
+    assert code == 2 and "8bit base weights cannot be sharded by ZeRO-3" in out, out[-2000:]
+
+
+def test_gpt2_conv1d_layers_export_merged_into_their_own_layout(tmp_path):
+    """GPT-2's Conv1D layers are quantized as linear layers ((out, in) where Conv1D holds (in, out)):
+    the merged export puts them back (it failed on c_attn, and would have loaded the square c_proj
+    transposed). Trained with compute_dtype fp32 under bf16 (the packed weights stored in bf16, as
+    DeepSpeed holds them: stored in fp32 they were rewritten by its cast)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, env_for
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("gpt2", n_embd=128, n_layer=2, n_head=4, n_positions=256, vocab_size=257,
+                               bos_token_id=256, eos_token_id=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "base")
+    sets = {**QLORA, "model.config": None, "model.pretrained": str(tmp_path / "base"), "model.lora.compute_dtype": "fp32",
+            "data.eval_fraction": 0, "data.num_workers": 0, "train.max_steps": 4, "train.log_every": 1,
+            "train.eval_every": 0, "checkpoint.every_steps": 4, "checkpoint.save_final": False}  # fmt: skip
+    r = train(tmp_path / "run", sets, debug=False)
+    assert "8 linear layers quantized" in r.output and r.losses[4] < r.losses[1]
+    ckpt = r.run_dir / "checkpoints" / "step_00000004"
+    p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(ckpt), str(tmp_path / "merged")], cwd=ROOT,
+                       env=env_for(1), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    four = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, dtype=torch.float32,
+                                                device_map={"": "cpu"})  # fmt: skip
+    models = {"4bit": PeftModel.from_pretrained(four, str(ckpt / "adapter")),
+              "original": PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), str(ckpt / "adapter")),
+              "merged": AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)}  # fmt: skip
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {k: m.eval()(input_ids=ids).logits for k, m in models.items()}
+    merged, original = ((logits[k] - logits["4bit"]).abs().mean() for k in ("merged", "original"))
+    print(f"GPT-2 merged against the 4-bit forward {merged:.2e}, the original weights {original:.2e}")
+    assert merged < 0.25 * original

@@ -114,6 +114,11 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
     state = consolidated_state_dict(
         ckpt, names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay)), exp
     )
+    if exp.model.lora is not None and exp.model.lora.quantization in ("4bit", "8bit"):
+        # bitsandbytes quantizes GPT-2's Conv1D (in, out) weights as linear layers (out, in)
+        for name, m in module.named_modules():
+            if type(m).__name__ == "Conv1D" and f"{name}.weight" in state:
+                state[f"{name}.weight"] = state[f"{name}.weight"].t().contiguous()
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     tied = {k for k in missing if k in _tied_keys(module)}
     if set(missing) - tied or unexpected:

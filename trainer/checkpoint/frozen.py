@@ -96,14 +96,16 @@ def engine_digest(ds: Any) -> str:
 
 
 def unchanged(taken: str | None, now: str, rank: int, step: int) -> str:
-    """A save's check, every rank: `now` (the frozen weights' digest at the save of `step`) is the
-    digest `taken` before the first step (None: none taken yet), which it returns; raises if not."""
-    if taken is not None and now != taken:
+    """A save's check, every rank: `now` (the frozen weights' digest at the save of `step`) holds the
+    values of the digest `taken` before the first step (None: none taken yet), which it returns; raises
+    if not. A dtype that changed with the values kept is no change: bitsandbytes casts a quantized
+    layer's bias to its compute dtype in place at the first forward (compute_dtype fp32 under bf16)."""
+    if taken is not None and now.partition(":")[2] != taken.partition(":")[2]:
         raise RuntimeError(
             f"the frozen weights changed during training (digest {taken} -> {now}) on rank "
             f"{rank}: something wrote to parameters that have no gradient; not saving step {step}"
         )
-    return now
+    return taken if taken is not None else now
 
 
 def leave_out_aliases(ds: Any) -> None:
@@ -129,10 +131,13 @@ def leave_out_aliases(ds: Any) -> None:
 
 def of_frozen(key: str, names: set[str]) -> bool:
     """A state-dict key that is a frozen parameter, or a quantized frozen weight's state that
-    bitsandbytes saves beside it (`....weight.absmax`, `....weight.quant_state.bitsandbytes__nf4`)."""
+    bitsandbytes saves beside it (`....weight.absmax`, `....weight.quant_state.bitsandbytes__nf4`;
+    8-bit: `....SCB`, `....weight_format`)."""
     if key in names:
         return True
     parts = key.split(".")
+    if parts[-1] in ("SCB", "weight_format") and ".".join([*parts[:-1], "weight"]) in names:
+        return True  # LLM.int8's row scales and layout, saved beside the layer's weight
     return any(".".join(parts[:i]) in names for i in range(len(parts) - 1, 0, -1))
 
 

@@ -249,6 +249,11 @@ def _strategy(exp: Experiment) -> list[tuple[str, str]]:
                 "set zero_stage to 2, 3 or auto",
             )
         )
+    lora = exp.model.lora
+    if lora is not None and lora.quantization == "8bit" and (s.zero_stage == 3 or s.offload == "nvme"):
+        out.append(("strategy.zero_stage", "8bit base weights cannot be sharded by ZeRO-3: bitsandbytes' "
+                    "Linear8bitLt keeps each layer's whole int8 weight in its state after a forward; use "
+                    "model.lora.quantization: 4bit, or zero_stage 0-2 (or auto)"))  # fmt: skip
     if s.offload == "nvme":
         if s.zero_stage in (0, 1, 2):
             out.append(("strategy.offload", "nvme offload needs zero_stage 3 (or auto)"))

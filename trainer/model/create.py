@@ -23,7 +23,7 @@ from typing import Any
 from trainer.config import ModelSection, chunked_loss_problem, thaw
 from trainer.errors import UserError
 from trainer.files import write_atomic
-from trainer.model.quantized import one_layout, quantization, quantized_count, stored_quantized
+from trainer.model.quantized import loaded_quantized, quantization, quantized_count, stored_quantized
 from trainer.strategy import ModelInfo
 from trainer.strategy.planning.candidates import Quantized
 
@@ -397,7 +397,9 @@ def _transformers_model(
             import torch
 
             zero3 = (ds_config or {}).get("zero_optimization", {}).get("stage") == 3
-            quantized = quantization(section, torch.bfloat16 if mixed else torch.float32, zero3)
+            held = next((d for k, d in (("bf16", torch.bfloat16), ("fp16", torch.float16))
+                         if (ds_config or {}).get(k, {}).get("enabled") is True), torch.float32)  # fmt: skip
+            quantized = quantization(section, held, zero3)
             model = AutoModelForCausalLM.from_pretrained(
                 section.pretrained,
                 config=cfg,
@@ -408,7 +410,7 @@ def _transformers_model(
                 **quantized,
             )
             if quantized:
-                one_layout(model)
+                loaded_quantized(model, section, held, zero3)
         except OSError as e:
             raise UserError(f"model.pretrained: cannot load weights of '{section.pretrained}': {e}") from None
     if vocab_size is not None and cfg.vocab_size < vocab_size:

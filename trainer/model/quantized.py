@@ -13,8 +13,10 @@ from trainer.strategy.planning.candidates import Quantized
 
 def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> dict[str, Any]:
     """from_pretrained's arguments for model.lora.quantization (bitsandbytes: 4bit = QLoRA's NF4 with
-    double quantization, computing in the run's precision, stored in it so that ZeRO-3 can partition the
-    packed weights; 8bit = LLM.int8), on this rank's device; {} without one."""
+    double quantization; 8bit = LLM.int8), on this rank's device; {} without one. `run_dtype`: the dtype
+    the engine holds floating-point parameters in (bf16, fp16 or fp32). The packed 4-bit weights are
+    stored in it whatever they compute in (compute_dtype): DeepSpeed casts every floating-point
+    parameter to it, which would rewrite packed bytes held in any other, and ZeRO-3 partitions them so."""
     q = section.lora.quantization if section.lora is not None else None
     if q not in ("4bit", "8bit"):
         return {}
@@ -33,7 +35,7 @@ def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> 
     if q == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=lora.quant_type, bnb_4bit_use_double_quant=lora.double_quant,
-            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=run_dtype,
         )  # fmt: skip
     else:
         config = BitsAndBytesConfig(load_in_8bit=True)
@@ -120,6 +122,31 @@ def one_layout(model: Any) -> None:
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
+
+
+def loaded_quantized(model: Any, section: ModelSection, held: Any, zero3: bool) -> None:
+    """A model loaded with model.lora.quantization, made to compute as the experiment says: one layout
+    (`one_layout`), every 4-bit layer computing in compute_dtype (a checkpoint stored quantized brings
+    its own, often fp16, which transformers keeps), and its packed weights held where DeepSpeed leaves
+    them whole: in `held` (the engine's dtype, which it casts floating-point parameters to) or as bytes,
+    which ZeRO-3 cannot partition as planned."""
+    import torch
+
+    one_layout(model)
+    lora = section.lora
+    compute = {"auto": held, "bf16": torch.bfloat16, "fp32": torch.float32}[lora.compute_dtype]
+    for name, m in model.named_modules():
+        if type(m).__name__ != "Linear4bit" or not type(m).__module__.startswith("bitsandbytes"):
+            continue
+        m.compute_dtype = compute
+        stored = m.weight.dtype
+        if (stored.is_floating_point and stored != held) or (not stored.is_floating_point and zero3):
+            raise UserError(
+                f"model.pretrained: {section.pretrained} stores its 4-bit weights as {stored} ({name}), which "
+                f"{'DeepSpeed would cast to ' + str(held) + ', rewriting the packed bytes' if stored.is_floating_point else 'ZeRO-3 cannot partition'}; "
+                "give the model's unquantized weights (model.lora.quantization quantizes them as they load)"
+                + ("" if stored.is_floating_point else ", or pin strategy.zero_stage below 3")
+            )  # fmt: skip
 
 
 def quantized_layers(model: Any) -> int:

@@ -38,6 +38,7 @@ class Estimate:
     gather: int = 0
     step: int = 0  # allocated only during the optimizer step, when the activations are freed (`step_bytes`)
     snapshot: int = 0  # checkpoint.async: the host copy of a save, per node (counted in `host`)
+    refused: str = ""  # why this candidate cannot run this job whatever its bytes
 
     @property
     def model_states(self) -> int:
@@ -127,6 +128,12 @@ def estimate_all(
         # checkpoint.async: true needs the copy's room; auto goes synchronous where it would not fit
         need = host + snap if exp.checkpoint.async_ is True else host
         nvme_ok = c.offload != "nvme" or bool(exp.strategy.nvme_path) or want_offload == "nvme"
+        # LLM.int8 keeps each layer's whole int8 weight in its state after a forward: ZeRO-3 cannot shard it
+        refused = (
+            "8bit: ZeRO-3 cannot shard it"
+            if c.stage == 3 and info.quantized and info.quantized.packed >= 1
+            else ""
+        )
         e = Estimate(
             c, par, grad, opt, act, buf, host + snap,
             fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
@@ -134,5 +141,7 @@ def estimate_all(
             snapshot=snap,
             step=step,
         )  # fmt: skip
-        out.append(dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok))
+        out.append(
+            dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok and not refused, refused=refused)
+        )
     return out

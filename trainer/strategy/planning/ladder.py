@@ -94,6 +94,8 @@ class Plan:
             fits = "yes" if e.fits else ("no (host)" if e.fits_device else "no")
             if e.candidate.offload == "nvme" and not e.fits and e.total <= self.budget:
                 fits = "no (needs strategy.nvme_path)"
+            if e.refused:
+                fits = f"no ({e.refused})"
             rows.append(
                 (
                     e.candidate.name,
