@@ -84,6 +84,10 @@ def digest(module: Any, zero3: bool) -> str:
         with gather:
             dtypes.add(str(p.dtype).removeprefix("torch."))
             rows[name] = _sums(p)
+        state = getattr(p, "quant_state", None)  # a 4-bit weight's values are its block scales too
+        while state is not None:
+            rows[name] = [*rows[name], *_sums(state.absmax)]
+            state = getattr(state, "state2", None)
     if not rows:
         return ""
     value = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
