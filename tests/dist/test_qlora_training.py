@@ -32,10 +32,10 @@ def dequantized_base(shared_dir):
 def test_qlora_is_lora_over_its_dequantized_base_and_follows_bf16_lora(tmp_path, shared_dir):
     """100 steps on one rank, bf16, the same data and seed: QLoRA logs the losses of bf16 LoRA over
     the base's dequantized NF4 weights bit for bit (the adapters see exactly those weights), and
-    follows bf16 LoRA over the original weights within the 4-bit error (the gap is printed; 3.3% over
-    the last 10 steps when measured)."""
+    follows bf16 LoRA over the original weights within the 4-bit error (the gap is printed: 0.35% at
+    step 1, 0.86% on average, 0.91% over the last 10 steps when measured; micro 2 x 64 tokens)."""
     curve = {**QLORA, "model.config": None, "train.max_steps": 100, "train.log_every": 1, "train.eval_every": 0,
-             "train.micro_batch_size": 4, "data.eval_fraction": 0, "data.num_workers": 0, "optim.lr": 3e-3,
+             "train.micro_batch_size": 2, "data.seq_len": 64, "data.eval_fraction": 0, "data.num_workers": 0, "optim.lr": 3e-3,
              "checkpoint.every_steps": 0, "checkpoint.save_final": False, "model.lora.r": 8, "model.lora.alpha": 16}  # fmt: skip
     runs = {}
     for name, base, quantization in (("qlora", qlora_base(shared_dir), "4bit"),
@@ -46,10 +46,11 @@ def test_qlora_is_lora_over_its_dequantized_base_and_follows_bf16_lora(tmp_path,
     q, d, b = runs["qlora"], runs["dequantized"], runs["bf16"]
     assert sorted(q) == list(range(1, 101)) and q == d
     gap = [abs(q[s] / b[s] - 1) for s in q]
+    first, last = (sum(q[s] for s in steps) / 10 for steps in (range(1, 11), range(91, 101)))
     print(f"QLoRA against bf16 LoRA: step 1 {gap[0]:.2%}, mean {sum(gap) / 100:.2%}, last 10 {sum(gap[-10:]) / 10:.2%}, "
-          f"max {max(gap):.2%}; final losses {q[100]:.4f} and {b[100]:.4f}")  # fmt: skip
+          f"max {max(gap):.2%}; final losses {q[100]:.4f} and {b[100]:.4f}; QLoRA's first 10 {first:.4f}, last 10 {last:.4f}")  # fmt: skip
     assert gap[0] < 0.01 and sum(gap[-10:]) / 10 < 0.10
-    assert sum(q[s] for s in range(91, 101)) < 0.9 * sum(q[s] for s in range(1, 11))  # 3.68 against 4.33
+    assert last < 0.9 * first
 
 
 def test_qlora_chat_steps_do_not_depend_on_how_the_batch_or_the_rows_are_split(tmp_path, shared_dir):
