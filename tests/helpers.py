@@ -628,21 +628,23 @@ QLORA = {"model.lora": {"r": 4, "alpha": 8, "dropout": 0.0, "quantization": "4bi
          "optim.warmup_steps": 0, "train.precision": "bf16", "strategy.justification": "test"}  # fmt: skip
 
 
-def qlora_base(shared_dir: Path) -> Path:
+def qlora_base(shared_dir: Path, small: bool = False) -> Path:
     """A Llama of the byte tokenizer's vocabulary, saved as a from_pretrained directory once a session:
     12.6M parameters in its linear layers (25 MB in bf16, 6.3 MB packed in 4 bits), enough for the
-    planner's packed bytes and quantization state to be told apart from the rest."""
+    planner's packed bytes and quantization state to be told apart from the rest; `small`: hidden 256,
+    2 layers (1.6M), for the 100-step curves (bf16 products crawl on AVX2-only hosts)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainer.files import file_lock
 
-    out = shared_dir / "qlora-base-512"
-    with file_lock(shared_dir / "qlora-base.lock"):
+    out = shared_dir / ("qlora-base-256" if small else "qlora-base-512")
+    shape = (256, 768, 2, 4, 2) if small else (512, 1536, 4, 8, 4)
+    with file_lock(shared_dir / f"{out.name}.lock"):
         if not (out / "config.json").exists():
             torch.manual_seed(0)
-            cfg = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+            cfg = AutoConfig.for_model("llama", **dict(zip(("hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "num_key_value_heads"), shape, strict=True)), max_position_embeddings=256,
                                        vocab_size=257, bos_token_id=256, eos_token_id=256)  # fmt: skip
             AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
     return out

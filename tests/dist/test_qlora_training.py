@@ -18,12 +18,12 @@ def dequantized_base(shared_dir):
     is what QLoRA trains, up to how the layer computes."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    out = shared_dir / "qlora-base-512-dequantized"
+    out = shared_dir / "qlora-base-256-dequantized"
     with file_lock(shared_dir / "qlora-base-dequantized.lock"):
         if not (out / "config.json").exists():
             quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
-            base = AutoModelForCausalLM.from_pretrained(qlora_base(shared_dir), quantization_config=quant, dtype="auto",
+            base = AutoModelForCausalLM.from_pretrained(qlora_base(shared_dir, small=True), quantization_config=quant, dtype="auto",
                                                         device_map={"": "cpu"})  # fmt: skip
             base.dequantize().save_pretrained(out)
     return out
@@ -38,9 +38,9 @@ def test_qlora_is_lora_over_its_dequantized_base_and_follows_bf16_lora(tmp_path,
              "train.micro_batch_size": 2, "data.seq_len": 64, "data.eval_fraction": 0, "data.num_workers": 0, "optim.lr": 3e-3,
              "checkpoint.every_steps": 0, "checkpoint.save_final": False, "model.lora.r": 8, "model.lora.alpha": 16}  # fmt: skip
     runs = {}
-    for name, base, quantization in (("qlora", qlora_base(shared_dir), "4bit"),
-                                     ("dequantized", dequantized_base(shared_dir), "none"),
-                                     ("bf16", qlora_base(shared_dir), "none")):  # fmt: skip
+    small = qlora_base(shared_dir, small=True)
+    for name, base, quantization in (("qlora", small, "4bit"), ("dequantized", dequantized_base(shared_dir), "none"),
+                                     ("bf16", small, "none")):  # fmt: skip
         sets = {**curve, "model.pretrained": str(base), "model.lora.quantization": quantization}
         runs[name] = train(tmp_path / name, sets, debug=False).losses
     q, d, b = runs["qlora"], runs["dequantized"], runs["bf16"]
