@@ -94,8 +94,7 @@ def merged_logits_match_the_4bit_forward(tmp_path, shared_dir, ckpt, ids, quanti
     err = {k: (logits[k] - (logits["4bit fp32"] if k == "merged fp32" else quantized)).abs() for k in logits}
     print("against the 4-bit forward, mean (max) |logit difference|: " + ", ".join(
         f"{k} {e.mean().item():.2e} ({e.max().item():.2e})" for k, e in err.items() if k != "4bit fp32"))  # fmt: skip
-    # (fp32: 6.0e-4 against 5.9e-3 when measured; what is left is the adapter's fp32 master weights
-    # against the bf16 ones in the checkpoint's adapter/, and the bf16-rounded embeddings and norms)
+    # (measured: merged fp32 1.9e-4, merged bf16 2.2e-3, the original weights 5.9e-3)
     assert err["merged fp32"].mean() < 0.25 * err["original bf16"].mean()
     assert err["merged bf16"].mean() < 0.5 * err["original bf16"].mean()
     # --adapter: the adapter alone, naming the pretrained base, loads over the 4-bit base
