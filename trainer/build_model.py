@@ -40,34 +40,13 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         )
     if exp.train.objective != "sft" and exp.train.preference.disable_dropout:
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
-    quantized = (planned.model or exp.model).lora
-    if quantized is not None and quantized.quantization in ("4bit", "8bit"):
-        from trainer.model.quantized import quantized_layers
+    lora = (planned.model or exp.model).lora
+    if lora is not None and lora.quantization in ("4bit", "8bit"):
+        from trainer.model.quantized import check_built
 
-        n = quantized_layers(module)
-        if n == 0:  # transformers dropped the quantization (a path that ignores it): never train unasked bf16
-            raise UserError(
-                f"model.lora.quantization: {quantized.quantization} was asked for, but no layer of the loaded model is "
-                "quantized; set it to none to train on the weights in the training precision"
-            )
-        trained = [name for name, p in module.named_parameters() if p.requires_grad and (
-            getattr(p, "quant_state", None) is not None or not p.is_floating_point())]  # fmt: skip
-        if trained:  # (model.lora.train_modules: peft's trainable copy of a quantized layer gets no gradient)
-            raise UserError(
-                f"model.lora.train_modules: {', '.join(quantized.train_modules)} would train quantized weights "
-                f"({trained[0]}{' ...' if len(trained) > 1 else ''}), which get no gradient; name modules that "
-                "are not quantized (the embeddings, the head) or set model.lora.quantization: none"
-            )
-        counted = len(planned.info.quantized.sizes) if planned.info.quantized else 0
-        if env.rank == 0 and counted != n:  # the plan's bytes assumed other layers
-            log.warning(f"warning: the memory plan counted {counted} quantized layers, bitsandbytes quantized {n}: "
-                        "the planned bytes of the base are off by the difference")  # fmt: skip
-        if env.rank == 0:
-            what = f"4bit {quantized.quant_type}{', double quantization' if quantized.double_quant else ''}" if (
-                quantized.quantization == "4bit") else "8bit (LLM.int8)"  # fmt: skip
-            log.info(
-                f"base weights: {what}, {n} linear layers quantized by bitsandbytes (frozen; adapters train)"
-            )
+        for line in check_built(module, lora, planned.info.quantized):
+            if env.rank == 0:
+                (log.warning if line.startswith("warning") else log.info)(line)
     groups = model.param_groups(module, exp.optim.weight_decay)
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     section = planned.model or exp.model

@@ -215,10 +215,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # bitsandbytes (model.lora.quantization; peft imports it when counting a model for --plan too) asks
-    # for the hub-downloaded `kernels` package on CPUs with AVX512-BF16: this project's choice is its own
-    # CPU kernels (no network at run time), nothing to report
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from trainer.model.quantized import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # (peft imports bitsandbytes when counting a model for --plan too)
     if args.resume and args.resume.endswith((".yaml", ".yml")) and args.experiment is None:
         args.experiment, args.resume = args.resume, "latest"  # `bin/train --resume exp.yaml`
     try:

@@ -171,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # export runs on CPU; DeepSpeed need not guess
-    import logging
+    from trainer.model.quantized import quiet_bitsandbytes
 
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # as in training (sinks.py)
+    quiet_bitsandbytes()  # as bin/train does
     try:
         from trainer.checkpoint import resolve_resume
 

@@ -41,8 +41,6 @@ def quiet_libraries() -> None:
     )
     for name in ("DeepSpeed", "deepspeed", "torch.distributed", "datasets", "transformers"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # bitsandbytes on a CPU with AVX512-BF16 asks for the hub-downloaded `kernels` package (trainer/cli.py)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         from deepspeed.utils import logger as ds_logger
 

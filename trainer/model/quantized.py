@@ -31,7 +31,7 @@ def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> 
     from transformers import BitsAndBytesConfig
 
     lora = section.lora
-    dtype = {"auto": run_dtype, "bf16": torch.bfloat16, "fp32": torch.float32}[lora.compute_dtype]
+    dtype = compute_dtype(lora, run_dtype)
     if q == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=lora.quant_type, bnb_4bit_use_double_quant=lora.double_quant,
@@ -43,6 +43,27 @@ def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> 
         return {"quantization_config": config}
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}
+
+
+def compute_dtype(lora: Any, held: Any) -> Any:
+    """The dtype a 4-bit layer computes in: model.lora.compute_dtype, `auto` = the engine's (`held`)."""
+    import torch
+
+    return {"auto": held, "bf16": torch.bfloat16, "fp32": torch.float32}[lora.compute_dtype]
+
+
+def bnb_layers(model: Any, kinds: tuple[str, ...] = ("Linear4bit", "Linear8bitLt")) -> list[tuple[str, Any]]:
+    """(name, module) of bitsandbytes' own quantized layers in `model` (not peft's wrappers of them)."""
+    return [(name, m) for name, m in model.named_modules()
+            if type(m).__module__.startswith("bitsandbytes") and type(m).__name__ in kinds]  # fmt: skip
+
+
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes on a CPU with AVX512-BF16 asks for the hub-downloaded `kernels` package: this
+    project's choice is its own CPU kernels (no network at run time), nothing to report."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 # bitsandbytes' 4-bit layout: 4 bits an element packed; a block of 64 elements shares an absmax, in fp32,
@@ -130,14 +151,9 @@ def loaded_quantized(model: Any, section: ModelSection, held: Any, zero3: bool) 
     its own, often fp16, which transformers keeps), and its packed weights held where DeepSpeed leaves
     them whole: in `held` (the engine's dtype, which it casts floating-point parameters to) or as bytes,
     which ZeRO-3 cannot partition as planned."""
-    import torch
-
     one_layout(model)
-    lora = section.lora
-    compute = {"auto": held, "bf16": torch.bfloat16, "fp32": torch.float32}[lora.compute_dtype]
-    for name, m in model.named_modules():
-        if type(m).__name__ != "Linear4bit" or not type(m).__module__.startswith("bitsandbytes"):
-            continue
+    compute = compute_dtype(section.lora, held)
+    for name, m in bnb_layers(model, ("Linear4bit",)):
         m.compute_dtype = compute
         stored = m.weight.dtype
         if (stored.is_floating_point and stored != held) or (not stored.is_floating_point and zero3):
@@ -150,10 +166,38 @@ def loaded_quantized(model: Any, section: ModelSection, held: Any, zero3: bool) 
 
 
 def quantized_layers(model: Any) -> int:
-    """bitsandbytes' own quantized layers in `model` (4-bit Linear4bit, 8-bit Linear8bitLt; not peft's
-    wrappers of them)."""
-    return sum(type(m).__module__.startswith("bitsandbytes") and type(m).__name__ in ("Linear4bit", "Linear8bitLt")
-               for m in model.modules())  # fmt: skip
+    """bitsandbytes' own quantized layers in `model` (4-bit Linear4bit, 8-bit Linear8bitLt)."""
+    return len(bnb_layers(model))
+
+
+def check_built(module: Any, lora: Any, planned: Quantized | None) -> list[str]:
+    """A model built with model.lora.quantization, checked before DeepSpeed wraps it: something was
+    quantized (transformers may drop the request on some path: never train unasked bf16), nothing
+    quantized trains (model.lora.train_modules: peft's trainable copy of a quantized layer gets no
+    gradient). Returns the lines rank 0 logs: what was quantized, and whether the plan counted it."""
+    n = quantized_layers(module)
+    if n == 0:
+        raise UserError(
+            f"model.lora.quantization: {lora.quantization} was asked for, but no layer of the loaded model is "
+            "quantized; set it to none to train on the weights in the training precision"
+        )
+    trained = [name for name, p in module.named_parameters() if p.requires_grad and (
+        getattr(p, "quant_state", None) is not None or not p.is_floating_point())]  # fmt: skip
+    if trained:
+        raise UserError(
+            f"model.lora.train_modules: {', '.join(lora.train_modules)} would train quantized weights "
+            f"({trained[0]}{' ...' if len(trained) > 1 else ''}), which get no gradient; name modules that "
+            "are not quantized (the embeddings, the head) or set model.lora.quantization: none"
+        )
+    counted = len(planned.sizes) if planned else 0
+    what = f"4bit {lora.quant_type}{', double quantization' if lora.double_quant else ''}" if (
+        lora.quantization == "4bit") else "8bit (LLM.int8)"  # fmt: skip
+    lines = [] if counted == n else [f"warning: the memory plan counted {counted} quantized layers, bitsandbytes "
+                                     f"quantized {n}: the planned bytes of the base are off by the difference"]  # fmt: skip
+    return [
+        *lines,
+        f"base weights: {what}, {n} linear layers quantized by bitsandbytes (frozen; adapters train)",
+    ]
 
 
 def dequantized(module: Any, dtype: Any) -> dict[str, Any]:
