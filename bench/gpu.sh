@@ -38,6 +38,13 @@
 #          optimizer step both sides pay alike.
 # stepmem: bench/step_memory.py --cuda: what the optimizer step allocates for itself at stage 0
 #          (DeepSpeed's fused wrapper and the unfused one) and stage 2, against the planner's step column.
+# finetune: issue 55's table: a Llama-3-8B with random bf16 weights made on the GPU (bench/finetune.py base),
+#          then configs/experiments/llama3-8b-qlora.yaml at seq 2048, micro 1 x accumulation 4 (8,192 tokens
+#          a step), ours (QLoRA and bf16 LoRA, chat data; QLoRA on text data, at dropout 0, and with the old
+#          attention and peft's adapters: the before of each lever) against the Hugging Face recipe (Trainer +
+#          peft + bitsandbytes, bench/finetune.py hf) on the same shape, then a profile of ours; writes
+#          OUT/finetune.json (bench/finetune.py collect) after every run, so a call cut short keeps what ran.
+#          FT_DEADLINE (s, default 500) skips what would not finish; FT_RUNS picks runs by name.
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry) is installed into /tmp/site first, unless they import already.
 set -uo pipefail
@@ -196,6 +203,63 @@ if [[ $what == profile ]]; then
     grep -E "profile: (GPU kernels|CPU operator time|no time by kind)" "$out/profile.log"
     gzip -c /tmp/prof/profile/trace_rank00000.json > "$out/trace.json.gz" 2>/dev/null
     ls -la "$out"
+fi
+if [[ $what == finetune ]]; then
+    t_start=$SECONDS
+    deadline=${FT_DEADLINE:-500}
+    base=${FT_BASE:-/tmp/llama8b}
+    steps=${FT_STEPS:-8}
+    FT_EXP=${FT_EXP:-configs/experiments/llama3-8b-qlora.yaml}
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+    $PY -c "import torch, deepspeed, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__)" | tee -a "$out/gpu.txt"
+    timeout 120 $PY bench/finetune.py check 2>&1 | tail -1 | tee "$out/check.json"
+    [[ -f $base/config.json ]] || $PY bench/finetune.py base "$base" 2>&1 | tail -2 | tee -a "$out/gpu.txt"
+    # name, then bin/train's --set overrides (ours_*) or bench/finetune.py hf's arguments (hf_*)
+    FT_DEFAULT=(
+        "ours_qlora|model.activation_checkpointing=true"
+        "hf_qlora|--quant 4bit"
+        "ours_lora|model.lora.quantization=none"
+        "hf_lora|--quant none"
+        "ours_qlora_before|model.activation_checkpointing=true model.attn_implementation=sdpa model.cudnn_attention=true model.lora.kernels=peft"
+        "ours_qlora_text|model.activation_checkpointing=true data.train.files=data/tiny/python_docs.jsonl data.train.kind=text"
+        "ours_qlora_d0|model.activation_checkpointing=true model.lora.dropout=0"
+        "ours_qlora_sdpa|model.activation_checkpointing=true model.attn_implementation=sdpa"
+        "ours_qlora_peft|model.activation_checkpointing=true model.lora.kernels=peft"
+        "ours_lora_ckpt|model.lora.quantization=none model.activation_checkpointing=true"
+        "hf_qlora_d0|--quant 4bit --dropout 0"
+    )
+    for spec in "${FT_DEFAULT[@]}"; do
+        name=${spec%%|*}; args=${spec#*|}
+        [[ -n ${FT_RUNS:-} && " $FT_RUNS " != *" $name "* ]] && continue
+        left=$((deadline - (SECONDS - t_start)))
+        if (( left < ${FT_MIN_LEFT:-75} )); then echo "$name: skipped ($left s left)"; continue; fi
+        if [[ $name == hf_* ]]; then
+            timeout $((left - 5)) $PY bench/finetune.py hf "$name" --base "$base" --steps "$steps" --json "$out/$name.json" $args > "$out/$name.log" 2>&1
+            echo "$name: exit $? at $((SECONDS - t_start)) s"; tail -1 "$out/$name.log"
+        else
+            sets=(); for kv in $args ${FT_SETS:-}; do sets+=(--set "$kv"); done
+            rm -rf /tmp/ft-run
+            timeout $((left - 5)) $PY bin/train $FT_EXP --set model.pretrained=$base --set train.max_steps=$steps \
+                --set train.grad_accum=4 --set train.micro_batch_size=1 --set train.log_every=1 --set optim.implementation=torch \
+                --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set data.eval_fraction=0 \
+                --set run_dir=/tmp/ft-run --set data.cache_dir=$CACHE --set strategy.headroom=0.9 "${sets[@]}" > "$out/$name.log" 2>&1
+            echo "$name: exit $? at $((SECONDS - t_start)) s"
+            grep -E "^.{9}(model|strategy|memory per rank|base weights):" "$out/$name.log"; tail -2 "$out/$name.log"
+            cp /tmp/ft-run/metrics.jsonl "$out/$name.jsonl" 2>/dev/null
+        fi
+        $PY bench/finetune.py collect "$out" > "$out/table.txt" 2>&1
+    done
+    cat "$out/table.txt"
+    left=$((deadline - (SECONDS - t_start)))
+    if (( left > ${FT_PROFILE_LEFT:-60} )) && [[ -z ${FT_NO_PROFILE:-} ]]; then
+        rm -rf /tmp/prof
+        timeout $((left - 5)) $PY bin/train $FT_EXP --profile --set model.pretrained=$base --set train.grad_accum=4 \
+            --set train.micro_batch_size=1 --set optim.implementation=torch --set model.activation_checkpointing=true \
+            --set data.eval_fraction=0 --set run_dir=/tmp/prof --set data.cache_dir=$CACHE ${FT_SETS:+$(printf -- '--set %s ' $FT_SETS)} > "$out/profile.log" 2>&1
+        echo "profile: exit $?"
+        grep -A22 "top operators" "$out/profile.log"
+        grep -E "profile: (GPU kernels|CPU operator time|no time by kind)" "$out/profile.log"
+    fi
 fi
 if [[ $what == compare || $what == all ]]; then
     timeout ${LIMIT:-560} $PY bench/bench.py compare --stages ${STAGES:-0 2 3} --rounds ${ROUNDS:-2} --steps 60 --warmup 20 \

@@ -87,10 +87,11 @@ def make_plan(
 
 def with_levers(section: Any, levers: Any) -> Any:
     """The model section as this run builds it: the activation levers the plan chose (auto decided),
-    and sdpa where sequence parallelism needs it and auto would have picked eager."""
+    and sdpa where sequence parallelism needs it and auto would have picked eager or varlen (Ulysses
+    calls its own attention over the gathered heads)."""
     update = {"activation_checkpointing": levers.checkpointing, "tiled_mlp": levers.tiled_mlp,
               "offload_activations": levers.offload, "chunked_loss": levers.chunked_loss}  # fmt: skip
-    if levers.sp > 1 and section.attn_implementation == "eager":
+    if levers.sp > 1 and section.attn_implementation in ("eager", "varlen"):
         update["attn_implementation"] = "sdpa"
     return section.model_copy(update=update)
 

@@ -78,6 +78,8 @@ class Engine:
         if objective is not None:
             objective.device = self.device
         self.experts = router(model)  # a mixture of experts returning router logits: (aux coef, ExpertLoad)
+        # varlen attention: each micro batch's example lengths, from its position ids on the host
+        self.varlen = getattr(getattr(model, "config", None), "_attn_implementation", None) == "varlen"
         self._record_fp32_grad_norm()
 
     def _record_fp32_grad_norm(self) -> None:
@@ -101,9 +103,10 @@ class Engine:
         within it); `num_items`: divide the targets' summed loss by this (the step's targets over
         every rank and micro batch, divided by ranks x accumulation, since DeepSpeed averages over
         both) instead of this micro batch's target count."""
-        return self._loss(batch.to(self.device, non_blocking=True), num_items)
+        extra = varlen_lengths(batch, self.device) if self.varlen and self.sp == 1 else None
+        return self._loss(batch.to(self.device, non_blocking=True), num_items, extra)
 
-    def _loss(self, batch: Any, num_items: float | None) -> Any:
+    def _loss(self, batch: Any, num_items: float | None, extra: dict[str, Any] | None = None) -> Any:
         from trainer.model.sequence import offloaded
 
         with offloaded(*self.offload), self.saved_probe() if self.saved_probe else contextlib.nullcontext():
@@ -118,6 +121,7 @@ class Engine:
                 as_one_row(batch) if self.one_row and batch.dim() == 3 else batch,
                 num_items,
                 self.experts,
+                extra,
             )
 
     def backward(self, loss: Any) -> Any:
@@ -268,8 +272,25 @@ def sequence_parallel_loss(
     return _with_router(out, experts, (shifted != -100).sum(), num_items)
 
 
-def plain_loss(ds: Any, batch: Any, num_items: float | None, experts: Any = None) -> Any:
-    """The loss of one micro batch (see Engine.forward)."""
+def varlen_lengths(batch: Any, device: Any) -> dict[str, Any] | None:
+    """varlen attention's keyword arguments for a fine-tuning batch (rows of [input_ids, labels,
+    position_ids]): the cumulative lengths of its examples, rows end to end, and the longest, computed
+    from the position ids where the batch is (the host: no device synchronisation). None for token
+    blocks (every row one sequence: the attention's own cached lengths)."""
+    if batch.dim() != 3:
+        return None
+    from trainer.model.varlen import lengths_from_positions
+
+    cu, longest = lengths_from_positions(batch[:, 2])
+    cu = cu.to(device, non_blocking=True)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def plain_loss(
+    ds: Any, batch: Any, num_items: float | None, experts: Any = None, extra: dict[str, Any] | None = None
+) -> Any:
+    """The loss of one micro batch (see Engine.forward); `extra`: keyword arguments for the attention
+    (varlen_lengths)."""
     # use_cache=False: a training forward builds no key/value cache (transformers would by default:
     # a copy of every layer's keys and values per step, ~3% of a tiny step on CPU)
     if batch.dim() == 2:  # every token a target: their mean, unless a padded block is in the data
@@ -277,7 +298,7 @@ def plain_loss(ds: Any, batch: Any, num_items: float | None, experts: Any = None
         out = ds(input_ids=batch, labels=batch, use_cache=False, **extra)
     else:
         out = ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
-                 num_items_in_batch=num_items)  # fmt: skip
+                 num_items_in_batch=num_items, **(extra or {}))  # fmt: skip
     return _with_router(out, experts, target_count(batch) if experts is not None else 0, num_items)
 
 

@@ -116,6 +116,12 @@ class LoraSection(Section):
     compute_dtype: choice("auto", "bf16", "fp32") = Field(
         "auto", description="4bit: the dtype a quantized layer computes in; auto = the run's precision"
     )
+    kernels: choice("fused", "peft") = Field(
+        "fused",
+        description="how an adapter computes: fused = its branch as one autograd function (one dropout "
+        "kernel, two matmuls, the scaling and sum in one addmm; the layer input kept once for all its "
+        "adapters), peft = peft's modules as they are; the same math (docs/fine-tuning.md)",
+    )
 
 
 class ModelSection(Section):
@@ -149,11 +155,19 @@ class ModelSection(Section):
     )
     offload_activations: AutoBool = Field("auto", description="with activation checkpointing, keep the "
                                           "checkpointed layer inputs in host memory; auto = when the plan needs it (GPU only)")  # fmt: skip
-    attn_implementation: choice(None, "auto", "eager", "sdpa", "flash_attention_2") = Field(
+    attn_implementation: choice(None, "auto", "eager", "sdpa", "flash_attention_2", "varlen") = Field(
         "auto",
-        description="attention kernel for transformers models; auto = eager on CPU in bf16 with data.seq_len "
-        "<= 256 (measured 1.1-1.5x faster steps there), else (and for factories) the model's default; null keeps "
+        description="attention kernel for transformers models; varlen = PyTorch's FlashAttention-2 kernel over "
+        "the examples of each packed row (one call a layer, no mask; llama, mistral, qwen2, qwen3); auto = "
+        "varlen on CUDA in bf16/fp16 for those families, eager on CPU in bf16 with data.seq_len <= 256 "
+        "(measured 1.1-1.5x faster steps there), else (and for factories) the model's default; null keeps "
         "the model's default",
+    )
+    cudnn_attention: bool = Field(
+        False,
+        description="let sdpa use cuDNN's attention kernel on CUDA (torch's first choice on Hopper); false "
+        "turns it off (flash and memory-efficient kernels instead): its plans cost the host milliseconds a "
+        "call (docs/performance.md)",
     )
     chunked_loss: AutoBool = Field(
         "auto",

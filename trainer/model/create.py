@@ -38,11 +38,16 @@ EAGER_ON_CPU_BF16_UP_TO = 256
 
 def attention(section: ModelSection, *, seq_len: int, precision: str, device_type: str) -> str | None:
     """The attention kernel a run asks transformers for: model.attn_implementation with auto resolved
-    (eager on CPU in bf16 up to EAGER_ON_CPU_BF16_UP_TO tokens, else None: the model's default; a
-    factory's model is its own and keeps None)."""
+    (varlen on CUDA in bf16/fp16 for its families: trainer/model/attention.py; eager on CPU in bf16 up to
+    EAGER_ON_CPU_BF16_UP_TO tokens; else None: the model's default; a factory's model is its own and
+    keeps None)."""
     attn = section.attn_implementation
     if attn != "auto":
         return attn
+    from trainer.model.varlen import VARLEN_FAMILIES
+
+    if device_type == "cuda" and precision in ("bf16", "fp16") and model_type(section) in VARLEN_FAMILIES:
+        return "varlen"
     short = seq_len <= EAGER_ON_CPU_BF16_UP_TO
     return (
         "eager"
@@ -61,10 +66,30 @@ def resolved(section: ModelSection, *, seq_len: int, precision: str, device_type
     )
 
 
-def _attn_kwargs(section: ModelSection) -> dict[str, Any]:
+def model_type(section: ModelSection) -> str | None:
+    """The model type of `config:` or of a local `pretrained:` directory's config.json (None for a hub id
+    not read yet, or a factory), without importing transformers."""
+    if section.config is not None:
+        return section.config.get("model_type")
+    if section.pretrained is not None:
+        path = Path(section.pretrained).expanduser() / "config.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            return json.loads(path.read_text()).get("model_type")
+    return None
+
+
+def _attn_kwargs(section: ModelSection, cfg: Any = None) -> dict[str, Any]:
     """transformers' attn_implementation argument; none for null and for an unresolved auto (the model's
-    default: callers that know the device and precision resolve auto first, see `resolved`)."""
+    default: callers that know the device and precision resolve auto first, see `resolved`). varlen is
+    registered with transformers first, and refused for a family it is not verified for."""
     attn = section.attn_implementation
+    if attn == "varlen":
+        from trainer.model import varlen
+
+        problem = varlen.family_problem(getattr(cfg, "model_type", None) if cfg is not None else model_type(section))
+        if problem:
+            raise UserError(f"model.attn_implementation: {problem}")
+        varlen.register()
     return {"attn_implementation": attn} if attn and attn != "auto" else {}
 
 
@@ -252,7 +277,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
     from transformers import AutoModelForCausalLM
 
     cfg = hf_config(section, vocab_size, eos_id)
-    kwargs = _attn_kwargs(section)
+    kwargs = _attn_kwargs(section, cfg)
     with torch.device("meta"), _quiet_transformers():
         module = AutoModelForCausalLM.from_config(cfg, **kwargs)
         attn = getattr(module.config, "_attn_implementation", None)
@@ -351,6 +376,13 @@ def build(
         from trainer.model import adapters
 
         model = adapters.apply(model, section.lora)  # the base frozen, adapters trainable
+        if section.lora.kernels == "fused":
+            from trainer.model.lora_kernels import install
+
+            install(model)
+    from trainer.model.varlen import no_cudnn
+
+    no_cudnn(section.cudnn_attention)
     # Training mode: from_pretrained returns a model in eval mode, so a fine-tuning run trained without
     # dropout until its first eval switched it back (and then ran 50% slower at once: the steps pay
     # for dropout from there on).
@@ -386,7 +418,7 @@ def _transformers_model(
 
     cfg = hf_config(section, vocab_size, eos_id)
     check_seq_len(cfg, seq_len)
-    kwargs = _attn_kwargs(section)
+    kwargs = _attn_kwargs(section, cfg)
     if section.config is not None:
         model = AutoModelForCausalLM.from_config(cfg, **kwargs)
     else:
