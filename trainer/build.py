@@ -300,11 +300,15 @@ def claim_and_agree(
     if resume is not None and resume.done(exp, env.rank):
         return None
     notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
-    if resume is not None and runtime.is_main:  # a rollback: the newer checkpoints are another line
-        from trainer.checkpoint.disk import checkpoints_dir, fork
+    if runtime.is_main:
+        from trainer.checkpoint.disk import CheckpointDir, checkpoints_dir, fork
 
-        forked = fork(checkpoints_dir(exp.run_dir), resume.found, keep=exp.checkpoint.on_rollback == "keep")
-        notes += [forked] if forked else []
+        root = checkpoints_dir(exp.run_dir)
+        if root.is_dir():  # a save that was killed: its staging directory, a prune's trash (never a rollback)
+            CheckpointDir(root).clean_leftovers(keep="")
+        if resume is not None:  # a rollback: the newer checkpoints are another line; damaged ones set aside
+            forked = fork(root, resume.found, keep=exp.checkpoint.on_rollback == "keep", damaged_tags=resume.skipped)
+            notes += [forked] if forked else []
     return data, hosts, notes, resume
 
 
@@ -338,7 +342,8 @@ def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
         said = f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); resuming from {older.tag} instead"
         if env.rank == 0:
             log.warning(f"warning: {said}")
-        resume = Resume(older, [*resume.warnings, said], check_compatible(older, exp))
+        resume = Resume(older, [*resume.warnings, said], check_compatible(older, exp),
+                        skipped=(*resume.skipped, found.tag))  # fmt: skip
     return None
 
 

@@ -16,6 +16,11 @@ Production code calls a `Faults` object (bound to this rank and attempt) at name
   left on device"), killcommit (SIGKILL after every rank wrote its files, before `latest` is
   replaced); `stuck_file(step, path)` before each file of a background write: hangwrite (the file a
   FIFO nobody reads, so that opening it blocks as on a hung network mount);
+- the boundaries of a save and its publication, each a SIGKILL: killfile (`files(step, n)` before each
+  of this rank's files and after the last: dies when `:n=N` of them are written, N = 0 before the
+  first), killmanifest (the manifest written, the staging directory not yet renamed), killrename
+  (renamed, `latest` not yet replaced), killlatest (`latest` replaced, nothing pruned yet), killprune
+  (the first old checkpoint renamed to its trash name, not yet deleted);
 - `stale_resume()`, when choosing the checkpoint to resume: staleresume@0 (this rank takes the one
   before the latest, as a node-local or stale run_dir would show it);
 - `conversion()`, in the process converting a checkpoint for another stage or world size, before
@@ -44,6 +49,7 @@ class Fault:
     rank: int | None = None
     attempt: int | None = None
     ms: int = 100
+    n: int = 0  # killfile: how many of this rank's files are written when it dies
 
     def applies(self, step: int, rank: int, attempt: int) -> bool:
         return (
@@ -116,8 +122,15 @@ class Faults:
                 next(module.parameters()).data.add_(1e-3)
             log.warning(f"injected a parameter perturbation on rank {self.rank} (TRAINER_FAULT)")
 
+    def files(self, step: int, written: int) -> None:
+        """killfile: die when `written` of this rank's files of the save at `step` are on disk."""
+        for f in self.faults:
+            if f.kind == "killfile" and f.n == written and f.applies(step, self.rank, self.attempt):
+                log.warning(f"injected killfile at rank {self.rank} step {step} after {written} file(s) (TRAINER_FAULT)")
+                os.kill(os.getpid(), signal.SIGKILL)
+
     def at(self, point: str, step: int) -> None:
-        """killcommit: die here."""
+        """killcommit, killmanifest, killrename, killlatest, killprune: die here."""
         if self._due(point, step):
             log.warning(f"injected {point} at rank {self.rank} step {step} (TRAINER_FAULT)")
             os.kill(os.getpid(), signal.SIGKILL)

@@ -177,7 +177,8 @@ class Checkpointer:
             if moved:
                 log.info(moved)
             t0 = time.perf_counter()
-            self.store.disk.prune(self.section.keep_last, keep=path.name)
+            self.store.disk.prune(self.section.keep_last, keep=path.name,
+                                  renamed=lambda: self.store.faults.at("killprune", pending.step))  # fmt: skip
             pending.commit_s += time.perf_counter() - t0
             pending.blocked_s += time.perf_counter() - t0
             _report(pending, path, write_s, self._step, self.record)

@@ -19,9 +19,16 @@ Staging leftovers (`.tmp-step_...`) and the directories of replaced or pruned ch
 (`.trash-step_...`) are never taken for checkpoints; the next save removes them. How a save uses
 this directory (every rank, the barrier, the commit): trainer/checkpoint/store.py.
 
-Resuming checks the manifest first (every file present with its size) on every rank: a truncated or
-missing shard is reported by name before any rank loads anything; `--resume`/auto then fall back to
-the previous complete checkpoint and say so, `--resume PATH` stops.
+Resuming checks the manifest first, before anything else of the checkpoint is read: trainer_state.json
+against the digest of its own contents, every file present with its size, and the metadata read before
+the load (experiment.yaml, ds_config.json) against their digests; then, before the load, every file's
+bytes against its writer's digest (trainer/build.py: undamaged, the ranks sharing the reads). A damaged
+checkpoint is named with the file; `--resume`/auto then fall back to the previous complete checkpoint
+and say so, `--resume PATH` stops (exit 2).
+
+A plain resume takes the newest complete checkpoint whatever `latest` says: a crash between the commit's
+rename and the write of `latest` leaves the newest complete but unnamed (a rollback's newer line is moved
+away by `fork`, so the newest here is always the line being trained).
 """
 
 from __future__ import annotations
@@ -75,15 +82,47 @@ class Found:
         return self.path.name
 
 
-def read_state(path: Path) -> dict[str, Any] | None:
+STATE_DIGEST = "state_digest"  # trainer_state.json's digest of its own other contents
+META = ("experiment.yaml", "ds_config.json")  # read before the load: checked against their digests first
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """The digest of trainer_state.json's contents but this one (canonical JSON)."""
+    import xxhash
+
+    rest = {k: v for k, v in state.items() if k != STATE_DIGEST}
+    return xxhash.xxh3_128(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def state_problem(path: Path) -> str | None:
+    """Why `path`/trainer_state.json cannot be trusted (None: it can): missing, not JSON, or not the
+    contents its own digest was taken of (a file damaged in place that still parses)."""
+    f = path / STATE
     try:
-        return json.loads((path / STATE).read_text())
-    except (OSError, json.JSONDecodeError):
+        state = json.loads(f.read_text())
+    except FileNotFoundError:
+        return f"{f} is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{f} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged or truncated"
+    if not isinstance(state, dict):
+        return f"{f} holds no checkpoint state: damaged"
+    if STATE_DIGEST in state and state[STATE_DIGEST] != state_digest(state):
+        return f"{f} holds other contents than were written (its digest differs)"
+    return None
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    """trainer_state.json of a checkpoint, or None where it cannot be trusted (`state_problem`)."""
+    if state_problem(path) is not None:
         return None
+    return json.loads((path / STATE).read_text())
 
 
 def verify(path: Path, state: Mapping[str, Any]) -> list[str]:
-    """Problems with a checkpoint's files: missing or with another size than the manifest says."""
+    """Problems with a checkpoint's files: missing or with another size than the manifest says, and the
+    metadata read before the load (META) with other bytes than their writer's digest."""
+    from trainer.checkpoint.writer import file_digest
+
     out = []
     for rel, size in state.get("files", {}).items():
         f = path / rel
@@ -94,6 +133,14 @@ def verify(path: Path, state: Mapping[str, Any]) -> list[str]:
             continue
         if actual != size:
             out.append(f"{f} has {actual} bytes, the manifest says {size} (truncated or overwritten)")
+    digests = state.get("digests") or {}
+    for rel in META:
+        if rel in digests and not any(p.startswith(str(path / rel)) for p in out):
+            try:
+                if file_digest(path / rel) != digests[rel]:
+                    out.append(f"{path / rel} holds other bytes than were written (corrupted in place: its digest differs)")
+            except OSError as e:
+                out.append(f"{path / rel}: {e.strerror or e}")
     return out
 
 
@@ -130,21 +177,47 @@ def complete(root: Path) -> list[Found]:
     return sorted(out, key=lambda f: f.step)
 
 
+def unreadable(root: Path) -> list[tuple[int, str]]:
+    """(step, why) of the committed checkpoints (final names) whose trainer_state.json cannot be trusted:
+    a commit writes it before the rename, so these were damaged after."""
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        m = STEP_DIR.match(d.name)
+        if d.is_dir() and m:
+            why = state_problem(d)
+            if why is not None:
+                out.append((int(m.group(1)), why))
+    return out
+
+
 def latest(root: Path) -> tuple[Found | None, list[str]]:
-    """The newest complete checkpoint that passes verification, and warnings about skipped ones."""
+    """The newest complete checkpoint that passes verification (whatever `latest` names: see the module's
+    doc), and warnings naming what was skipped and why, newest first."""
     warnings: list[str] = []
-    candidates = complete(root)
-    named = None
-    with contextlib.suppress(OSError):
-        named = (root / LATEST).read_text().strip()
-    # `latest` first, then newest to oldest (a deleted `latest` target falls back by itself).
-    order = sorted(candidates, key=lambda f: (f.tag != named, -f.step))
-    for found in order:
+    skipped = [(step, f"checkpoint {root / tag_for(step)} is damaged ({why}); skipping it")
+               for step, why in unreadable(root)]  # fmt: skip
+    found_ok = None
+    for found in sorted(complete(root), key=lambda f: -f.step):
         problems = verify(found.path, found.state)
         if not problems:
-            return found, warnings
-        warnings.append(f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); skipping it")
-    return None, warnings
+            found_ok = found
+            break
+        skipped.append((found.step, f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); skipping it"))
+    floor = found_ok.step if found_ok is not None else -1
+    warnings += [w for step, w in sorted(skipped, key=lambda x: -x[0]) if step > floor]
+    named = None
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        named = (root / LATEST).read_text().strip()
+    if found_ok is not None and named is not None and named != found_ok.tag:
+        if not STEP_DIR.match(named):
+            warnings.append(f"{root / LATEST} is damaged ({named[:40]!r} names no checkpoint); it is not needed: "
+                            f"resuming from the newest complete checkpoint, {found_ok.tag}")  # fmt: skip
+        elif int(named[5:]) < found_ok.step:  # a crash between the commit's rename and `latest`
+            log.info(f"{found_ok.tag} is complete and newer than what {root / LATEST} names ({named}): a save was "
+                     "committed and stopped before `latest` was replaced; resuming from it")  # fmt: skip
+    return found_ok, warnings
 
 
 def before(found: Found) -> Found | None:
@@ -176,10 +249,11 @@ def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Fou
             )
         return found, warnings
     path = Path(arg)
-    if (path / STATE).exists():
+    if (path / STATE).exists() or STEP_DIR.match(path.name) and path.is_dir():
+        why = state_problem(path)
+        if why is not None:
+            raise UserError(f"--resume {arg}: the checkpoint is damaged: {why}")
         state = read_state(path)
-        if state is None:
-            raise UserError(f"--resume {arg}: {path / STATE} is not valid JSON; the checkpoint is damaged")
         problems = verify(path, state)
         if problems:
             raise UserError(f"--resume {arg}: the checkpoint is damaged: " + "; ".join(problems))
@@ -195,7 +269,7 @@ def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Fou
     )
 
 
-def fork(root: Path, found: Found, keep: bool) -> str | None:
+def fork(root: Path, found: Found, keep: bool, damaged_tags: tuple[str, ...] = ()) -> str | None:
     """A resume from `found` while `root` holds newer checkpoints (a rollback: `--resume
     .../step_00000020` after training went on to 60): those belong to the abandoned line. They are
     moved to `root/abandoned/<found's tag>-<time>/` (`keep`) or deleted, and `latest` names `found`
@@ -205,19 +279,24 @@ def fork(root: Path, found: Found, keep: bool) -> str | None:
     import time as _time
 
     newer = [f for f in complete(root) if f.step > found.step and f.path.resolve() != found.path.resolve()]
-    newer += (
-        [d for d in root.iterdir() if d.is_dir() and d.name.startswith(STAGING_PREFIX)]
-        if root.is_dir()
-        else []
-    )
+    damaged = [f for f in newer if f.tag in damaged_tags or verify(f.path, f.state)]
+    newer = [f for f in newer if f not in damaged]
+    said = []
+    if damaged:  # passed over as damaged: kept aside for a look, never resumed, not a rollback
+        aside = root / "damaged"
+        aside.mkdir(parents=True, exist_ok=True)
+        for f in damaged:
+            os.rename(f.path, aside / f"{f.tag}-{_time.strftime('%Y%m%d-%H%M%S')}")
+        fsync_dir(root)
+        said.append(f"damaged checkpoint(s) {', '.join(f.tag for f in damaged)} moved to {aside}")
     if not newer:
-        return None
-    names = [getattr(f, "tag", getattr(f, "name", "")) for f in newer]
+        return "; ".join(said) or None
+    names = [f.tag for f in newer]
     aside = root / "abandoned" / f"{found.tag}-{_time.strftime('%Y%m%d-%H%M%S')}"
     if keep:
         aside.mkdir(parents=True, exist_ok=True)
     for item in newer:
-        path = getattr(item, "path", item)
+        path = item.path
         if keep:
             os.rename(path, aside / path.name)
         else:
@@ -233,10 +312,10 @@ def fork(root: Path, found: Found, keep: bool) -> str | None:
         write_atomic(root / LATEST, target + "\n", durable=True)
     fsync_dir(root)
     where = f"moved to {aside}" if keep else "removed (checkpoint.on_rollback: remove)"
-    return (
+    return "; ".join([*said,
         f"rollback: resumed from {found.tag}, older than this run directory's newest; the abandoned line's "
         f"{', '.join(sorted(names))} {where}, so that no restart resumes it; `latest` names {target or 'nothing yet'}"
-    )
+    ])  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the commit, retention
@@ -277,12 +356,14 @@ class CheckpointDir:
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
                 files[rel], digests[rel], writers[rel] = p.stat().st_size, file_digest(p), 0
-        manifest = {"files": files, "digests": digests, "writers": writers}
-        write_atomic(stage_dir / STATE, json.dumps({**meta, **manifest}, indent=2) + "\n", durable=True)
+        state = json.loads(json.dumps({**meta, "files": files, "digests": digests, "writers": writers}))
+        state[STATE_DIGEST] = state_digest(state)  # of the contents as they read back (keys as strings)
+        write_atomic(stage_dir / STATE, json.dumps(state, indent=2) + "\n", durable=True)
 
-    def publish(self, stage_dir: Path, tag: str) -> Path:
+    def publish(self, stage_dir: Path, tag: str, renamed: Any = None) -> Path:
         """The commit: `stage_dir` (with its manifest) renamed to its final name, then `latest`
-        replaced (write, fsync, rename); returns the final path."""
+        replaced (write, fsync, rename); returns the final path. `renamed`: called between the two
+        (tests: a crash there)."""
         final = self.root / tag
         if final.exists():  # an older run reached this step too: replace it
             trash = self.root / (TRASH_PREFIX + tag)
@@ -290,6 +371,8 @@ class CheckpointDir:
             os.rename(final, trash)
         os.rename(stage_dir, final)
         fsync_dir(self.root)
+        if renamed is not None:
+            renamed()
         write_atomic(self.root / LATEST, tag + "\n", durable=True)
         shutil.rmtree(self.root / (TRASH_PREFIX + tag), ignore_errors=True)  # the replaced one
         return final
@@ -301,8 +384,9 @@ class CheckpointDir:
                 log.info(f"removing {d} (left by an interrupted save)")
                 shutil.rmtree(d, ignore_errors=True)
 
-    def prune(self, keep_last: int, keep: str) -> None:
-        """Keep the newest `keep_last` complete checkpoints (`keep` among them; 0 = all), after the commit."""
+    def prune(self, keep_last: int, keep: str, renamed: Any = None) -> None:
+        """Keep the newest `keep_last` complete checkpoints (`keep` among them; 0 = all), after the commit.
+        `renamed`: called after the first old one is renamed to its trash name (tests: a crash there)."""
         n = keep_last
         if n <= 0:
             return
@@ -311,6 +395,8 @@ class CheckpointDir:
         for old in done[: max(0, len(done) - (n - 1))]:
             trash.append(self.root / (TRASH_PREFIX + old.tag))
             os.rename(old.path, trash[-1])  # atomic: never a half-deleted "complete" checkpoint
+            if renamed is not None and len(trash) == 1:
+                renamed()
         if trash:  # unlinking gigabytes can take a second: not on the training thread
             import threading
 

@@ -98,6 +98,7 @@ class Resume:
     warnings: list[str]
     differences: list[str]
     explicit: bool = False  # `--resume PATH`: a damaged checkpoint stops the run (no fall back)
+    skipped: tuple[str, ...] = ()  # newer checkpoints passed over as damaged (set aside, not a rollback)
 
     def done(self, exp: Experiment, rank: int) -> bool:
         """The checkpoint is at train.max_steps already (said by rank 0)."""

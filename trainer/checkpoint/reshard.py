@@ -81,7 +81,10 @@ def saved_layout(ckpt: Path) -> tuple[int, int]:
     )
     if not files:
         raise FileNotFoundError(f"no DeepSpeed model states in {ckpt}")
-    sd = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # no tensor is read
+    try:
+        sd = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # no tensor is read
+    except RuntimeError:  # torch's legacy format (checkpoint.checkpoint_serialization: false) has no mmap
+        sd = torch.load(files[0], map_location="cpu", weights_only=False)
     return int(sd["ds_config"].get("zero_optimization", {}).get("stage", 0)), int(sd["dp_world_size"])
 
 

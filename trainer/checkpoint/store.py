@@ -172,10 +172,14 @@ class Store:
         if not background:  # every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers around),
             from trainer.checkpoint.writer import recording_engine, write_file  # fsynced by who wrote them
 
+            self.faults.files(state.step, 0)
             pending.written[str(rng[0])] = write_file(rng[0], rng[1])
+            self.faults.files(state.step, 1)
             ds = self.engine.ds
             real = ds.checkpoint_engine
-            ds.checkpoint_engine = recording_engine(real, pending.written)
+            ds.checkpoint_engine = recording_engine(
+                real, pending.written, after=lambda: self.faults.files(state.step, len(pending.written))
+            )
             self.faults.arm_save(state.step, ds.checkpoint_engine)
             try:
                 self.ds_save(stage_dir.name)
@@ -210,7 +214,9 @@ class Store:
             self.disk.write_manifest(
                 pending.stage_dir, pending.meta, self.engine.ds_config, self.exp, reported
             )
-            self.disk.publish(pending.stage_dir, pending.tag)
+            self.faults.at("killmanifest", pending.step)
+            self.disk.publish(pending.stage_dir, pending.tag, renamed=lambda: self.faults.at("killrename", pending.step))
+            self.faults.at("killlatest", pending.step)
         pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:
             self.barrier()

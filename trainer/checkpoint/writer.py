@@ -17,6 +17,7 @@ fast-persist engine, needs DeepSpeed's async I/O op (libaio, GPU builds); see do
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import os
 import threading
@@ -134,17 +135,24 @@ def snapshot_engine(base: Any, copier: HostCopier) -> Any:
 
 class _Counted:
     """A binary file that counts the bytes written through it (a Writer's progress) and shows them to
-    `seen` (the digest)."""
+    `seen` (the digest). It has no file descriptor to offer: torch's legacy serialization writes tensor
+    data straight to one when the file has it (os.write past write()), which the digest never saw."""
 
     def __init__(self, f: Any, count: Any, seen: Any = None) -> None:
         self._f, self._count, self._seen = f, count, seen
+        self.seen = 0
 
     def write(self, data: Any) -> int:
         if self._seen is not None:
             self._seen(data)
         n = self._f.write(data)
-        self._count(len(data) if n is None else n)
+        n = len(data) if n is None else n
+        self.seen += n
+        self._count(n)
         return n
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")  # every byte goes through write()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
@@ -164,7 +172,10 @@ def write_file(path: Path, obj: Any, zipfile: bool = True, count: Any = None) ->
         torch.save(obj, out, _use_new_zipfile_serialization=zipfile)
         f.flush()
         os.fsync(f.fileno())
-        return f.tell(), h.hexdigest()
+        size = f.tell()
+    if out.seen != size:  # something wrote past write() (a seek back, a descriptor): digest the disk's bytes
+        return size, file_digest(path)
+    return size, h.hexdigest()
 
 
 def file_digest(path: Path, chunk: int = 1 << 24) -> str:
@@ -178,9 +189,10 @@ def file_digest(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def recording_engine(base: Any, record: dict[str, tuple[int, str]]) -> Any:
+def recording_engine(base: Any, record: dict[str, tuple[int, str]], after: Any = None) -> Any:
     """A DeepSpeed checkpoint engine whose `save` writes through write_file (fsync, digest) and records
-    each file's (size, digest) under its path: a synchronous save's shards."""
+    each file's (size, digest) under its path: a synchronous save's shards. `after`: called after each
+    file (tests: a crash between files)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class RecordingEngine(TorchCheckpointEngine):
@@ -193,6 +205,8 @@ def recording_engine(base: Any, record: dict[str, tuple[int, str]]) -> Any:
 
         def save(self, state_dict: Any, path: str) -> None:
             record[str(path)] = write_file(Path(path), state_dict, self.zipfile_serialization)
+            if after is not None:
+                after()
 
         def commit(self, info: Any) -> bool:
             return True
@@ -228,11 +242,13 @@ class Writer:
             self.copier.ready()
             self.faults.before_write(self.step)
             dirs = set()
-            for path, obj in self.files:
+            for i, (path, obj) in enumerate(self.files):
+                self.faults.files(self.step, i)
                 self.faults.stuck_file(self.step, path)
                 self.written[str(path)] = write_file(path, obj, self.zipfile, self._advance)
                 self.bytes += self.written[str(path)][0]
                 dirs.add(path.parent)
+            self.faults.files(self.step, len(self.files))
             for d in dirs:
                 fsync_dir(d)
             self.faults.after_write(self.step)

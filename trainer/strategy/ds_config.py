@@ -90,7 +90,43 @@ def load_template(path: str | Path, allow: tuple[str, ...] | list[str] = ()) -> 
     problems = _zero_value_problems(data.get("zero_optimization"))
     if problems:
         raise UserError(f"DeepSpeed template {source} has values the planner cannot read", problems, source)
+    problems = checkpoint_engine_problems(data)
+    if problems:
+        raise UserError(f"DeepSpeed template {source} asks for a checkpoint engine this project does not use",
+                        problems, source)  # fmt: skip
     return data
+
+
+# DeepSpeed's checkpoint engines other than its torch.save one, and why the project does not use them: every
+# save goes through trainer/checkpoint (written to a staging directory, digested as the bytes reach the
+# disk, committed atomically; checkpoint.async for background writes), which would silently replace them.
+CHECKPOINT_ENGINES = {
+    "checkpoint.writer": "DeepSpeed's fast-persist and decoupled writers (libaio, GPU builds) write past the "
+    "project's digests and atomic commit; checkpoint.async writes in the background instead",
+    "checkpoint.use_node_local_storage": "checkpoints on node-local disks cannot be resumed by another node (the "
+    "project refuses a run_dir that is not shared)",
+    "datastates_ckpt": "DataStates' engine writes past the project's digests and atomic commit; checkpoint.async "
+    "writes in the background instead",
+    "nebula": "Azure Nebula's engine writes past the project's digests and atomic commit",
+}
+
+
+def checkpoint_engine_problems(data: Mapping[str, Any]) -> list[Problem]:
+    """A template's request for a DeepSpeed checkpoint engine the project would replace, each with the reason.
+    torch.save's zip and legacy formats (checkpoint.checkpoint_serialization) are both written and digested."""
+    out = []
+    ckpt = data.get("checkpoint") if isinstance(data.get("checkpoint"), Mapping) else {}
+    asked = {
+        "checkpoint.writer": ckpt.get("writer") not in (None, {}),
+        "checkpoint.use_node_local_storage": ckpt.get("use_node_local_storage") is True,
+        "datastates_ckpt": isinstance(data.get("datastates_ckpt"), Mapping)
+        and data["datastates_ckpt"].get("enabled") is not False,
+        "nebula": isinstance(data.get("nebula"), Mapping) and data["nebula"].get("enabled") is True,
+    }
+    for key, on in asked.items():
+        if on:
+            out.append(Problem(key, f"not used: {CHECKPOINT_ENGINES[key]}; remove it"))
+    return out
 
 
 def _zero_value_problems(zero: Any) -> list[Problem]:
