@@ -208,8 +208,8 @@ def latest(root: Path) -> tuple[Found | None, list[str]]:
     floor = found_ok.step if found_ok is not None else -1
     warnings += [w for step, w in sorted(skipped, key=lambda x: -x[0]) if step > floor]
     named = None
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        named = (root / LATEST).read_text().strip()
+    with contextlib.suppress(OSError):
+        named = (root / LATEST).read_bytes().decode(errors="replace").strip()
     if found_ok is not None and named is not None and named != found_ok.tag:
         if not STEP_DIR.match(named):
             warnings.append(f"{root / LATEST} is damaged ({named[:40]!r} names no checkpoint); it is not needed: "
