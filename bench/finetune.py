@@ -85,15 +85,21 @@ class Utilisation:
 
 
 def text_rows(n: int) -> list[list[int]]:
-    data = b"".join(json.loads(line)["text"].encode() for line in open(ROOT / "data/tiny/python_docs.jsonl"))
+    lines = (ROOT / "data/tiny/python_docs.jsonl").read_text().splitlines()
+    data = b"".join(json.loads(line)["text"].encode() for line in lines)
     return [list(data[i * SEQ : (i + 1) * SEQ]) for i in range(n)]
 
 
 def hf(name: str, base: str, quant: str, steps: int, out: str, dropout: float) -> None:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback,
-                              TrainingArguments)  # fmt: skip
+    from transformers import (
+        AutoModelForCausalLM,
+        BitsAndBytesConfig,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,  # fmt: skip
+    )
 
     t0 = time.time()
     kwargs = {}
@@ -110,7 +116,8 @@ def hf(name: str, base: str, quant: str, steps: int, out: str, dropout: float) -
     if quant == "4bit":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     model = get_peft_model(
-        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=TARGETS, task_type="CAUSAL_LM")
+        model,
+        LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=TARGETS, task_type="CAUSAL_LM"),
     )
     rows = text_rows(MICRO * ACCUM * (steps + 1))
 
@@ -147,7 +154,7 @@ def hf(name: str, base: str, quant: str, steps: int, out: str, dropout: float) -
         torch.cuda.reset_peak_memory_stats()
     Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()]).train()
     util.stop = True
-    step = [b - a for a, b in zip(times, times[1:])]
+    step = [b - a for a, b in zip(times, times[1:], strict=False)]
     timed = step[WARMUP:] or step
     step_s = statistics.median(timed)
     tokens = MICRO * ACCUM * SEQ
@@ -158,7 +165,9 @@ def hf(name: str, base: str, quant: str, steps: int, out: str, dropout: float) -
         "levers": "Trainer: gradient checkpointing, sdpa (torch's choice of kernel), adamw_torch, bf16"
         + (", prepare_model_for_kbit_training" if quant == "4bit" else ""),
     }  # fmt: skip
-    result["mfu"] = mfu(result["tokens_per_s"], trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    result["mfu"] = mfu(
+        result["tokens_per_s"], trainable=sum(p.numel() for p in model.parameters() if p.requires_grad)
+    )
     Path(out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "step_times_s"}), flush=True)
 
@@ -204,11 +213,15 @@ def collect(out: str) -> None:
         runs[p.stem] = json.loads(p.read_text())
     result = {"runs": runs}
     for kind in ("qlora", "lora"):
-        a, b = runs.get(f"ours_{kind}", {}).get("tokens_per_s"), runs.get(f"hf_{kind}", {}).get("tokens_per_s")
+        a, b = (
+            runs.get(f"ours_{kind}", {}).get("tokens_per_s"),
+            runs.get(f"hf_{kind}", {}).get("tokens_per_s"),
+        )
         result[f"ratio_{kind}"] = a / b if a and b else None
     (d / "finetune.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'run':32} {'step s':>7} {'tok/s':>8} {'mfu':>6} {'util':>5} {'peak GiB':>8} {'plan GiB':>8}")
     for name, r in runs.items():
+
         def f(x, fmt):  # noqa: ANN001, ANN202
             return format(x, fmt) if isinstance(x, int | float) else "-"
 
@@ -283,7 +296,12 @@ def check() -> dict:
         for m in (a, b):
             loss = m(input_ids=ids, labels=ids).loss
             loss.backward()
-            res.append((loss.item(), torch.cat([p.grad.flatten().float() for p in m.parameters() if p.grad is not None])))
+            res.append(
+                (
+                    loss.item(),
+                    torch.cat([p.grad.flatten().float() for p in m.parameters() if p.grad is not None]),
+                )
+            )
         out[f"lora_{str(dtype)[6:]}"] = {"loss_peft": res[0][0], "loss_fused": res[1][0],
                                          "grad_rel": ((res[0][1] - res[1][1]).abs().max() / res[0][1].abs().max()).item()}  # fmt: skip
     print(json.dumps(out), flush=True)

@@ -267,7 +267,8 @@ def claim_and_agree(
     lock = rundir.acquire(exp.run_dir) if runtime.is_main else None  # before anything touches run_dir
     data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
     if data.built:
-        log.info(f"data: tokenized and cached in {data.cache_path}")
+        why = f" (rebuilt: {data.rebuilt}; the earlier cache is not reused)" if data.rebuilt else ""
+        log.info(f"data: tokenized and cached in {data.cache_path}{why}")
     if exp.train.objective in (
         "dpo",
         "ipo",
@@ -307,7 +308,9 @@ def claim_and_agree(
         if root.is_dir():  # a save that was killed: its staging directory, a prune's trash (never a rollback)
             CheckpointDir(root).clean_leftovers(keep="")
         if resume is not None:  # a rollback: the newer checkpoints are another line; damaged ones set aside
-            forked = fork(root, resume.found, keep=exp.checkpoint.on_rollback == "keep", damaged_tags=resume.skipped)
+            forked = fork(
+                root, resume.found, keep=exp.checkpoint.on_rollback == "keep", damaged_tags=resume.skipped
+            )
             notes += [forked] if forked else []
     return data, hosts, notes, resume
 
@@ -390,7 +393,8 @@ def data_for_rank(
     if asked and sp > 1 and runtime.is_main:
         log.warning("warning: train.eval_prompts: no greedy samples under sequence parallelism (the attention "
                     "layers expect seq_len / sequence_parallel tokens); the eval loss is still computed")  # fmt: skip
-    prompts = (data.tokenizer, [] if sp > 1 else asked, t.eval_max_new_tokens)
+    # chat prompts are rendered by the template, whose output the training rows begin with as it is
+    prompts = (data.tokenizer, [] if sp > 1 else asked, t.eval_max_new_tokens, exp.data.kind == "chat")
     return stream, Evaluator(None if one_off else eval_loader, t.eval_every, env.world_size, prompts)
 
 

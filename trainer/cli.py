@@ -347,6 +347,8 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
     d = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=True)
     n_eval = len(d.eval) if d.eval is not None else 0
     done = f"built in {time.perf_counter() - t0:.1f} s" if d.built else "already there"
+    if d.rebuilt:
+        done += f" (rebuilt: {d.rebuilt})"
     tokens = d.tokens if d.tokens is not None else (len(d.train) + n_eval) * d.seq_len
     print(
         f"data: {len(d.train):,} train / {n_eval:,} eval sequences of {d.seq_len} tokens "

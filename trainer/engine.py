@@ -190,26 +190,26 @@ class Engine:
 
 
 def complete(
-    engine: Any, tok: Any, prompts: list[str], max_new_tokens: int, synced: bool
+    engine: Any, tok: Any, prompts: list[str], max_new_tokens: int, synced: bool, rendered: bool = False
 ) -> list[dict[str, Any]]:
     """Greedy completions of `prompts` by `engine` (every rank calls it; `synced`: ZeRO-3 on several ranks,
     whose gathers need every rank in every forward until all are done). Each: the prompt, the
-    completion up to the end-of-sequence token, and whether it reached one."""
+    completion up to the end-of-sequence token, and whether it reached one. A prompt begins as the
+    training rows began: text with the tokenizer's BOS (data/pack.py), a chat prompt (`rendered` by the
+    template) with what the template rendered and nothing more (data/chat.py tokenizes the rendering
+    without special tokens: a template without BOS trains rows without it)."""
     import torch
 
     from trainer.data.tokenizer import special_edges
 
     eos = tok.eos_token_id
-    bos = special_edges(tok)[0]  # as the training text began (data/pack.py)
+    bos = [] if rendered else special_edges(tok)[0]
     out = []
     engine.ds.train(False)
     with torch.no_grad():
         for prompt in prompts:
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor(
-                [ids if ids[: len(bos)] == bos else bos + ids],
-                device=engine.device,  # a chat prompt has it
-            )
+            ids = torch.tensor([ids if ids[: len(bos)] == bos else bos + ids], device=engine.device)
             gen = engine.ds.module.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                 synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,

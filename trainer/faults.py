@@ -126,7 +126,9 @@ class Faults:
         """killfile: die when `written` of this rank's files of the save at `step` are on disk."""
         for f in self.faults:
             if f.kind == "killfile" and f.n == written and f.applies(step, self.rank, self.attempt):
-                log.warning(f"injected killfile at rank {self.rank} step {step} after {written} file(s) (TRAINER_FAULT)")
+                log.warning(
+                    f"injected killfile at rank {self.rank} step {step} after {written} file(s) (TRAINER_FAULT)"
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def at(self, point: str, step: int) -> None:

@@ -44,10 +44,11 @@ class Evaluator:
         batches: Any,
         every: int,
         world_size: int,
-        prompts: tuple[Any, list[str], int] | None = None,
+        prompts: tuple[Any, list[str], int, bool] | None = None,
     ) -> None:
         self.batches, self.every, self.world_size = batches, every, world_size
-        self.prompts = prompts  # (tokenizer, prompts, max new tokens): greedy samples at each eval
+        self.prompts = prompts  # (tokenizer, prompts, max new tokens, rendered by a chat template): greedy
+        # samples at each eval
         self.last_step = -1
         self.extra: dict[str, Any] = {}  # a preference objective's eval rewards, margin and accuracy
 
@@ -77,11 +78,11 @@ class Evaluator:
         """Greedy completions of train.eval_prompts (every rank), or None."""
         if not self.prompts or not self.prompts[1]:
             return None
-        tok, prompts, max_new = self.prompts
+        tok, prompts, max_new, *rendered = self.prompts
         synced = self.world_size > 1 and engine.ds.zero_optimization_stage() == 3
         from trainer.engine import complete
 
-        return complete(engine, tok, prompts, max_new, synced)
+        return complete(engine, tok, prompts, max_new, synced, rendered=bool(rendered and rendered[0]))
 
 
 def train(

@@ -82,7 +82,9 @@ def test_legacy_serialization_is_digested_and_resumes(tmp_path):
         code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": steps, "strategy.deepspeed": template,
                          "checkpoint.async": mode == "async"}, *(["--resume"] if steps > 2 else []))  # fmt: skip
         assert code == 0, out[-3000:]
-    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 5, "strategy.deepspeed": template}, "--resume")
+    code, out = cli(
+        {**SMALL, "run_dir": run_dir, "train.max_steps": 5, "strategy.deepspeed": template}, "--resume"
+    )
     assert code == 0 and "damaged" not in out, out[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'}" in out, out[-3000:]
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import tokenizer_dir
 
 from trainer import config
-from trainer.data.cache import NOT_IN_THE_TOKENS, cache_key
+from trainer.data.keys import NOT_IN_THE_TOKENS, cache_key
 from trainer.data.tokenizer import load_tokenizer
 
 
@@ -135,3 +135,96 @@ def test_each_tokenizer_file_edit_changes_the_key(base, tmp_path, edit):
     data = json.loads((d / name).read_text())
     (d / name).write_text(json.dumps(change(data)))
     assert digest(section) != before, edit
+
+
+def test_the_key_covers_the_code_that_makes_the_tokens(tmp_path):
+    """Issue 54, finding 2: the end-of-turn fix changed the tokens a conversation produces (250 targets
+    became 500) under the same key, so a cache built before was reused and a resume saw no data change.
+    The key holds the digest of every module that makes the tokens: a change to any of them (even a
+    comment) changes it."""
+    from pathlib import Path
+
+    from trainer.data import keys as cache
+
+    src = Path(cache.__file__).parent
+    copy = tmp_path / "data"
+    shutil.copytree(src, copy)
+    before = cache.code_digest(copy)
+    assert before == cache.code_digest(src)
+    for name in cache.TOKEN_MODULES:
+        f = copy / f"{name}.py"
+        original = f.read_bytes()
+        f.write_bytes(original + b"\n# changed\n")
+        assert cache.code_digest(copy) != before, f"{name}.py changed and the key did not"
+        f.write_bytes(original)
+    assert cache.code_digest(copy) == before
+
+
+# trainer modules a cache build runs that do not shape tokens: configuration, errors, files and locks, the
+# cores to use
+NOT_TOKEN_CODE = {"trainer", "trainer.config", "trainer.config.schema", "trainer.config.data_schema",
+                  "trainer.config.fields", "trainer.config.loading", "trainer.config.rules", "trainer.errors",
+                  "trainer.files", "trainer.dist", "trainer.units", "trainer.data", "trainer.data.stream",
+                  "trainer.data.preview", "trainer.data.keys"}  # fmt: skip  (keys: the key itself)
+
+
+def test_every_module_a_cache_build_runs_is_in_the_key(tmp_path, base):
+    """The modules whose functions run while a chat cache and a text cache are built: each either keys the
+    cache (TOKEN_MODULES) or is listed above as not shaping tokens. A module added to the token path
+    without joining the key fails here."""
+    import sys
+
+    from trainer.data import cache
+
+    ran = set()
+
+    def tracer(frame, event, arg):
+        if event == "call":
+            mod = frame.f_globals.get("__name__", "")
+            if mod.startswith("trainer"):
+                ran.add(mod)
+        return None
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "hello world " * 40}) + "\n")
+    sections = [
+        {**base, "eval_fraction": 0},
+        {
+            "train": {"files": str(text)},
+            "cache_dir": str(tmp_path / "cache2"),
+            "seq_len": 16,
+            "eval_fraction": 0,
+        },
+    ]
+    sys.setprofile(tracer)
+    try:
+        for sec in sections:
+            cache.build(config.DataSection(**sec), seed=0, num_proc=1, progress=False)
+    finally:
+        sys.setprofile(None)
+    from trainer.data.keys import TOKEN_MODULES
+
+    keyed = {f"trainer.data.{m}" for m in TOKEN_MODULES}
+    assert ran - keyed - NOT_TOKEN_CODE == set(), "modules that run in a cache build but do not key it"
+    assert {"trainer.data.pack", "trainer.data.chat", "trainer.data.cache"} <= ran
+
+
+def test_a_rebuilt_cache_says_why(tmp_path, base):
+    """The first cache of some files is built silently; one built again for the same files (its key
+    changed) says what changed since the newest earlier cache."""
+    from trainer.data import cache
+
+    section = config.DataSection(**base, eval_fraction=0)
+    first = cache.build(section, seed=0, num_proc=1, progress=False)
+    assert first.built and first.rebuilt is None
+    again = cache.build(section, seed=0, num_proc=1, progress=False)
+    assert not again.built
+    from trainer.data import keys
+
+    keys._CODE[:] = ["0" * 20]  # as if trainer/data's code had changed
+    try:
+        changed = cache.build(section, seed=0, num_proc=1, progress=False)
+    finally:
+        keys._CODE.clear()
+    assert changed.built and changed.cache_path != first.cache_path
+    assert changed.rebuilt.startswith("the code that makes the tokens changed"), changed.rebuilt

@@ -138,7 +138,9 @@ def verify(path: Path, state: Mapping[str, Any]) -> list[str]:
         if rel in digests and not any(p.startswith(str(path / rel)) for p in out):
             try:
                 if file_digest(path / rel) != digests[rel]:
-                    out.append(f"{path / rel} holds other bytes than were written (corrupted in place: its digest differs)")
+                    out.append(
+                        f"{path / rel} holds other bytes than were written (corrupted in place: its digest differs)"
+                    )
             except OSError as e:
                 out.append(f"{path / rel}: {e.strerror or e}")
     return out
@@ -204,7 +206,9 @@ def latest(root: Path) -> tuple[Found | None, list[str]]:
         if not problems:
             found_ok = found
             break
-        skipped.append((found.step, f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); skipping it"))
+        skipped.append(
+            (found.step, f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); skipping it")
+        )
     floor = found_ok.step if found_ok is not None else -1
     warnings += [w for step, w in sorted(skipped, key=lambda x: -x[0]) if step > floor]
     named = None

@@ -101,6 +101,11 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
         )
     tok = data.load_tokenizer(exp.data.tokenizer)
     cfg = model.hf_config(exp.model, len(tok), tok.eos_token_id)
+    # A base stored quantized (a bnb-4bit upload) brings its quantization_config; the weights written here
+    # are dequantized (merged, or the base of an adapter), so from_pretrained must not build quantized
+    # layers around them (it failed at the first forward)
+    if getattr(cfg, "quantization_config", None) is not None:
+        del cfg.quantization_config
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

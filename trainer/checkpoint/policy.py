@@ -37,6 +37,8 @@ HARMLESS = (
     "train.compile",
     "train.compile_mode",
     "model.attn_implementation",  # the same attention, another kernel (auto: eager on CPU in bf16)
+    "model.cudnn_attention",  # the same attention, another kernel
+    "model.lora.kernels",  # the same adapters, computed fused or module by module
     "model.chunked_loss",  # the same loss, computed in chunks
     "model.activation_checkpointing",
     "model.tiled_mlp",  # the same MLP, run in shards

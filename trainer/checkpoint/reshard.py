@@ -11,15 +11,14 @@ Three gaps in DeepSpeed 0.19 are bridged here:
   from the fp32 master weights and moments, and back into the layout of the engine that loads it;
 - a universal directory made from stage 1/2 does not load into stage 3 and vice versa (file names,
   flat vs shaped tensors, a missing `step.pt` / `optimizer_state_dict`): `_fix_for_any_target`;
-- a stage-3 universal load copies param group 0's hyperparameters (weight decay!) into every
-  group: `_restore_group_hparams` puts the saved per-group values back.
+- a stage-3 universal load copies param group 0's hyperparameters (weight decay!) into every group:
+  `_restore_group_hparams` puts the saved per-group values back.
 
-The conversion runs in a separate process that rank 0 starts (`python -m trainer.checkpoint.reshard`), with
-several worker processes, writing into a hidden directory renamed into place when complete. It is
-not inside a collective, so `dist.timeout_s` does not bound it: every rank waits for the completion
-marker (or rank 0's failure report) for up to `checkpoint.convert_timeout_minutes`. An interrupted
-conversion leaves only a hidden directory, which the next one removes before starting again. Needs
-a filesystem that every rank sees (as DeepSpeed's own checkpoints do).
+The conversion runs in a separate process that rank 0 starts (`python -m trainer.checkpoint.reshard`), with several
+worker processes, writing into a hidden directory renamed into place when complete. It is not inside a
+collective, so `dist.timeout_s` does not bound it: every rank waits for the completion marker (or rank 0's
+failure report) for up to `checkpoint.convert_timeout_minutes`. An interrupted conversion leaves only a hidden
+directory, which the next one removes before starting again. Needs a filesystem that every rank sees.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zipfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,7 +73,7 @@ def names_and_aliases(module: Any, groups: list[dict[str, Any]]) -> tuple[list[l
 
 
 def saved_layout(ckpt: Path) -> tuple[int, int]:
-    """(ZeRO stage, data-parallel size) a checkpoint was written with."""
+    """(ZeRO stage, data-parallel size) a checkpoint was written with; no tensor read (mmap, but legacy)."""
     import torch
 
     files = sorted(glob.glob(str(ckpt / "mp_rank_*_model_states.pt"))) or sorted(
@@ -81,10 +81,7 @@ def saved_layout(ckpt: Path) -> tuple[int, int]:
     )
     if not files:
         raise FileNotFoundError(f"no DeepSpeed model states in {ckpt}")
-    try:
-        sd = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)  # no tensor is read
-    except RuntimeError:  # torch's legacy format (checkpoint.checkpoint_serialization: false) has no mmap
-        sd = torch.load(files[0], map_location="cpu", weights_only=False)
+    sd = torch.load(files[0], map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(files[0]))
     return int(sd["ds_config"].get("zero_optimization", {}).get("stage", 0)), int(sd["dp_world_size"])
 
 

@@ -169,22 +169,8 @@ class Store:
             meta[frozen.KEY] = frozen.record(self.exp, now)
         rng = (stage_dir / f"rng_rank{self.rank:05d}.pt", rng_state())
         pending = Pending(step=state.step, tag=tag, stage_dir=stage_dir, meta=meta, started=t0)
-        if not background:  # every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers around),
-            from trainer.checkpoint.writer import recording_engine, write_file  # fsynced by who wrote them
-
-            self.faults.files(state.step, 0)
-            pending.written[str(rng[0])] = write_file(rng[0], rng[1])
-            self.faults.files(state.step, 1)
-            ds = self.engine.ds
-            real = ds.checkpoint_engine
-            ds.checkpoint_engine = recording_engine(
-                real, pending.written, after=lambda: self.faults.files(state.step, len(pending.written))
-            )
-            self.faults.arm_save(state.step, ds.checkpoint_engine)
-            try:
-                self.ds_save(stage_dir.name)
-            finally:
-                ds.checkpoint_engine = real
+        if not background:
+            _write_now(self, pending, rng)
         else:
             _snapshot(self, pending, rng)
         pending.written.update(_save_adapters(self, stage_dir, state))
@@ -215,7 +201,9 @@ class Store:
                 pending.stage_dir, pending.meta, self.engine.ds_config, self.exp, reported
             )
             self.faults.at("killmanifest", pending.step)
-            self.disk.publish(pending.stage_dir, pending.tag, renamed=lambda: self.faults.at("killrename", pending.step))
+            self.disk.publish(
+                pending.stage_dir, pending.tag, renamed=lambda: self.faults.at("killrename", pending.step)
+            )
             self.faults.at("killlatest", pending.step)
         pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:
@@ -230,6 +218,27 @@ class Store:
         calls it after a resume's load, which takes it itself); every rank (ZeRO-3 gathers)."""
         if self.frozen_digest is None and frozen.guarded(self.exp):
             self.frozen_digest = frozen.engine_digest(self.engine.ds)
+
+
+def _write_now(store: Store, pending: Pending, rng: tuple[Path, Any]) -> None:
+    """A synchronous save, every rank: its RNG, then DeepSpeed's shards (DeepSpeed barriers around), each
+    written through write_file (fsynced by who wrote them, digested)."""
+    from trainer.checkpoint.writer import recording_engine, write_file
+
+    step, faults = pending.step, store.faults
+    faults.files(step, 0)
+    pending.written[str(rng[0])] = write_file(rng[0], rng[1])
+    faults.files(step, 1)
+    ds = store.engine.ds
+    real = ds.checkpoint_engine
+    ds.checkpoint_engine = recording_engine(
+        real, pending.written, after=lambda: faults.files(step, len(pending.written))
+    )
+    faults.arm_save(step, ds.checkpoint_engine)
+    try:
+        store.ds_save(pending.stage_dir.name)
+    finally:
+        ds.checkpoint_engine = real
 
 
 def _snapshot(store: Store, pending: Pending, rng: tuple[Path, Any]) -> None:

@@ -446,7 +446,17 @@ class Experiment(Section):
         return thaw(self.model_dump(mode="python", by_alias=True))
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(_plain(self.to_dict()), sort_keys=False, default_flow_style=False)
+        """The whole experiment as YAML (what checkpoints save and --print-config prints), which validates
+        as it is: data.packing, which preference pairs never use (and the rules refuse when written), is
+        left out for them."""
+        out = self.to_dict()
+        if (
+            self.train.objective != "sft"
+            and self.data.packing
+            and "packing" not in self.data.model_fields_set
+        ):
+            out["data"].pop("packing", None)
+        return yaml.safe_dump(_plain(out), sort_keys=False, default_flow_style=False)
 
 
 def _plain(value: Any) -> Any:

@@ -24,14 +24,12 @@ from typing import Any
 import numpy as np
 
 from trainer.config import DataSection
+from trainer.data.keys import cache_key, rebuilt_why
 from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
-from trainer.data.sources import _where, load_raw, source_key
-from trainer.data.tokenizer import load_tokenizer, tokenizer_id
+from trainer.data.sources import _where, load_raw
+from trainer.data.tokenizer import load_tokenizer
 from trainer.errors import UserError
 from trainer.files import file_lock, write_atomic
-
-CACHE_VERSION = 4  # 4: a chat turn's targets end at its end-of-turn token (3: text packed across map
-# batches, last block padded; 2: .npy files; 1: Arrow)
 
 
 @dataclass
@@ -44,6 +42,7 @@ class Data:
     seq_len: int
     cache_path: str
     built: bool  # True when this process tokenized (a cache miss)
+    rebuilt: str | None = None  # a miss where a cache of the same files was there: what changed since
     # What identifies the training data: sequences, a digest of their tokens, the sources' files
     # (path, size, mtime) and the tokenizer. Saved with every checkpoint, compared on resume.
     fingerprint: dict[str, Any] = field(default_factory=dict)
@@ -93,9 +92,10 @@ def build(
     root = Path(os.path.expanduser(section.cache_dir))
     root.mkdir(parents=True, exist_ok=True)
     final = root / digest
-    built = False
+    built, why = False, None
     with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
         if not (final / "meta.json").exists():
+            why = rebuilt_why(root, key, digest)
             quiet = not (is_main and sys.stderr.isatty()) if progress is None else not progress
             _build_cache(section, tok, key, final, quiet=quiet, num_proc=num_proc)
             built = True
@@ -118,6 +118,7 @@ def build(
         seq_len=section.seq_len,
         cache_path=str(final),
         built=built,
+        rebuilt=why,
         fingerprint=fingerprint,
         finetune=meta.get("finetune"),
         mixture=meta.get("mixture"),
@@ -125,40 +126,6 @@ def build(
         targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
         lengths=_lengths(final, train),
     )
-
-
-# data options that do not change the tokens the cache holds (how they are read, batched and ordered at
-# run time, or where the cache lives); every other option of the data section and of each source is in
-# the key, so that an option added later keys the cache until it is listed here
-NOT_IN_THE_TOKENS = frozenset(
-    {"num_workers", "pin_memory", "persistent_workers", "num_proc", "shuffle", "cache_dir", "group_by_length"}
-)
-
-
-def cache_key(section: DataSection, tok: Any) -> dict[str, Any]:
-    """What determines the cached tokens: every data option (NOT_IN_THE_TOKENS aside) with each source's
-    files by path, size and modification time, the tokenizer by content (tokenizer_id), the chat
-    template's rendering and the cache's format."""
-    options = section.model_dump(mode="json", exclude=set(NOT_IN_THE_TOKENS))
-    key: dict[str, Any] = {
-        "version": CACHE_VERSION,
-        "options": options,
-        "train": (
-            [{**source_key(s, k), "weight": s.weight} for k, s in section.sources]
-            if section.mixture
-            else source_key(section.train, "data.train")
-        ),
-        "eval": source_key(section.eval, "data.eval") if section.eval is not None else None,
-        "tokenizer": tokenizer_id(tok, section.tokenizer),
-    }
-    if section.kind != "text" or section.separate_documents:
-        from trainer.data.examples import chat_template
-
-        key["finetune"] = {
-            "template": chat_template(section, tok),  # the template, its kwargs and multi_turn
-            "row_targets": True,  # targets.npy beside train.npy
-        }
-    return key
 
 
 def _lengths(directory: Path, train: np.ndarray) -> np.ndarray | None:

@@ -86,7 +86,9 @@ def _attn_kwargs(section: ModelSection, cfg: Any = None) -> dict[str, Any]:
     if attn == "varlen":
         from trainer.model import varlen
 
-        problem = varlen.family_problem(getattr(cfg, "model_type", None) if cfg is not None else model_type(section))
+        problem = varlen.family_problem(
+            getattr(cfg, "model_type", None) if cfg is not None else model_type(section)
+        )
         if problem:
             raise UserError(f"model.attn_implementation: {problem}")
         varlen.register()

@@ -155,7 +155,9 @@ def varlen_attention_forward(
         and value.shape[-1] == size
     )
     if not fast:
-        return _fallback(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
+        return _fallback(
+            module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
+        )
     cu, longest = _lengths(kwargs, rows, seq, query.device)
     q, k, v = (t.transpose(1, 2).reshape(rows * seq, t.shape[1], size) for t in (query, key, value))
     scale = scaling if scaling is not None else size**-0.5

@@ -1,0 +1,125 @@
+"""The data cache's key (trainer/data/cache.py): what determines the tokens a cache holds -- every data option
+that shapes them, the source files, the tokenizer, the chat template, the cache's format and the code that
+makes the tokens -- and, when a cache is built though one of the same files exists, what changed since."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer.config import DataSection
+from trainer.data.sources import source_key
+from trainer.data.tokenizer import tokenizer_id
+
+CACHE_VERSION = 5  # 5: the key holds the code's digest (4: a chat turn's targets end at its end-of-turn
+# token; 3: text packed across map batches, last block padded; 2: .npy files; 1: Arrow)
+
+# The modules whose code makes the tokens a row holds (reading, formatting, rendering, tokenizing, packing,
+# writing the cache): their source is in the key, so that a cache built by other code is never reused
+# (issue 54: a turn-end fix changed 250 targets to 500 under the same key). tests/unit/test_cache_key.py
+# holds that every trainer module a cache build runs is here or in NOT_TOKEN_CODE.
+TOKEN_MODULES = (
+    "cache",
+    "chat",
+    "examples",
+    "formats",
+    "pack",
+    "preference",
+    "sources",
+    "templates",
+    "tokenizer",
+)
+
+
+def code_digest(root: Path | None = None) -> str:
+    """The digest of the source of TOKEN_MODULES (in trainer/data, or `root`)."""
+    root = Path(__file__).parent if root is None else root
+    h = hashlib.sha256()
+    for name in TOKEN_MODULES:
+        h.update(name.encode() + b"\0" + (root / f"{name}.py").read_bytes() + b"\0")
+    return h.hexdigest()[:20]
+
+
+# data options that do not change the tokens the cache holds (how they are read, batched and ordered at
+# run time, or where the cache lives); every other option of the data section and of each source is in
+# the key, so that an option added later keys the cache until it is listed here
+NOT_IN_THE_TOKENS = frozenset(
+    {"num_workers", "pin_memory", "persistent_workers", "num_proc", "shuffle", "cache_dir", "group_by_length"}
+)
+
+
+def cache_key(section: DataSection, tok: Any) -> dict[str, Any]:
+    """What determines the cached tokens: every data option (NOT_IN_THE_TOKENS aside) with each source's
+    files by path, size and modification time, the tokenizer by content (tokenizer_id), the chat
+    template's rendering and the cache's format."""
+    options = section.model_dump(mode="json", exclude=set(NOT_IN_THE_TOKENS))
+    key: dict[str, Any] = {
+        "version": CACHE_VERSION,
+        "code": _code(),
+        "options": options,
+        "train": (
+            [{**source_key(s, k), "weight": s.weight} for k, s in section.sources]
+            if section.mixture
+            else source_key(section.train, "data.train")
+        ),
+        "eval": source_key(section.eval, "data.eval") if section.eval is not None else None,
+        "tokenizer": tokenizer_id(tok, section.tokenizer),
+    }
+    if section.kind != "text" or section.separate_documents:
+        from trainer.data.examples import chat_template
+
+        key["finetune"] = {
+            "template": chat_template(section, tok),  # the template, its kwargs and multi_turn
+            "row_targets": True,  # targets.npy beside train.npy
+        }
+    return key
+
+
+_CODE: list[str] = []
+
+
+def _code() -> str:
+    if not _CODE:
+        _CODE.append(code_digest())
+    return _CODE[0]
+
+
+# What a rebuilt cache's key differs in, in the words the banner uses
+WHY = {
+    "version": "the cache format changed",
+    "code": "the code that makes the tokens changed (trainer/data: " + ", ".join(TOKEN_MODULES) + ")",
+    "options": "data options changed",
+    "train": "the training files changed",
+    "eval": "the eval files changed",
+    "tokenizer": "the tokenizer changed",
+    "finetune": "the chat template changed",
+}
+
+
+def rebuilt_why(root: Path, key: dict[str, Any], digest: str) -> str | None:
+    """Why the cache for `key` is built though caches of the same training files are in `root`: what the
+    newest of them was keyed on that differs (None: no cache of these files was built before)."""
+
+    def paths(k: Any) -> str:  # the training files by path (or hub id), not by size and time
+        train = k.get("train")
+        rows = train if isinstance(train, list) else [train]
+        return json.dumps([sorted(f[0] for f in r["files"]) if (r or {}).get("files") else (r or {}).get("hub")
+                           for r in rows])  # fmt: skip
+
+    mine, best = paths(key), None
+    for meta in root.glob("*/meta.json"):
+        if meta.parent.name == digest:
+            continue
+        try:
+            old = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            continue
+        if paths(old) == mine and (best is None or meta.stat().st_mtime > best[0]):
+            best = (meta.stat().st_mtime, old)
+    if best is None:
+        return None
+    old = best[1]
+    differ = [WHY[k] for k in WHY if old.get(k) != key.get(k)]
+    return "; ".join(differ) or "its key changed"
