@@ -121,7 +121,8 @@ def announce(run: Run) -> None:
         f"step {format_size(est.step)})",
         f"batch: micro {t.micro_batch_size} x {'data-parallel ' if plan.sp > 1 else ''}world {plan.dp_world} x "
         f"grad_accum {t.grad_accum} = {samples} "
-        f"sequences = {samples * exp.data.seq_len:,} tokens per step",
+        f"sequences = {samples * exp.data.seq_len:,} tokens per step"
+        + (f" ({planned.batch.why})" if planned.batch is not None and planned.batch.why else ""),
         f"data: {len(data.train):,} train / {len(data.eval) if data.eval is not None else 0:,} eval sequences of "
         f"{data.seq_len} tokens; {run.stream.steps_per_epoch:,} micro steps per epoch",
         f"checkpoints: {checkpoints_dir(exp.run_dir)} ({cadence or 'none'}; keep {c.keep_last or 'all'}; "

@@ -33,6 +33,8 @@ class Planned:
     template_path: str
     schedule: Any = None  # strategy.Schedule: its notes say how a resume changed the LR schedule
     model: Any = None  # config.ModelSection with model.attn_implementation's auto decided for this run
+    exp: Any = None  # the experiment with train.micro_batch_size and grad_accum decided (strategy/batch.py)
+    batch: Any = None  # strategy.batch.Batch: how the global batch is split and why (None: as written)
 
 
 def make_plan(
@@ -63,25 +65,24 @@ def make_plan(
     if mem is None:  # CPU training: the ranks of a node share its memory
         mem = dist.host_memory() // max(1, gpus_per_node)
     template_path, template = strategy.template_for(exp)
-    plan = strategy.plan(
-        exp,
-        info,
-        world_size=world_size,
-        gpus_per_node=gpus_per_node,
-        device_type=device_type,
-        device_memory=mem,
-        host_memory=host,
-        precision=precision,
-        template=template or None,
-        force=force,
-    )
+
+    def plan_for(e: Experiment) -> Any:
+        return strategy.plan(
+            e, info, world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type,
+            device_memory=mem, host_memory=host, precision=precision, template=template or None, force=force,
+        )  # fmt: skip
+
+    from trainer.strategy.batch import resolve
+
+    exp, batch = resolve(exp, world_size, plan_for)  # train.global_batch_size, micro_batch_size: auto
+    plan = plan_for(exp)
     if not template:
         template_path, template = strategy.template_for(exp, plan.candidate)
     sched = strategy.schedule(exp, plan.dp_world, saved_ds_config)
     ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
     return Planned(
         plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched,
-        model=with_levers(section, plan.levers),
+        model=with_levers(section, plan.levers), exp=exp, batch=batch,
     )  # fmt: skip
 
 

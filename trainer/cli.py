@@ -308,6 +308,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 
         return longest_command(exp, planned_for, world, per_node)
     planned = planned_for(exp)
+    exp = planned.exp or exp  # train.micro_batch_size and grad_accum as the plan decided them
     if args.print_config:
         print("# experiment (resolved)")
         print(resolved_experiment(exp, planned).to_yaml())
@@ -324,6 +325,8 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             + (f", {exp.model.kernels} kernels" if exp.model.kernels != "none" else "")
         )
         print(strategy.describe_plan(planned.plan))
+        if planned.batch is not None and planned.batch.why:
+            print(f"batch: {planned.batch.why}")
         if exp.checkpoint.every_minutes == "auto":  # the interval before any save is measured
             from trainer.checkpoint.interval import for_plan
 
@@ -471,6 +474,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         source=args.experiment,
         saved_ds_config=resume.ds_config if resume is not None else None,
     )
+    exp = planned.exp or exp  # train.micro_batch_size and grad_accum as the plan decided them
     runtime = dist.setup(exp.dist.timeout_s)
     try:
         mode = next((m for m in MODES if getattr(args, m)), "train")

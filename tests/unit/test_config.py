@@ -86,7 +86,7 @@ def test_every_problem_is_reported_at_once_with_lines(tmp_path):
         ":2: modle: unknown top-level key. Did you mean 'model'?",
         ":4: model.confg: unknown key. Did you mean 'config'?",
         ":7: data.num_workers: must be auto or a whole number >= 0; got -1",
-        ":9: train.micro_batch_size: must be greater than or equal to 1; got -8",
+        ":9: train.micro_batch_size: must be auto or a number of sequences >= 1; got -8",
         ":10: train.max_steps: must be a valid integer",
         ":11: train.precision: must be one of: auto, fp32, bf16, fp16; got 'fp8'",
         ":13: strategy.zero_stage: must be one of: auto, 0, 1, 2, 3; got 5",

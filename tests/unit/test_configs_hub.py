@@ -31,16 +31,16 @@ def test_experiment_loads_and_plans(path: Path, tmp_path):
     vocab = exp.model.config.get("vocab_size", 257) if exp.model.config is not None else None
     info = model.info(exp.model, vocab, None)  # meta device: nothing allocated, even for 7B
     assert info.params > 0
-    plan = strategy.plan(
-        exp,
-        info,
-        world_size=8,
-        gpus_per_node=8,
-        device_type="cuda",
-        device_memory=80 * 2**30,
-        host_memory=1024 * 2**30,
-        precision=strategy.resolve_precision(exp.train.precision, "cuda"),
-    )
+    from trainer.strategy.batch import resolve
+
+    def plan_for(e):
+        return strategy.plan(
+            e, info, world_size=8, gpus_per_node=8, device_type="cuda", device_memory=80 * 2**30,
+            host_memory=1024 * 2**30, precision=strategy.resolve_precision(exp.train.precision, "cuda"),
+        )  # fmt: skip
+
+    exp, _ = resolve(exp, 8, plan_for)  # train.micro_batch_size: auto, global_batch_size
+    plan = plan_for(exp)
     tpl_path, tpl = strategy.template_for(exp, plan.candidate)
     ds = strategy.ds_config(exp, plan, info, tpl, tpl_path)
     # sequence parallelism divides the 8 ranks into 8 // sp data-parallel groups

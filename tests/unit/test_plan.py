@@ -463,7 +463,8 @@ QLORA_EXP = "configs/experiments/llama3-8b-qlora.yaml"
 
 
 def qlora_plan(world, device, host, *sets):
-    exp = config.load(QLORA_EXP, list(sets))
+    # the classic plans at micro 1 x accumulation 16 (the experiment's micro_batch_size: auto picks by speed)
+    exp = config.load(QLORA_EXP, ["train.micro_batch_size=1", "train.grad_accum=16", *sets])
     info = model.info(exp.model, 257, 256)
     p = strategy.plan(
         exp, info, world_size=world, gpus_per_node=world, device_type="cuda", device_memory=device * GiB,

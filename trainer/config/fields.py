@@ -49,6 +49,20 @@ def auto_or(number: type, what: str) -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
+def auto_or_count(what: str) -> Any:
+    """A field that takes "auto" or an integer >= 1; `what` names the number in the error."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        raise ValueError(f"must be auto or {what} >= 1")
+
+    check.allowed = "auto|int"  # type: ignore[attr-defined]  (for the reference)
+    return Annotated[Any, BeforeValidator(check)]
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"

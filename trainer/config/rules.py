@@ -281,6 +281,11 @@ def _train(exp: Experiment) -> list[tuple[str, str]]:
                 "evaluation is asked for but there is no eval data: set data.eval or data.eval_fraction > 0, or eval_every: 0",
             )
         )
+    t = exp.train
+    if t.micro_batch_size == "auto" and t.global_batch_size is None:
+        out.append(("train.micro_batch_size", "auto splits a global batch into the largest micro batch that fits "
+                    "and accumulation: set train.global_batch_size (sequences an optimizer step, every rank "
+                    "together), or give the micro batch"))  # fmt: skip
     return out
 
 

@@ -18,6 +18,7 @@ from trainer.config.fields import (
     Section,
     Size,
     auto_or,
+    auto_or_count,
     choice,
     thaw,
 )
@@ -225,8 +226,22 @@ class TrainSection(Section):
         default_factory=PreferenceSection, description="the preference objectives' settings"
     )
 
-    micro_batch_size: int = Field(8, ge=1, description="sequences per rank per forward/backward")
-    grad_accum: int = Field(1, ge=1, description="micro batches accumulated per optimizer step")
+    micro_batch_size: auto_or_count("a number of sequences") = Field(
+        8,
+        description="sequences per rank per forward/backward; auto = the largest the plan fits that trains "
+        "fastest (needs global_batch_size; docs/strategies.md: the micro batch)",
+    )
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        description="micro batches accumulated per optimizer step (set from global_batch_size when given)",
+    )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="sequences per optimizer step, every rank together, kept exactly: grad_accum = global / "
+        "(micro x data-parallel ranks); null = micro x ranks x grad_accum as written",
+    )
     max_steps: int = Field(description="optimizer steps to train", ge=1)
     precision: choice("auto", "fp32", "bf16", "fp16") = Field(
         "auto", description="auto = bf16 on GPUs that support it, else fp32"

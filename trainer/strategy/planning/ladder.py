@@ -16,6 +16,7 @@ from trainer.strategy.planning.activations import activations_for, host_activati
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, next_rung, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all
 from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
+from trainer.strategy.planning.speed import StepTime, step_time
 from trainer.strategy.planning.states import low_precision_bytes
 
 
@@ -41,6 +42,10 @@ class Plan:
     # every (levers, rung) the plan would try, in its order: the run-time escalation climbs it
     order: tuple[tuple[Levers, Candidate], ...] = ()
     offload_pin: str | None = None  # strategy.offload as the experiment pins it (None: auto)
+    # the estimated step of the choice, and of every setting that fits, fastest first (speed.py)
+    speed: StepTime | None = None
+    fastest: tuple[tuple[Levers, Candidate, StepTime], ...] = ()
+    row_seconds: tuple[float, ...] = ()  # the estimated step of each row of `estimates` (the chosen levers)
 
     @property
     def sp(self) -> int:
@@ -76,56 +81,9 @@ class Plan:
         return True, copy
 
     def table(self) -> str:
-        head = (
-            "candidate",
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "step",
-            "buffers",
-            "total/rank",
-            "host/node",
-            "fits",
-        )
-        rows = [head]
-        for e in self.estimates:
-            mark = " <-" if e.candidate == self.candidate else ""
-            fits = "yes" if e.fits else ("no (host)" if e.fits_device else "no")
-            if e.candidate.offload == "nvme" and not e.fits and e.total <= self.budget:
-                fits = "no (needs strategy.nvme_path)"
-            if e.refused:
-                fits = f"no ({e.refused})"
-            rows.append(
-                (
-                    e.candidate.name,
-                    *(
-                        format_size(x)
-                        for x in (
-                            e.params,
-                            e.grads,
-                            e.optimizer,
-                            e.activations,
-                            e.step,
-                            e.buffers,
-                            e.total,
-                            e.host,
-                        )
-                    ),
-                    fits + mark,
-                )
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        last = len(head) - 1
-        lines = [
-            "  ".join(
-                c.ljust(w) if i in (0, last) else c.rjust(w)
-                for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            ).rstrip()
-            for r in rows
-        ]
-        lines.insert(1, "-" * len(lines[0]))
-        return "\n".join(lines)
+        from trainer.strategy.planning.tables import plan_table
+
+        return plan_table(self)
 
     def summary(self) -> dict[str, Any]:
         """What goes into logs and trainer_state.json."""
@@ -197,6 +155,30 @@ def plan(
 
     Raises UserError when a pinned candidate is above the rules' choice without a justification,
     or is predicted not to fit (unless `force`), or when nothing fits."""
+    if exp.train.micro_batch_size == "auto":  # decided first (strategy/batch.py), then planned as given
+        from trainer.strategy.batch import resolve
+
+        kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type, device_memory=device_memory,
+                  host_memory=host_memory, precision=precision, template=template, force=force)  # fmt: skip
+        exp = resolve(exp, world_size, lambda e: plan(e, info, **kw))[0]
+    return _plan(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type,
+                 device_memory=device_memory, host_memory=host_memory, precision=precision, template=template,
+                 force=force)  # fmt: skip
+
+
+def _plan(
+    exp: Experiment,
+    info: ModelInfo,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    device_type: str,
+    device_memory: int,
+    host_memory: int | None,
+    precision: str,
+    template: Mapping[str, Any] | None = None,
+    force: bool = False,
+) -> Plan:
     s = exp.strategy
     lp = low_precision_bytes(precision)
     budget = int(device_memory * s.headroom)
@@ -221,19 +203,20 @@ def plan(
         )  # fmt: skip
 
     settings = list(lever_sets(exp, info, world_size, device_type, precision))
-    found, first, order = _search(settings, estimates_for, pinned)
+
+    def seconds(levers: Levers, c: Candidate) -> StepTime:
+        return step_time(exp, info, levers, c, world_size=world_size, gpus_per_node=gpus_per_node,
+                         device_type=device_type, lp=lp)  # fmt: skip
+
+    found, first, order, fastest = _search(settings, estimates_for, pinned, seconds)
+    levers, estimates, by, options, chosen = (*first, None) if found is None else found
+    auto_choice = next((c for c in LADDER if by[c].fits), None)
+    hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
     if found is None:
-        levers, estimates, by, options = first
-        auto_choice = next((c for c in LADDER if by[c].fits), None)
-        hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
         if not (is_pinned and force and options):
             raise _no_fit(exp, by, options if is_pinned else [], auto_choice, hint, budget, device_memory, world_size,
                           levers, len(settings))  # fmt: skip
         chosen = options[0]
-    else:
-        levers, estimates, by, options, chosen = found
-        auto_choice = next((c for c in LADDER if by[c].fits), None)
-        hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
     return Plan(
         candidate=chosen,
         reason=_reason(exp, by, chosen, auto_choice, is_pinned, hint, budget),
@@ -254,19 +237,24 @@ def plan(
             if tiled_loss_by_default(exp, info, device_type, precision)
             else ""
         )
-        + _levers_reason(levers, settings, estimates_for, pinned, budget),
+        + _levers_reason(levers, settings, estimates_for, pinned, budget, fastest),
         order=tuple(order),
         offload_pin=pinned[1],
+        speed=seconds(levers, chosen),
+        fastest=tuple(fastest),
+        row_seconds=tuple(seconds(levers, e.candidate).seconds for e in estimates),
     )
 
 
 def _search(
-    settings: list[Levers], estimates_for: Any, pinned: Any
-) -> tuple[Any, Any, list[tuple[Levers, Candidate]]]:
-    """Every setting of the levers in order: (the first with a rung that fits: levers, estimates, by
-    candidate, options, the rung; or None), (the cheapest setting's levers, estimates, by, options),
-    and every (levers, rung) in the plan's order (the run-time escalation climbs it)."""
-    found, first, order = None, None, []
+    settings: list[Levers], estimates_for: Any, pinned: Any, seconds: Any
+) -> tuple[Any, Any, list[tuple[Levers, Candidate]], list[tuple[Levers, Candidate, StepTime]]]:
+    """Every setting of the levers, each with the rungs the experiment allows: (the fastest (levers,
+    rung) that fits by its estimated step (speed.py; ties: the cheaper in memory order): levers,
+    estimates, by candidate, options, the rung; or None), (the cheapest setting's levers, estimates,
+    by, options), every (levers, rung) in the memory order (the run-time escalation climbs it), and
+    every (levers, rung, step) that fits, fastest first."""
+    found, first, order, fits = None, None, [], []
     for levers in settings:
         estimates = estimates_for(levers)
         by = {e.candidate: e for e in estimates}
@@ -274,23 +262,37 @@ def _search(
         order += [(levers, c) for c in options]
         if first is None:
             first = (levers, estimates, by, options)
-        chosen = next((c for c in options if by[c].fits), None)
-        if found is None and chosen is not None:
-            found = (levers, estimates, by, options, chosen)
-    return found, first, order
+        for c in options:
+            if by[c].fits:
+                fits.append(
+                    (seconds(levers, c).per_token, len(fits), levers, c, (levers, estimates, by, options, c))
+                )
+    fits.sort(key=lambda x: (x[0], x[1]))
+    if fits:
+        found = fits[0][4]
+    fastest = [(lv, c, seconds(lv, c)) for _, _, lv, c, _ in fits]
+    return found, first, order, fastest
 
 
 def _levers_reason(
-    levers: Levers, settings: list[Levers], estimates_for: Any, pinned: Any, budget: int
+    levers: Levers, settings: list[Levers], estimates_for: Any, pinned: Any, budget: int, fastest: Any = ()
 ) -> str:
-    """Why these levers: none needed, or what the cheaper settings' lowest rung would need."""
+    """Why these levers: none needed, or the fastest setting that fits, and what the cheaper settings'
+    lowest rung would need."""
     fixed = len(settings) == 1
     if levers == settings[0]:
         return "as the experiment sets them" if fixed else "the cheapest setting: a rung fits without more"
     cheapest = {e.candidate: e for e in estimates_for(settings[0])}
     best = min((cheapest[c] for c in _options(cheapest, pinned)), key=lambda e: e.total)
+    seen, others = {fastest[0][1]} if fastest else set(), []
+    for lv, c, t in fastest[1:]:  # the fastest on each other rung
+        if c not in seen and len(others) < 2:
+            seen.add(c)
+            others.append(f"{c.name} with {lv.describe()} {t.seconds:.2f} s")
     return (
-        f"the cheapest setting with which a rung fits; without levers the smallest candidate ({best.candidate.name}) "
+        "the fastest setting that fits"
+        + (f" (est. {fastest[0][2].seconds:.2f} s a step; next: {'; '.join(others)})" if fastest else "")
+        + f"; without levers the smallest candidate ({best.candidate.name}) "
         f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
         f"{format_size(budget)}"
     )
@@ -454,23 +456,6 @@ def _table_for(
 
 
 def describe_plan(plan_: Plan) -> str:
-    mem = f"{format_size(plan_.device_memory)} {plan_.device_type} memory x headroom -> {format_size(plan_.budget)} usable per rank"
-    host = (
-        f"host memory {format_size(plan_.host_memory)} per node"
-        if plan_.host_memory is not None
-        else "host memory not checked (set strategy.host_memory for the target machine)"
-    )
-    snap = plan_.estimate.snapshot
-    if snap:
-        host += (
-            f" (host/node counts the copy an asynchronous save takes, checkpoint.async: {format_size(snap)})"
-        )
-    levers = (
-        f"\nactivation levers: {plan_.levers.describe()} ({plan_.levers_reason})"
-        if plan_.levers_reason
-        else ""
-    )
-    return (
-        f"{plan_.table()}\n\n{mem}; {host}; world size {plan_.world_size} ({plan_.gpus_per_node} per node); "
-        f"precision {plan_.precision}{levers}\ndecision: {plan_.candidate.name}: {plan_.reason}"
-    )
+    from trainer.strategy.planning.tables import describe
+
+    return describe(plan_)
