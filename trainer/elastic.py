@@ -84,6 +84,16 @@ def on_survivors(sup: Any, attempt: int, overrides: list[str]) -> list[str] | No
     from trainer import config
 
     t = config.load(sup.experiment, sup.overrides).train
+    if t.global_batch_size is not None:  # each attempt splits the global batch over its own ranks
+        survivors = sum(n for _, n in alive)
+        if t.global_batch_size % survivors:
+            sup.say(f"--min-nodes: train.global_batch_size {t.global_batch_size} cannot be kept on the {survivors} "
+                    "rank(s) that answer (not a multiple); not continuing on a different batch")  # fmt: skip
+            return None
+        sup.survivors = str(survivors_hostfile(sup.run_dir, alive, attempt))
+        sup.say(f"{len(alive)} of {len(hosts)} nodes answer (lost: {lost}); continuing on {sup.survivors}, the "
+                f"global batch of {t.global_batch_size} kept by train.global_batch_size")  # fmt: skip
+        return rest
     try:
         accum = kept_accumulation(
             sum(n for _, n in hosts), t.grad_accum, sum(n for _, n in alive), t.micro_batch_size
