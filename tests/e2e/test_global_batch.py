@@ -21,7 +21,9 @@ def test_micro_batch_auto_equals_the_global_batch_written_out(tmp_path):
     micro, accum = int(m.group(1)), int(m.group(2))
     assert micro * accum == 8 and "the fastest that fits" in auto.output
     assert f"batch: micro {micro} x world 1 x grad_accum {accum} = 8 sequences" in auto.output
-    hand = train(tmp_path / "hand", {**SETS, "train.micro_batch_size": micro, "train.grad_accum": accum}, debug=False)
+    hand = train(
+        tmp_path / "hand", {**SETS, "train.micro_batch_size": micro, "train.grad_accum": accum}, debug=False
+    )
     assert auto.losses == hand.losses
     other = (1, 8) if micro != 1 else (2, 4)
     split = train(tmp_path / "split", {**SETS, "train.micro_batch_size": other[0], "train.grad_accum": other[1]},
@@ -36,7 +38,9 @@ def test_a_global_batch_sets_the_accumulation_and_refuses_a_contradiction(tmp_pa
     (nothing the user gave is dropped); at grad_accum 4 the split is as written."""
     sets = {**SETS, "train.micro_batch_size": 2, "train.global_batch_size": 8}
     r = train(tmp_path / "no", sets, debug=False, check=False)
-    assert r.returncode == 2 and "train.grad_accum 1 contradicts train.global_batch_size 8" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "train.grad_accum 1 contradicts train.global_batch_size 8" in r.stderr, (
+        r.stderr[-2000:]
+    )
     r = train(tmp_path / "g", {**sets, "train.grad_accum": 4}, debug=False)
     assert "batch: micro 2 x world 1 x grad_accum 4 = 8 sequences" in r.output, r.output[-3000:]
     assert "global batch 8 = micro 2 x 1 data-parallel rank(s) x accumulation 4" in r.output

@@ -162,10 +162,23 @@ def test_the_key_covers_the_code_that_makes_the_tokens(tmp_path):
 
 # trainer modules a cache build runs that do not shape tokens: configuration, errors, files and locks, the
 # cores to use
-NOT_TOKEN_CODE = {"trainer", "trainer.config", "trainer.config.schema", "trainer.config.data_schema",
-                  "trainer.config.fields", "trainer.config.loading", "trainer.config.rules", "trainer.errors",
-                  "trainer.files", "trainer.dist", "trainer.units", "trainer.data", "trainer.data.stream",
-                  "trainer.data.preview", "trainer.data.keys"}  # fmt: skip  (keys: the key itself)
+NOT_TOKEN_CODE = {
+    "trainer",
+    "trainer.config",
+    "trainer.config.schema",
+    "trainer.config.data_schema",
+    "trainer.config.fields",
+    "trainer.config.loading",
+    "trainer.config.rules",
+    "trainer.errors",
+    "trainer.files",
+    "trainer.dist",
+    "trainer.units",
+    "trainer.data",
+    "trainer.data.stream",
+    "trainer.data.preview",
+    "trainer.data.keys",
+}  # fmt: skip  (keys: the key itself)
 
 
 def test_every_module_a_cache_build_runs_is_in_the_key(tmp_path, base):

@@ -37,8 +37,7 @@ def test_an_8b_model_at_32k_tokens_on_8_gpus_fits_with_sequence_parallelism():
     p = plan()
     assert p.levers == Levers(sp=8) and p.candidate.name == "zero2" and p.dp_world == 1
     assert (
-        "the fastest setting that fits" in p.levers_reason
-        and "274.45 GB of activations" in p.levers_reason
+        "the fastest setting that fits" in p.levers_reason and "274.45 GB of activations" in p.levers_reason
     )
     assert "activation levers: sequence parallel 8" in strategy.describe_plan(p)
 

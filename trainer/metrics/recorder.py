@@ -84,6 +84,7 @@ class Metrics:
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step
         self.device = device
+        self.load_peak: int | None = None  # CUDA: the peak before training (the model's load, set-up)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.console = ConsoleSink(max_steps, progress) if is_main else None
@@ -115,6 +116,13 @@ class Metrics:
         in it (the loop run again, as --profile does) is kept."""
         if self.interval.steps == 0:
             self.interval = Interval()
+        if getattr(self.device, "type", None) == "cuda" and self.load_peak is None:
+            # the peak of loading (a quantized base is made from bf16 tensors on the device) and set-up is its
+            # own figure (peak_load_bytes); peak_memory_bytes is training's, which the plan counts
+            import torch
+
+            self.load_peak = int(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     @property
     def wandb_id(self) -> str | None:
@@ -252,6 +260,7 @@ def training_record(
         ),
         "peak_memory_bytes": int(max(r[3] for r in rows)),
         "memory_kind": "device" if getattr(m.device, "type", None) == "cuda" else "host_rss",
+        "peak_load_bytes": m.load_peak,
         "skipped_steps": engine.skipped_steps,
         "elapsed_s": time.perf_counter() - m._t_start,
         "eta_s": (m.max_steps - step) * step_time,

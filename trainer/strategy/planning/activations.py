@@ -42,6 +42,51 @@ def layer_bytes_per_token(info: ModelInfo, lp: int, kernels: str = "none") -> fl
     return (norms + attention + mlp) * lp / 2
 
 
+# an adapted module's input width, by its name (Llama-style projections and GPT-2's); others: the hidden size
+_INPUT = {"down_proj": "intermediate", "c_fc": "hidden", "c_attn": "hidden"}
+
+
+def lora_bytes_per_token(info: ModelInfo, lora: Any, lp: int) -> float:
+    """What LoRA adapters keep for backward per token and layer beyond the layer's own count: each adapter's
+    A-product (r values, for B's gradient) and, with lora.dropout on, its input dropped out. peft's modules
+    (`kernels: peft`) keep a dropped-out copy of the input (lp bytes an element) and its mask (1 byte); the
+    fused branch (trainer/model/lora_kernels.py) keeps the mask alone and recomputes the copy in backward (the
+    input itself the layer's count holds: its projections read it). Without dropout neither keeps a copy
+    (peft's dropout is then the identity). Measured on CPU (tests/dist/test_lora.py's activation census)."""
+    if lora is None or not info.hidden:
+        return 0.0
+    targets = list(lora.target_modules or ([] if not info.intermediate else
+                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) or
+                   ["c_attn", "c_proj", "c_fc"])  # fmt: skip
+    per_element = (
+        0.0 if lora.dropout == 0 else (1.0 if getattr(lora, "kernels", "fused") == "fused" else 1.0 + lp)
+    )
+    # a frozen RMSNorm keeps no normalised value for its weight's gradient (2h of the layer's count, each)
+    total = -2 * 2 * info.hidden * lp / 2 if info.intermediate and not _trains_norms(lora) else 0.0
+    for name in targets:
+        width = info.intermediate if _INPUT.get(name) == "intermediate" and info.intermediate else info.hidden
+        total += width * per_element + lora.r * lp
+    if not info.intermediate and "c_proj" in targets:  # GPT-2's MLP c_proj reads the 4h intermediate
+        total += 3 * info.hidden * per_element
+    return total
+
+
+def _trains_norms(lora: Any) -> bool:
+    return any("norm" in m for m in (getattr(lora, "train_modules", None) or ()))
+
+
+def frozen_input_bytes(info: ModelInfo, lora: Any, lp: int) -> float:
+    """Per token: what the first layer does not keep when the embeddings are frozen (LoRA): its input does not
+    require a gradient, so its first RMSNorm keeps no fp32 copy of it (4h)."""
+    if (
+        lora is None
+        or not info.intermediate
+        or any("emb" in m for m in (getattr(lora, "train_modules", None) or ()))
+    ):
+        return 0.0
+    return 4 * (info.hidden or 0) * lp / 2
+
+
 def activations(
     info: ModelInfo,
     micro_batch: int,
@@ -54,6 +99,7 @@ def activations(
     sp: int = 1,
     tiled_mlp: bool = False,
     offload: bool = False,
+    lora: Any = None,
 ) -> int:
     """Activation bytes per rank: per layer s*b*`layer_bytes_per_token`, plus 5*a*s/h x s*b*h
     attention scores with eager attention; with activation checkpointing the layer inputs (2sbh per
@@ -74,14 +120,15 @@ def activations(
     sequence (`sequence_attention_bytes`);
     the tiled MLP keeps only the MLP's input (2h a token) where the layer kept its intermediates (the
     MLP's share of `layer_bytes_per_token`: 8I or 6I with Liger, GPT's 19h of 34h); `offload` keeps
-    the checkpointed layer inputs on the host (`host_activations`), two layers' of them in flight."""
+    the checkpointed layer inputs on the host (`host_activations`), two layers' of them in flight. `lora`
+    (model.lora): its adapters' share per layer (`lora_bytes_per_token`)."""
     h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
     if not (h and layers):
         return 0
     s, b = seq_len / max(1, sp), micro_batch
     scale = lp / 2
     attn = 5 * (a or 1) * seq_len / h if (info.attn_implementation or "eager") == "eager" else 0
-    per_token = layer_bytes_per_token(info, lp, kernels)
+    per_token = layer_bytes_per_token(info, lp, kernels) + lora_bytes_per_token(info, lora, lp)
     if tiled_mlp:
         per_token -= mlp_bytes_per_token(info, lp, kernels) - 2 * h * scale
     per_layer = s * b * (per_token + h * attn * scale)
@@ -91,7 +138,7 @@ def activations(
         kept = 2 if offload else layers  # the layer inputs on the device: all, or two in flight
         total = 2 * s * b * h * scale * kept + per_layer
     else:
-        total = per_layer * layers
+        total = per_layer * layers - s * b * frozen_input_bytes(info, lora, lp)
     if sp > 1:
         total += sequence_attention_bytes(info, micro_batch, seq_len, lp, sp)
     if v and chunked_loss and kernels == "liger":
@@ -158,4 +205,5 @@ def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any) -> i
     return activations(
         info, rows_per_micro(exp), exp.data.seq_len, lp, levers.checkpointing, levers.chunked_loss,
         m.kernels, compiled=exp.train.compile, sp=levers.sp, tiled_mlp=levers.tiled_mlp, offload=levers.offload,
+        lora=m.lora,
     )  # fmt: skip

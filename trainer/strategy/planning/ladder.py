@@ -291,8 +291,13 @@ def _levers_reason(
             others.append(f"{c.name} with {lv.describe()} {t.seconds:.2f} s")
     return (
         "the fastest setting that fits"
-        + (f" (est. {fastest[0][2].seconds:.2f} s a step" + (f"; next: {'; '.join(others)}" if others else "") + ")"
-           if fastest else "")  # fmt: skip
+        + (
+            f" (est. {fastest[0][2].seconds:.2f} s a step"
+            + (f"; next: {'; '.join(others)}" if others else "")
+            + ")"
+            if fastest
+            else ""
+        )  # fmt: skip
         + f"; without levers the smallest candidate ({best.candidate.name}) "
         f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
         f"{format_size(budget)}"
