@@ -40,10 +40,13 @@
 #          (DeepSpeed's fused wrapper and the unfused one) and stage 2, against the planner's step column.
 # finetune: issue 55's table: a Llama-3-8B with random bf16 weights made on the GPU (bench/finetune.py base),
 #          then configs/experiments/llama3-8b-qlora.yaml at seq 2048, micro 1 x accumulation 4 (8,192 tokens
-#          a step), ours (QLoRA and bf16 LoRA, chat data; QLoRA on text data, at dropout 0, and with the old
-#          attention and peft's adapters: the before of each lever) against the Hugging Face recipe (Trainer +
+#          a step: train.global_batch_size 4; ours at micro_batch_size auto, and at micro 1 as the recipe), ours
+#          (QLoRA and bf16 LoRA, chat data; QLoRA on text data, at dropout 0, and with the old attention and
+#          peft's adapters: the before of each lever) against the Hugging Face recipe (Trainer +
 #          peft + bitsandbytes, bench/finetune.py hf) on the same shape, then a profile of ours; writes
 #          OUT/finetune.json (bench/finetune.py collect) after every run, so a call cut short keeps what ran.
+#          The profile runs one micro batch a step (its 5 traced steps of an 8B at micro 1 x 4 made a trace
+#          whose key_averages outran the call on 2026-11-27).
 #          FT_DEADLINE (s, default 500) skips what would not finish; FT_RUNS picks runs by name.
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry) is installed into /tmp/site first, unless they import already.
@@ -217,6 +220,7 @@ if [[ $what == finetune ]]; then
     # name, then bin/train's --set overrides (ours_*) or bench/finetune.py hf's arguments (hf_*)
     FT_DEFAULT=(
         "ours_qlora|model.activation_checkpointing=true"
+        "ours_qlora_m1|model.activation_checkpointing=true train.micro_batch_size=1"
         "hf_qlora|--quant 4bit"
         "ours_lora|model.lora.quantization=none"
         "hf_lora|--quant none"
@@ -240,7 +244,7 @@ if [[ $what == finetune ]]; then
             sets=(); for kv in $args ${FT_SETS:-}; do sets+=(--set "$kv"); done
             rm -rf /tmp/ft-run
             timeout $((left - 5)) $PY bin/train $FT_EXP --set model.pretrained=$base --set train.max_steps=$steps \
-                --set train.grad_accum=4 --set train.micro_batch_size=1 --set train.log_every=1 --set optim.implementation=torch \
+                --set train.global_batch_size=4 --set train.log_every=1 --set optim.implementation=torch \
                 --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set data.eval_fraction=0 \
                 --set run_dir=/tmp/ft-run --set data.cache_dir=$CACHE --set strategy.headroom=0.9 "${sets[@]}" > "$out/$name.log" 2>&1
             echo "$name: exit $? at $((SECONDS - t_start)) s"
@@ -253,8 +257,8 @@ if [[ $what == finetune ]]; then
     left=$((deadline - (SECONDS - t_start)))
     if (( left > ${FT_PROFILE_LEFT:-60} )) && [[ -z ${FT_NO_PROFILE:-} ]]; then
         rm -rf /tmp/prof
-        timeout $((left - 5)) $PY bin/train $FT_EXP --profile --set model.pretrained=$base --set train.grad_accum=4 \
-            --set train.micro_batch_size=1 --set optim.implementation=torch --set model.activation_checkpointing=true \
+        timeout $((left - 5)) $PY bin/train $FT_EXP --profile --set model.pretrained=$base --set train.global_batch_size=1 \
+            --set optim.implementation=torch --set model.activation_checkpointing=true \
             --set data.eval_fraction=0 --set run_dir=/tmp/prof --set data.cache_dir=$CACHE ${FT_SETS:+$(printf -- '--set %s ' $FT_SETS)} > "$out/profile.log" 2>&1
         echo "profile: exit $?"
         grep -A22 "top operators" "$out/profile.log"

@@ -76,7 +76,9 @@ def model_states(
         optim = 0
         grads = 0 if c.stage == 2 else grads / 2
         if c.offload_params:
-            params = 4 * largest + extra  # the quantization state and the dequantized layer stay on the device
+            params = (
+                4 * largest + extra
+            )  # the quantization state and the dequantized layer stay on the device
             grads = 0
     return int(params), int(grads), int(optim)
 
