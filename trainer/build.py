@@ -307,7 +307,14 @@ def claim_and_agree(
 
         root = checkpoints_dir(exp.run_dir)
         if root.is_dir():  # a save that was killed: its staging directory, a prune's trash (never a rollback)
-            CheckpointDir(root).clean_leftovers(keep="")
+            keep = (
+                resume.found.path.name
+                if resume is not None and resume.found.path.parent.resolve() == root.resolve()
+                else ""
+            )
+            CheckpointDir(root).clean_leftovers(
+                keep=keep
+            )  # (a complete staging directory resumed by path stays)
         if resume is not None:  # a rollback: the newer checkpoints are another line; damaged ones set aside
             forked = fork(
                 root, resume.found, keep=exp.checkpoint.on_rollback == "keep", damaged_tags=resume.skipped

@@ -158,6 +158,9 @@ def test_the_key_covers_the_code_that_makes_the_tokens(tmp_path):
         assert cache.code_digest(copy) != before, f"{name}.py changed and the key did not"
         f.write_bytes(original)
     assert cache.code_digest(copy) == before
+    schema = tmp_path / "data_schema.py"  # the roles and column maps the formats read
+    schema.write_bytes(cache.SCHEMA.read_bytes() + b"\n# changed\n")
+    assert cache.code_digest(copy, schema) != before
 
 
 # trainer modules a cache build runs that do not shape tokens: configuration, errors, files and locks, the
@@ -240,4 +243,4 @@ def test_a_rebuilt_cache_says_why(tmp_path, base):
     finally:
         keys._CODE.clear()
     assert changed.built and changed.cache_path != first.cache_path
-    assert changed.rebuilt.startswith("the code that makes the tokens changed"), changed.rebuilt
+    assert changed.rebuilt == keys.WHY["code"], changed.rebuilt  # that alone: not the files, not the template

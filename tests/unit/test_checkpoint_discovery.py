@@ -124,3 +124,29 @@ def test_differences_are_dotted_paths():
     a = yaml.safe_load("a: {b: 1, c: [1, 2]}\nd: 2")
     b = yaml.safe_load("a: {b: 2, c: [1, 2]}\ne: 3")
     assert ck.differences(a, b) == ["a.b", "d", "e"]
+
+
+def test_latest_is_followed_unless_a_commit_stopped_before_replacing_it(tmp_path):
+    """A plain resume takes what `latest` names, but for the one case a crash makes: a single newer
+    checkpoint whose save began with `latest` naming that one (its `previous`), committed and stopped before
+    `latest` was replaced. A rollback written into `latest` by hand, or a line abandoned before rollbacks
+    were moved aside, is followed (and the newer line left to the resume's rollback handling)."""
+    root = tmp_path / "checkpoints"
+    for step, previous in ((10, None), (20, "step_00000010"), (30, "step_00000020")):
+        d = make(root, step)
+        state = json.loads((d / ck.STATE).read_text())
+        (d / ck.STATE).write_text(json.dumps({**state, "previous": previous}))
+    (root / ck.LATEST).write_text("step_00000020\n")  # the commit of 30 stopped before `latest`
+    found, warnings = ck.latest(root)
+    assert found.step == 30 and not warnings
+    (root / ck.LATEST).write_text("step_00000010\n")  # a rollback to 10 written by hand: 20 and 30 are newer
+    found, warnings = ck.latest(root)
+    assert found.step == 10 and "names step_00000010, older than step_00000020, step_00000030" in warnings[0]
+
+
+def test_auto_never_starts_fresh_over_checkpoints_it_cannot_resume(tmp_path):
+    run = tmp_path / "run"
+    d = make(run / "checkpoints", 10)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"x" * 10)  # truncated: the only checkpoint is damaged
+    with pytest.raises(UserError, match="holds checkpoints but none can be resumed"):
+        ck.resolve_resume(None, "auto", run)

@@ -94,28 +94,32 @@ def state_digest(state: Mapping[str, Any]) -> str:
     return xxhash.xxh3_128(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
-def state_problem(path: Path) -> str | None:
-    """Why `path`/trainer_state.json cannot be trusted (None: it can): missing, not JSON, or not the
-    contents its own digest was taken of (a file damaged in place that still parses)."""
+def load_state(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(trainer_state.json of a checkpoint, None) where it can be trusted, else (None, why): missing, not
+    JSON, or not the contents its own digest was taken of (a file damaged in place that still parses).
+    One read."""
     f = path / STATE
     try:
         state = json.loads(f.read_text())
     except FileNotFoundError:
-        return f"{f} is missing"
+        return None, f"{f} is missing"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"{f} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged or truncated"
+        return None, f"{f} cannot be read ({type(e).__name__}: {str(e)[:80]}): damaged or truncated"
     if not isinstance(state, dict):
-        return f"{f} holds no checkpoint state: damaged"
+        return None, f"{f} holds no checkpoint state: damaged"
     if STATE_DIGEST in state and state[STATE_DIGEST] != state_digest(state):
-        return f"{f} holds other contents than were written (its digest differs)"
-    return None
+        return None, f"{f} holds other contents than were written (its digest differs)"
+    return state, None
+
+
+def state_problem(path: Path) -> str | None:
+    """Why `path`/trainer_state.json cannot be trusted (None: it can)."""
+    return load_state(path)[1]
 
 
 def read_state(path: Path) -> dict[str, Any] | None:
-    """trainer_state.json of a checkpoint, or None where it cannot be trusted (`state_problem`)."""
-    if state_problem(path) is not None:
-        return None
-    return json.loads((path / STATE).read_text())
+    """trainer_state.json of a checkpoint, or None where it cannot be trusted (`load_state`)."""
+    return load_state(path)[0]
 
 
 def verify(path: Path, state: Mapping[str, Any]) -> list[str]:
@@ -166,42 +170,75 @@ def verify_digests(found: Found, rank: int = 0, world: int = 1) -> list[str]:
     return out
 
 
-def complete(root: Path) -> list[Found]:
-    """Complete checkpoints under a checkpoints directory, oldest first (final names only)."""
-    out = []
+def scan(root: Path) -> tuple[list[Found], list[tuple[int, str]]]:
+    """One pass over a checkpoints directory's committed checkpoints (final names): the complete ones,
+    oldest first, and (step, why) of those whose trainer_state.json cannot be trusted (a commit writes it
+    before the rename, so these were damaged after). Each trainer_state.json read once."""
+    found, bad = [], []
     if not root.is_dir():
-        return out
-    for d in root.iterdir():
-        if d.is_dir() and STEP_DIR.match(d.name):
-            state = read_state(d)
-            if state is not None:
-                out.append(Found(d, state))
-    return sorted(out, key=lambda f: f.step)
-
-
-def unreadable(root: Path) -> list[tuple[int, str]]:
-    """(step, why) of the committed checkpoints (final names) whose trainer_state.json cannot be trusted:
-    a commit writes it before the rename, so these were damaged after."""
-    if not root.is_dir():
-        return []
-    out = []
+        return found, bad
     for d in root.iterdir():
         m = STEP_DIR.match(d.name)
         if d.is_dir() and m:
-            why = state_problem(d)
-            if why is not None:
-                out.append((int(m.group(1)), why))
-    return out
+            state, why = load_state(d)
+            if state is not None:
+                found.append(Found(d, state))
+            else:
+                bad.append((int(m.group(1)), why))
+    return sorted(found, key=lambda f: f.step), bad
+
+
+def complete(root: Path) -> list[Found]:
+    """Complete checkpoints under a checkpoints directory, oldest first (final names only)."""
+    return scan(root)[0]
+
+
+def unreadable(root: Path) -> list[tuple[int, str]]:
+    """(step, why) of the committed checkpoints whose trainer_state.json cannot be trusted."""
+    return scan(root)[1]
+
+
+def named_by_latest(root: Path) -> str | None:
+    """What `latest` names (its text, stripped; None when there is none)."""
+    with contextlib.suppress(OSError):
+        return (root / LATEST).read_bytes().decode(errors="replace").strip()
+    return None
 
 
 def latest(root: Path) -> tuple[Found | None, list[str]]:
-    """The newest complete checkpoint that passes verification (whatever `latest` names: see the module's
-    doc), and warnings naming what was skipped and why, newest first."""
+    """The checkpoint a plain resume continues from, and warnings naming what was skipped and why.
+
+    `latest` names it, unless a save was committed and stopped before replacing `latest`: then the one
+    checkpoint newer than what `latest` names, whose save began with `latest` naming that one (its
+    `previous`), is the newest complete and is taken. Newer checkpoints that are not that (a rollback
+    that wrote `latest` by hand, a line abandoned before rollbacks were moved aside) are left for the
+    resume's rollback handling (`fork`, which moves them aside and says so). Without a `latest` that
+    names a complete checkpoint: the newest. Each candidate is verified (`verify`); a damaged one is
+    named and the one before it taken."""
     warnings: list[str] = []
-    skipped = [(step, f"checkpoint {root / tag_for(step)} is damaged ({why}); skipping it")
-               for step, why in unreadable(root)]  # fmt: skip
+    done, bad = scan(root)
+    skipped = [
+        (step, f"checkpoint {root / tag_for(step)} is damaged ({why}); skipping it") for step, why in bad
+    ]
+    named = named_by_latest(root)
+    by_tag = {f.tag: f for f in done}
+    start = done
+    if named is not None and named in by_tag:
+        target = by_tag[named]
+        newer = [f for f in done if f.step > target.step]
+        if len(newer) == 1 and newer[0].state.get("previous") == named:
+            log.info(f"{newer[0].tag} is complete and newer than what {root / LATEST} names ({named}): a save was "
+                     "committed and stopped before `latest` was replaced; resuming from it")  # fmt: skip
+        elif newer:
+            start = [f for f in done if f.step <= target.step]
+            warnings.append(f"{root / LATEST} names {named}, older than {', '.join(f.tag for f in newer)}: resuming "
+                            f"from {named} as `latest` says (the newer ones are another line: see the rollback note)")  # fmt: skip
+    elif named is not None and done:
+        what = "names no checkpoint" if not STEP_DIR.match(named) else "names no complete checkpoint"
+        warnings.append(f"{root / LATEST} is damaged or stale ({named[:40]!r} {what}); it is not needed: resuming "
+                        "from the newest complete checkpoint")  # fmt: skip
     found_ok = None
-    for found in sorted(complete(root), key=lambda f: -f.step):
+    for found in sorted(start, key=lambda f: -f.step):
         problems = verify(found.path, found.state)
         if not problems:
             found_ok = found
@@ -210,17 +247,8 @@ def latest(root: Path) -> tuple[Found | None, list[str]]:
             (found.step, f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); skipping it")
         )
     floor = found_ok.step if found_ok is not None else -1
-    warnings += [w for step, w in sorted(skipped, key=lambda x: -x[0]) if step > floor]
-    named = None
-    with contextlib.suppress(OSError):
-        named = (root / LATEST).read_bytes().decode(errors="replace").strip()
-    if found_ok is not None and named is not None and named != found_ok.tag:
-        if not STEP_DIR.match(named):
-            warnings.append(f"{root / LATEST} is damaged ({named[:40]!r} names no checkpoint); it is not needed: "
-                            f"resuming from the newest complete checkpoint, {found_ok.tag}")  # fmt: skip
-        elif int(named[5:]) < found_ok.step:  # a crash between the commit's rename and `latest`
-            log.info(f"{found_ok.tag} is complete and newer than what {root / LATEST} names ({named}): a save was "
-                     "committed and stopped before `latest` was replaced; resuming from it")  # fmt: skip
+    top = max((f.step for f in start), default=-1) if start is not done else float("inf")
+    warnings[:0] = [w for step, w in sorted(skipped, key=lambda x: -x[0]) if floor < step <= max(top, floor)]
     return found_ok, warnings
 
 
@@ -245,8 +273,16 @@ def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Fou
     if arg is None or arg == "latest":
         found, warnings = latest(root)
         if found is None:
-            if arg is None:  # auto: nothing there yet, start fresh
+            done, bad = scan(root)
+            if arg is None and not done and not bad:  # auto: nothing there yet, start fresh
                 return None, warnings
+            if arg is None:  # auto over checkpoints none of which can be resumed: never start over them
+                raise UserError(
+                    f"checkpoint.resume: auto: {root} holds checkpoints but none can be resumed ("
+                    + " ".join(warnings)[:600]
+                    + "); starting fresh there would prune and mix them. Repair them, resume one with --resume PATH, "
+                    "or choose another run_dir"
+                )
             looked = f"looked in {root.resolve()} for '{LATEST}' and step_* directories"
             raise UserError(
                 f"--resume: nothing to resume: no complete checkpoint ({looked}). " + " ".join(warnings)
@@ -282,17 +318,19 @@ def fork(root: Path, found: Found, keep: bool, damaged_tags: tuple[str, ...] = (
     the first step. Returns what it did, for the banner (None: nothing newer)."""
     import time as _time
 
-    newer = [f for f in complete(root) if f.step > found.step and f.path.resolve() != found.path.resolve()]
+    done, bad = scan(root)
+    newer = [f for f in done if f.step > found.step and f.path.resolve() != found.path.resolve()]
     damaged = [f for f in newer if f.tag in damaged_tags or verify(f.path, f.state)]
     newer = [f for f in newer if f not in damaged]
+    damaged_paths = [f.path for f in damaged] + [root / tag_for(step) for step, _ in bad if step > found.step]
     said = []
-    if damaged:  # passed over as damaged: kept aside for a look, never resumed, not a rollback
+    if damaged_paths:  # passed over as damaged: kept aside for a look, never resumed, not a rollback
         aside = root / "damaged"
         aside.mkdir(parents=True, exist_ok=True)
-        for f in damaged:
-            os.rename(f.path, aside / f"{f.tag}-{_time.strftime('%Y%m%d-%H%M%S')}")
+        for path in damaged_paths:
+            os.rename(path, aside / f"{path.name}-{_time.strftime('%Y%m%d-%H%M%S')}")
         fsync_dir(root)
-        said.append(f"damaged checkpoint(s) {', '.join(f.tag for f in damaged)} moved to {aside}")
+        said.append(f"damaged checkpoint(s) {', '.join(p.name for p in damaged_paths)} moved to {aside}")
     if not newer:
         return "; ".join(said) or None
     names = [f.tag for f in newer]
@@ -360,7 +398,11 @@ class CheckpointDir:
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
                 files[rel], digests[rel], writers[rel] = p.stat().st_size, file_digest(p), 0
-        state = json.loads(json.dumps({**meta, "files": files, "digests": digests, "writers": writers}))
+        # `previous`: what `latest` named as this save was committed (a plain resume tells a commit stopped
+        # before `latest` from a line `latest` was moved off: `latest`)
+        previous = named_by_latest(self.root)
+        state = json.loads(json.dumps({**meta, "files": files, "digests": digests, "writers": writers,
+                                       "previous": previous}))  # fmt: skip
         state[STATE_DIGEST] = state_digest(state)  # of the contents as they read back (keys as strings)
         write_atomic(stage_dir / STATE, json.dumps(state, indent=2) + "\n", durable=True)
 

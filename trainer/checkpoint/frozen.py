@@ -239,7 +239,8 @@ def base_state(ckpt: Path, exp: Any, rec: dict[str, Any]) -> dict[str, Any]:
             for p in module.parameters():
                 if p.is_floating_point():  # (LLM.int8's weights stay int8, as module.to(dtype) keeps them)
                     p.data = p.data.to(dtype)
-    fix = f"Restore the weights at {exp.model.pretrained}, or point {ckpt / 'experiment.yaml'}'s model.pretrained at them"
+    fix = (f"Restore the weights at {exp.model.pretrained}, or give their new place with --set model.pretrained=PATH "
+           "(checked against this digest; the checkpoint's own files are not edited)")  # fmt: skip
     problem = mismatch(ckpt, rec, digest(module, zero3=False), fix)
     if problem:
         raise UserError(problem)

@@ -81,6 +81,10 @@ def check_compatible(found: Found, exp: Experiment) -> list[str]:
         saved = validate(saved, source=str(path)).to_dict()
     diffs = differences(saved, exp.to_dict())
     harmful = [k for k in diffs if not any(k == h or k.startswith(h + ".") for h in HARMLESS)]
+    from trainer.checkpoint import frozen
+
+    if "model.pretrained" in harmful and (frozen.saved(found.state) or {}).get("digest"):
+        harmful.remove("model.pretrained")  # moved weights: the frozen-weights digest checks what loads there
     if harmful:
         a, b = _flatten(saved), _flatten(exp.to_dict())
         raise UserError(

@@ -253,7 +253,7 @@ def _build_cache(
         final,
         write,
         None,
-        {**key, "train_sequences": n_train, "eval_sequences": n_eval, "tokens": tokens},
+        {**key, "key": key, "train_sequences": n_train, "eval_sequences": n_eval, "tokens": tokens},
     )
 
 
@@ -351,7 +351,7 @@ def _build_mixture_cache(
         evals = [_source_rows(section.eval, "data.eval", tok, section, num_proc)[0]]
     all_train = np.concatenate(train)
     all_eval = np.concatenate(evals) if evals else None
-    meta = {**key, "train_sequences": len(all_train), "eval_sequences": len(all_eval) if all_eval is not None else 0,
+    meta = {**key, "key": key, "train_sequences": len(all_train), "eval_sequences": len(all_eval) if all_eval is not None else 0,
             "mixture": mixture}  # fmt: skip
     if stats:
         sums = {f: sum(s[f] for s in stats) for f in ("examples", "kept", "truncated", "dropped_too_long",
@@ -392,6 +392,7 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
         (lambda d: np.save(d / "eval.npy", eval_)) if eval_ is not None else None,
         {
             **key,
+            "key": key,
             "train_sequences": len(train),
             "eval_sequences": len(eval_) if eval_ is not None else 0,
             "finetune": stats,

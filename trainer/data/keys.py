@@ -33,12 +33,27 @@ TOKEN_MODULES = (
 )
 
 
-def code_digest(root: Path | None = None) -> str:
-    """The digest of the source of TOKEN_MODULES (in trainer/data, or `root`)."""
+# beside them: the roles and column maps the formats read (trainer/config/data_schema.py), and the libraries
+# that render and cut the tokens (a chat template's rendering, the offsets the targets are cut by)
+SCHEMA = Path(__file__).parent.parent / "config" / "data_schema.py"
+LIBRARIES = ("transformers", "tokenizers", "jinja2")
+
+
+def code_digest(root: Path | None = None, schema: Path | None = None) -> str:
+    """The digest of the source of TOKEN_MODULES (in trainer/data, or `root`), of the data schema's
+    (SCHEMA, or `schema`), and of LIBRARIES' versions."""
+    import importlib.metadata
+
     root = Path(__file__).parent if root is None else root
     h = hashlib.sha256()
     for name in TOKEN_MODULES:
         h.update(name.encode() + b"\0" + (root / f"{name}.py").read_bytes() + b"\0")
+    h.update((schema or SCHEMA).read_bytes() + b"\0")
+    for lib in LIBRARIES:
+        try:
+            h.update(f"{lib}={importlib.metadata.version(lib)}\0".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{lib}=none\0".encode())
     return h.hexdigest()[:20]
 
 
@@ -108,6 +123,7 @@ def rebuilt_why(root: Path, key: dict[str, Any], digest: str) -> str | None:
         return json.dumps([sorted(f[0] for f in r["files"]) if (r or {}).get("files") else (r or {}).get("hub")
                            for r in rows])  # fmt: skip
 
+    key = json.loads(json.dumps(key))  # as meta.json holds it (tuples as lists)
     mine, best = paths(key), None
     for meta in root.glob("*/meta.json"):
         if meta.parent.name == digest:
@@ -120,6 +136,8 @@ def rebuilt_why(root: Path, key: dict[str, Any], digest: str) -> str | None:
             best = (meta.stat().st_mtime, old)
     if best is None:
         return None
-    old = best[1]
-    differ = [WHY[k] for k in WHY if old.get(k) != key.get(k)]
+    old = best[1].get("key", best[1])  # the key as stored (older caches: the meta, whose finetune is stats)
+    differ = [
+        WHY[k] for k in WHY if old.get(k) != key.get(k) and not (k == "finetune" and "key" not in best[1])
+    ]
     return "; ".join(differ) or "its key changed"
