@@ -61,6 +61,7 @@ class Utilisation:
         import torch
 
         self.samples: list[float] = []
+        self.error: str | None = None
         self.on = False
         self.stop = False
         self.read = lambda: torch.cuda.utilization() if torch.cuda.is_available() else None
@@ -73,7 +74,8 @@ class Utilisation:
             if self.on:
                 try:
                     u = self.read()
-                except Exception:  # noqa: BLE001 (no NVML: no figure)
+                except Exception as e:  # noqa: BLE001 (no NVML: no figure, and why)
+                    self.error = f"{type(e).__name__}: {e}"
                     return
                 if u is None:
                     return
@@ -160,7 +162,7 @@ def hf(name: str, base: str, quant: str, steps: int, out: str, dropout: float) -
     tokens = MICRO * ACCUM * SEQ
     result = {
         "name": name, "side": "hf", "quant": quant, "dropout": dropout, "steps": len(step), "step_times_s": step,
-        "step_s": step_s, "tokens_per_s": tokens / step_s, "tokens_per_step": tokens, "gpu_utilisation": util.mean(),
+        "step_s": step_s, "tokens_per_s": tokens / step_s, "tokens_per_step": tokens, "gpu_utilisation": util.mean(), "gpu_utilisation_error": util.error,
         "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None, "plan_bytes": None, "load_s": loaded,
         "levers": "Trainer: gradient checkpointing, sdpa (torch's choice of kernel), adamw_torch, bf16"
         + (", prepare_model_for_kbit_training" if quant == "4bit" else ""),
