@@ -57,7 +57,7 @@ CASES = {
     ),
     "negative batch": (
         lambda t: tiny(t, "train.micro_batch_size=-4"),
-        ["train.micro_batch_size", "greater than or equal to 1"],
+        ["train.micro_batch_size", "must be auto or a number of sequences >= 1"],
     ),
     "stage 5": (lambda t: tiny(t, "strategy.zero_stage=5"), ["strategy.zero_stage", "auto, 0, 1, 2, 3"]),
     "sequence parallel over more ranks than run": (

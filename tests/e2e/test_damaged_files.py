@@ -1,6 +1,6 @@
 """Every damaged file of a checkpoint (issue 54): each file a checkpoint holds, damaged in place at the same
 size and also truncated. A plain `--resume` falls back to the previous complete checkpoint naming the file;
-`--resume PATH` stops with exit 2 naming it. The digests are checked before anything else of the
+`--resume PATH` stops with exit 2 naming it (checked on the damage in place, the harder to see). The digests are checked before anything else of the
 checkpoint is read: a damaged experiment.yaml stopped a resume with a user error before the digest check
 could fall back (finding 3), and a trainer_state.json damaged in place that still parsed was trusted.
 
@@ -61,9 +61,10 @@ def test_a_damaged_file_is_named_and_the_previous_checkpoint_resumed(trained, tm
     shutil.copytree(trained, run_dir)
     step4 = run_dir / "checkpoints" / "step_00000004"
     damage(step4 / name, how)
-    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 5}, "--resume", step4)
-    assert code == 2 and "Traceback" not in out, out[-3000:]
-    assert f"--resume {step4}" in out and str(step4 / name) in out, out[-3000:]
+    if how == "in place":  # the explicit resume stops at the check, before training: once a file is enough
+        code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 5}, "--resume", step4)
+        assert code == 2 and "Traceback" not in out, out[-3000:]
+        assert f"--resume {step4}" in out and str(step4 / name) in out, out[-3000:]
     code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 5}, "--resume")
     assert code == 0, out[-3000:]
     assert str(step4 / name) in out and "damaged" in out, out[-3000:]

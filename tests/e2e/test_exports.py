@@ -6,7 +6,8 @@ Quantization settings are carried only where the weights are quantized: a merged
 dequantized weights, and its config.json no quantization_config (finding 6: the base's was copied, and
 from_pretrained built 4-bit layers around plain weights, which failed at the first forward).
 
-Every run is short (2 steps); the exports load together in one fresh process."""
+Every run is short (1 step); bin/export's main runs for each in one process, and the exports load together
+in another, fresh one."""
 
 import json
 import subprocess
@@ -19,7 +20,7 @@ from helpers import FAST, QLORA, ROOT, env_for, qlora_base, train
 pytestmark = pytest.mark.e2e
 
 BASE = {**FAST, "model.config.n_layer": 1, "data.eval_fraction": 0, "train.micro_batch_size": 2, "data.seq_len": 64,
-        "train.max_steps": 2, "checkpoint.every_steps": 0, "checkpoint.save_final": True, "optim.lr": 1e-2,
+        "train.max_steps": 1, "checkpoint.every_steps": 0, "checkpoint.save_final": True, "optim.lr": 1e-2,
         "optim.warmup_steps": 0}  # fmt: skip
 FP32 = {"train.precision": "fp32"}
 PRETRAINED = {"model.config": None, "model.chunked_loss": False}
@@ -79,13 +80,18 @@ def bases(tmp_path_factory):
 def exported(tmp_path_factory, bases):
     out = {}
     root = tmp_path_factory.mktemp("exports")
+    runs = {}
     for kind, (sets, _) in KINDS.items():
         name = kind.replace(" ", "_")
-        r = train(root / name, {**BASE, **sets(bases)})
-        p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(r.run_dir), str(root / f"{name}-hf")],
-                           cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=600)  # fmt: skip
-        assert p.returncode == 0, f"{kind}: {p.stderr[-3000:]}"
-        out[kind] = (root / f"{name}-hf", r.debug_dir / "probe.pt")
+        runs[kind] = train(root / name, {**BASE, **sets(bases)})
+        out[kind] = (root / f"{name}-hf", runs[kind].debug_dir / "probe.pt")
+    # bin/export's main for each, in one process (its start-up once)
+    script = "import sys\nfrom trainer.checkpoint.export import main\nfor a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n" \
+             "    assert main([a, b]) == 0, a\n"  # fmt: skip
+    args = [str(x) for kind in KINDS for x in (runs[kind].run_dir, out[kind][0])]
+    p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
     # every export loaded in one fresh process, as a user's script would
     script = (
         "import json, sys, torch\nfrom transformers import AutoModelForCausalLM\nres = {}\n"

@@ -106,23 +106,14 @@ class Metrics:
 
     def add_sink(self, sink: Any) -> None:
         """Another destination for the records (rank 0), e.g. a started wandb run."""
-        if self.is_main:
-            self.sinks.append(sink)
+        self.sinks += [sink] if self.is_main else []
 
     def start(self) -> None:
-        """The training loop starts: the first interval's clock starts here, not when the metrics were
-        built, so that the first logged step time, tokens/s and MFU count training only (not the
-        reference's log-probs of DPO, a resume's load or the set-up between). An interval with steps
-        in it (the loop run again, as --profile does) is kept."""
-        if self.interval.steps == 0:
-            self.interval = Interval()
-        if getattr(self.device, "type", None) == "cuda" and self.load_peak is None:
-            # the peak of loading (a quantized base is made from bf16 tensors on the device) and set-up is its
-            # own figure (peak_load_bytes); peak_memory_bytes is training's, which the plan counts
-            import torch
-
-            self.load_peak = int(torch.cuda.max_memory_allocated(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
+        """The training loop starts: the first interval's clock (training only, not the reference's
+        log-probs of DPO, a resume's load or the set-up), and on CUDA the load's peak (`load_peak`). An
+        interval with steps in it (the loop run again, as --profile does) is kept."""
+        self.interval = self.interval if self.interval.steps else Interval()
+        self.load_peak = load_peak(self.device) if self.load_peak is None else self.load_peak
 
     @property
     def wandb_id(self) -> str | None:
@@ -271,6 +262,19 @@ def training_record(
         **m.tags,
     }
     return rec
+
+
+def load_peak(device: Any) -> int | None:
+    """CUDA: the peak so far (loading -- a quantized base is made from 16-bit tensors on the device -- and
+    set-up), its own figure (peak_load_bytes); the statistics are then reset, so that peak_memory_bytes is
+    training's, which the plan counts. None on CPU (the peak RSS cannot be reset)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    peak = int(torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def gpu_watch(device: Any) -> UtilisationWatch | None:

@@ -267,6 +267,14 @@ def _search(
                 fits.append(
                     (seconds(levers, c).per_token, len(fits), levers, c, (levers, estimates, by, options, c))
                 )
+    # sequence parallelism shrinks the data-parallel world, and with it the sequences a step trains: its degree
+    # is the memory order's (the first setting that fits), never a choice of speed that changes the batch
+    if fits:
+        first_fit = min(fits, key=lambda x: x[1])
+        fits = [x for x in fits if x[2].sp == first_fit[2].sp]
+    # and offload comes last (the escalation rules): only when nothing on the devices alone fits
+    if any(x[3].offload == "none" for x in fits):
+        fits = [x for x in fits if x[3].offload == "none"]
     fits.sort(key=lambda x: (x[0], x[1]))
     if fits:
         found = fits[0][4]

@@ -18,7 +18,7 @@ all-to-alls. Per micro step, over its tokens (rows x seq_len / sp on each rank):
   parameter tensor in each pass (`Machine.zero3_tensor_s`, DeepSpeed's hooks: QLoRA of an 8B pinned to
   ZeRO-3 on one H200 took 9.6 s a step against ZeRO-0's 2.8, ~0.8 ms a tensor a pass);
 - ZeRO-3's gathers: the stored parameters (packed where quantized) in each pass, (dp - 1) / dp of them
-  over the ranks' link; with the parameters offloaded, all of them over the host link instead;
+  over the ranks' link; with the parameters offloaded, each rank's partition over the host link first;
 - sequence parallelism: four all-to-alls of the layer's activations a layer and pass;
 - activations offloaded: each checkpointed layer input to the host and back.
 
@@ -162,9 +162,9 @@ def step_time(
     transfers = 0.0
     if c.stage == 3:
         host += tensors * gather_passes * m.zero3_tensor_s
-        if c.offload != "none" and c.offload_params:
-            transfers += stored * gather_passes / m.host_link
-        elif dp > 1:
+        if c.offload != "none" and c.offload_params:  # to the device from the host, then gathered as ever
+            transfers += stored / dp * gather_passes / m.host_link
+        if dp > 1:
             transfers += stored * gather_passes * (dp - 1) / dp / link
     if sp > 1:
         transfers += 4 * tokens * h * lp * layers * gather_passes * (sp - 1) / sp / link
