@@ -116,6 +116,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 WALL_S = {
+    "tests/e2e/test_crash_points.py": 75,  # estimates (one process each, 2 cores shared)
+    "tests/e2e/test_damaged_files.py": 65,
+    "tests/e2e/test_exports.py": 90,
+    "tests/e2e/test_lora_memory.py": 22,
+    "tests/e2e/test_global_batch.py": 16,
+    "tests/unit/test_plan_speed.py": 12,
     "tests/e2e/test_real_templates_train.py": 110,  # 295 before its tests took the tiled loss
     "tests/dist/test_lora.py": 235,
     "tests/dist/test_durability.py": 90,  # added after that run (estimates)

@@ -45,8 +45,17 @@ def trained(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("point", list(POINTS))
+# the files are written by the training thread (sync) or a writer thread (async); the commit (manifest,
+# rename, `latest`, pruning) runs on the training thread in both modes, so its points are killed once
+CASES = [
+    (p, m)
+    for p in POINTS
+    for m in ("sync", "async")
+    if m == "sync" or POINTS[p][0].startswith(("killfile", "killcommit"))
+]
+
+
+@pytest.mark.parametrize("point,mode", CASES)
 def test_a_crash_at_every_point_of_a_save_resumes_from_the_newest_complete(trained, tmp_path, point, mode):
     fault, expected = POINTS[point]
     run_dir = tmp_path / "run"
