@@ -58,6 +58,13 @@ def data_lines(run: Run) -> list[str]:
         )
     if not data.finetune:
         return lines
+    if data.finetune.get("kind") == "prompt":
+        f = data.finetune
+        lines.append(f"prompts: {f['kept']:,} of {f['examples']:,} rows ({f['dropped_too_long']:,} longer than data.seq_len "
+                     f"dropped), the longest {f['longest_prompt']} tokens; "
+                     + ("chat messages rendered with the template's generation prompt" if f["chat"] else "strings")
+                     + "; every other column goes to the reward functions")  # fmt: skip
+        return lines
     from trainer.data.examples import describe, describe_template
 
     lines.append(describe(data.finetune))

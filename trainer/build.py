@@ -189,7 +189,7 @@ def build(
     stream, evaluator = data_for_rank(exp, runtime, data, one_off, planned)
     state = TrainState()
     mets = make_metrics(exp, runtime, planned, engine, hosts, max_steps or exp.train.max_steps)
-    objective_notes = prepare_objective(exp, env, engine, data, mets)
+    objective_notes = prepare_objective(exp, env, engine, data, mets, stream)
     if engine.experts is not None:  # the router's expert load, per layer, over every rank
         objective_reduced = mets.reduced
         mets.reduced = lambda: {**(objective_reduced() if objective_reduced else {}),
@@ -232,13 +232,19 @@ def build(
     return run
 
 
-def prepare_objective(exp: Experiment, env: Any, engine: Any, data: Any, mets: Any) -> list[str]:
+def prepare_objective(
+    exp: Experiment, env: Any, engine: Any, data: Any, mets: Any, stream: Any = None
+) -> list[str]:
     """A preference objective: the reference's log-probs (before a checkpoint is loaded: computed by
     the model as training starts, or read from the cache) and its metrics; the banner's lines."""
     objective = engine.objective
     if objective is None:
         return []
     mets.reduced = lambda: objective.flush(env.world_size)
+    if exp.train.objective == "grpo":
+        from trainer.rl import prepare
+
+        return prepare(exp, env, engine, data, stream)
     lines = [f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward; "
              + ("dropout off (train.preference.disable_dropout, as TRL: the reference is computed without it)"
                 if exp.train.preference.disable_dropout else "the model's dropout kept (train.preference."
@@ -395,6 +401,12 @@ def data_for_rank(
         # that few shapes are compiled (CUDA graphs record one per shape); 0: seq_len wide
         "width_multiple": 0 if fixed else WIDTH_MULTIPLE_COMPILED if t.compile else 1,
     }
+    if t.objective == "grpo":  # prompts, generated and scored each step (trainer/rl/rollout.py); no eval loss
+        from trainer.rl.rollout import RolloutStream
+
+        stream = RolloutStream(data, exp.data, t.rl, rank=env.rank, world=env.world_size, micro=t.micro_batch_size,
+                               accum=t.grad_accum, seed=exp.seed, seq_len=exp.data.seq_len, tokenizer=data.tokenizer)  # fmt: skip
+        return stream, Evaluator(None, 0, env.world_size, None)
     stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, accum=t.grad_accum, **where)
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
     asked = eval_prompts(exp, data)

@@ -47,7 +47,7 @@ def trl_loss(loss_type, logps, mask, old, ref, adv, beta, eps, eps_high, delta, 
     fake = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        args=types.SimpleNamespace(delta=delta, use_bias_correction_kl=False), loss_type=loss_type,
+        args=types.SimpleNamespace(delta=delta, use_bias_correction_kl=False, steps_per_generation=1), loss_type=loss_type,
         epsilon_low=eps, epsilon_high=eps_high, use_vllm=False, vllm_importance_sampling_correction=False,
         max_completion_length=max_len, current_gradient_accumulation_steps=1, accelerator=acc,
         model=types.SimpleNamespace(training=True), _entropy_bonus_enabled=False, aux_loss_enabled=False,
@@ -115,7 +115,7 @@ def test_at_one_iteration_the_ratio_is_one_and_the_gradient_the_policy_gradient(
     s = grpo.Settings(loss_type="dapo")
     logits, logps, mask, _, _, adv = batch()
     loss = grpo.micro_loss(logps, logps.detach(), None, adv, mask, s, float(mask.sum()))
-    (g,) = torch.autograd.grad(loss, logits)
+    (g,) = torch.autograd.grad(loss, logits, retain_graph=True)
     expected = -(adv.unsqueeze(1) * mask)  # d/dlogp of -A r with r = exp(logp - logp.detach()) = 1
     (g_pg,) = torch.autograd.grad((expected * logps).sum() / mask.sum(), logits)
     assert torch.allclose(g, g_pg, rtol=1e-12, atol=1e-15)

@@ -39,15 +39,18 @@ class DataSource(Section):
         "auto", description="file format; auto = from the file extension"
     )
     text_field: str = Field("text", description="column holding the text (json/parquet/hub)")
-    kind: choice("text", "prompt_completion", "chat", "preference") = Field(
+    kind: choice("text", "prompt_completion", "chat", "preference", "prompt") = Field(
         "text",
         description="what a row holds: text (documents packed end to end, every token trained), "
         "prompt_completion (prompt_field + completion_field, the loss on the completion), chat "
         "(messages_field, OpenAI-style messages passed to the chat template as they are: the loss on assistant "
-        "turns) or preference (prompt_field + chosen_field + rejected_field, for train.objective dpo, ipo, "
-        "simpo, orpo); see docs/fine-tuning.md",
+        "turns), preference (prompt_field + chosen_field + rejected_field, for train.objective dpo, ipo, "
+        "simpo, orpo; docs/fine-tuning.md) or prompt (prompt_field: a string, or chat messages rendered with the "
+        "generation prompt; every other column goes to the reward functions; train.objective grpo, docs/rl.md)",
     )
-    prompt_field: str = Field("prompt", description="kind prompt_completion: the prompt's column")
+    prompt_field: str = Field(
+        "prompt", description="kinds prompt_completion, preference, prompt: the prompt's column"
+    )
     completion_field: str = Field("completion", description="kind prompt_completion: the completion's column")
     chosen_field: str = Field(
         "chosen",

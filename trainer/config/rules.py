@@ -294,6 +294,13 @@ def _objective(exp: Experiment) -> list[tuple[str, str]]:
     """Preference data and the preference objectives go together, and with what they are verified with."""
     t, d = exp.train, exp.data
     kinds = {s.kind for _, s in d.sources} | ({d.eval.kind} if d.eval is not None else set())
+    if t.objective == "grpo":
+        from trainer.config.rl_schema import rl_problems
+
+        return rl_problems(exp)
+    if "prompt" in kinds:
+        return [("data.train.kind", f"prompt data (prompts alone, no responses) trains only by generating: set "
+                 f"train.objective: grpo (train.rl), not {t.objective}")]  # fmt: skip
     if t.objective == "sft":
         if "preference" in kinds:
             return [("train.objective", "sft trains on one response, and the data is of kind preference (chosen "

@@ -22,6 +22,7 @@ from trainer.config.fields import (
     choice,
     thaw,
 )
+from trainer.config.rl_schema import RLSection
 from trainer.optimizers import OPTIMIZERS
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "deepspeed"
@@ -216,11 +217,15 @@ class PreferenceSection(Section):
 class TrainSection(Section):
     """Batch, length and precision of training."""
 
-    objective: choice("sft", "dpo", "ipo", "simpo", "orpo") = Field(
+    objective: choice("sft", "dpo", "ipo", "simpo", "orpo", "grpo") = Field(
         "sft",
         description="sft = next-token loss on the targets; dpo, ipo (against the reference: the model as "
         "training starts, its log-probs computed once) and simpo, orpo (reference-free) train on data of kind "
-        "preference; see docs/fine-tuning.md",
+        "preference (docs/fine-tuning.md); grpo generates completions of prompts (data of kind prompt) and "
+        "trains on their rewards (train.rl, docs/rl.md)",
+    )
+    rl: RLSection = Field(
+        default_factory=RLSection, description="train.objective grpo's settings (docs/rl.md)"
     )
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection, description="the preference objectives' settings"

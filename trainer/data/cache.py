@@ -26,6 +26,7 @@ import numpy as np
 from trainer.config import DataSection
 from trainer.data.keys import cache_key, rebuilt_why
 from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
+from trainer.data.prompts import read_columns
 from trainer.data.sources import _where, load_raw
 from trainer.data.tokenizer import load_tokenizer
 from trainer.errors import UserError
@@ -54,6 +55,9 @@ class Data:
     )
     tokens: int | None = None  # real tokens in train and eval (not padding), where the cache knows
     packing: str | None = None  # packed fine-tuning rows: why this model family may pack (the check's words)
+    columns: list[dict[str, Any]] | None = (
+        None  # prompt data: each row's other columns (the reward functions')
+    )
 
     @property
     def supervised(self) -> bool:
@@ -124,6 +128,7 @@ def build(
         mixture=meta.get("mixture"),
         tokens=meta.get("tokens", (meta.get("finetune") or {}).get("tokens")),
         targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
+        columns=read_columns(final),
         lengths=_lengths(final, train),
     )
 
@@ -218,6 +223,18 @@ def _build_cache(
         raise UserError(
             f"data.train: the dataset is empty (0 rows in {_where(section.train)}); point it at data"
         )
+    if section.kind == "prompt":  # train.objective grpo: the prompts, and the columns for the rewards
+        from trainer.data.prompts import build_prompts, write_columns
+
+        prompts, columns, stats = build_prompts(raw, tok, section)
+        meta = {**key, "key": key, "train_sequences": len(prompts), "eval_sequences": 0, "finetune": stats}
+
+        def write(d: Path) -> None:
+            np.save(d / "train.npy", prompts)
+            write_columns(d, columns)
+
+        _publish(final, write, None, meta)
+        return
     if section.kind != "text" or section.separate_documents:
         _build_finetune_cache(section, tok, key, final, raw)
         return

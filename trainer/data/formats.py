@@ -49,6 +49,8 @@ def required_columns(src: DataSource) -> list[tuple[str, str]]:
     """(the setting that names it, the column) for each column a row must have."""
     if src.kind == "text":
         return [("text_field", src.text_field)]
+    if src.kind == "prompt":
+        return [("prompt_field", src.prompt_field)]
     if src.kind == "prompt_completion":
         return [("prompt_field", src.prompt_field), ("completion_field", src.completion_field)]
     if src.kind == "preference":  # the prompt may be implicit (whole conversations: preference.py)
@@ -136,6 +138,8 @@ def conversation(row: Mapping[str, Any], src: DataSource, where: Any) -> tuple[A
     """A row of a chat source (or a conversational prompt/completion one) -> (messages, tools,
     completion_from): the messages in the chat kind's own form, before they are checked."""
     tools = row.get(src.tools_field)
+    if src.kind == "prompt":
+        return [("prompt_field", src.prompt_field)]
     if src.kind == "prompt_completion":
         prompt, completion = row[src.prompt_field], row[src.completion_field]
         if not (isinstance(prompt, list) and isinstance(completion, list)):

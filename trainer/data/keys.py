@@ -27,6 +27,7 @@ TOKEN_MODULES = (
     "formats",
     "pack",
     "preference",
+    "prompts",
     "sources",
     "templates",
     "tokenizer",

@@ -8,7 +8,9 @@
 - `reference_based.py`: DPO (with label smoothing) and IPO, against the reference's log-probs;
 - `reference_free.py`: SimPO and ORPO;
 - `reference.py`: the reference's log-probs, computed once before training from the model as it
-  starts (with LoRA: the base, the adapters adding nothing yet) and cached with the data.
+  starts (with LoRA: the base, the adapters adding nothing yet) and cached with the data;
+- `grpo.py`: GRPO and its relatives (train.objective: grpo): the advantages of a step's completions and
+  the clipped policy loss (generation and rewards: trainer/rl/).
 
 `make(exp)` gives the objective of train.objective (None for sft: the model's own loss).
 """
@@ -20,10 +22,15 @@ from typing import Any
 from trainer.objectives.pairs import PairObjective
 
 
-def make(exp: Any) -> PairObjective | None:
+def make(exp: Any) -> Any:
     """train.objective's objective, or None for sft."""
     from trainer.objectives.reference_based import DPO, IPO
     from trainer.objectives.reference_free import ORPO, SimPO
+
+    if exp.train.objective == "grpo":
+        from trainer.objectives.grpo import GRPO
+
+        return GRPO(exp.train.rl, 1, exp.train.grad_accum)  # its world is set when the run is prepared
 
     kinds = {"dpo": DPO, "ipo": IPO, "simpo": SimPO, "orpo": ORPO}
     name = exp.train.objective

@@ -1,139 +1,79 @@
-"""GRPO and its relatives (train.objective: grpo; train.rl): the advantages of a step's completions and the
-clipped policy loss of a micro batch, written out as TRL's GRPOTrainer computes them, with normalisers that
-do not depend on how the step is split.
-
-Advantages (`advantages`): each completion's reward is the weighted sum of its reward functions' values
-(None counts as missing: NaN in the mean; a completion every function left None gets advantage 0); minus
-its group's mean (G completions of one prompt); over the group's standard deviation (`scale_rewards:
-group`), the whole batch's (`batch`, over every rank's completions of the step), or not scaled (`none`);
-+1e-4 in the denominator, as TRL.
-
-The loss of a token t of completion i (ratio r = exp(logp - old_logp), the old log-probs those of the
-policy that generated: the current ones, detached, at num_iterations 1, so r = 1 exactly):
-
-    l = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)   (r capped at delta first, when set)
-        + beta (exp(ref - logp) - (ref - logp) - 1)             (beta > 0: the k3 estimate of the KL)
-
-summed over the completion's tokens (mask: its tokens; with mask_truncated_completions a completion that
-did not end is out of both the sum and the normaliser) and normalised over the step:
-
-| loss_type | the step's loss | its normaliser |
-|---|---|---|
-| grpo | mean over completions of each one's token mean | completions of the step |
-| dapo | sum over every token of the step | tokens of the step |
-| dr_grpo | sum over every token | completions x max_new_tokens |
-| bnpo | each micro batch's token mean, averaged (TRL's: the only one that depends on the split) | tokens of the micro batch |
-
-A micro batch's loss is its share of the step's sum over the step's normaliser times ranks x micro steps,
-so that DeepSpeed's mean over micro steps and ranks gives the step's loss, however the step is split
-(1 rank x 4 micro steps = 2 x 2 = 4 x 1). For one micro batch on one rank every type equals TRL's
-`_compute_loss` (tests/unit/test_grpo.py, fp64).
-"""
+"""train.objective: grpo -- GRPO and its relatives (train.rl; docs/rl.md): the objective of a run. The math
+(advantages, the clipped loss and its normalisers: grpo_loss.py), a step's rollouts as micro batches
+(grpo_batches.py) and the metrics (grpo_metrics.py) are its own modules; generation and the rewards are
+trainer/rl/."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from trainer.objectives.grpo_loss import (  # noqa: F401 (the math, re-exported)
+    LOSS_TYPES,
+    STATS,
+    Settings,
+    advantages,
+    combined,
+    micro_loss,
+    nanstd,
+    step_normaliser,
+    token_logps,
+    token_losses,
+)
 
 
-def nanstd(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
-    """Standard deviation ignoring NaNs, with Bessel's correction (TRL's nanstd)."""
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
-    out = torch.sqrt(var * count / (count - 1))
-    return out if keepdim or dim is None else out.squeeze(dim)
+class GRPO:
+    """train.objective: grpo (train.rl): the loss of a micro batch of rollouts; the step's rollouts
+    (trainer/rl/batches.py) and the metrics (trainer/rl/metrics.py) are built beside it. See the module's doc."""
 
+    name = "grpo"
+    needs_reference = False
 
-def combined(per_function: Any, weights: Any) -> Any:
-    """Each completion's reward: the weighted sum of its functions' values (NaN for None), NaN where every
-    function gave None. per_function: (completions, functions)."""
-    rewards = (per_function * weights.to(per_function).unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(per_function).all(dim=1)] = float("nan")
-    return rewards
+    def __init__(self, rl: Any, world: int, accum: int) -> None:
+        from trainer.objectives.grpo_metrics import RLMetrics
 
+        self.rl, self.world, self.accum = rl, world, accum
+        self.s = Settings(loss_type=rl.loss_type, beta=rl.beta, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high,
+                          delta=rl.delta, max_new_tokens=rl.max_new_tokens)  # fmt: skip
+        self.engine: Any = None
+        self.metrics = RLMetrics(rl)
 
-def advantages(rewards: Any, group: int, scale: str) -> tuple[Any, Any]:
-    """(advantage of each completion, whether its scale's std is zero), completions in groups of `group`
-    consecutive ones; rewards NaN where unscorable (their advantage 0)."""
-    mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group)
-    if scale in ("group", "none"):
-        std = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group) if group > 1 else torch.zeros_like(rewards)
-    elif scale == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    else:
-        raise ValueError(f"scale_rewards: {scale}")
-    adv = rewards - mean
-    if scale != "none":
-        adv = adv / (std + 1e-4)
-    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+    @property
+    def device(self) -> Any:
+        return self.metrics.device
 
+    @device.setter
+    def device(self, value: Any) -> None:
+        self.metrics.device = value
 
-@dataclass(frozen=True)
-class Settings:
-    """What the loss reads of train.rl."""
+    def describe(self) -> str:
+        r = self.rl
+        clip = f"epsilon {r.epsilon:g}" + (f"/{r.epsilon_high:g}" if r.epsilon_high is not None else "")
+        return (f"grpo ({r.loss_type}, {r.num_generations} completions a prompt, rewards scaled by {r.scale_rewards}, "
+                f"{clip}, beta {r.beta:g}{', no reference' if r.beta == 0 else ''}, num_iterations {r.num_iterations})")  # fmt: skip
 
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
-    max_new_tokens: int = 256
+    def rollouts(self, stream: Any, scored: Any) -> list[Any]:
+        from trainer.objectives.grpo_batches import rollouts
 
+        return rollouts(self, stream, scored)
 
-@dataclass
-class Stats:
-    """Sums of a micro batch's loss terms for the metrics (tokens counted: the mask's)."""
+    def loss(self, ds: Any, batch: Any) -> Any:
+        """A micro batch's share of the step's loss (micro_loss), its clip, KL and entropy counted."""
+        logps, ent = token_logps(ds, batch.rows, self.rl.temperature, entropy=True)
+        mask = (batch.rows[:, 1, 1:] != -100).to(logps.dtype) * batch.counts.to(logps.dtype).unsqueeze(1)
+        adv = batch.advantages.to(logps.dtype)
+        old = batch.old.to(logps) if batch.old is not None else logps.detach()
+        ref = batch.ref.to(logps) if batch.ref is not None else None
+        loss = micro_loss(logps, old, ref, adv, mask, self.s, batch.normaliser)
+        with torch.no_grad():
+            _, low, high, region = token_losses(logps, old, ref, adv, self.s)
+            kl = (torch.exp(ref - logps) - (ref - logps) - 1) if ref is not None else torch.zeros_like(logps)
+            self.metrics.count_loss(mask, low, high, region, kl, ent)
+        return loss
 
-    tokens: float = 0.0
-    clipped_low: float = 0.0
-    clipped_high: float = 0.0
-    clipped: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
+    def count_generation(self, scored: Any, rewards: list[Any]) -> None:
+        self.metrics.count_generation(scored, rewards)
 
-
-def token_losses(
-    logps: Any, old: Any, ref: Any, adv: Any, s: Settings
-) -> tuple[Any, Any, Any, Any]:
-    """Per-token loss (rows, tokens), and the low, high and region clip indicators (as TRL logs them)."""
-    ratio = torch.exp(logps - old)
-    low, high = 1 - s.epsilon, 1 + (s.epsilon if s.epsilon_high is None else s.epsilon_high)
-    clipped_ratio = torch.clamp(ratio, low, high)
-    capped = torch.clamp(ratio, max=s.delta) if s.delta is not None else ratio
-    a = adv.unsqueeze(1) if adv.dim() == 1 else adv
-    loss = -torch.min(capped * a, clipped_ratio * a)
-    if s.beta != 0.0:
-        loss = loss + s.beta * (torch.exp(ref - logps) - (ref - logps) - 1)
-    is_low = (ratio < low) & (a < 0)
-    is_high = (ratio > high) & (a > 0)
-    return loss, is_low, is_high, is_low | is_high
-
-
-def micro_loss(
-    logps: Any, old: Any, ref: Any, adv: Any, mask: Any, s: Settings, normaliser: float
-) -> Any:
-    """A micro batch's share of the step's loss (see the module's doc): `normaliser` is the step's
-    (`step_normaliser`) over ranks x micro steps, or for bnpo this micro batch's tokens."""
-    per_token, _, _, _ = token_losses(logps, old, ref, adv, s)
-    m = mask.to(per_token.dtype)
-    if s.loss_type == "grpo":
-        total = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum()
-    else:
-        total = (per_token * m).sum()
-    return total / normaliser
-
-
-def step_normaliser(s: Settings, completions: int, tokens: int) -> float:
-    """The step's normaliser (every rank's completions and their masked tokens) of grpo, dapo, dr_grpo."""
-    if s.loss_type == "grpo":
-        return float(max(completions, 1))
-    if s.loss_type == "dapo":
-        return float(max(tokens, 1))
-    if s.loss_type == "dr_grpo":
-        return float(max(completions, 1) * s.max_new_tokens)
-    raise ValueError(f"step_normaliser: {s.loss_type} normalises each micro batch by its own tokens")
+    def flush(self, world_size: int, split: str = "train") -> dict[str, Any]:
+        return self.metrics.flush(world_size)

@@ -1,0 +1,253 @@
+"""The stream of a GRPO run: each step's prompts, their completions, rewards and advantages, as micro batches
+for the objective (trainer/objectives/grpo.py). The loop sees a stream like any other: `loss_denominator` at
+the start of a step generates and scores the step's completions (every rank together: the rewards are
+gathered for the advantages and the normalisers), `next` hands out its micro batches.
+
+A step takes the next world x P prompts of the epoch's global order (P = micro_batch_size x grad_accum / G a
+rank: the order and the position are a TrainStream's, so a run resumes at the same prompt on any world size)
+and samples G completions of each, every group seeded by (train.seed, the prompt's place in the data's
+order): a step's completions are the same however it is split over ranks and micro batches, and a resumed
+run draws the ones the uninterrupted run drew. With num_iterations > 1 a generation serves that many
+optimizer steps (a resume between them generates anew from the resumed weights, as TRL does, and says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainer.data.pack import IGNORE
+from trainer.data.prompts import lengths
+from trainer.data.stream import Position, RankSampler
+from trainer.errors import UserError
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class Rollout:
+    """A micro batch of completions: rows of [input_ids, labels, position_ids] (the prompt's labels IGNORE,
+    the completion's its tokens), each completion's advantage, the old and the reference's per-token
+    log-probs (None: the current ones detached; no reference), whether each completion counts (masked when
+    truncated), and the normaliser of this micro batch's loss."""
+
+    rows: Any
+    advantages: Any
+    old: Any = None
+    ref: Any = None
+    counts: Any = None
+    normaliser: float = 1.0
+
+    def to(self, device: Any, non_blocking: bool = False) -> Rollout:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Rollout(move(self.rows), move(self.advantages), move(self.old), move(self.ref), move(self.counts),
+                       self.normaliser)  # fmt: skip
+
+    def __iter__(self) -> Any:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class Scored:
+    """A step's completions on this rank, scored."""
+
+    prompts: list[int]  # the prompts' indices in the data
+    completions: list[tuple[list[int], bool]]  # G a prompt, in order: (token ids, ended)
+    rewards: Any  # (completions, functions), NaN for None
+    advantages: Any = None
+    zero_std: Any = None
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def group_seed(seed: int, epoch: int, place: int) -> int:
+    """The sampling seed of the group of the prompt at `place` in epoch `epoch`'s order."""
+    return (
+        int.from_bytes(hashlib.blake2b(f"{seed}:{epoch}:{place}".encode(), digest_size=8).digest(), "little")
+        >> 1
+    )
+
+
+class RolloutStream:
+    """See the module's doc. `attach` gives it the sampler and the objective once the engine exists."""
+
+    def __init__(self, data: Any, section: Any, rl: Any, *, rank: int, world: int, micro: int, accum: int,
+                 seed: int, seq_len: int, tokenizer: Any) -> None:  # fmt: skip
+        self.rl, self.rank, self.world, self.micro, self.accum, self.seed = (
+            rl,
+            rank,
+            world,
+            micro,
+            accum,
+            seed,
+        )
+        self.group = rl.num_generations
+        self.per_rank = micro * accum // self.group  # prompts a rank a step
+        self.prompts = np.asarray(data.train)
+        self.columns = data.columns or [{} for _ in range(len(self.prompts))]
+        self.tok = tokenizer
+        self.sampler = RankSampler(len(self.prompts), rank, world, self.per_rank, seed, section.shuffle)
+        longest = int(lengths(self.prompts).max())
+        if longest + rl.max_new_tokens > seq_len:
+            raise UserError(f"train.rl.max_new_tokens {rl.max_new_tokens}: the longest prompt ({longest} tokens) and "
+                            f"its completion exceed data.seq_len {seq_len}; lower max_new_tokens or raise seq_len")  # fmt: skip
+        if self.sampler.steps_per_epoch() == 0:
+            raise UserError(f"data.train: {len(self.prompts)} prompts are fewer than a step's {world * self.per_rank} "
+                            f"({world} rank(s) x {self.per_rank}); add prompts or lower the batch")  # fmt: skip
+        self.position = Position()
+        self.record: list[str] | None = None
+        self.sample_fn: Any = None  # generate.Sampler
+        self.objective: Any = None
+        self.rewards: list[Any] = []
+        self.queue: list[Rollout] = []
+        self.left = 0  # optimizer steps the current generation still serves (num_iterations)
+        self.current: list[Rollout] = []
+        self.fed = 0
+
+    def attach(self, sampler: Any, objective: Any, rewards: list[Any]) -> None:
+        self.sample_fn, self.objective, self.rewards = sampler, objective, rewards
+
+    # ------------------------------------------------------------------ what the loop and checkpoints read
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch()
+
+    def seek(self, position: Position) -> None:
+        if position.sample + self.sampler.global_batch > self.sampler.usable:
+            position = Position(position.epoch + 1, 0)
+        self.position = Position(position.epoch, position.sample)
+        if self.rl.num_iterations > 1:
+            log.warning("warning: train.rl.num_iterations > 1: the resumed run generates its next completions from "
+                        "the resumed weights (the interrupted generation's remaining steps are not replayed)")  # fmt: skip
+        self.left, self.current = 0, []
+
+    def padding(self) -> None:
+        return None
+
+    def tokens_by_source(self) -> None:
+        return None
+
+    def step_tokens(self, micro_steps: int) -> int | None:
+        return self.fed
+
+    def loss_denominator(self, micro_steps: int) -> float | None:
+        """A step begins: generate and score (every rank) unless the current generation serves it again."""
+        if self.left == 0:
+            self.current = self._generate_step()
+            self.left = self.rl.num_iterations
+        self.left -= 1
+        self.queue = list(self.current)
+        self.fed = int(sum(r.rows.shape[0] * r.rows.shape[2] for r in self.current)) * self.world
+        return None
+
+    def next(self) -> Rollout:
+        batch = self.queue.pop(0)
+        if self.record is not None:
+            from trainer.data.stream import row_digest
+
+            self.record += [row_digest(row) for row in batch.rows]
+        return batch
+
+    # ------------------------------------------------------------------ one step's generation
+    def _take(self) -> tuple[list[int], list[int]]:
+        """This rank's next prompts (indices in the data) and their places in the epoch's order."""
+        gb = self.sampler.global_batch
+        if self.position.sample + gb > self.sampler.usable:
+            self.position = Position(self.position.epoch + 1, 0)
+        order = self.sampler.order(self.position.epoch)
+        start = self.position.sample + self.rank * self.per_rank
+        places = list(range(start, start + self.per_rank))
+        self.position.sample += gb
+        return [int(order[p]) for p in places], places
+
+    def _generate_step(self) -> list[Rollout]:
+        t0 = time.perf_counter()
+        rounds, kept = 0, None
+        while True:
+            epoch = self.position.epoch
+            indices, places = self._take()
+            scored = self._score(indices, [group_seed(self.seed, epoch, p) for p in places])
+            kept = scored if kept is None else _merge(kept, scored)
+            rounds += 1
+            if not self.rl.dynamic_sampling:
+                break
+            enough = _all_min(_groups_with_spread(kept, self.group), self.world) >= self.per_rank
+            if enough or rounds >= self.rl.max_resamples:
+                break
+        kept = _select(kept, self.group, self.per_rank, self.rl.dynamic_sampling)
+        kept.seconds = time.perf_counter() - t0
+        rollouts = self.objective.rollouts(self, kept)
+        kept.extra["rounds"] = rounds
+        self.objective.count_generation(kept, self.rewards)
+        return rollouts
+
+    def _score(self, indices: list[int], seeds: list[int]) -> Scored:
+        completions: list[tuple[list[int], bool]] = []
+        for i, s in zip(indices, seeds, strict=True):
+            p = [int(t) for t in self.prompts[i] if t != IGNORE]
+            completions += self.sample_fn.sample([p] * self.group, s)
+        texts = [self.tok.decode(c) for c, _ in completions]
+        prompts = [self.columns_prompt(i) for i in indices for _ in range(self.group)]
+        columns = {k: [self.columns[i].get(k) for i in indices for _ in range(self.group)]
+                   for k in (self.columns[indices[0]] if indices else {})}  # fmt: skip
+        where = (
+            f"rows {', '.join(str(i) for i in indices[:5])}{' ...' if len(indices) > 5 else ''} of data.train"
+        )
+        import torch
+
+        values = [r(prompts, texts, columns, where) for r in self.rewards]
+        rewards = torch.tensor(values, dtype=torch.float64).T.reshape(len(completions), len(self.rewards))
+        return Scored(list(indices), completions, rewards)
+
+    def columns_prompt(self, i: int) -> Any:
+        """The row's prompt as the data gives it (the reward functions' `prompts`): its decoded tokens."""
+        return self.tok.decode([int(t) for t in self.prompts[i] if t != IGNORE])
+
+
+def _merge(a: Scored, b: Scored) -> Scored:
+    import torch
+
+    return Scored(a.prompts + b.prompts, a.completions + b.completions, torch.cat([a.rewards, b.rewards]))
+
+
+def _groups_with_spread(s: Scored, group: int) -> int:
+    """Groups whose combined-reward-free check (any function's values differ within the group) passes."""
+    import torch
+
+    r = torch.nan_to_num(s.rewards, nan=0.0).reshape(-1, group, s.rewards.shape[1])
+    return int((r.amax(dim=1) != r.amin(dim=1)).any(dim=1).sum())
+
+
+def _all_min(value: int, world: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_initialized():
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t[0])
+    return value
+
+
+def _select(s: Scored, group: int, keep: int, dynamic: bool) -> Scored:
+    """The step's groups: the first `keep` (with dynamic sampling, the first `keep` whose rewards differ,
+    then, where too few did, the first of the others)."""
+    import torch
+
+    n = len(s.prompts)
+    order = list(range(n))
+    if dynamic:
+        r = torch.nan_to_num(s.rewards, nan=0.0).reshape(n, group, s.rewards.shape[1])
+        spread = (r.amax(dim=1) != r.amin(dim=1)).any(dim=1).tolist()
+        order = [i for i in range(n) if spread[i]] + [i for i in range(n) if not spread[i]]
+    chosen = sorted(order[:keep]) if dynamic else order[:keep]
+    rows = [g * group + j for g in chosen for j in range(group)]
+    return Scored([s.prompts[g] for g in chosen], [s.completions[i] for i in rows], s.rewards[rows])
