@@ -103,7 +103,8 @@ class Engine:
         within it); `num_items`: divide the targets' summed loss by this (the step's targets over
         every rank and micro batch, divided by ranks x accumulation, since DeepSpeed averages over
         both) instead of this micro batch's target count."""
-        extra = varlen_lengths(batch, self.device) if self.varlen and self.sp == 1 else None
+        tensor = hasattr(batch, "dim")  # (grpo's rollouts: the objective's rows carry their position ids)
+        extra = varlen_lengths(batch, self.device) if self.varlen and self.sp == 1 and tensor else None
         return self._loss(batch.to(self.device, non_blocking=True), num_items, extra)
 
     def _loss(self, batch: Any, num_items: float | None, extra: dict[str, Any] | None = None) -> Any:

@@ -2,8 +2,7 @@
 
 - train (the default): the loop to train.max_steps, with evaluation, checkpoints, wandb; an
   out-of-memory or a non-finite loss ends it through a small handler each;
-- `--check`: the consistency checks, one training step and a checkpoint round trip (multi-node
-  bring-up);
+- `--check`: the consistency checks, one step and a checkpoint round trip (multi-node bring-up);
 - `--overfit-batch`: train on one fixed batch, a quick proof that the pipeline learns (the loss
   must approach zero);
 - `--profile`: a torch.profiler trace of a few steps after warm-up, and the top operators;
@@ -147,10 +146,10 @@ def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
 
     if getattr(engine, "sp", 1) > 1:
         return
-
     rows = data.train[:2]
     rows = rows.reshape(-1, *rows.shape[2:]) if rows.ndim == 4 else rows  # preference pairs: their rows
-    ids = torch.from_numpy((rows[:, 0] if rows.ndim == 3 else rows).astype("int64"))
+    ids = (rows[:, 0] if rows.ndim == 3 else rows).astype("int64").clip(min=0)  # (prompts: their pad is -100)
+    ids = torch.from_numpy(ids)
     engine.train(False)
     with torch.no_grad():
         logits = engine.ds(input_ids=ids.to(engine.device)).logits.float().cpu()

@@ -80,6 +80,11 @@ def summary(
         first, final = prefs[0], prefs[-1]
         rows.append(("reward margin / accuracy", f"{first['reward_margin']:.3f} / {first['reward_accuracy']:.2f} at "
                      f"step {first['step']} -> {final['reward_margin']:.3f} / {final['reward_accuracy']:.2f}"))  # fmt: skip
+    rl = [r for r in train if "zero_std_share" in r]  # grpo: the combined reward, first and final
+    if rl:
+        rows.append(
+            ("reward (combined)", f"{rl[0]['reward']:.3f} at step {rl[0]['step']} -> {rl[-1]['reward']:.3f}")
+        )
     if evals and "eval_reward_margin" in evals[-1]:
         e = evals[-1]
         rows.append(("final eval loss (margin / accuracy)",
@@ -185,6 +190,17 @@ def plot(run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]
         twin.plot(at, [r["reward_accuracy"] for r in prefs], color="tab:olive", label="reward accuracy")
         twin.legend(loc="upper right")
         ax.set_title("loss; reward margin and accuracy")
+    rl = [r for r in train if "zero_std_share" in r]  # grpo: the reward curve, combined and each function's
+    if rl:
+        twin = ax.twinx()
+        at = [r["step"] for r in rl]
+        for key in [
+            "reward",
+            *sorted(k for k in rl[-1] if k.startswith("reward_") and not k.endswith("_std")),
+        ]:
+            twin.plot(at, [r.get(key, float("nan")) for r in rl], label=key.replace("reward_", "reward: "))
+        twin.legend(loc="upper right")
+        ax.set_title("loss; rewards")
 
     ax = axes[0][1]
     ax.plot(steps, [r["lr"] for r in train], color="tab:green")

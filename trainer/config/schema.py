@@ -468,14 +468,13 @@ class Experiment(Section):
     def to_yaml(self) -> str:
         """The whole experiment as YAML (what checkpoints save and --print-config prints), which validates
         as it is: data.packing, which preference pairs never use (and the rules refuse when written), is
-        left out for them."""
+        left out for them, and data.eval_fraction for grpo (it holds no prompts out) unless it was written."""
         out = self.to_dict()
-        if (
-            self.train.objective != "sft"
-            and self.data.packing
-            and "packing" not in self.data.model_fields_set
-        ):
+        given = self.data.model_fields_set
+        if self.train.objective != "sft" and self.data.packing and "packing" not in given:
             out["data"].pop("packing", None)
+        if self.train.objective == "grpo" and "eval_fraction" not in given:
+            out["data"].pop("eval_fraction", None)
         return yaml.safe_dump(_plain(out), sort_keys=False, default_flow_style=False)
 
 
