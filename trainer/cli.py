@@ -4,9 +4,7 @@
 - `--launcher` / `--max-restarts`: start the launcher and supervise it (trainer/supervisor.py);
 - otherwise (under any launcher, or none): resolve the checkpoint to resume, plan, set up the
   process group, build the Run (trainer/build.py) and run the mode (trainer/modes.py).
-
-User errors (bad config, bad paths, an unjustified pinned stage...) print one message and exit 2,
-with no traceback.
+User errors (bad config, bad paths, an unjustified pinned stage...): one message, exit 2, no traceback.
 """
 
 from __future__ import annotations
@@ -287,6 +285,7 @@ def _launcher_rank() -> int:
 def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     """--plan / --print-config: planning only; imports neither deepspeed nor CUDA."""
     from trainer import dist, strategy
+    from trainer.strategy.planning.generation import generation_line, row_length
 
     env = dist.detect()
     world = args.world_size or env.world_size
@@ -318,13 +317,16 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         info = planned.info
         print(
             f"model: {strategy.describe_params(info, exp.model.lora)} (largest layer {info.largest_layer:,}), "
-            f"micro batch {exp.train.micro_batch_size} x seq {exp.data.seq_len}, activation checkpointing "
+            f"micro batch {exp.train.micro_batch_size} x seq {row_length(exp)}, activation checkpointing "
             f"{'on' if planned.plan.levers.checkpointing else 'off'}"
             + (f", {info.attn_implementation} attention" if info.attn_implementation else "")
             + (", chunked loss" if planned.plan.levers.chunked_loss else "")
             + (f", {exp.model.kernels} kernels" if exp.model.kernels != "none" else "")
         )
         print(strategy.describe_plan(planned.plan))
+        print(
+            *([generation_line(exp, planned.plan)] if exp.train.objective == "grpo" else []), sep="\n", end=""
+        )
         if planned.batch is not None and planned.batch.why:
             print(f"batch: {planned.batch.why}")
         if exp.checkpoint.every_minutes == "auto":  # the interval before any save is measured

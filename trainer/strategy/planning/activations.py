@@ -14,6 +14,7 @@ from typing import Any
 
 from trainer.config import Experiment, loss_chunk_rows
 from trainer.strategy.planning.candidates import ModelInfo
+from trainer.strategy.planning.generation import row_length
 
 # torch.compile's layers keep more for backward than eager's (AOTAutograd's partitioner saves what
 # it chose not to recompute): GPT-2 124M on an H100, bf16, micro 64 and 128 (BENCHMARKS.md), the
@@ -194,16 +195,17 @@ def host_activations(info: ModelInfo, micro_batch: int, seq_len: int, lp: int, s
 
 
 def rows_per_micro(exp: Experiment) -> int:
-    """Sequences in one forward: the micro batch, or for a preference objective its pairs' chosen and
-    rejected rows together (the reference's log-probs are precomputed: no reference model, no pass)."""
-    return exp.train.micro_batch_size * (1 if exp.train.objective == "sft" else 2)
+    """Sequences in one forward: the micro batch (grpo: its completions), or for a preference objective its
+    pairs' chosen and rejected rows together (the reference's log-probs are precomputed: no reference
+    model, no pass)."""
+    return exp.train.micro_batch_size * (1 if exp.train.objective in ("sft", "grpo") else 2)
 
 
 def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any) -> int:
     """The experiment's activation bytes per rank under one setting of the levers (levers.Levers)."""
     m = exp.model
     return activations(
-        info, rows_per_micro(exp), exp.data.seq_len, lp, levers.checkpointing, levers.chunked_loss,
+        info, rows_per_micro(exp), row_length(exp), lp, levers.checkpointing, levers.chunked_loss,
         m.kernels, compiled=exp.train.compile, sp=levers.sp, tiled_mlp=levers.tiled_mlp, offload=levers.offload,
         lora=m.lora,
     )  # fmt: skip

@@ -37,6 +37,7 @@ class Estimate:
     # dequantized layer (the largest quantized one in the compute precision)
     gather: int = 0
     step: int = 0  # allocated only during the optimizer step, when the activations are freed (`step_bytes`)
+    generation: int = 0  # grpo: held while sampling, between steps (planning/generation.py)
     snapshot: int = 0  # checkpoint.async: the host copy of a save, per node (counted in `host`)
     refused: str = ""  # why this candidate cannot run this job whatever its bytes
 
@@ -46,9 +47,9 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        # The step's fp32 gradients are made after the backward pass has freed the activations: the
-        # peak is the larger of the two, not their sum.
-        return self.model_states + max(self.activations, self.step) + self.buffers
+        # The step's fp32 gradients are made after the backward pass has freed the activations, and
+        # generation (grpo) runs between steps: the peak is the largest of the three, not their sum.
+        return self.model_states + max(self.activations, self.step, self.generation) + self.buffers
 
     @property
     def fits(self) -> bool:
@@ -83,6 +84,7 @@ def estimate_all(
     host_memory: int | None,
     template: Mapping[str, Any] | None,
     host_activations: int = 0,
+    generation: int = 0,
 ) -> list[Estimate]:
     """An estimate per candidate of the table (plus stage 3 with only the optimizer offloaded, when
     the experiment pins that)."""
@@ -139,7 +141,7 @@ def estimate_all(
             fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
             gather=(4 * info.largest_layer if c.stage == 3 else 0) + (lp * info.quantized.largest if info.quantized else 0),
             snapshot=snap,
-            step=step,
+            step=step, generation=generation,
         )  # fmt: skip
         out.append(
             dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok and not refused, refused=refused)

@@ -15,6 +15,7 @@ from trainer.errors import UserError
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, next_rung, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all
+from trainer.strategy.planning.generation import generation_bytes, host_bytes, row_length
 from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
 from trainer.strategy.planning.speed import StepTime, step_time
 from trainer.strategy.planning.states import low_precision_bytes
@@ -192,14 +193,14 @@ def _plan(
             sp_info = dataclasses.replace(info, attn_implementation="sdpa")
         act = activations_for(exp, sp_info, lp, levers)
         extra = (
-            host_activations(info, rows_per_micro(exp), exp.data.seq_len, lp, levers.sp)
+            host_activations(info, rows_per_micro(exp), row_length(exp), lp, levers.sp)
             if levers.offload
             else 0
         )
         return estimate_all(
             exp, info, pinned, act=act, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
             on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory, template=template,
-            host_activations=extra * gpus_per_node,
+            host_activations=(extra + host_bytes(exp)) * gpus_per_node, generation=generation_bytes(exp, info, lp),
         )  # fmt: skip
 
     settings = list(lever_sets(exp, info, world_size, device_type, precision))

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.strategy.planning.candidates import Candidate, ModelInfo
+from trainer.strategy.planning.generation import row_length
 
 
 @dataclass(frozen=True)
@@ -132,13 +133,13 @@ def step_time(
     t = exp.train
     micro = t.micro_batch_size if micro is None else micro
     accum = t.grad_accum if accum is None else accum
-    rows = micro * (1 if t.objective == "sft" else 2)
+    rows = micro * (1 if t.objective in ("sft", "grpo") else 2)  # (grpo: generation's time not counted)
     sp = max(1, levers.sp)
     dp = max(1, world_size // sp)
-    tokens = rows * exp.data.seq_len / sp
+    tokens = rows * row_length(exp) / sp
     n = info.active or info.params
     trainable = info.params if info.trainable is None else info.trainable
-    h, layers, s = info.hidden or 0, info.layers or 0, exp.data.seq_len
+    h, layers, s = info.hidden or 0, info.layers or 0, row_length(exp)
     attention = 12 * layers * h * s
     flops = 4 * n + 2 * trainable + attention
     if levers.checkpointing:

@@ -9,19 +9,9 @@ from trainer.config import format_size
 
 def plan_table(self: Any) -> str:
     """The plan's table: each candidate's bytes, its estimated step under the chosen levers, whether it fits."""
-    head = (
-        "candidate",
-        "params",
-        "grads",
-        "optimizer",
-        "activations",
-        "step",
-        "buffers",
-        "total/rank",
-        "host/node",
-        "step est.",
-        "fits",
-    )
+    gen = any(e.generation for e in self.estimates)  # grpo: what generation holds between steps
+    head = ("candidate", "params", "grads", "optimizer", "activations", "step", *(("generation",) if gen else ()),
+            "buffers", "total/rank", "host/node", "step est.", "fits")  # fmt: skip
     rows = [head]
     times = self.row_seconds or (None,) * len(self.estimates)
     for e, sec in zip(self.estimates, times, strict=True):
@@ -42,10 +32,11 @@ def plan_table(self: Any) -> str:
                         e.optimizer,
                         e.activations,
                         e.step,
+                        *((e.generation,) if gen else ()),
                         e.buffers,
                         e.total,
                         e.host,
-                    )
+                    )  # fmt: skip
                 ),
                 f"{sec:.2f} s" if sec is not None else "-",
                 fits + mark,

@@ -1,0 +1,107 @@
+"""The plan counts GRPO (issue 56 item 5; trainer/strategy/planning/generation.py): generation's key/value
+cache against the cache transformers' generate actually holds (GPT-2 and a grouped-query Llama, within 10%),
+the rows a micro step trains (its completions, prompt + max_new_tokens each: not a preference objective's
+pairs), generation's bytes in the peak (the largest of activations, the optimizer step and generation, not
+their sum), no reference model at beta 0 nor with LoRA's adapters off, and --plan's generation column and
+line."""
+
+import pytest
+import torch
+
+from trainer import config, model, strategy
+from trainer.strategy.planning.activations import rows_per_micro
+from trainer.strategy.planning.generation import generation_bytes, kv_cache_bytes, row_length
+
+GiB = 2**30
+EXP = "configs/experiments/tiny-grpo.yaml"
+
+
+def measured_cache(cfg, groups, prompt, new):
+    """Bytes of the key/value cache generate holds after sampling `new` tokens for `groups` rows."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(3, cfg.vocab_size, (groups, prompt))
+    out = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new,
+                     min_new_tokens=new, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    cache = out.past_key_values
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=257),
+        dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=300, max_position_embeddings=128),
+    ],
+    ids=["gpt2", "llama-gqa"],
+)  # fmt: skip
+def test_the_kv_cache_term_is_what_generate_holds(family):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**family)
+    info = model.info(config.ModelSection(config=family), cfg.vocab_size, 128)
+    prompt, new, g = 20, 12, 8
+    got = measured_cache(cfg, g, prompt, new)
+    # the cache holds every token but the last sampled one (its keys are never needed)
+    planned = kv_cache_bytes(info, g, prompt + new, 4)
+    assert abs(planned - got) <= 0.1 * got, (planned, got)
+
+
+def plan(*sets, device=8):
+    exp = config.load(EXP, list(sets))
+    info = model.info(exp.model, 257, 256)
+    p = strategy.plan(exp, info, world_size=1, gpus_per_node=1, device_type="cuda", device_memory=device * GiB,
+                      host_memory=64 * GiB, precision="bf16")  # fmt: skip
+    return exp, info, p
+
+
+def test_a_micro_step_trains_its_completions_of_prompt_plus_new_tokens():
+    exp, info, p = plan("train.rl.max_new_tokens=32")
+    assert rows_per_micro(exp) == exp.train.micro_batch_size  # not 2 x (pairs)
+    assert row_length(exp) == exp.data.seq_len + 32
+    longer = plan("train.rl.max_new_tokens=64")[2]
+    assert longer.estimate.activations > p.estimate.activations
+    assert longer.estimate.generation > p.estimate.generation > 0
+
+
+def test_generation_is_in_the_peak_as_the_largest_term_not_a_sum():
+    exp, info, p = plan(
+        "train.rl.num_generations=64",
+        "train.micro_batch_size=4",
+        "train.grad_accum=16",
+        "train.rl.max_new_tokens=60",
+    )
+    e = p.estimate
+    assert e.generation == generation_bytes(exp, info, 2) > e.activations  # generation is this job's peak
+    assert e.total == e.model_states + max(e.activations, e.step, e.generation) + e.buffers
+    sft = config.load("configs/experiments/tiny.yaml", [])
+    assert generation_bytes(sft, info, 2) == 0
+
+
+@pytest.mark.parametrize(
+    "sets", [[], ["train.rl.beta=0.04", "model.lora.r=8"]], ids=["beta0", "lora-reference"]
+)
+def test_no_reference_model_is_planned(sets):
+    """beta 0 builds no reference; with LoRA the reference is the model with its adapters off: the plan's
+    weights are the policy's alone, as an SFT plan of the same model."""
+    exp, info, p = plan(*sets)
+    sft_exp = config.load("configs/experiments/tiny.yaml", [f"model.config.{k}={v}" for k, v in
+                                                             exp.model.config.items()] + [s for s in sets if "lora" in s])  # fmt: skip
+    sft_info = model.info(sft_exp.model, 257, 256)
+    assert info.params == sft_info.params
+    assert p.estimate.params == strategy.plan(sft_exp, sft_info, world_size=1, gpus_per_node=1, device_type="cuda",
+                                              device_memory=8 * GiB, host_memory=64 * GiB, precision="bf16").estimate.params  # fmt: skip
+
+
+def test_plan_shows_the_generation_column_and_line(capsys):
+    from trainer.cli import main
+
+    assert main([EXP, "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "generation" in out.splitlines()[1] and "seq 68" in out
+    assert "generation:" in out and "no reference model (beta 0)" in out
+    assert main(["configs/experiments/tiny.yaml", "--plan"]) == 0
+    assert "generation" not in capsys.readouterr().out
