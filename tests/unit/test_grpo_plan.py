@@ -1,7 +1,7 @@
 """The plan counts GRPO (issue 56 item 5; trainer/strategy/planning/generation.py): generation's key/value
 cache against the cache transformers' generate actually holds (GPT-2 and a grouped-query Llama, within 10%),
-the rows a micro step trains (its completions, prompt + max_new_tokens each: not a preference objective's
-pairs), generation's bytes in the peak (the largest of activations, the optimizer step and generation, not
+the rows a micro step trains (its completions, a prompt and its completion within data.seq_len each: not a
+preference objective's pairs), generation's bytes in the peak (the largest of activations, the optimizer step and generation, not
 their sum), no reference model at beta 0 nor with LoRA's adapters off, and --plan's generation column and
 line."""
 
@@ -58,13 +58,15 @@ def plan(*sets, device=8):
     return exp, info, p
 
 
-def test_a_micro_step_trains_its_completions_of_prompt_plus_new_tokens():
+def test_a_micro_step_trains_its_completions_within_seq_len():
     exp, info, p = plan("train.rl.max_new_tokens=32")
     assert rows_per_micro(exp) == exp.train.micro_batch_size  # not 2 x (pairs)
-    assert row_length(exp) == exp.data.seq_len + 32
-    longer = plan("train.rl.max_new_tokens=64")[2]
+    assert row_length(exp) == exp.data.seq_len
+    longer = plan("train.rl.max_new_tokens=32", "data.seq_len=128")[2]
     assert longer.estimate.activations > p.estimate.activations
     assert longer.estimate.generation > p.estimate.generation > 0
+    wider = plan("train.rl.max_new_tokens=32", "train.rl.num_generations=16")[2]
+    assert wider.estimate.generation > p.estimate.generation
 
 
 def test_generation_is_in_the_peak_as_the_largest_term_not_a_sum():
@@ -101,7 +103,7 @@ def test_plan_shows_the_generation_column_and_line(capsys):
 
     assert main([EXP, "--plan"]) == 0
     out = capsys.readouterr().out
-    assert "generation" in out.splitlines()[1] and "seq 68" in out
+    assert "generation" in out.splitlines()[1] and "seq 64" in out
     assert "generation:" in out and "no reference model (beta 0)" in out
     assert main(["configs/experiments/tiny.yaml", "--plan"]) == 0
     assert "generation" not in capsys.readouterr().out

@@ -108,6 +108,9 @@ def rl_problems(exp: Any) -> list[tuple[str, str]]:
     if d.eval is not None or (d.eval_fraction > 0 and "eval_fraction" in d.model_fields_set):
         out.append(("data.eval", "grpo holds no prompts out for an eval loss (its metrics are the step's rewards); "
                     "remove data.eval and data.eval_fraction"))  # fmt: skip
+    if exp.model.chunked_loss is True:
+        out.append(("model.chunked_loss", "grpo takes each completion token's log-prob from the whole logits, which "
+                    "the tiled loss does not give; set it to false or auto"))  # fmt: skip
     if t.micro_batch_size == "auto":
         out.append(("train.micro_batch_size", "auto is not available for grpo yet (the completions' lengths are "
                     "only known once generated); give the number of completions a micro step"))  # fmt: skip

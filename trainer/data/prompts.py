@@ -23,6 +23,9 @@ from trainer.data.tokenizer import special_edges
 from trainer.errors import UserError
 
 COLUMNS = "columns.json"
+PROMPT = (
+    "__prompt__"  # the row's prompt as the data gives it (the reward functions' `prompts`), in its columns
+)
 
 
 def prompt_ids(row: Any, n: int, section: DataSection, tok: Any, where: Any, prof: list[Any]) -> list[int]:
@@ -70,7 +73,8 @@ def build_prompts(
             too_long += 1
             continue
         ids.append(p)
-        columns.append({k: _plain(v) for k, v in row.items() if k != src.prompt_field})
+        columns.append({**{k: _plain(v) for k, v in row.items() if k != src.prompt_field},
+                        PROMPT: _plain(row[src.prompt_field])})  # fmt: skip
     if not ids:
         raise UserError(
             f"data.train: none of the {len(raw)} prompts is shorter than data.seq_len {section.seq_len}; raise it"

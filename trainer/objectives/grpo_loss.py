@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from trainer.rl.rewards import combined  # noqa: F401 (the weighted sum: the rewards' own)
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -48,14 +50,6 @@ def nanstd(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
     correction = torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
     out = torch.sqrt(var * correction)  # NaN with fewer than 2 values (TRL's)
     return out if keepdim or dim is None else out.squeeze(dim)
-
-
-def combined(per_function: Any, weights: Any) -> Any:
-    """Each completion's reward: the weighted sum of its functions' values (NaN for None), NaN where every
-    function gave None. per_function: (completions, functions)."""
-    rewards = (per_function * weights.to(per_function).unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(per_function).all(dim=1)] = float("nan")
-    return rewards
 
 
 def advantages(rewards: Any, group: int, scale: str) -> tuple[Any, Any]:

@@ -81,8 +81,10 @@ class RLMetrics:
             if self.sums is not None
             else torch.zeros(k + 3 * f, dtype=torch.float64, device=self.device)
         )
+        longest = torch.tensor([self.max_length], dtype=torch.float64, device=sums.device)
         if dist.is_initialized() and world_size > 1:
             dist.all_reduce(sums)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)  # every rank's longest completion
         self.sums = None
         s = {name: float(v) for name, v in zip(STATS, sums[:k].tolist(), strict=True)}
         out: dict[str, Any] = {}
@@ -99,7 +101,7 @@ class RLMetrics:
         self.t0 = now
         out.update({
             "zero_std_share": s["zero_std_groups"] / max(s["groups"], 1.0),
-            "completion_length": s["length_sum"] / n, "completion_length_max": self.max_length,
+            "completion_length": s["length_sum"] / n, "completion_length_max": int(longest[0]),
             "truncated_share": s["truncated"] / n, "clip_low": s["clip_low"] / tokens,
             "clip_high": s["clip_high"] / tokens, "clip_region": s["clip_region"] / tokens,
             "entropy": s["entropy"] / tokens, "generation_s": s["generation_s"] / max(world_size, 1),

@@ -8,8 +8,10 @@ forward; `synced_gpus` keeps the ranks in lockstep until every rank's completion
 QLoRA (peft's model, bitsandbytes' layers). Prompts are left-padded, so that every completion starts at the
 same position; sampling stops at EOS or the chat template's end-of-turn token.
 
-Sampling is seeded from (train.seed, the generation's index, the rank) inside a forked RNG: a resumed run
-generates the same completions from the same weights, and the training RNG (dropout) is untouched.
+Each group is sampled with its own seed (trainer/rl/rollout.py: train.seed, the epoch, the prompt's place in
+the epoch's order) inside a forked RNG: a resumed run generates the same completions from the same weights,
+and the training RNG (dropout) is untouched. Only the sampling asked for applies: the model's published
+generation_config (a repetition penalty, min_p...) is set aside while sampling.
 
 An inference engine (vLLM, SGLang) would implement `Sampler` over its own copy of the weights: after each
 optimizer step the trained weights (gathered, and with LoRA the adapters merged or passed as an adapter)
@@ -60,9 +62,16 @@ class ModelSampler:
         out: list[tuple[list[int], bool]] = []
         device = self.engine.device
         devices = [device] if getattr(device, "type", None) == "cuda" else []
+        from transformers import GenerationConfig
+
         module = self.engine.ds.module
         was_training = module.training
         module.train(False)
+        # only the sampling asked for: generate fills what it is not given from the model's
+        # generation_config.json (a repetition penalty, min_p, suppressed tokens...), which would sample
+        # from another distribution than the loss's softmax(logits / temperature)
+        base = module.get_base_model() if hasattr(module, "get_base_model") else module
+        published, base.generation_config = getattr(base, "generation_config", None), GenerationConfig()
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 torch.manual_seed(seed)
@@ -70,6 +79,7 @@ class ModelSampler:
                     out += self._generate(module, prompts[at : at + self.batch], device)
         finally:
             module.train(was_training)
+            base.generation_config = published
         return out
 
     def _generate(self, module: Any, prompts: list[list[int]], device: Any) -> list[tuple[list[int], bool]]:

@@ -109,12 +109,22 @@ class Reward:
         for i, v in enumerate(values):
             if v is None:
                 out.append(math.nan)
-            elif isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(float(v)):
+            elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(float(v)):
                 raise UserError(f"train.rl.rewards: {self.name} returned {v!r} (a {type(v).__name__}) for completion "
-                                f"{i} ({where}); it must return a float or None")  # fmt: skip
+                                f"{i} ({where}); it must return a finite float or None")  # fmt: skip
             else:
                 out.append(float(v))
         return out
+
+
+def combined(per_function: Any, weights: Any) -> Any:
+    """Each completion's reward: the weighted sum of its functions' values (NaN for None), NaN where every
+    function gave None. per_function: (completions, functions)."""
+    import torch
+
+    rewards = (per_function * weights.to(per_function).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_function).all(dim=1)] = float("nan")
+    return rewards
 
 
 def load(specs: Sequence[Any]) -> list[Reward]:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data.pack import IGNORE
-from trainer.data.prompts import lengths
+from trainer.data.prompts import PROMPT, lengths
 from trainer.data.stream import Position, RankSampler
 from trainer.errors import UserError
 
@@ -157,32 +157,32 @@ class RolloutStream:
         return batch
 
     # ------------------------------------------------------------------ one step's generation
-    def _take(self) -> tuple[list[int], list[int]]:
-        """This rank's next prompts (indices in the data) and their places in the epoch's order."""
+    def _take(self) -> tuple[list[int], list[int], int]:
+        """This rank's next prompts (indices in the data), their places in the epoch's order, the epoch."""
         gb = self.sampler.global_batch
         if self.position.sample + gb > self.sampler.usable:
             self.position = Position(self.position.epoch + 1, 0)
         order = self.sampler.order(self.position.epoch)
         start = self.position.sample + self.rank * self.per_rank
         places = list(range(start, start + self.per_rank))
+        epoch = self.position.epoch
         self.position.sample += gb
-        return [int(order[p]) for p in places], places
+        return [int(order[p]) for p in places], places, epoch
 
     def _generate_step(self) -> list[Rollout]:
         t0 = time.perf_counter()
         rounds, kept = 0, None
         while True:
-            epoch = self.position.epoch
-            indices, places = self._take()
+            indices, places, epoch = self._take()  # (the epoch after a rollover: as a resumed run sees it)
             scored = self._score(indices, [group_seed(self.seed, epoch, p) for p in places])
             kept = scored if kept is None else _merge(kept, scored)
             rounds += 1
             if not self.rl.dynamic_sampling:
                 break
-            enough = _all_min(_groups_with_spread(kept, self.group), self.world) >= self.per_rank
+            enough = _all_min(sum(_spread(kept, self.group, self.rl.weights())), self.world) >= self.per_rank
             if enough or rounds >= self.rl.max_resamples:
                 break
-        kept = _select(kept, self.group, self.per_rank, self.rl.dynamic_sampling)
+        kept = _select(kept, self.group, self.per_rank, self.rl.dynamic_sampling, self.rl.weights())
         kept.seconds = time.perf_counter() - t0
         rollouts = self.objective.rollouts(self, kept)
         kept.extra["rounds"] = rounds
@@ -194,10 +194,12 @@ class RolloutStream:
         for i, s in zip(indices, seeds, strict=True):
             p = [int(t) for t in self.prompts[i] if t != IGNORE]
             completions += self.sample_fn.sample([p] * self.group, s)
-        texts = [self.tok.decode(c) for c, _ in completions]
+        texts = [
+            self.tok.decode(c, skip_special_tokens=True) for c, _ in completions
+        ]  # (TRL's: no EOS, no EOT)
         prompts = [self.columns_prompt(i) for i in indices for _ in range(self.group)]
         columns = {k: [self.columns[i].get(k) for i in indices for _ in range(self.group)]
-                   for k in (self.columns[indices[0]] if indices else {})}  # fmt: skip
+                   for k in (self.columns[indices[0]] if indices else {}) if k != PROMPT}  # fmt: skip
         where = (
             f"rows {', '.join(str(i) for i in indices[:5])}{' ...' if len(indices) > 5 else ''} of data.train"
         )
@@ -208,8 +210,8 @@ class RolloutStream:
         return Scored(list(indices), completions, rewards)
 
     def columns_prompt(self, i: int) -> Any:
-        """The row's prompt as the data gives it (the reward functions' `prompts`): its decoded tokens."""
-        return self.tok.decode([int(t) for t in self.prompts[i] if t != IGNORE])
+        """The row's prompt as the data gives it (the reward functions' `prompts`: a string or the messages)."""
+        return self.columns[i][PROMPT]
 
 
 def _merge(a: Scored, b: Scored) -> Scored:
@@ -218,12 +220,18 @@ def _merge(a: Scored, b: Scored) -> Scored:
     return Scored(a.prompts + b.prompts, a.completions + b.completions, torch.cat([a.rewards, b.rewards]))
 
 
-def _groups_with_spread(s: Scored, group: int) -> int:
-    """Groups whose combined-reward-free check (any function's values differ within the group) passes."""
+def _spread(s: Scored, group: int, weights: list[float]) -> list[bool]:
+    """Whether each group's combined rewards differ (the advantages' own test: a group whose rewards are all
+    equal, None counted as missing, has advantages 0 and no learning signal)."""
     import torch
 
-    r = torch.nan_to_num(s.rewards, nan=0.0).reshape(-1, group, s.rewards.shape[1])
-    return int((r.amax(dim=1) != r.amin(dim=1)).any(dim=1).sum())
+    from trainer.rl.rewards import combined
+
+    r = combined(s.rewards, torch.tensor(weights, dtype=s.rewards.dtype)).reshape(-1, group)
+    missing = torch.isnan(r)
+    hi = torch.where(missing, -torch.inf, r).amax(dim=1)
+    lo = torch.where(missing, torch.inf, r).amin(dim=1)
+    return (hi > lo).tolist()
 
 
 def _all_min(value: int, world: int) -> int:
@@ -231,22 +239,20 @@ def _all_min(value: int, world: int) -> int:
     import torch.distributed as dist
 
     if world > 1 and dist.is_initialized():
-        t = torch.tensor([value], dtype=torch.int64)
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t[0])
     return value
 
 
-def _select(s: Scored, group: int, keep: int, dynamic: bool) -> Scored:
+def _select(s: Scored, group: int, keep: int, dynamic: bool, weights: list[float]) -> Scored:
     """The step's groups: the first `keep` (with dynamic sampling, the first `keep` whose rewards differ,
     then, where too few did, the first of the others)."""
-    import torch
-
     n = len(s.prompts)
     order = list(range(n))
     if dynamic:
-        r = torch.nan_to_num(s.rewards, nan=0.0).reshape(n, group, s.rewards.shape[1])
-        spread = (r.amax(dim=1) != r.amin(dim=1)).any(dim=1).tolist()
+        spread = _spread(s, group, weights)
         order = [i for i in range(n) if spread[i]] + [i for i in range(n) if not spread[i]]
     chosen = sorted(order[:keep]) if dynamic else order[:keep]
     rows = [g * group + j for g in chosen for j in range(group)]

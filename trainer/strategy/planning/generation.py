@@ -4,7 +4,7 @@ while it samples, between two training steps (when the training activations are 
 larger of the two, as for the optimizer step).
 
 Generation (trainer/rl/generate.py) samples one prompt's group at a time: G sequences of at most
-data.seq_len + max_new_tokens tokens. It holds
+data.seq_len tokens (a prompt of at most seq_len - max_new_tokens, and its completion). It holds
 
 - the key/value cache: 2 (keys, values) x layers x G x length x kv_heads x head_dim, in the compute
   precision (the part that grows with the job; `kv_cache_bytes`);
@@ -28,8 +28,9 @@ def is_rl(exp: Any) -> bool:
 
 
 def row_length(exp: Any) -> int:
-    """The tokens of a trained row: data.seq_len, and for grpo its prompt (at most seq_len) and completion."""
-    return exp.data.seq_len + (exp.train.rl.max_new_tokens if is_rl(exp) else 0)
+    """The tokens of a trained row at most: data.seq_len (grpo: a prompt and its completion, which the stream
+    checks at start: the longest prompt + max_new_tokens <= seq_len)."""
+    return exp.data.seq_len
 
 
 def kv_cache_bytes(info: Any, sequences: int, length: int, lp: int) -> int:
@@ -47,7 +48,7 @@ def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     g = exp.train.rl.num_generations
     hidden = info.hidden or 0
     width = info.intermediate or 4 * hidden
-    prefill = g * exp.data.seq_len * (4 * hidden + width) * lp
+    prefill = g * max(exp.data.seq_len - exp.train.rl.max_new_tokens, 0) * (4 * hidden + width) * lp
     logits = g * (info.vocab or 0) * 12
     return kv_cache_bytes(info, g, row_length(exp), lp) + int(prefill + logits)
 
@@ -68,7 +69,7 @@ def generation_line(exp: Any, plan: Any) -> str:
     rl, e = exp.train.rl, plan.estimate
     return (
         f"generation: {format_size(e.generation)} per rank between steps (key/value cache of {rl.num_generations} "
-        f"completions x {row_length(exp)} tokens, the prompt's forward, the sampling logits); rows of prompt + "
-        f"max_new_tokens ({exp.data.seq_len} + {rl.max_new_tokens}) trained; no reference model "
-        + ("(beta 0)" if rl.beta == 0 else "(LoRA's adapters off)")
+        f"completions x {row_length(exp)} tokens, the prompt's forward, the sampling logits); rows of a prompt "
+        f"(at most {exp.data.seq_len - rl.max_new_tokens} tokens) and its completion (max_new_tokens {rl.max_new_tokens}) "
+        "trained; no reference model " + ("(beta 0)" if rl.beta == 0 else "(LoRA's adapters off)")
     )

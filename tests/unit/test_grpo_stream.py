@@ -1,0 +1,89 @@
+"""GRPO's stream and sampler (trainer/rl/rollout.py, generate.py): the review's findings, each a test that fails
+without its fix. The first step of an epoch is seeded by that epoch, whether the run got there or resumed there;
+a group has a learning signal only where its combined rewards differ (functions that cancel out give none);
+the reward functions get the prompts as the data gives them and completions without the stop token; sampling
+is the one asked for, whatever the model's published generation_config says."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.data.pack import IGNORE
+from trainer.data.prompts import PROMPT, build_prompts
+from trainer.data.stream import Position
+from trainer.data.tokenizer import byte_tokenizer
+from trainer.rl.generate import ModelSampler, Sampling
+from trainer.rl.rollout import RolloutStream, Scored, _spread, group_seed
+
+RL = SimpleNamespace(num_generations=2, max_new_tokens=2, num_iterations=1, dynamic_sampling=False, max_resamples=1,
+                     weights=lambda: [1.0])  # fmt: skip
+
+
+def stream(n=6, rows=None):
+    prompts = np.full((n, 3), IGNORE, dtype=np.int32)
+    prompts[:, :2] = 65
+    data = SimpleNamespace(train=prompts, columns=rows or [{PROMPT: f"p{i}"} for i in range(n)])
+    return RolloutStream(data, SimpleNamespace(shuffle=True), RL, rank=0, world=1, micro=2, accum=1, seed=7,
+                         seq_len=16, tokenizer=byte_tokenizer())  # fmt: skip
+
+
+def test_the_first_step_of_an_epoch_is_seeded_by_that_epoch_however_it_is_reached():
+    s = stream()
+    takes = [s._take() for _ in range(7)]  # 6 prompts, 1 a step: the 7th is epoch 1's first
+    _, places, epoch = takes[6]
+    assert epoch == 1 and places == [0]
+    resumed = stream()
+    resumed.seek(Position(0, 6))  # a checkpoint at the end of epoch 0
+    assert resumed._take() == takes[6]
+    assert group_seed(7, 1, 0) != group_seed(7, 0, 0)
+
+
+def test_a_group_has_a_signal_only_where_its_combined_rewards_differ():
+    cancel = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # two functions that cancel out: combined 1, 1
+    differ = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    missing = torch.tensor(
+        [[float("nan"), float("nan")], [1.0, 0.0]]
+    )  # one completion every function left None
+    s = Scored([0, 1, 2], [([1], True)] * 6, torch.cat([cancel, differ, missing]))
+    assert _spread(s, 2, [1.0, 1.0]) == [False, True, False]
+
+
+def test_rewards_get_the_prompts_as_given_and_completions_without_the_stop_token():
+    tok = byte_tokenizer()
+    section = SimpleNamespace(train=SimpleNamespace(prompt_field="prompt", kind="prompt"), seq_len=32)
+    raw = [{"prompt": "How many?", "answer": "3"}, {"prompt": "And now?", "answer": "4"}]
+    try:
+        prompts, columns, _ = build_prompts(raw, tok, section)
+    except AttributeError as e:  # the section's other fields: a real one
+        pytest.skip(f"build_prompts needs {e}")
+    s = stream(n=2, rows=columns)
+    s.prompts = prompts
+    seen = {}
+
+    def reward(prompts, completions, columns, where):
+        seen.update(prompts=prompts, completions=completions, columns=columns)
+        return [1.0] * len(completions)
+
+    eos = tok.eos_token_id
+    s.attach(SimpleNamespace(sample=lambda ps, seed: [([ord("3"), eos], True)] * len(ps)), None, [reward])
+    s._score([0, 1], [1, 2])
+    assert seen["prompts"] == ["How many?", "How many?", "And now?", "And now?"]
+    assert seen["completions"] == ["3"] * 4
+    assert seen["columns"] == {"answer": ["3", "3", "4", "4"]}
+
+
+def test_sampling_sets_the_model_s_generation_config_aside():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=32, vocab_size=257)).eval()
+    engine = SimpleNamespace(ds=SimpleNamespace(module=model), device=torch.device("cpu"))
+    sampler = ModelSampler(engine, Sampling(max_new_tokens=8, stop=(256,), pad=256), synced=False, batch=4)
+    prompts = [[72, 105, 33]] * 4
+    clean = sampler.sample(prompts, seed=3)
+    model.generation_config.repetition_penalty = 50.0  # as a published generation_config.json may hold
+    model.generation_config.no_repeat_ngram_size = 1
+    assert sampler.sample(prompts, seed=3) == clean
+    assert model.generation_config.repetition_penalty == 50.0  # given back
