@@ -5,8 +5,11 @@ checkpoint is read: a damaged experiment.yaml stopped a resume with a user error
 could fall back (finding 3), and a trainer_state.json damaged in place that still parsed was trusted.
 
 One trained run directory (LoRA adapters at ZeRO-2, so that the checkpoint holds an adapter, model states
-and optimizer states apart, RNG state, the metadata and the manifest; checkpoints at steps 2 and 4) is
-shared by every case; each case copies it and damages one file of step 4.
+and optimizer states apart, RNG state, the metadata and the manifest; a checkpoint at every step) holds
+every case at once: each damaged file in a checkpoint of its own (the newest ones), the oldest intact. One
+plain `--resume` then walks down from the newest, naming each damaged file, and resumes the intact one;
+`--resume PATH` is refused for each (the resolution the CLI runs, in this process; through the CLI for the
+metadata it read first, finding 3). One process for every case instead of two a case.
 """
 
 import shutil
@@ -33,13 +36,25 @@ FILES = [
 ]
 
 
+# damage in place for every file; truncation (caught by the manifest's sizes, one check for every file) for a
+# shard, the metadata read first and the manifest itself
+CASES = [(n, "in place") for n in FILES] + [
+    (n, "truncated") for n in (FILES[0], "experiment.yaml", "trainer_state.json")
+]
+STEPS = len(CASES) + 1  # the first checkpoint intact, then one damaged file a checkpoint
+
+
+def tag(step):
+    return f"step_{step:08d}"
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("damaged") / "base"
-    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 4})
+    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": STEPS, "checkpoint.every_steps": 1})
     assert code == 0, out[-3000:]
-    held = {str(p.relative_to(run_dir / "checkpoints" / "step_00000004"))
-            for p in (run_dir / "checkpoints" / "step_00000004").rglob("*") if p.is_file()}  # fmt: skip
+    held = {str(p.relative_to(run_dir / "checkpoints" / tag(STEPS)))
+            for p in (run_dir / "checkpoints" / tag(STEPS)).rglob("*") if p.is_file()}  # fmt: skip
     assert set(FILES) <= held, f"the checkpoint holds {sorted(held)}"
     return run_dir
 
@@ -54,29 +69,38 @@ def damage(path, how):
         path.write_bytes(bytes(data))
 
 
-# damage in place for every file; truncation (caught by the manifest's sizes, one check for every file) for a
-# shard, the metadata read first and the manifest itself
-CASES = [(n, "in place") for n in FILES] + [
-    (n, "truncated") for n in (FILES[0], "experiment.yaml", "trainer_state.json")
-]
+def test_each_damaged_file_is_named_and_the_newest_intact_checkpoint_resumed(trained, tmp_path):
+    from trainer.checkpoint.disk import resolve_resume, verify_digests
+    from trainer.errors import UserError
 
-
-@pytest.mark.parametrize("name,how", CASES)
-def test_a_damaged_file_is_named_and_the_previous_checkpoint_resumed(trained, tmp_path, name, how):
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
-    step4 = run_dir / "checkpoints" / "step_00000004"
-    damage(step4 / name, how)
-    if how == "in place":  # the explicit resume stops at the check, before training: once a file is enough
-        code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 5}, "--resume", step4)
+    root = run_dir / "checkpoints"
+    damaged = {}  # checkpoint -> its damaged file
+    for step, case in enumerate(CASES, start=2):
+        damage(root / tag(step) / case[0], case[1])
+        damaged[root / tag(step)] = case
+    for ckpt, (name, _) in damaged.items():  # --resume PATH: what the CLI checks before anything loads
+        try:
+            found, _ = resolve_resume(str(ckpt), "never", run_dir)  # the manifest, sizes, metadata digests
+            problems = verify_digests(
+                found
+            )  # then every file's digest (trainer/build.py, every rank a share)
+        except UserError as e:
+            problems = [str(e)]
+        assert any(str(ckpt / name) in p for p in problems), (name, problems)
+    for name in ("experiment.yaml", FILES[0]):  # through the CLI: the metadata read first, and a shard
+        path = root / tag(2 + CASES.index((name, "in place")))
+        code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": STEPS + 1}, "--resume", path)
         assert code == 2 and "Traceback" not in out, out[-3000:]
-        assert f"--resume {step4}" in out and str(step4 / name) in out, out[-3000:]
-    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 5}, "--resume")
+        assert f"--resume {path}" in out and str(path / name) in out, out[-3000:]
+    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": STEPS + 1}, "--resume")
     assert code == 0, out[-3000:]
-    assert str(step4 / name) in out and "damaged" in out, out[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'}" in out, out[-3000:]
+    for ckpt, (name, how) in damaged.items():
+        assert str(ckpt / name) in out, f"{name} ({how}) in {ckpt.name} not named:\n{out[-4000:]}"
+        print(f"{name:44} {how:9}: named, skipped")
+    assert f"resumed from {root / tag(1)}" in out, out[-3000:]
     assert "rollback" not in out
-    print(f"{name:44} {how:9}: named, resumed from step_00000002")
 
 
 @pytest.mark.parametrize("how", ["in place", "truncated"])
@@ -85,8 +109,8 @@ def test_a_damaged_latest_is_named_and_not_needed(trained, tmp_path, how):
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
     damage(run_dir / "checkpoints" / "latest", how)
-    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 5}, "--resume")
+    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": STEPS + 1}, "--resume")
     assert code == 0, out[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'}" in out, out[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / tag(STEPS)}" in out, out[-3000:]
     if how == "in place":
         assert f"{run_dir / 'checkpoints' / 'latest'} is damaged" in out, out[-3000:]
