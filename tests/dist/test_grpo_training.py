@@ -107,3 +107,22 @@ def test_a_resumed_run_generates_and_trains_as_the_uninterrupted_one(tmp_path, s
                        if m.get("step", 0) > 3 and "reward" in m}  # fmt: skip
     assert after(b) == after(a) and len(after(a)) == 3  # bit for bit
     assert b.rank_reports()[0]["param_digest"] == a.rank_reports()[0]["param_digest"]
+
+
+def test_no_reference_is_held_at_beta_0_nor_with_lora_s_adapters_off(tmp_path):
+    """beta 0 builds no reference, and beta > 0 with LoRA takes the model with its adapters off: the weights,
+    gradients and optimizer states the engine holds (the census, after the first step) are the plan's within
+    10%, and the same with and without the KL term (a reference copy would add the base's weights again)."""
+    from helpers import check_memory
+
+    base = pretrained(tmp_path)
+    census = {}
+    for beta in (0.0, 0.04):
+        sets = {**BASE, **base, "model.lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "train.rl.beta": beta,
+                "train.micro_batch_size": 4, "train.grad_accum": 2}  # fmt: skip
+        r = train(tmp_path / f"beta{beta}", sets, experiment=EXP)
+        check_memory(r, f"grpo beta {beta}")
+        census[beta] = r.rank_reports()[0]["memory"]
+        if beta:
+            assert any("kl" in m for m in r.metrics), "the KL term was not computed"
+    assert census[0.0]["params"] == census[0.04]["params"], census

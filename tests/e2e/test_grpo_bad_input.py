@@ -1,8 +1,10 @@
 """GRPO's bad input through the real CLI (issue 56 item 7): exit 2, no traceback, the key or the function
 named with the fix; a reward function that returns strings stops the run at its first generation naming
-the function and the rows, never a silent zero."""
+the function and the rows, never a silent zero. And --preview-data of prompt data: the prompts as generation
+starts from them, with the columns the rewards get (it described them as packed text)."""
 
 import json
+import re
 
 import pytest
 from helpers import ROOT, bin_train, data_cache
@@ -76,3 +78,15 @@ def test_a_template_without_a_generation_prompt_is_refused(tmp_path):
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}")
     out = run(tmp_path, f"data.train.files={data}", f"data.chat_template={template}")
     assert "the chat template has no generation prompt" in out and "data.chat_template" in out, out
+
+
+def test_preview_data_shows_the_prompts_and_the_columns_the_rewards_get(tmp_path):
+    p = bin_train(EXP, "--preview-data", "1", "--set", f"run_dir={tmp_path / 'run'}",
+                  "--set", f"data.cache_dir={data_cache()}")  # fmt: skip
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "72 prompts" in out and "leaving" in out and "packed" not in out, out
+    assert re.search(r"prompt 1 \(row \d+; \d+ tokens\): \"How many letters are in '\w+'\? Answer:\"", out), (
+        out
+    )
+    assert re.search(r'columns for the rewards: \{"answer": "\d+"\}', out), out

@@ -50,6 +50,8 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
     from trainer.data.stream import RankSampler, padding_shares
 
     d = exp.data
+    if data.columns is not None:  # prompts (train.objective grpo)
+        return _prompts(data, exp, n)
     what = f"pairs ({2 * len(data.train):,} sequences)" if data.pairs else "sequences"
     lines = [f"data: {len(data.train):,} training {what} of {d.seq_len} tokens in {data.cache_path}"]
     if data.mixture:
@@ -107,3 +109,28 @@ def _pairs(data: Any, exp: Experiment, n: int) -> list[str]:
                 "  tokens: " + token_view(ex, data.tokenizer),
             ]
     return lines
+
+
+def _prompts(data: Any, exp: Experiment, n: int) -> str:
+    """Prompt data: how many, the longest against seq_len, and the first `n` prompts of the first epoch as
+    generation starts from them, with the columns the reward functions get."""
+    import json
+
+    from trainer.data.prompts import PROMPT, lengths
+    from trainer.data.stream import RankSampler
+
+    rows = data.train
+    longest = int(lengths(rows).max()) if len(rows) else 0
+    stats = data.finetune or {}
+    room = exp.data.seq_len - longest
+    lines = [f"data: {len(rows):,} prompts in {data.cache_path} (of {stats.get('examples', len(rows)):,}; "
+             f"{stats.get('dropped_too_long', 0):,} dropped: seq_len {exp.data.seq_len} or longer)",
+             f"prompts: the longest {longest} tokens, leaving {room} of seq_len for a completion "
+             f"(train.rl.max_new_tokens {exp.train.rl.max_new_tokens})"]  # fmt: skip
+    sampler = RankSampler(len(rows), 0, 1, 1, exp.seed, exp.data.shuffle)
+    for shown, r in enumerate(sampler.order(0)[:n], 1):
+        ids = [int(t) for t in rows[r] if t >= 0]
+        other = {k: v for k, v in data.columns[r].items() if k != PROMPT}
+        lines += ["", f"prompt {shown} (row {int(r)}; {len(ids)} tokens): {data.tokenizer.decode(ids)!r}",
+                  f"  columns for the rewards: {json.dumps(other)[:300]}"]  # fmt: skip
+    return "\n".join(lines)
