@@ -111,7 +111,7 @@ def test_a_resumed_run_generates_and_trains_as_the_uninterrupted_one(tmp_path, s
 
 def test_no_reference_is_held_at_beta_0_nor_with_lora_s_adapters_off(tmp_path):
     """beta 0 builds no reference, and beta > 0 with LoRA takes the model with its adapters off: the weights,
-    gradients and optimizer states the engine holds (the census, after the first step) are the plan's within
+    gradients and optimizer states the engine holds (the census, after the first optimizer step) are the plan's within
     10%, and the same with and without the KL term (a reference copy would add the base's weights again)."""
     from helpers import check_memory
 
@@ -119,7 +119,7 @@ def test_no_reference_is_held_at_beta_0_nor_with_lora_s_adapters_off(tmp_path):
     census = {}
     for beta in (0.0, 0.04):
         sets = {**BASE, **base, "model.lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "train.rl.beta": beta,
-                "train.micro_batch_size": 4, "train.grad_accum": 2}  # fmt: skip
+                "train.micro_batch_size": 4, "train.grad_accum": 2, "train.max_steps": 2}  # fmt: skip
         r = train(tmp_path / f"beta{beta}", sets, experiment=EXP)
         check_memory(r, f"grpo beta {beta}")
         census[beta] = r.rank_reports()[0]["memory"]
