@@ -1,7 +1,8 @@
 """GRPO on real launchers (issue 56 item 4): a step's gradient does not depend on how it is split (1 rank x
 accumulation 4 = 2 ranks x 2 = 4 ranks x 1, gloo) nor on the ZeRO stage (0, 2, 3 on 2 ranks: ZeRO-3 gathers the
 weights for generation, the ranks in step), for dapo and grpo; a resumed run generates the same completions and
-logs the same rewards and losses as the uninterrupted one, bit for bit, at ZeRO 0 and 3.
+logs the same rewards and losses as the uninterrupted one, bit for bit, at ZeRO 0 and 3. (torchrun throughout:
+the deepspeed launcher's start costs twice torchrun's, and the launchers have their own tests.)
 
 The job: configs/experiments/tiny-grpo.yaml's model and prompts (1 layer), 4 completions a prompt, 4 new
 tokens; the first step's gradients (every parameter's, reduced and gathered: TRAINER_DEBUG_GRADS) compared."""
@@ -77,7 +78,7 @@ def test_the_zero_stages_agree(tmp_path):
     for stage in (0, 2, 3):
         sets = {**BASE, **base, "train.micro_batch_size": 4, "train.grad_accum": 2, "strategy.zero_stage": stage,
                 "strategy.justification": "test"}  # fmt: skip
-        out[stage] = train(tmp_path / f"z{stage}", sets, launcher="deepspeed", nproc=2, experiment=EXP,
+        out[stage] = train(tmp_path / f"z{stage}", sets, launcher="torchrun", nproc=2, experiment=EXP,
                            env={"TRAINER_DEBUG_GRADS": "1"})  # fmt: skip
         assert f"ZeRO stage {stage}" in out[stage].output
     for stage in (2, 3):
@@ -91,7 +92,7 @@ def test_a_resumed_run_generates_and_trains_as_the_uninterrupted_one(tmp_path, s
             "checkpoint.every_steps": 3,
             "checkpoint.keep_last": 0, "strategy.zero_stage": stage, "strategy.justification": "test",
             "optim.lr": 3e-2}  # fmt: skip
-    launcher = "none" if ranks == 1 else "deepspeed"
+    launcher = "none" if ranks == 1 else "torchrun"
     a = train(tmp_path / "a", sets, launcher=launcher, nproc=ranks, experiment=EXP)
     ckpt = a.run_dir / "checkpoints" / "step_00000003"
     b = train(
