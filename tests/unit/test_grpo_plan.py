@@ -1,5 +1,6 @@
 """The plan counts GRPO (issue 56 item 5; trainer/strategy/planning/generation.py): generation's key/value
-cache against the cache transformers' generate actually holds (GPT-2 and a grouped-query Llama, within 10%),
+cache against the cache transformers' generate actually holds (GPT-2 and a grouped-query Llama, within 10%), and the whole of
+generation's term against the peak of malloc's live bytes while the sampler runs (prefill- and decode-bound),
 the rows a micro step trains (its completions, a prompt and its completion within data.seq_len each: not a
 preference objective's pairs), generation's bytes in the peak (the largest of activations, the optimizer step and generation, not
 their sum), no reference model at beta 0 nor with LoRA's adapters off, and --plan's generation column and
@@ -48,6 +49,49 @@ def test_the_kv_cache_term_is_what_generate_holds(family):
     # the cache holds every token but the last sampled one (its keys are never needed)
     planned = kv_cache_bytes(info, g, prompt + new, 4)
     assert abs(planned - got) <= 0.1 * got, (planned, got)
+
+
+GPT2 = dict(model_type="gpt2", n_layer=4, n_embd=256, n_head=4, n_positions=256)
+LLAMA = dict(model_type="llama", num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
+             intermediate_size=704, max_position_embeddings=256)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family,new",
+    [(GPT2, 56), (GPT2, 200), (LLAMA, 56), (LLAMA, 200)],
+    ids=["gpt2-prefill", "gpt2-decode", "llama-prefill", "llama-decode"],
+)
+def test_generation_s_term_is_the_measured_peak_of_sampling(family, new):
+    """16 completions of a 256-token row (a prompt of 256 - new tokens), fp32 on CPU: the peak of malloc's
+    live bytes while ModelSampler samples, above what was live before, against generation_bytes."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.step_memory import Peak
+    from trainer.rl.generate import ModelSampler, Sampling
+
+    g, seq = 16, 256
+    exp = config.load(EXP, ["model.config=" + json.dumps(family), f"train.rl.num_generations={g}",
+                            f"train.micro_batch_size={g}", f"data.seq_len={seq}", f"train.rl.max_new_tokens={new}"])  # fmt: skip
+    info = model.info(exp.model, 257, seq)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(**family, vocab_size=257)).eval()
+    engine = SimpleNamespace(ds=SimpleNamespace(module=m), device=torch.device("cpu"))
+    sampler = ModelSampler(engine, Sampling(max_new_tokens=new, stop=(), pad=256), synced=False, batch=g)
+    prompt = [[65 + i % 20 for i in range(seq - new)]] * g
+    sampler.sample(prompt, seed=0)  # the allocator's arenas warmed
+    peak = Peak()
+    start = peak.reset()
+    out = sampler.sample(prompt, seed=1)
+    measured = peak.since(start)
+    assert all(len(c) == new for c, _ in out)  # no stop token: every completion its full length
+    planned = generation_bytes(exp, info, 4)
+    print(
+        f"{family['model_type']} new {new}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB"
+    )
+    assert abs(planned / measured - 1) <= 0.10, (measured, planned)
 
 
 def plan(*sets, device=8):

@@ -7,11 +7,16 @@ Generation (trainer/rl/generate.py) samples one prompt's group at a time: G sequ
 data.seq_len tokens (a prompt of at most seq_len - max_new_tokens, and its completion). It holds
 
 - the key/value cache: 2 (keys, values) x layers x G x length x kv_heads x head_dim, in the compute
-  precision (the part that grows with the job; `kv_cache_bytes`);
-- the prompt's forward (prefill, no gradients): one layer's hidden states and MLP input at a time, G x
-  prompt x (4 hidden + the MLP's width), in the compute precision;
-- the sampling step's logits of the last position in fp32, thrice (the logits, the processed scores,
-  the probabilities): G x vocab x 12 bytes.
+  precision (`kv_cache_bytes`);
+- while the prompt runs (prefill, no gradients): the prompt's cache, and one layer's activations at a
+  time, G x prompt x (2 MLP widths, 3 gated, + ATTENTION_HIDDEN hidden sizes) (and the scores, where
+  eager attention materialises them);
+- then, a token at a time: the whole cache, one layer's keys or values copied as they grow, the last position's
+  logits in fp32 thrice (the logits, the processed scores, the probabilities): G x vocab x 12 bytes.
+
+The peak is the larger of the two phases; calibrated against malloc's live bytes while GPT-2 shapes
+sample on CPU (tests/unit/test_grpo_plan.py: GPT-2 and Llama shapes, prefill-bound and decode-bound, within
+10%).
 
 No reference model is held: beta 0 builds none, and with LoRA the reference is the model with its adapters
 off (beta > 0 without LoRA is refused). The old log-probs (num_iterations > 1) and the rollouts are kept on
@@ -21,6 +26,12 @@ the host: a step's completions x length x 32 bytes (rows of three int64, two fp3
 from __future__ import annotations
 
 from typing import Any
+
+# hidden states a prompt token holds at the prefill's peak beside its MLP's, measured (malloc's live bytes
+# while sampling on CPU, tests/unit/test_grpo_plan.py): GPT-2's fused c_attn (Conv1D, addmm) and its
+# head splits hold 14; Llama's layout (q/k/v/o projections apart, rotary embeddings; Mistral, Qwen2/3
+# share it) 4.5, the default
+ATTENTION_HIDDEN = {"gpt2": 14.0}
 
 
 def is_rl(exp: Any) -> bool:
@@ -45,12 +56,25 @@ def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     """What generation holds on a rank beyond the weights (see the module's doc); 0 for other objectives."""
     if not is_rl(exp):
         return 0
-    g = exp.train.rl.num_generations
+    g, new = exp.train.rl.num_generations, exp.train.rl.max_new_tokens
+    prompt = max(exp.data.seq_len - new, 1)
     hidden = info.hidden or 0
     width = info.intermediate or 4 * hidden
-    prefill = g * max(exp.data.seq_len - exp.train.rl.max_new_tokens, 0) * (4 * hidden + width) * lp
-    logits = g * (info.vocab or 0) * 12
-    return kv_cache_bytes(info, g, row_length(exp), lp) + int(prefill + logits)
+    # the prompt's forward: its keys and values so far, and one layer's activations at a time: the MLP's
+    # (its widths: 2, 3 gated) and the rest of the layer's (hidden states a token: ATTENTION_HIDDEN), and
+    # the scores where the attention materialises them
+    mlp = (3 if info.intermediate else 2) * width
+    rest = ATTENTION_HIDDEN.get(info.model_type or "", 4.5) * hidden
+    prefill = kv_cache_bytes(info, g, prompt, lp) + int(g * prompt * (rest + mlp) * lp)
+    if (info.attn_implementation or "eager") == "eager":
+        prefill += g * (info.heads or 1) * prompt * prompt * lp
+    # then one token at a time: the whole cache, one layer's keys (or values) copied as they grow, the last
+    # position's logits
+    layers = max(info.layers or 1, 1)
+    decode = (
+        kv_cache_bytes(info, g, row_length(exp), lp) * (1 + 1 / (2 * layers)) + g * (info.vocab or 0) * 12
+    )
+    return int(max(prefill, decode))
 
 
 def host_bytes(exp: Any) -> int:
