@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,6 +162,16 @@ def launcher_program(script: str, module: str) -> list[str]:
     )
 
 
+def back_off(delay: float, stopping: Any) -> bool:
+    """Sleep `delay` seconds between attempts unless `stopping()` (a signal) says to stop: True at once then.
+    Polled, so that the signal handler only stores the signal: a threading.Event set from the handler could
+    deadlock with the main thread it interrupts inside the same Event's wait."""
+    deadline = time.monotonic() + delay
+    while not stopping() and time.monotonic() < deadline:
+        time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+    return bool(stopping())
+
+
 @dataclass
 class Supervisor:
     experiment: str
@@ -182,7 +191,6 @@ class Supervisor:
     kept_accum: str | None = field(default=None, init=False)
     _child: subprocess.Popen | None = None
     _stopping: int | None = None  # the signal that asked us to stop
-    _wake: threading.Event = field(default_factory=threading.Event)
 
     def hosts(self) -> list[tuple[str, int]]:
         return read_hostfile(self.hostfile) if self.hostfile else []
@@ -229,7 +237,7 @@ class Supervisor:
             start = f"from {found.tag}" if found else f"from {self.resume}" if self.resume else "from scratch"
             delay = min(self.backoff_s * 2**attempt, 60.0)
             self.say(f"attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s {start}")
-            if self._wake.wait(delay) or self._stopping:
+            if back_off(delay, lambda: bool(self._stopping)):
                 name = signal.Signals(self._stopping).name if self._stopping else "a signal"
                 self.say(f"{name} during the back-off: stopping, no further attempt")
                 return 128 + (self._stopping or signal.SIGTERM)
@@ -275,8 +283,7 @@ class Supervisor:
         print(f"[supervisor] {line}", flush=True)
 
     def _forward(self, signum: int, _frame: Any) -> None:
-        self._stopping = signum
-        self._wake.set()
+        self._stopping = signum  # only a store (an Event set here can deadlock with the wait it interrupts)
         if self._child is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._child.pid, signum)
