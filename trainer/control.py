@@ -193,3 +193,19 @@ class Control:
 
         ok = torch.isfinite(loss).all()
         return ok if so_far is None else so_far & ok
+
+
+def exit_on_sigterm(code: int) -> None:
+    """After a stop on request has saved: SIGTERM ends this rank with `code` (srun --kill-on-bad-exit sends it to
+    the ranks still tearing down once the first has exited with the stop's code; 143 failed the requeue)."""
+    import os
+    import signal
+
+    def handler(*_: Any) -> None:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    signal.signal(signal.SIGTERM, handler)

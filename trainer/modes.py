@@ -3,8 +3,7 @@
 - train (the default): the loop to train.max_steps, with evaluation, checkpoints, wandb; an
   out-of-memory or a non-finite loss ends it through a small handler each;
 - `--check`: the consistency checks, one step and a checkpoint round trip (multi-node bring-up);
-- `--overfit-batch`: train on one fixed batch, a quick proof that the pipeline learns (the loss
-  must approach zero);
+- `--overfit-batch`: train on one fixed batch, a quick proof that the pipeline learns (loss -> 0);
 - `--profile`: a torch.profiler trace of a few steps after warm-up, and the top operators;
 - `--dry-run`: build everything (process group, data, model, engine, a checkpoint to resume) and
   take no step.
@@ -212,13 +211,15 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
     import torch
 
     from trainer.checkpoint import CheckpointWriteError
-    from trainer.control import NonFiniteLoss
+    from trainer.control import NonFiniteLoss, exit_on_sigterm
 
     exit_code = 1
     tokens0 = run.state.tokens
     try:
         body()
         exit_code = run.exp.checkpoint.signal_exit_code if run.state.stopped else 0
+        if run.state.stopped:  # saved: a SIGTERM from the launcher as the ranks exit must not fail it
+            exit_on_sigterm(exit_code)
     except torch.OutOfMemoryError as e:
         exit_code = on_out_of_memory(run, e)
         return exit_code
