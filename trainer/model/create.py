@@ -142,19 +142,9 @@ def hf_config(section: ModelSection, vocab_size: int | None, eos_id: int | None)
 
 
 def _factory(section: ModelSection) -> Callable[..., Any]:
-    module_name, _, fn_name = (section.factory or "").partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"model.factory: cannot import '{module_name}': {e}; is it on PYTHONPATH?") from None
-    fn = module
-    for part in fn_name.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise UserError(f"model.factory: '{module_name}' has no '{fn_name}'")
-    if not callable(fn):
-        raise UserError(f"model.factory: '{section.factory}' is not callable")
-    return fn
+    from trainer.dotted import load_callable
+
+    return load_callable(section.factory or "", "model.factory")
 
 
 def positions(cfg: Any) -> int | None:

@@ -84,18 +84,6 @@ class Settings:
     max_new_tokens: int = 256
 
 
-@dataclass
-class Stats:
-    """Sums of a micro batch's loss terms for the metrics (tokens counted: the mask's)."""
-
-    tokens: float = 0.0
-    clipped_low: float = 0.0
-    clipped_high: float = 0.0
-    clipped: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
-
-
 def token_losses(logps: Any, old: Any, ref: Any, adv: Any, s: Settings) -> tuple[Any, Any, Any, Any]:
     """Per-token loss (rows, tokens), and the low, high and region clip indicators (as TRL logs them)."""
     ratio = torch.exp(logps - old)

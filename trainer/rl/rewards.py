@@ -20,7 +20,6 @@ Built-ins, for verifiable tasks:
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -153,20 +152,10 @@ def load(specs: Sequence[Any]) -> list[Reward]:
 
 
 def import_function(path: str, key: str) -> Callable[..., Any]:
-    module_name, _, attr = path.partition(":")
-    if not attr:
+    if not path.partition(":")[2]:
         raise UserError(
             f"{key}: '{path}' is neither a built-in ({', '.join(BUILTINS)}) nor package.module:function"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"{key}: cannot import '{module_name}' ({e}); is it on PYTHONPATH?") from None
-    fn: Any = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise UserError(f"{key}: '{module_name}' has no '{attr}'")
-    if not callable(fn):
-        raise UserError(f"{key}: '{path}' is not callable")
-    return fn
+    from trainer.dotted import load_callable
+
+    return load_callable(path, key)
