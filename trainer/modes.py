@@ -211,7 +211,7 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
     import torch
 
     from trainer.checkpoint import CheckpointWriteError
-    from trainer.control import NonFiniteLoss, exit_on_sigterm
+    from trainer.control import NonFiniteLoss, ignore_sigterm_after_save
 
     exit_code = 1
     tokens0 = run.state.tokens
@@ -219,7 +219,7 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
         body()
         exit_code = run.exp.checkpoint.signal_exit_code if run.state.stopped else 0
         if run.state.stopped:  # saved: a SIGTERM from the launcher as the ranks exit must not fail it
-            exit_on_sigterm(exit_code)
+            ignore_sigterm_after_save()
     except torch.OutOfMemoryError as e:
         exit_code = on_out_of_memory(run, e)
         return exit_code
