@@ -553,7 +553,7 @@ def loopback_nodes(name: str):
 SPLITS = {
     "micro4": ({"train.micro_batch_size": 4, "train.grad_accum": 1}, "none", 1),
     "accum4": ({"train.micro_batch_size": 1, "train.grad_accum": 4}, "none", 1),
-    "2ranks": ({"train.micro_batch_size": 2, "train.grad_accum": 1}, "deepspeed", 2),
+    "2ranks": ({"train.micro_batch_size": 2, "train.grad_accum": 1}, "torchrun", 2),
 }
 
 

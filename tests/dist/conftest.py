@@ -48,7 +48,7 @@ def runs(shared_dir, small_data):
     (see helpers.PRECISIONS)."""
     cache: dict[str, Result] = {}
 
-    def get(name: str, launcher: str = "deepspeed", precision: str = "fp32") -> Result:
+    def get(name: str, launcher: str = "torchrun", precision: str = "fp32") -> Result:
         key = f"A-{name}-{launcher}{'' if precision == 'fp32' else '-' + precision}".replace("+", "_")
         if key not in cache:
             tmp = shared_dir / key

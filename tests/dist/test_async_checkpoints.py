@@ -28,7 +28,7 @@ def test_kills_with_a_background_write_in_flight_leave_the_previous_checkpoint(t
     # The first attempt also writes step 6 1.5 s late, while steps 7-9 change the live state: the
     # final resume from it then proves the files hold the copy taken at step 6.
     kills = [("killsave@9:rank=1,slowsave@6:ms=1500", "deepspeed"), ("killsave@9", "torchrun"),
-             ("killcommit@9:rank=0", "deepspeed")]  # fmt: skip
+             ("killcommit@9:rank=0", "torchrun")]  # fmt: skip
     for i, (fault, launcher) in enumerate(kills):
         b = train(tmp_path, s, launcher=launcher, env={"TRAINER_FAULT": fault},
                   extra_args=["--resume"] if i else [], check=False)  # fmt: skip

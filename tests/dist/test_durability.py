@@ -19,7 +19,7 @@ SETS = {**FAST, "train.max_steps": 12, "checkpoint.every_steps": 6, "checkpoint.
 @pytest.mark.parametrize("save", ["sync", "async"])
 def test_a_shard_zeroed_in_place_is_named_and_the_previous_checkpoint_resumed(tmp_path, save):
     sets = {**SETS, "checkpoint.async": save == "async", "run_dir": str(tmp_path / "run")}
-    a = train(tmp_path / "a", sets, launcher="deepspeed")
+    a = train(tmp_path / "a", sets, launcher="torchrun")
     root = tmp_path / "run" / "checkpoints"
     state = json.loads((root / "step_00000012" / "trainer_state.json").read_text())
     assert set(state["digests"]) == set(state["files"]) and set(state["writers"].values()) == {0, 1}
@@ -33,10 +33,10 @@ def test_a_shard_zeroed_in_place_is_named_and_the_previous_checkpoint_resumed(tm
         f.write(bytes(min(4096, size // 4)))
     assert shard.stat().st_size == size
     if save == "sync":  # (how the files were written does not change what the check reads)
-        explicit = train(tmp_path / "c", {**sets, "train.max_steps": 18}, launcher="deepspeed",
+        explicit = train(tmp_path / "c", {**sets, "train.max_steps": 18}, launcher="torchrun",
                          extra_args=["--resume", str(root / "step_00000012")], check=False)  # fmt: skip
         assert explicit.returncode == 2 and f"{shard} holds other bytes than were written" in explicit.output
-    b = train(tmp_path / "b", {**sets, "train.max_steps": 18}, launcher="deepspeed", extra_args=["--resume"])
+    b = train(tmp_path / "b", {**sets, "train.max_steps": 18}, launcher="torchrun", extra_args=["--resume"])
     assert f"checkpoint {root / 'step_00000012'} is damaged ({shard} holds other bytes" in b.output, b.output[-3000:]
     assert "resuming from step_00000006 instead" in b.output
     print(f"{save}: {shard.name} zeroed in place; resumed from step_00000006")

@@ -29,7 +29,7 @@ def own_nodes():
 
 
 def test_a_lost_node_the_job_goes_on_with_the_survivors(tmp_path, own_nodes):
-    reference = train(tmp_path / "ref", SETS, launcher="deepspeed", debug=False)  # 2 ranks, uninterrupted
+    reference = train(tmp_path / "ref", SETS, launcher="torchrun", debug=False)  # 2 ranks, uninterrupted
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     run_dir = tmp_path / "run"

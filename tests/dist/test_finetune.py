@@ -29,7 +29,7 @@ def sft_sets(data, **kw):
 
 def test_the_step_loss_does_not_depend_on_how_the_batch_is_split(tmp_path):
     """4 packed rows per step (their target counts differ): micro 4 x 1 rank, micro 1 x accumulation
-    4, micro 2 x 2 ranks (deepspeed launcher) log the same losses at every step (1e-6 relative): the
+    4, micro 2 x 2 ranks (torchrun) log the same losses at every step (1e-6 relative): the
     same updates, as each step's loss depends on the weights the steps before left; and the same
     with model.chunked_loss. Without the normalization, a mean of per-micro-batch means, micro 1 x 4
     differs from micro 4 x 1 from the first step (see the closing note of issue 18)."""
@@ -91,7 +91,7 @@ def test_prompt_completion_data_and_truncation_are_counted(tmp_path):
 # and test_bf16_stages.py::test_bf16_stop_and_resume_is_exact. bf16 at ZeRO-2 is the usual fine-tune.
 @pytest.mark.parametrize(("precision", "stage"), [("bf16", 2), ("fp32", 3)], ids=["bf16-2", "fp32-3"])
 def test_a_packed_chat_mixture_resumes_bit_for_bit_mid_epoch_on_two_ranks(tmp_path, stage, precision):
-    """2 ranks (deepspeed launcher), a two-source chat mixture (weights 3:1), packed: run A to step 12
+    """2 ranks (torchrun), a two-source chat mixture (weights 3:1), packed: run A to step 12
     with a checkpoint at 6; run B resumes from it (mid-epoch) and logs A's losses bit for bit, ends
     with A's weights and reports the same tokens per source; the sources' shares follow the weights."""
     import json
@@ -104,11 +104,11 @@ def test_a_packed_chat_mixture_resumes_bit_for_bit_mid_epoch_on_two_ranks(tmp_pa
                               "train.max_steps": 12, "checkpoint.every_steps": 6, "checkpoint.keep_last": 0,
                               "train.micro_batch_size": 2, "train.grad_accum": 2, "optim.warmup_steps": 2})  # fmt: skip
     sets.pop("data.train.files"), sets.pop("data.train.kind")
-    a = train(tmp_path / "a", sets, launcher="deepspeed")
+    a = train(tmp_path / "a", sets, launcher="torchrun")
     assert max(a.losses[s] for s in (11, 12)) < min(a.losses[s] for s in (1, 2)), a.losses  # it trains
     assert "mixture: data.train[0]" in a.output and "(weight 3, " in a.output, a.output[-3000:]
     ckpt = tmp_path / "a" / "run" / "checkpoints" / "step_00000006"
-    b = train(tmp_path / "b", sets, launcher="deepspeed", extra_args=["--resume", str(ckpt)])
+    b = train(tmp_path / "b", sets, launcher="torchrun", extra_args=["--resume", str(ckpt)])
     assert f"resumed from {ckpt} at step 6" in b.output
     assert {s: v for s, v in b.losses.items() if s > 6} == {s: v for s, v in a.losses.items() if s > 6}
     assert b.rank_reports()[0]["param_digest"] == a.rank_reports()[0]["param_digest"]

@@ -1,8 +1,8 @@
 """Kills during a checkpoint save and a SIGTERM to one rank, on 2 ranks: `latest` keeps naming the
 previous complete checkpoint, the job that was signalled saves and exits 0, and a run resumed from
 either ends exactly like the uninterrupted run A of test_stages.py (ZeRO-2; conftest.runs makes it
-once per test session). The faults strike jobs of the deepspeed launcher (and torchrun); the
-resumed runs are torchrun jobs."""
+once per test session, under torchrun). The faults strike jobs of the deepspeed launcher and of
+torchrun; the resumed runs are torchrun jobs."""
 
 import pytest
 from helpers import K, assert_same_continuation, sigterm_rank_1, train
@@ -22,7 +22,7 @@ def test_kills_during_a_save_leave_the_previous_checkpoint(tmp_path, small_data,
     a = runs("zero2")
     ckpts = tmp_path / "run" / "checkpoints"
     s = sets(small_data, 2, **{"checkpoint.async": False})
-    kills = [("killsave@12:rank=1", "deepspeed"), ("killsave@12", "torchrun"), ("killcommit@12:rank=0", "deepspeed")]
+    kills = [("killsave@12:rank=1", "deepspeed"), ("killsave@12", "torchrun"), ("killcommit@12:rank=0", "torchrun")]
     for i, (fault, launcher) in enumerate(kills):
         b = train(tmp_path, s, launcher=launcher, env={"TRAINER_FAULT": fault},
                    extra_args=["--resume"] if i else [], check=False)

@@ -37,9 +37,9 @@ CASES = {
     "zero0-gpt2": (0, "none", "gpt2", "deepspeed", {}),
     "zero1-llama": (1, "none", "llama", "torchrun", {"train.precision": "bf16"}),
     "zero2-llama": (2, "none", "llama", "torchrun", {}),
-    "zero3-gpt2": (3, "none", "gpt2", "deepspeed", {}),
+    "zero3-gpt2": (3, "none", "gpt2", "torchrun", {}),
     "zero3+cpu-gpt2": (3, "cpu", "gpt2", "torchrun", {}),
-    "zero2+cpu-llama": (2, "cpu", "llama", "deepspeed", {"train.precision": "bf16", "model.chunked_loss": True,
+    "zero2+cpu-llama": (2, "cpu", "llama", "torchrun", {"train.precision": "bf16", "model.chunked_loss": True,
                                                           "model.activation_checkpointing": True}),
 }  # fmt: skip
 

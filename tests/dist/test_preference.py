@@ -89,7 +89,7 @@ def test_dpo_trains_and_resumes_bit_for_bit(tmp_path, prefs, name):
 
 
 def test_the_dpo_loss_does_not_depend_on_how_the_batch_is_split(tmp_path, prefs):
-    """4 pairs per step: micro 2 x 2 ranks (deepspeed launcher), micro 1 x accumulation 4 and micro 4
+    """4 pairs per step: micro 2 x 2 ranks (torchrun), micro 1 x accumulation 4 and micro 4
     x 1 rank log the same DPO losses at every step (fp32, 1e-6 relative): a micro batch's loss is the
     mean of its pairs' and every micro batch holds as many, so DeepSpeed's mean over micro batches and
     ranks is the mean over the step's pairs."""

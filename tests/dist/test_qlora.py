@@ -13,7 +13,7 @@ pytest.importorskip("bitsandbytes")
 
 # (stage, launcher, precision): fp32, as bf16 products crawl on AVX2-only hosts (150-225 s a run there);
 # bf16 storage under DeepSpeed's cast is test_qlora_training's curve (bit for bit the dequantized base's)
-CASES = {"zero0": (0, "deepspeed", "fp32"), "zero2": (2, "torchrun", "fp32"), "zero3": (3, "deepspeed", "fp32")}
+CASES = {"zero0": (0, "deepspeed", "fp32"), "zero2": (2, "torchrun", "fp32"), "zero3": (3, "torchrun", "fp32")}
 
 
 def sets_for(data, shared_dir, stage, precision):

@@ -56,7 +56,7 @@ def test_qlora_is_lora_over_its_dequantized_base_and_follows_bf16_lora(tmp_path,
 
 def test_qlora_chat_steps_do_not_depend_on_how_the_batch_or_the_rows_are_split(tmp_path, shared_dir):
     """Chat data, packed, over the 4-bit base (stored and computing in fp32): 1 rank x accumulation 4,
-    2 ranks x micro 2 (deepspeed launcher, 1e-6 relative) and sequence parallelism 2 log the same losses
+    2 ranks x micro 2 (torchrun, 1e-6 relative) and sequence parallelism 2 log the same losses
     at every step."""
     data = chat_data(tmp_path / "chat.jsonl")
     sets = {**QLORA, "model.config": None, "model.pretrained": str(qlora_base(shared_dir)), "train.precision": "fp32",
@@ -89,7 +89,7 @@ def test_qlora_dpo_at_zero3_its_reference_is_the_4bit_base(tmp_path, shared_dir)
             "data.num_workers": 0, "train.objective": "dpo", "train.micro_batch_size": 2, "train.max_steps": 8,
             "train.log_every": 1, "train.eval_every": 0, "optim.lr": 3e-3, "strategy.zero_stage": 3,
             "checkpoint.every_steps": 0, "checkpoint.save_final": False}  # fmt: skip
-    r = train(tmp_path, sets, launcher="deepspeed", cache=tmp_path / "cache", debug=False)
+    r = train(tmp_path, sets, launcher="torchrun", cache=tmp_path / "cache", debug=False)
     assert "ZeRO stage 3" in r.output and "base weights: 4bit nf4" in r.output
     assert "reference log-probs: computed for 16 pairs" in r.output
     recs = [m for m in r.metrics if "reward_margin" in m]

@@ -8,7 +8,8 @@ epoch the ranks consume disjoint samples, the memory held matches the plan, and 
 same per-step losses. Run B, a new job under torchrun (a checkpoint written under one launcher
 resumes under the other), resumes from A's checkpoint at K for K more steps: its per-step losses
 equal A's bit for bit (fp32 on CPU is deterministic) and the final weights are equal. Run A is made
-once per test session (conftest.runs) and shared with test_kills.py.
+once per test session (conftest.runs, under torchrun; ZeRO-2's also under the deepspeed launcher, whose
+checkpoint run B resumes under torchrun) and shared with test_kills.py.
 """
 
 import json
@@ -37,7 +38,7 @@ def test_measured_memory_matches_the_plan(runs, name):
 
 
 def test_torchrun_gives_the_same_losses_as_deepspeed(runs):
-    ds, tr = runs("zero2"), runs("zero2", "torchrun")
+    ds, tr = runs("zero2", "deepspeed"), runs("zero2")
     check_run(tr, "zero2")
     assert "via torchrun" in tr.output and "via deepspeed" in ds.output
     assert tr.losses == ds.losses  # bitwise: same seed, stage and data order
@@ -66,7 +67,7 @@ def test_stop_and_resume_is_exact(tmp_path, small_data, runs, name):
     """Run B resumes in a new job, under torchrun, from run A's own checkpoint at step K (stopping at
     a signal, then resuming, is test_sigterm_to_one_rank_saves_and_exits_0)."""
     stage, accum, _ = CASES[name]
-    a = runs(name)
+    a = runs(name, "deepspeed" if name == "zero2" else "torchrun")  # zero2: written under the other launcher
 
     # The checkpoint carries the exact DeepSpeed JSON, the resolved experiment and the state.
     d = a.run_dir / "checkpoints" / "step_00000006"
@@ -96,7 +97,7 @@ def test_eval_prompts_at_stage_3_on_two_ranks(tmp_path):
         tmp_path,
         {**FAST, "strategy.zero_stage": 3, "train.max_steps": 2, "train.eval_batches": 1,
          "train.eval_prompts": ["def ", "x = "], "train.eval_max_new_tokens": 8},
-        launcher="deepspeed",
+        launcher="torchrun",
     )  # fmt: skip
     assert r.output.count("sample step 2: 'def ' -> ") == 1 and r.output.count("sample step 2: 'x = ' -> ") == 1
     samples = [m for m in r.metrics if "samples" in m][-1]["samples"]
