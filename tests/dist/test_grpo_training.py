@@ -14,7 +14,8 @@ from helpers import ROOT, train
 pytestmark = pytest.mark.dist
 
 EXP = ROOT / "configs" / "experiments" / "tiny-grpo.yaml"
-BASE = {"model.config.n_layer": 1, "train.rl.num_generations": 4, "train.rl.max_new_tokens": 4, "train.max_steps": 1,
+# seed 8: a first step whose groups' rewards differ (a step of equal rewards has no gradient to compare)
+BASE = {"seed": 8, "model.config.n_layer": 1, "train.rl.num_generations": 4, "train.rl.max_new_tokens": 4, "train.max_steps": 1,
         "train.log_every": 1, "checkpoint.every_steps": 0, "checkpoint.save_final": False, "data.num_workers": 0}  # fmt: skip
 # name -> (ranks, launcher, micro, accum): 16 completions a step (4 prompts) however split
 SPLITS = {"1x4": (1, "none", 4, 4), "2x2": (2, "torchrun", 4, 2), "4x1": (4, "torchrun", 4, 1)}

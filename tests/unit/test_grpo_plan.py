@@ -81,10 +81,10 @@ def test_generation_s_term_is_the_measured_peak_of_sampling(family, new):
     engine = SimpleNamespace(ds=SimpleNamespace(module=m), device=torch.device("cpu"))
     sampler = ModelSampler(engine, Sampling(max_new_tokens=new, stop=(), pad=256), synced=False, batch=g)
     prompt = [[65 + i % 20 for i in range(seq - new)]] * g
-    sampler.sample(prompt, seed=0)  # the allocator's arenas warmed
+    sampler.sample(prompt, list(range(g)))  # the allocator's arenas warmed
     peak = Peak()
     start = peak.reset()
-    out = sampler.sample(prompt, seed=1)
+    out = sampler.sample(prompt, list(range(g, 2 * g)))
     measured = peak.since(start)
     assert all(len(c) == new for c, _ in out)  # no stop token: every completion its full length
     planned = generation_bytes(exp, info, 4)
@@ -92,6 +92,51 @@ def test_generation_s_term_is_the_measured_peak_of_sampling(family, new):
         f"{family['model_type']} new {new}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB"
     )
     assert abs(planned / measured - 1) <= 0.10, (measured, planned)
+
+
+@pytest.mark.parametrize("sets", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9)],
+                         ids=["plain", "temperature", "top_k", "top_p"])  # fmt: skip
+def test_the_sampling_logits_term_is_the_measured_peak_at_a_large_vocabulary(sets):
+    """32 rows of a 65,536-token vocabulary, one tiny layer (the logits are the peak): the Gumbel noise, the
+    processed scores, top-p's sort, against logits_bytes (within 10%)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.step_memory import Peak
+    from trainer.rl.generate import ModelSampler, Sampling
+    from trainer.strategy.planning.generation import logits_bytes
+
+    (t, k, p), vocab, rows = sets, 65536, 32
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=64)).eval()  # fmt: skip
+    engine = SimpleNamespace(ds=SimpleNamespace(module=m), device=torch.device("cpu"))
+    sampler = ModelSampler(engine, Sampling(max_new_tokens=8, temperature=t, top_k=k, top_p=p), synced=False,
+                           batch=rows)  # fmt: skip
+    prompts = [[5, 6, 7, 8]] * rows
+    sampler.sample(prompts, list(range(rows)))  # the allocator's arenas warmed
+    peak = Peak()
+    start = peak.reset()
+    sampler.sample(prompts, list(range(rows, 2 * rows)))
+    measured = peak.since(start)
+    planned = logits_bytes(SimpleNamespace(temperature=t, top_k=k, top_p=p), rows, vocab)
+    print(
+        f"temperature {t} top_k {k} top_p {p}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f}"
+    )
+    assert abs(planned / measured - 1) <= 0.10, (measured, planned)
+
+
+def test_a_generate_call_samples_the_rank_s_groups_or_generation_batch_of_them():
+    from trainer.strategy.planning.generation import generation_rows
+
+    exp = config.load(EXP, ["train.rl.num_generations=4", "train.micro_batch_size=8", "train.grad_accum=2"])
+    assert generation_rows(exp) == 16  # all of a rank's 4 prompts, 4 completions each
+    few = config.load(EXP, ["train.rl.num_generations=4", "train.micro_batch_size=8", "train.grad_accum=2",
+                            "train.rl.generation_batch=1"])  # fmt: skip
+    assert generation_rows(few) == 4
+    info = model.info(exp.model, 257, 256)
+    assert generation_bytes(exp, info, 4) > generation_bytes(few, info, 4)
 
 
 def plan(*sets, device=8):
@@ -109,8 +154,11 @@ def test_a_micro_step_trains_its_completions_within_seq_len():
     longer = plan("train.rl.max_new_tokens=32", "data.seq_len=128")[2]
     assert longer.estimate.activations > p.estimate.activations
     assert longer.estimate.generation > p.estimate.generation > 0
-    wider = plan("train.rl.max_new_tokens=32", "train.rl.num_generations=16")[2]
-    assert wider.estimate.generation > p.estimate.generation
+    # a generate call samples all of a rank's completions of the step, or generation_batch prompts' groups
+    more = plan("train.rl.max_new_tokens=32", f"train.grad_accum={2 * exp.train.grad_accum}")[2]
+    assert more.estimate.generation > p.estimate.generation
+    fewer = plan("train.rl.max_new_tokens=32", "train.rl.generation_batch=1")[2]
+    assert 0 < fewer.estimate.generation < p.estimate.generation
 
 
 def test_generation_is_in_the_peak_as_the_largest_term_not_a_sum():

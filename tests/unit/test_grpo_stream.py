@@ -82,8 +82,75 @@ def test_sampling_sets_the_model_s_generation_config_aside():
     engine = SimpleNamespace(ds=SimpleNamespace(module=model), device=torch.device("cpu"))
     sampler = ModelSampler(engine, Sampling(max_new_tokens=8, stop=(256,), pad=256), synced=False, batch=4)
     prompts = [[72, 105, 33]] * 4
-    clean = sampler.sample(prompts, seed=3)
+    clean = sampler.sample(prompts, [3, 4, 5, 6])
     model.generation_config.repetition_penalty = 50.0  # as a published generation_config.json may hold
     model.generation_config.no_repeat_ngram_size = 1
-    assert sampler.sample(prompts, seed=3) == clean
+    assert sampler.sample(prompts, [3, 4, 5, 6]) == clean
     assert model.generation_config.repetition_penalty == 50.0  # given back
+
+
+# ----------------------------------------------------------------------------- sampling: Gumbel-max, per-row streams
+
+
+def test_the_noise_is_splitmix64_of_the_row_s_stream_the_step_and_the_token():
+    import math
+
+    from trainer.rl.generate import gumbel
+
+    mask = (1 << 64) - 1
+
+    def mix(x):  # splitmix64's finalizer, in Python's integers
+        x &= mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    streams = [12345, (1 << 62) + 77, 3]
+    got = gumbel(torch.tensor(streams), 5, 7)
+    for r, s in enumerate(streams):
+        for t in range(7):
+            u = ((mix(s + (5 * 7 + t) * 0x9E3779B97F4A7C15) >> 41) + 0.5) * 2.0**-23
+            assert got[r, t].item() == pytest.approx(-math.log(-math.log(u)), rel=1e-6, abs=1e-6)
+    # a row's noise is its own: the same alone as beside others
+    assert torch.equal(gumbel(torch.tensor(streams[1:2]), 5, 7), got[1:2])
+
+
+def test_gumbel_max_samples_the_processed_distribution_and_processing_is_transformers():
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from trainer.rl.generate import gumbel, processed
+
+    torch.manual_seed(0)
+    scores = torch.randn(3, 50) * 3
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (0.9, 5, 0.6)]:
+        ours = processed(scores, Sampling(max_new_tokens=1, temperature=t, top_k=k, top_p=p))
+        theirs = TemperatureLogitsWarper(t)(None, scores)
+        theirs = TopKLogitsWarper(k)(None, theirs) if k else theirs
+        theirs = TopPLogitsWarper(p)(None, theirs) if p < 1 else theirs
+        assert torch.equal(ours, theirs), (t, k, p)
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -30.0])
+    n = 40000
+    drawn = (logits + gumbel(torch.arange(n) * 1000003 + 11, 0, 5)).argmax(dim=1)
+    freq = torch.bincount(drawn, minlength=5).double() / n
+    want = logits.double().softmax(0)
+    assert torch.all((freq - want).abs() <= 4 * (want * (1 - want) / n).sqrt() + 1e-9), (freq, want)
+
+
+def test_a_completion_does_not_depend_on_the_rows_that_share_its_generate_call():
+    """Two prompts of different lengths, two completions each, sampled in one call of 4 rows, two of 2 and
+    four of 1: the same completions (each row's own noise, the prompts padded to the data's longest)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=257, max_position_embeddings=64)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    engine = SimpleNamespace(ds=SimpleNamespace(module=model), device=torch.device("cpu"))
+    prompts = [[72, 105, 33, 40, 41], [72, 105, 33, 40, 41], [65, 66], [65, 66]]
+    streams = [11, 12, 13, 14]
+    sampling = Sampling(max_new_tokens=12, stop=(256,), pad=256, width=5)
+    drawn = {
+        b: ModelSampler(engine, sampling, synced=False, batch=b).sample(prompts, streams) for b in (4, 2, 1)
+    }
+    assert drawn[4] == drawn[2] == drawn[1], drawn
+    assert drawn[4][0] != drawn[4][1]  # a group's completions are drawn apart

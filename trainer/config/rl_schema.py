@@ -63,6 +63,13 @@ class RLSection(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1 = off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
     max_new_tokens: int = Field(64, ge=1, description="a completion's longest (truncated there)")
+    generation_batch: int | None = Field(
+        None,
+        ge=1,
+        description="prompts a generate call samples together, G completions each; null = all of a rank's "
+        "prompts of the step (the fewest decode passes); lower it where their key/value cache does not fit. "
+        "The completions do not depend on it",
+    )
     dynamic_sampling: bool = Field(
         False,
         description="drop groups whose rewards are all equal (no learning signal) and refill the step with "

@@ -25,14 +25,18 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: Any) -> list[str
         eot = chat_profile(exp.data, tok).eot
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     sampling = Sampling(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                        top_k=rl.top_k, stop=stop_tokens(tok, eot), pad=int(pad))  # fmt: skip
+                        top_k=rl.top_k, stop=stop_tokens(tok, eot), pad=int(pad), width=stream.longest)  # fmt: skip
     synced = env.world_size > 1 and engine.ds.zero_optimization_stage() == 3
-    stream.attach(ModelSampler(engine, sampling, synced, batch=rl.num_generations), objective, rewards)
+    prompts = rl.generation_batch or stream.per_rank  # a generate call's
+    stream.attach(
+        ModelSampler(engine, sampling, synced, batch=prompts * rl.num_generations), objective, rewards
+    )
     names = ", ".join(f"{r.name} x {r.weight:g}" for r in rewards)
     stops = ", ".join(tok.decode([t]) for t in sampling.stop) or "none"
     return [
         f"objective: {objective.describe()}; rewards: {names}",
-        f"generation: {stream.per_rank} prompt(s) x {rl.num_generations} completions a rank a step, at most "
+        f"generation: {stream.per_rank} prompt(s) x {rl.num_generations} completions a rank a step, "
+        f"{min(prompts, stream.per_rank)} prompt(s) a generate call, at most "
         f"{rl.max_new_tokens} new tokens (temperature {rl.temperature:g}, top_p {rl.top_p:g}, top_k {rl.top_k or 'off'}), "
         f"stopping at {stops}; from the trained weights ({'ZeRO-3 gathered, ranks in step' if synced else 'in place'})",
     ]

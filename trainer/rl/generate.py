@@ -1,23 +1,30 @@
 """Generation for online RL: completions of prompts from the weights being trained.
 
-The seam (`Sampler`): `sample(prompts, seed)` takes prompts as token ids and returns each one's completion
-(token ids, at most max_new_tokens, up to and including the stop token where it ended) and whether it ended.
-`ModelSampler` runs transformers' `generate` on the engine's own module, in eval mode without gradients: the
-policy is the trained weights at every step, at every ZeRO stage (ZeRO-3 gathers each layer for every
-forward; `synced_gpus` keeps the ranks in lockstep until every rank's completions have ended), with LoRA and
-QLoRA (peft's model, bitsandbytes' layers). Prompts are left-padded, so that every completion starts at the
-same position; sampling stops at EOS or the chat template's end-of-turn token.
+The seam (`Sampler`): `sample(prompts, streams)` takes prompts as token ids, one random stream a row, and returns
+each one's completion (token ids, at most max_new_tokens, up to and including the stop token where it ended) and
+whether it ended. `ModelSampler` runs transformers' `generate` on the engine's own module, in eval mode without
+gradients: the policy is the trained weights at every step, at every ZeRO stage (ZeRO-3 gathers each layer for
+every forward; `synced_gpus` keeps the ranks in lockstep until every rank's completions have ended), with LoRA
+and QLoRA (peft's model, bitsandbytes' layers). It samples `batch` rows a call (train.rl.generation_batch
+prompts' groups: by default all of a rank's step, the fewest decode passes). Prompts are left-padded to the
+data's longest prompt at least, so that every completion starts at the same position and a row's numbers do not
+depend on the other prompts of its call; sampling stops at EOS or the chat template's end-of-turn token.
 
-Each group is sampled with its own seed (trainer/rl/rollout.py: train.seed, the epoch, the prompt's place in
-the epoch's order) inside a forked RNG: a resumed run generates the same completions from the same weights,
-and the training RNG (dropout) is untouched. Only the sampling asked for applies: the model's published
-generation_config (a repetition penalty, min_p...) is set aside while sampling.
+Sampling is Gumbel-max with a counter-based noise: a row's token at decode step t is the argmax of its
+processed logits (/ temperature, top-k, top-p, as transformers' warpers) plus Gumbel noise that is a function of
+(the row's stream, t, the token) only (splitmix64 over int64 tensors; `gumbel`). That is an exact sample from
+softmax(processed logits), and a completion depends on its own stream and its own logits, not on which rows
+share its call, its rank or the RNG: each row's stream comes from train.seed, the epoch, the prompt's place in
+the epoch's order and the completion's index in its group (trainer/rl/rollout.py), so the same completions are
+drawn however a step is split over ranks, micro batches and calls, and a resumed run draws those the
+uninterrupted run drew; the training RNG (dropout) is untouched. Only the sampling asked for applies: the
+model's published generation_config (a repetition penalty, min_p...) is set aside while sampling.
 
 An inference engine (vLLM, SGLang) would implement `Sampler` over its own copy of the weights: after each
 optimizer step the trained weights (gathered, and with LoRA the adapters merged or passed as an adapter)
 are pushed to it -- NCCL broadcast from rank 0 or a shared-memory handle on one node -- before the next
 `sample`; the loss then needs the log-probs of its completions under the trained weights, which the
-objective computes itself (docs/rl.md).
+objective computes itself (docs/rl.md). (Its own sampler would draw other completions than these streams.)
 """
 
 from __future__ import annotations
@@ -34,10 +41,88 @@ class Sampling:
     top_k: int = 0
     stop: tuple[int, ...] = ()  # token ids that end a completion (EOS, the end-of-turn token)
     pad: int = 0
+    width: int = 0  # prompts are left-padded to at least this many tokens (the data's longest prompt)
 
 
 class Sampler(Protocol):
-    def sample(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], bool]]: ...
+    def sample(self, prompts: list[list[int]], streams: list[int]) -> list[tuple[list[int], bool]]: ...
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+GOLDEN, MIX1, MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: Any, k: int) -> Any:
+    """Logical right shift of int64 (torch's is arithmetic)."""
+    import torch
+
+    return torch.bitwise_right_shift(x, k).bitwise_and_((1 << (64 - k)) - 1)
+
+
+def mix64(x: Any) -> Any:
+    """splitmix64's finalizer on an int64 tensor (products wrap modulo 2**64)."""
+    x = x ^ _shr(x, 30)
+    x = x * MIX1
+    x = x ^ _shr(x, 27)
+    x = x * MIX2
+    return x ^ _shr(x, 31)
+
+
+def gumbel(streams: Any, step: int, vocab: int) -> Any:
+    """Gumbel(0, 1) noise, (rows, vocab) float32: a function of (the row's stream, step, token) only, the same
+    on every device. 23 bits of uniform: (k + 0.5) / 2**23."""
+    import torch
+
+    counter = (step * vocab + torch.arange(vocab, device=streams.device, dtype=torch.int64)) * GOLDEN
+    x = counter[None, :] + streams.to(torch.int64)[:, None]
+    for k, m in ((30, MIX1), (27, MIX2), (31, 0)):  # mix64 in place: one int64 temporary at a time
+        x ^= _shr(x, k)
+        if m:
+            x *= m
+    u = _shr(x, 41).to(torch.float32)
+    del x
+    return u.add_(0.5).mul_(2.0**-23).log_().neg_().log_().neg_()
+
+
+def processed(scores: Any, s: Sampling) -> Any:
+    """The logits sampling draws from: / temperature, then top-k, then top-p (transformers' warpers, in
+    their order, with their ties: at least one token kept)."""
+    import torch
+
+    if s.temperature != 1.0:
+        scores = scores / s.temperature
+    if s.top_k:
+        k = min(s.top_k, scores.shape[-1])
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], -torch.inf)
+    if s.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - s.top_p)
+        drop[..., -1:] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
+    return scores
+
+
+NOISE_ROWS = 8  # rows whose noise is made at once: its int64 temporaries stay small beside the logits
+
+
+def gumbel_processor(s: Sampling, streams: Any, width: int) -> Any:
+    """A transformers LogitsProcessor that turns greedy decoding into sampling with each row's own noise
+    (added in place, NOISE_ROWS rows at a time)."""
+    from transformers import LogitsProcessor
+
+    class GumbelMax(LogitsProcessor):
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            step = input_ids.shape[1] - width
+            out = processed(scores, s)
+            keys = streams.to(scores.device)
+            for at in range(0, out.shape[0], NOISE_ROWS):
+                out[at : at + NOISE_ROWS] += gumbel(keys[at : at + NOISE_ROWS], step, out.shape[-1])
+            return out
+
+    return GumbelMax()
 
 
 def stop_tokens(tok: Any, eot: str = "") -> tuple[int, ...]:
@@ -56,7 +141,7 @@ class ModelSampler:
     def __init__(self, engine: Any, sampling: Sampling, synced: bool, batch: int) -> None:
         self.engine, self.sampling, self.synced, self.batch = engine, sampling, synced, batch
 
-    def sample(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
+    def sample(self, prompts: list[list[int]], streams: list[int]) -> list[tuple[list[int], bool]]:
         import torch
 
         out: list[tuple[list[int], bool]] = []
@@ -73,29 +158,33 @@ class ModelSampler:
         base = module.get_base_model() if hasattr(module, "get_base_model") else module
         published, base.generation_config = getattr(base, "generation_config", None), GenerationConfig()
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                torch.manual_seed(seed)
+            with torch.random.fork_rng(devices=devices), torch.no_grad():  # (nothing draws from it)
                 for at in range(0, len(prompts), self.batch):
-                    out += self._generate(module, prompts[at : at + self.batch], device)
+                    rows = slice(at, at + self.batch)
+                    out += self._generate(module, prompts[rows], streams[rows], device)
         finally:
             module.train(was_training)
             base.generation_config = published
         return out
 
-    def _generate(self, module: Any, prompts: list[list[int]], device: Any) -> list[tuple[list[int], bool]]:
+    def _generate(
+        self, module: Any, prompts: list[list[int]], streams: list[int], device: Any
+    ) -> list[tuple[list[int], bool]]:
         import torch
+        from transformers import LogitsProcessorList
 
         s = self.sampling
-        width = max(len(p) for p in prompts)
+        width = max(s.width, *(len(p) for p in prompts))
         ids = torch.full((len(prompts), width), s.pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left-padded: every completion starts at `width`
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
+        noise = gumbel_processor(s, torch.tensor(streams, dtype=torch.int64, device=device), width)
         gen = module.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k or None, max_new_tokens=s.max_new_tokens, eos_token_id=list(s.stop) or None,
-            pad_token_id=s.pad, synced_gpus=self.synced, use_cache=True,
+            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+            logits_processor=LogitsProcessorList([noise]), max_new_tokens=s.max_new_tokens,
+            eos_token_id=list(s.stop) or None, pad_token_id=s.pad, synced_gpus=self.synced, use_cache=True,
         )  # fmt: skip
         out = []
         for row in gen[:, width:].tolist():

@@ -5,9 +5,10 @@ gathered for the advantages and the normalisers), `next` hands out its micro bat
 
 A step takes the next world x P prompts of the epoch's global order (P = micro_batch_size x grad_accum / G a
 rank: the order and the position are a TrainStream's, so a run resumes at the same prompt on any world size)
-and samples G completions of each, every group seeded by (train.seed, the prompt's place in the data's
-order): a step's completions are the same however it is split over ranks and micro batches, and a resumed
-run draws the ones the uninterrupted run drew. With num_iterations > 1 a generation serves that many
+and samples G completions of each, each completion from its own random stream (train.seed, the epoch, the
+prompt's place in the epoch's order, its index in the group; trainer/rl/generate.py): a step's completions
+are the same however it is split over ranks, micro batches and generate calls, and a resumed run draws the
+ones the uninterrupted run drew. With num_iterations > 1 a generation serves that many
 optimizer steps (a resume between them generates anew from the resumed weights, as TRL does, and says so).
 """
 
@@ -76,6 +77,11 @@ def group_seed(seed: int, epoch: int, place: int) -> int:
     )
 
 
+def row_stream(group: int, index: int) -> int:
+    """The random stream of a group's completion `index` (generate.gumbel's key, 63 bits)."""
+    return int.from_bytes(hashlib.blake2b(f"{group}:{index}".encode(), digest_size=8).digest(), "little") >> 1
+
+
 class RolloutStream:
     """See the module's doc. `attach` gives it the sampler and the objective once the engine exists."""
 
@@ -95,7 +101,7 @@ class RolloutStream:
         self.columns = data.columns or [{} for _ in range(len(self.prompts))]
         self.tok = tokenizer
         self.sampler = RankSampler(len(self.prompts), rank, world, self.per_rank, seed, section.shuffle)
-        longest = int(lengths(self.prompts).max())
+        self.longest = longest = int(lengths(self.prompts).max())
         if longest + rl.max_new_tokens > seq_len:
             raise UserError(f"train.rl.max_new_tokens {rl.max_new_tokens}: the longest prompt ({longest} tokens) and "
                             f"its completion exceed data.seq_len {seq_len}; lower max_new_tokens or raise seq_len")  # fmt: skip
@@ -190,10 +196,10 @@ class RolloutStream:
         return rollouts
 
     def _score(self, indices: list[int], seeds: list[int]) -> Scored:
-        completions: list[tuple[list[int], bool]] = []
-        for i, s in zip(indices, seeds, strict=True):
-            p = [int(t) for t in self.prompts[i] if t != IGNORE]
-            completions += self.sample_fn.sample([p] * self.group, s)
+        # every group of this rank's step at once: the sampler cuts them into generate calls
+        rows = [[int(t) for t in self.prompts[i] if t != IGNORE] for i in indices]
+        streams = [row_stream(s, j) for s in seeds for j in range(self.group)]
+        completions = self.sample_fn.sample([p for p in rows for _ in range(self.group)], streams)
         texts = [
             self.tok.decode(c, skip_special_tokens=True) for c, _ in completions
         ]  # (TRL's: no EOS, no EOT)

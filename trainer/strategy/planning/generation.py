@@ -3,16 +3,19 @@ completions, each its prompt and up to max_new_tokens after it) and the memory g
 while it samples, between two training steps (when the training activations are freed: the peak is the
 larger of the two, as for the optimizer step).
 
-Generation (trainer/rl/generate.py) samples one prompt's group at a time: G sequences of at most
-data.seq_len tokens (a prompt of at most seq_len - max_new_tokens, and its completion). It holds
+Generation (trainer/rl/generate.py) samples train.rl.generation_batch prompts' groups a call (by default all
+of a rank's prompts of the step): R = G x those prompts sequences of at most data.seq_len tokens (a prompt
+of at most seq_len - max_new_tokens, and its completion; `generation_rows`). It holds
 
-- the key/value cache: 2 (keys, values) x layers x G x length x kv_heads x head_dim, in the compute
+- the key/value cache: 2 (keys, values) x layers x R x length x kv_heads x head_dim, in the compute
   precision (`kv_cache_bytes`);
 - while the prompt runs (prefill, no gradients): the prompt's cache, and one layer's activations at a
-  time, G x prompt x (2 MLP widths, 3 gated, + ATTENTION_HIDDEN hidden sizes) (and the scores, where
+  time, R x prompt x (2 MLP widths, 3 gated, + ATTENTION_HIDDEN hidden sizes) (and the scores, where
   eager attention materialises them);
 - then, a token at a time: the whole cache, one layer's keys or values copied as they grow, the last position's
-  logits in fp32 thrice (the logits, the processed scores, the probabilities): G x vocab x 12 bytes.
+  logits (`logits_bytes`): R x vocab x 12 bytes (the model's, transformers' fp32 copy, the choice), 4 more where
+  temperature or top-k make processed scores, 15 more for top-p's sort, and the Gumbel noise's int64
+  temporaries, NOISE_ROWS rows at a time (20 bytes a row and token).
 
 The peak is the larger of the two phases; calibrated against malloc's live bytes while GPT-2 shapes
 sample on CPU (tests/unit/test_grpo_plan.py: GPT-2 and Llama shapes, prefill-bound and decode-bound, within
@@ -52,11 +55,18 @@ def kv_cache_bytes(info: Any, sequences: int, length: int, lp: int) -> int:
     return int(2 * (info.layers or 0) * sequences * length * kv * head_dim * lp)
 
 
+def generation_rows(exp: Any) -> int:
+    """The sequences a generate call samples: G x train.rl.generation_batch prompts, at most a rank's step's."""
+    t, rl = exp.train, exp.train.rl
+    per_rank = max(int(t.micro_batch_size) * t.grad_accum // rl.num_generations, 1)
+    return rl.num_generations * min(rl.generation_batch or per_rank, per_rank)
+
+
 def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     """What generation holds on a rank beyond the weights (see the module's doc); 0 for other objectives."""
     if not is_rl(exp):
         return 0
-    g, new = exp.train.rl.num_generations, exp.train.rl.max_new_tokens
+    g, new = generation_rows(exp), exp.train.rl.max_new_tokens
     prompt = max(exp.data.seq_len - new, 1)
     hidden = info.hidden or 0
     width = info.intermediate or 4 * hidden
@@ -71,10 +81,20 @@ def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     # then one token at a time: the whole cache, one layer's keys (or values) copied as they grow, the last
     # position's logits
     layers = max(info.layers or 1, 1)
-    decode = (
-        kv_cache_bytes(info, g, row_length(exp), lp) * (1 + 1 / (2 * layers)) + g * (info.vocab or 0) * 12
+    decode = kv_cache_bytes(info, g, row_length(exp), lp) * (1 + 1 / (2 * layers)) + logits_bytes(
+        exp.train.rl, g, info.vocab or 0
     )
     return int(max(prefill, decode))
+
+
+def logits_bytes(rl: Any, rows: int, vocab: int) -> int:
+    """The last position's logits while a token is sampled (see the module's doc; measured on CPU at vocab
+    65,536 and 32 rows: 17.3, 21.3 with temperature 0.7 or top_k 50, 32.0 with top_p 0.9 bytes a row and token,
+    against 17, 21 and 32 here)."""
+    from trainer.rl.generate import NOISE_ROWS
+
+    per = 12 + (4 if rl.temperature != 1.0 or rl.top_k else 0) + (15 if rl.top_p < 1.0 else 0)
+    return int(rows * vocab * per + min(rows, NOISE_ROWS) * vocab * 20)
 
 
 def host_bytes(exp: Any) -> int:
@@ -92,8 +112,8 @@ def generation_line(exp: Any, plan: Any) -> str:
 
     rl, e = exp.train.rl, plan.estimate
     return (
-        f"generation: {format_size(e.generation)} per rank between steps (key/value cache of {rl.num_generations} "
-        f"completions x {row_length(exp)} tokens, the prompt's forward, the sampling logits); rows of a prompt "
+        f"generation: {format_size(e.generation)} per rank between steps (key/value cache of {generation_rows(exp)} "
+        f"completions a generate call x {row_length(exp)} tokens, the prompt's forward, the sampling logits); rows of a prompt "
         f"(at most {exp.data.seq_len - rl.max_new_tokens} tokens) and its completion (max_new_tokens {rl.max_new_tokens}) "
         "trained; no reference model " + ("(beta 0)" if rl.beta == 0 else "(LoRA's adapters off)")
     )
