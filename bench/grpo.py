@@ -14,7 +14,7 @@ Interleaved rounds (ours, TRL; TRL, ours; ...); each round's median step time af
 ours/TRL in tokens/s is TRL's step time over ours (the same tokens a step, the completions' lengths
 reported beside).
 
-    .venv/bin/python bench/grpo.py [--rounds 3] [--steps 30] [--max-new-tokens 16] [--out results.json]
+    .venv/bin/python bench/grpo.py [--rounds 3] [--steps 30] [--max-new-tokens 16] [--per-group] [--out results.json]
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ EXP = ROOT / "configs" / "experiments" / "tiny-grpo.yaml"
 WARMUP = 5
 
 
-def ours(a: argparse.Namespace, work: Path, r: int) -> dict:
-    run_dir = work / f"ours-{r}"
+def ours(a: argparse.Namespace, work: Path, r: int, generation_batch: int | None = None) -> dict:
+    run_dir = work / f"ours-{r}-{generation_batch}"
     sets = {"train.max_steps": a.steps, "train.log_every": 1, "checkpoint.every_steps": 0,
             "checkpoint.save_final": False, "train.rl.max_new_tokens": a.max_new_tokens, "run_dir": str(run_dir),
             "data.cache_dir": str(work / "cache"), "data.num_workers": 0}  # fmt: skip
+    if generation_batch:
+        sets["train.rl.generation_batch"] = generation_batch
     p = subprocess.run([sys.executable, str(TRAIN), str(EXP), *overrides(sets)], cwd=ROOT, env=env_for(1),
                        capture_output=True, text=True, timeout=1800)  # fmt: skip
     if p.returncode:
@@ -124,6 +126,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--per-group",
+        action="store_true",
+        help="also ours with train.rl.generation_batch 1 (a generate call a group: the sampling before 2026-11-28)",
+    )
     p.add_argument("--trl-side", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -131,12 +138,17 @@ def main() -> int:
         trl_side(Path(a.trl_side), a.steps, a.max_new_tokens)
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
-    runs = interleave(["ours", "trl"], a.rounds, lambda side, r: (ours if side == "ours" else trl)(a, work, r),
-                      alternate=True)  # fmt: skip
+    sides = {"ours": lambda r: ours(a, work, r), "trl": lambda r: trl(a, work, r),
+             "ours_per_group": lambda r: ours(a, work, r, generation_batch=1)}  # fmt: skip
+    names = ["ours", "trl", *(["ours_per_group"] if a.per_group else [])]
+    runs = interleave(names, a.rounds, lambda side, r: sides[side](r), alternate=True)
     # tokens/s ours / TRL = TRL's step time / ours (the same completions and prompts a step)
     res = {"job": f"tiny-grpo, 2 prompts x 8 completions a step, max_new_tokens {a.max_new_tokens}, CPU fp32",
            "rounds": runs, **ratio([x["step_s"] for x in runs["trl"]], [x["step_s"] for x in runs["ours"]])}  # fmt: skip
     res["ours_over_trl_tokens_per_s"] = res.pop("ratio")
+    if a.per_group:  # the one generate call a rank's step against a call a group
+        per_group = [x["step_s"] for x in runs["ours_per_group"]]
+        res["batched_over_per_group"] = ratio(per_group, [x["step_s"] for x in runs["ours"]])["ratio"]
     print(json.dumps(res, indent=2))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
