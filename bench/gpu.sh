@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of BENCHMARKS.md in one go, for a machine with one CUDA GPU:
 #
-#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b|stepmem|longseq|longseq_max|preference]
+#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b|stepmem|longseq|longseq_max|preference|finetune|grpo]
 #
 # probe:   the environment, --plan on the GPU, and bin/train on the GPT-2 124M experiment at micro
 #          batch 32 and 64 for 40 steps each (tokens/s, MFU and peak memory from metrics.jsonl);
@@ -48,6 +48,12 @@
 #          The profile runs one micro batch a step (its 5 traced steps of an 8B at micro 1 x 4 made a trace
 #          whose key_averages outran the call on 2026-11-27).
 #          FT_DEADLINE (s, default 500) skips what would not finish; FT_RUNS picks runs by name.
+# grpo:    issue 56's GPU figures: configs/experiments/tiny-grpo.yaml's job (the counting prompts, the format
+#          and answer rewards) on a Qwen3-0.6B shape with random bf16 weights (GRPO_SHAPE), the Qwen3 tokenizer
+#          where .cache/tokenizers/qwen3 was carried (else the byte tokenizer), 16 completions x 4 micro steps a
+#          step (8 prompts x G 8), 256 new tokens, ZeRO-0: a rank's groups in one generate call, then a call a
+#          group (train.rl.generation_batch 1); OUT/grpo.json: each run's median step, tokens/s and
+#          generation's share of the step (steps after the 3rd).
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry) is installed into /tmp/site first, unless they import already.
 set -uo pipefail
@@ -206,6 +212,32 @@ if [[ $what == profile ]]; then
     grep -E "profile: (GPU kernels|CPU operator time|no time by kind)" "$out/profile.log"
     gzip -c /tmp/prof/profile/trace_rank00000.json > "$out/trace.json.gz" 2>/dev/null
     ls -la "$out"
+fi
+if [[ $what == grpo ]]; then
+    EXP=configs/experiments/tiny-grpo.yaml
+    tok=byte; [ -f .cache/tokenizers/qwen3/tokenizer.json ] && tok=.cache/tokenizers/qwen3
+    shape=${GRPO_SHAPE:-'{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096, "tie_word_embeddings": true}'}
+    common=("model.config=$shape" data.tokenizer=$tok data.seq_len=${GRPO_SEQ:-512} train.precision=${GRPO_PRECISION:-bf16}
+            train.micro_batch_size=16 train.grad_accum=4 train.rl.num_generations=8 train.rl.max_new_tokens=${GRPO_NEW:-256}
+            train.log_every=1 strategy.zero_stage=0 strategy.justification=bench)
+    PROBE_STEPS=${PROBE_STEPS:-10} probe grpo_batched "${common[@]}"
+    PROBE_STEPS=${PROBE_STEPS:-10} probe grpo_per_group "${common[@]}" train.rl.generation_batch=1
+    $PY - "$out" <<'EOF2' | tee "$out/grpo.json"
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+res = {}
+for name in ("grpo_batched", "grpo_per_group"):
+    f = out / f"{name}.jsonl"
+    rows = [json.loads(l) for l in f.read_text().splitlines() if '"generation_share"' in l] if f.exists() else []
+    rows = [r for r in rows if r["step"] > 3]
+    if rows:
+        res[name] = {k: statistics.median(r[k] for r in rows) for k in ("step_time_s", "tokens_per_s", "generation_share", "generation_s")}
+        res[name]["completion_length"] = statistics.mean(r["completion_length"] for r in rows)
+if len(res) == 2:
+    res["batched_over_per_group"] = res["grpo_per_group"]["step_time_s"] / res["grpo_batched"]["step_time_s"]
+print(json.dumps(res, indent=1))
+EOF2
 fi
 if [[ $what == finetune ]]; then
     t_start=$SECONDS

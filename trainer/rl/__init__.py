@@ -25,7 +25,9 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: Any) -> list[str
         eot = chat_profile(exp.data, tok).eot
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     sampling = Sampling(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                        top_k=rl.top_k, stop=stop_tokens(tok, eot), pad=int(pad), width=stream.longest)  # fmt: skip
+                        top_k=rl.top_k, stop=stop_tokens(tok, eot), pad=int(pad), width=stream.longest + 1)  # fmt: skip
+    # (width: the data's longest prompt and one more, so that every row of every call is padded: transformers
+    # drops an attention mask of ones, and its attention would then take another path for some calls)
     synced = env.world_size > 1 and engine.ds.zero_optimization_stage() == 3
     prompts = rl.generation_batch or stream.per_rank  # a generate call's
     stream.attach(

@@ -6,18 +6,22 @@ whether it ended. `ModelSampler` runs transformers' `generate` on the engine's o
 gradients: the policy is the trained weights at every step, at every ZeRO stage (ZeRO-3 gathers each layer for
 every forward; `synced_gpus` keeps the ranks in lockstep until every rank's completions have ended), with LoRA
 and QLoRA (peft's model, bitsandbytes' layers). It samples `batch` rows a call (train.rl.generation_batch
-prompts' groups: by default all of a rank's step, the fewest decode passes). Prompts are left-padded to the
-data's longest prompt at least, so that every completion starts at the same position and a row's numbers do not
-depend on the other prompts of its call; sampling stops at EOS or the chat template's end-of-turn token.
+prompts' groups: by default all of a rank's step, the fewest decode passes). Prompts are left-padded to
+`width` at least (the data's longest prompt and one more: every row of every call padded alike, so that no call
+takes transformers' unmasked path), and every completion starts at the same position; sampling stops at EOS or
+the chat template's end-of-turn token.
 
 Sampling is Gumbel-max with a counter-based noise: a row's token at decode step t is the argmax of its
 processed logits (/ temperature, top-k, top-p, as transformers' warpers) plus Gumbel noise that is a function of
-(the row's stream, t, the token) only (splitmix64 over int64 tensors; `gumbel`). That is an exact sample from
-softmax(processed logits), and a completion depends on its own stream and its own logits, not on which rows
-share its call, its rank or the RNG: each row's stream comes from train.seed, the epoch, the prompt's place in
-the epoch's order and the completion's index in its group (trainer/rl/rollout.py), so the same completions are
-drawn however a step is split over ranks, micro batches and calls, and a resumed run draws those the
-uninterrupted run drew; the training RNG (dropout) is untouched. Only the sampling asked for applies: the
+(the row's stream, t, the token) only (splitmix64 over int64 tensors, 52 bits of uniform; `gumbel`). That is a
+sample from softmax(processed logits) (to the uniform's 2**-52 grain), and a completion depends on its own
+stream and its own logits, not on the RNG, its rank or which rows share its call: each row's stream comes from
+train.seed, the epoch, the prompt's place in the epoch's order and the completion's index in its group
+(trainer/rl/rollout.py). A resumed run draws the completions the uninterrupted run drew; a step split over
+other ranks, micro batches or calls draws the same ones wherever a row's logits do not depend on the rows
+beside it: on CPU in fp32 (tested), not guaranteed on GPUs, whose matrix kernels are chosen by the rows of
+the call (bf16 rounding then flips a near tie now and then, and the completion goes its own way from there).
+The training RNG (dropout) is untouched. Only the sampling asked for applies: the
 model's published generation_config (a repetition penalty, min_p...) is set aside while sampling.
 
 An inference engine (vLLM, SGLang) would implement `Sampler` over its own copy of the weights: after each
@@ -73,7 +77,8 @@ def mix64(x: Any) -> Any:
 
 def gumbel(streams: Any, step: int, vocab: int) -> Any:
     """Gumbel(0, 1) noise, (rows, vocab) float32: a function of (the row's stream, step, token) only, the same
-    on every device. 23 bits of uniform: (k + 0.5) / 2**23."""
+    on every device. 52 bits of uniform, (k + 0.5) / 2**52, and the logs in float64: a token 36 nats below the
+    row's best can still be drawn (23 bits in float32 stopped at 19)."""
     import torch
 
     counter = (step * vocab + torch.arange(vocab, device=streams.device, dtype=torch.int64)) * GOLDEN
@@ -82,9 +87,9 @@ def gumbel(streams: Any, step: int, vocab: int) -> Any:
         x ^= _shr(x, k)
         if m:
             x *= m
-    u = _shr(x, 41).to(torch.float32)
+    u = _shr(x, 12).to(torch.float64)
     del x
-    return u.add_(0.5).mul_(2.0**-23).log_().neg_().log_().neg_()
+    return u.add_(0.5).mul_(2.0**-52).log_().neg_().log_().neg_().to(torch.float32)
 
 
 def processed(scores: Any, s: Sampling) -> Any:
@@ -105,21 +110,28 @@ def processed(scores: Any, s: Sampling) -> Any:
     return scores
 
 
-NOISE_ROWS = 8  # rows whose noise is made at once: its int64 temporaries stay small beside the logits
+NOISE_ELEMENTS = 2**22  # the noise is made this many (row, token) pairs at a time (whole rows): its int64
+# and float64 temporaries stay bounded beside the logits, in few launches
+
+
+def noise_rows(vocab: int) -> int:
+    return max(1, NOISE_ELEMENTS // max(vocab, 1))
 
 
 def gumbel_processor(s: Sampling, streams: Any, width: int) -> Any:
     """A transformers LogitsProcessor that turns greedy decoding into sampling with each row's own noise
-    (added in place, NOISE_ROWS rows at a time)."""
+    (added in place, noise_rows(vocab) rows at a time)."""
     from transformers import LogitsProcessor
 
     class GumbelMax(LogitsProcessor):
         def __call__(self, input_ids: Any, scores: Any) -> Any:
-            step = input_ids.shape[1] - width
+            step = input_ids.shape[1] - width  # the prefill's logits: step 0
+            # in place: where nothing is processed `out` is transformers' own fp32 copy of the logits, which
+            # it would return as the raw logits only with output_logits (never asked for here)
             out = processed(scores, s)
-            keys = streams.to(scores.device)
-            for at in range(0, out.shape[0], NOISE_ROWS):
-                out[at : at + NOISE_ROWS] += gumbel(keys[at : at + NOISE_ROWS], step, out.shape[-1])
+            keys, n = streams.to(scores.device), noise_rows(out.shape[-1])
+            for at in range(0, out.shape[0], n):
+                out[at : at + n] += gumbel(keys[at : at + n], step, out.shape[-1])
             return out
 
     return GumbelMax()

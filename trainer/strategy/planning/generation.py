@@ -14,8 +14,9 @@ of at most seq_len - max_new_tokens, and its completion; `generation_rows`). It 
   eager attention materialises them);
 - then, a token at a time: the whole cache, one layer's keys or values copied as they grow, the last position's
   logits (`logits_bytes`): R x vocab x 12 bytes (the model's, transformers' fp32 copy, the choice), 4 more where
-  temperature or top-k make processed scores, 15 more for top-p's sort, and the Gumbel noise's int64
-  temporaries, NOISE_ROWS rows at a time (20 bytes a row and token).
+  temperature, top-k or top-p make processed scores, and the larger of top-p's sort (16 a row and token) and
+  the Gumbel noise's int64 and float64 temporaries (24 a row and token, for at most NOISE_ELEMENTS pairs at
+  a time).
 
 The peak is the larger of the two phases; calibrated against malloc's live bytes while GPT-2 shapes
 sample on CPU (tests/unit/test_grpo_plan.py: GPT-2 and Llama shapes, prefill-bound and decode-bound, within
@@ -89,12 +90,15 @@ def generation_bytes(exp: Any, info: Any, lp: int) -> int:
 
 def logits_bytes(rl: Any, rows: int, vocab: int) -> int:
     """The last position's logits while a token is sampled (see the module's doc; measured on CPU at vocab
-    65,536 and 32 rows: 17.3, 21.3 with temperature 0.7 or top_k 50, 32.0 with top_p 0.9 bytes a row and token,
-    against 17, 21 and 32 here)."""
-    from trainer.rl.generate import NOISE_ROWS
+    65,536 and 32 rows, tests/unit/test_grpo_plan.py: the noise in one chunk 36.3 bytes a row and token, 40.3
+    with temperature 0.7, top_k 50 or top_p 0.9; in chunks of 8 rows 18.3, 22.3 and 32.0; all within 1.5%)."""
+    from trainer.rl.generate import noise_rows
 
-    per = 12 + (4 if rl.temperature != 1.0 or rl.top_k else 0) + (15 if rl.top_p < 1.0 else 0)
-    return int(rows * vocab * per + min(rows, NOISE_ROWS) * vocab * 20)
+    processing = rl.temperature != 1.0 or rl.top_k or rl.top_p < 1.0
+    base = rows * vocab * (12 + (4 if processing else 0))
+    noise = min(rows, noise_rows(vocab)) * vocab * 24  # the int64 counter, its shift, the float64 uniform
+    sort = rows * vocab * 16 if rl.top_p < 1.0 else 0  # top-p's sorted scores, their order, softmax, cumsum
+    return int(base + max(noise, sort))
 
 
 def host_bytes(exp: Any) -> int:
