@@ -45,7 +45,7 @@ class Sampling:
     top_k: int = 0
     stop: tuple[int, ...] = ()  # token ids that end a completion (EOS, the end-of-turn token)
     pad: int = 0
-    width: int = 0  # prompts are left-padded to at least this many tokens (the data's longest prompt)
+    width: int = 0  # prompts are left-padded to at least this many tokens (the data's longest prompt + 1)
 
 
 class Sampler(Protocol):
@@ -66,13 +66,14 @@ def _shr(x: Any, k: int) -> Any:
     return torch.bitwise_right_shift(x, k).bitwise_and_((1 << (64 - k)) - 1)
 
 
-def mix64(x: Any) -> Any:
-    """splitmix64's finalizer on an int64 tensor (products wrap modulo 2**64)."""
-    x = x ^ _shr(x, 30)
-    x = x * MIX1
-    x = x ^ _shr(x, 27)
-    x = x * MIX2
-    return x ^ _shr(x, 31)
+def mix64_(x: Any) -> Any:
+    """splitmix64's finalizer on an int64 tensor, in place (products wrap modulo 2**64): one int64
+    temporary at a time."""
+    for k, m in ((30, MIX1), (27, MIX2), (31, 0)):
+        x ^= _shr(x, k)
+        if m:
+            x *= m
+    return x
 
 
 def gumbel(streams: Any, step: int, vocab: int) -> Any:
@@ -82,11 +83,7 @@ def gumbel(streams: Any, step: int, vocab: int) -> Any:
     import torch
 
     counter = (step * vocab + torch.arange(vocab, device=streams.device, dtype=torch.int64)) * GOLDEN
-    x = counter[None, :] + streams.to(torch.int64)[:, None]
-    for k, m in ((30, MIX1), (27, MIX2), (31, 0)):  # mix64 in place: one int64 temporary at a time
-        x ^= _shr(x, k)
-        if m:
-            x *= m
+    x = mix64_(counter[None, :] + streams.to(torch.int64)[:, None])
     u = _shr(x, 12).to(torch.float64)
     del x
     return u.add_(0.5).mul_(2.0**-52).log_().neg_().log_().neg_().to(torch.float32)

@@ -69,17 +69,18 @@ class Scored:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _hash63(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
 def group_seed(seed: int, epoch: int, place: int) -> int:
     """The sampling seed of the group of the prompt at `place` in epoch `epoch`'s order."""
-    return (
-        int.from_bytes(hashlib.blake2b(f"{seed}:{epoch}:{place}".encode(), digest_size=8).digest(), "little")
-        >> 1
-    )
+    return _hash63(f"{seed}:{epoch}:{place}")
 
 
 def row_stream(group: int, index: int) -> int:
     """The random stream of a group's completion `index` (generate.gumbel's key, 63 bits)."""
-    return int.from_bytes(hashlib.blake2b(f"{group}:{index}".encode(), digest_size=8).digest(), "little") >> 1
+    return _hash63(f"{group}:{index}")
 
 
 class RolloutStream:
