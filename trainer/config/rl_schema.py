@@ -68,7 +68,7 @@ class RLSection(Section):
         ge=1,
         description="prompts a generate call samples together, G completions each; null = all of a rank's "
         "prompts of the step (the fewest decode passes); lower it where their key/value cache does not fit. "
-        "The completions do not depend on it",
+        "On CPU in fp32 the completions do not depend on it (docs/rl.md)",
     )
     dynamic_sampling: bool = Field(
         False,
