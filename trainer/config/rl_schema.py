@@ -13,14 +13,17 @@ class RewardSpec(Section):
     """One reward function and its weight."""
 
     function: str = Field(
-        description="a built-in (answer, format, length) or a user function 'package.module:function' called "
-        "with prompts=, completions= and every other column of the rows, returning a float or None a completion"
+        description="a built-in (answer, format, length), model (a local reward model: options.path) or a user "
+        "function 'package.module:function' called as TRL calls reward functions (prompts=, completions=, "
+        "completion_ids=, trainer_state=, log_extra=, log_metric= and every other column of the rows), returning "
+        "a number or None a completion; one that takes no completions is a factory, called once with the options"
     )
     weight: float = Field(1.0, description="its weight in the combined reward")
     options: FrozenMapping = Field(
         default_factory=dict,
         description="the built-in's settings (answer: column, pattern, numeric, tolerance; format: pattern; "
-        "length: target, scale); passed to a user function as keyword arguments too",
+        "length: target, scale; model: path, batch_size); passed to a user function as keyword arguments too "
+        "(a factory's: to the factory)",
     )
 
 
@@ -28,10 +31,21 @@ class RLSection(Section):
     """GRPO and its relatives (docs/rl.md: the loss types and their normalisations written out)."""
 
     num_generations: int = Field(8, ge=2, description="completions a prompt (G): a group")
-    loss_type: choice("dapo", "grpo", "bnpo", "dr_grpo") = Field(
+    loss_type: choice("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo") = Field(
         "dapo",
         description="dapo = tokens of the step; grpo = each completion's token mean, then over completions; "
-        "dr_grpo = over completions x max_new_tokens; bnpo = each micro batch's token mean (TRL's)",
+        "dr_grpo = over completions x max_new_tokens; bnpo = each micro batch's token mean (TRL's); cispo = "
+        "the clipped ratio as a weight of logp (MiniMax-M1; epsilon_high is its cap); sapo = a soft gate "
+        "instead of the clip; luspo = each completion's token sum, over completions (with "
+        "importance_sampling_level: sequence); vespo = a gamma weight of the sequence's ratio (docs/rl.md)",
+    )
+    importance_sampling_level: choice("token", "sequence") = Field(
+        "token", description="the ratio a token's (token) or the completion's mean log-ratio (sequence: GSPO)"
+    )
+    multi_objective_aggregation: choice("sum_then_normalize", "normalize_then_sum") = Field(
+        "sum_then_normalize",
+        description="sum the weighted rewards, then normalise by scale_rewards; or normalise each function's "
+        "within its group, sum them weighted, and normalise the sums over the step (GDPO; scale_rewards unused)",
     )
     scale_rewards: choice("group", "batch", "none") = Field(
         "group", description="advantages over the group's reward std, the step's (every rank), or not scaled"
@@ -46,7 +60,29 @@ class RLSection(Section):
         0.2, gt=0.0, lt=1.0, description="the ratio's clip below 1 (and above, unless epsilon_high)"
     )
     epsilon_high: float | None = Field(
-        None, gt=0.0, description="the ratio's clip above 1 (DAPO's clip-higher)"
+        None, gt=0.0, description="the ratio's clip above 1 (DAPO's clip-higher); cispo: the ratio's cap"
+    )
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="the KL term times the ratio (DeepSeek-V3.2; TRL's default): its gradient the "
+        "unbiased reverse KL's, also where the ratio is 1",
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="the policy term on the tokens at or above this top quantile of "
+        "entropy only (0.2: the top 20%; 1 = every token), of a micro batch's tokens over every rank as TRL's",
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="sapo: the gate's temperature where A > 0")
+    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="sapo: the gate's temperature where A <= 0")
+    vespo_k_pos: float = Field(2.0, ge=0.0, description="vespo: the power k of the weight where A >= 0")
+    vespo_lambda_pos: float = Field(
+        3.0, gt=0.0, description="vespo: the decay lambda of the weight where A >= 0"
+    )
+    vespo_k_neg: float = Field(3.0, ge=0.0, description="vespo: the power k of the weight where A < 0")
+    vespo_lambda_neg: float = Field(
+        2.0, gt=0.0, description="vespo: the decay lambda of the weight where A < 0"
     )
     delta: float | None = Field(None, gt=1.0, description="two-sided clipping: the ratio capped at delta too")
     num_iterations: int = Field(
@@ -62,6 +98,19 @@ class RLSection(Section):
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1 = off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    min_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="min-p sampling: tokens under min_p x the likeliest's probability "
+        "dropped (null = off); as top_p and top_k, the loss's log-probs are of logits / temperature (TRL's)",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        description="refused unless 1: the loss's log-probs would not be of the distribution sampled "
+        "(docs/rl.md)",
+    )
     max_new_tokens: int = Field(64, ge=1, description="a completion's longest (truncated there)")
     generation_batch: int | None = Field(
         None,
@@ -78,6 +127,12 @@ class RLSection(Section):
     max_resamples: int = Field(4, ge=1, description="dynamic_sampling: rounds of generation a step at most")
     rewards: list[RewardSpec] = Field(
         default_factory=list, description="the reward functions (at least one), each with a weight"
+    )
+    log_completions: int = Field(
+        0,
+        ge=0,
+        description="at every log step, N of the last generation's prompts, completions and rewards "
+        "to <run_dir>/completions.jsonl (and a wandb table); 0 = none",
     )
 
     def weights(self) -> list[float]:
@@ -118,7 +173,51 @@ def rl_problems(exp: Any) -> list[tuple[str, str]]:
     if exp.model.chunked_loss is True:
         out.append(("model.chunked_loss", "grpo takes each completion token's log-prob from the whole logits, which "
                     "the tiled loss does not give; set it to false or auto"))  # fmt: skip
+    if rl.repetition_penalty != 1.0:
+        out.append(("train.rl.repetition_penalty", "a repetition penalty reshapes the distribution sampled by each "
+                    "completion's history, while the loss takes its log-probs from softmax(logits / temperature) "
+                    "(TRL samples with it and computes them without it); exact log-probs would need the history "
+                    "over the vocabulary at every trained token, not planned; remove it (1.0)"))  # fmt: skip
+    if rl.multi_objective_aggregation == "normalize_then_sum" and "scale_rewards" in rl.model_fields_set:
+        out.append(("train.rl.scale_rewards", "normalize_then_sum normalises each reward function within its group "
+                    "and the sums over the step, whatever scale_rewards says (as TRL's); remove scale_rewards or "
+                    "use sum_then_normalize"))  # fmt: skip
+    models = [i for i, r in enumerate(rl.rewards) if r.function == "model"]
+    for i in models:
+        path = rl.rewards[i].options.get("path")
+        if not isinstance(path, str) or not path:
+            out.append((f"train.rl.rewards[{i}].options.path", "function: model needs options.path: the directory "
+                        "of a sequence-classification model and its tokenizer (save_pretrained's)"))  # fmt: skip
+        bs = rl.rewards[i].options.get("batch_size", 8)
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            out.append((f"train.rl.rewards[{i}].options.batch_size", f"{bs!r}: give a whole number >= 1 (completions "
+                        "the reward model scores a forward)"))  # fmt: skip
+        extra = set(rl.rewards[i].options) - {"path", "batch_size"}
+        if extra:
+            out.append((f"train.rl.rewards[{i}].options", f"function: model takes path and batch_size, not "
+                        f"{', '.join(sorted(extra))}"))  # fmt: skip
     if t.micro_batch_size == "auto":
         out.append(("train.micro_batch_size", "auto is not available for grpo yet (the completions' lengths are "
                     "only known once generated); give the number of completions a micro step"))  # fmt: skip
+    return out
+
+
+def rl_warnings(exp: Any) -> list[str]:
+    """Legal grpo settings that are probably not meant (TRL warns of the same)."""
+    rl = exp.train.rl
+    out = []
+    if exp.train.objective != "grpo":
+        return out
+    if rl.loss_type == "cispo" and rl.epsilon_high is None:
+        out.append(f"train.rl.loss_type cispo caps the ratio at epsilon_high, unset: epsilon {rl.epsilon:g} (TRL's); "
+                   "MiniMax-M1 and ScaleRL use epsilon_high: 5.0")  # fmt: skip
+    if rl.loss_type == "luspo" and rl.importance_sampling_level != "sequence":
+        out.append("train.rl.loss_type luspo is a sequence-level loss: set importance_sampling_level: sequence as "
+                   "its paper does")  # fmt: skip
+    if rl.loss_type == "vespo" and rl.importance_sampling_level != "token":
+        out.append("train.rl.loss_type vespo weighs the sequence's ratio itself: importance_sampling_level should "
+                   "be token")  # fmt: skip
+    if rl.importance_sampling_level == "sequence" and rl.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        out.append(f"train.rl.importance_sampling_level sequence with loss_type {rl.loss_type}: the per-token sum "
+                   "weighs each completion by its length; GSPO's setup is loss_type: grpo")  # fmt: skip
     return out

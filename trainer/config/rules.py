@@ -234,7 +234,9 @@ def warnings(exp: Experiment) -> list[str]:
             "strategy.on_oom is escalate but no checkpoint cadence is set (checkpoint.every_steps / every_minutes): "
             "an escalated attempt would start from scratch"
         )
-    return out
+    from trainer.config.rl_schema import rl_warnings
+
+    return out + rl_warnings(exp)
 
 
 @contradiction

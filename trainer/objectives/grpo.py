@@ -14,9 +14,12 @@ from trainer.objectives.grpo_loss import (  # noqa: F401 (the math, re-exported)
     STATS,
     Settings,
     advantages,
+    aggregate,
     combined,
+    high_entropy,
     micro_loss,
     nanstd,
+    reduce,
     step_normaliser,
     token_logps,
     token_losses,
@@ -34,8 +37,7 @@ class GRPO:
         from trainer.objectives.grpo_metrics import RLMetrics
 
         self.rl, self.world, self.accum = rl, world, accum
-        self.s = Settings(loss_type=rl.loss_type, beta=rl.beta, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high,
-                          delta=rl.delta, max_new_tokens=rl.max_new_tokens)  # fmt: skip
+        self.s = settings(rl)
         self.engine: Any = None
         self.metrics = RLMetrics(rl)
 
@@ -50,8 +52,15 @@ class GRPO:
     def describe(self) -> str:
         r = self.rl
         clip = f"epsilon {r.epsilon:g}" + (f"/{r.epsilon_high:g}" if r.epsilon_high is not None else "")
+        more = [f"importance sampling at the {r.importance_sampling_level} level"]
+        if r.multi_objective_aggregation != "sum_then_normalize":
+            more.append(f"rewards {r.multi_objective_aggregation.replace('_', ' ')}")
+        if r.top_entropy_quantile < 1:
+            more.append(f"the policy term on the top {r.top_entropy_quantile:g} of tokens by entropy")
+        kl = ", KL corrected by the ratio" if r.beta and r.use_bias_correction_kl else ""
         return (f"grpo ({r.loss_type}, {r.num_generations} completions a prompt, rewards scaled by {r.scale_rewards}, "
-                f"{clip}, beta {r.beta:g}{', no reference' if r.beta == 0 else ''}, num_iterations {r.num_iterations})")  # fmt: skip
+                f"{clip}, beta {r.beta:g}{', no reference' if r.beta == 0 else kl}, num_iterations {r.num_iterations}, "
+                f"{', '.join(more)})")  # fmt: skip
 
     def rollouts(self, stream: Any, scored: Any) -> list[Any]:
         from trainer.objectives.grpo_batches import rollouts
@@ -65,11 +74,15 @@ class GRPO:
         adv = batch.advantages.to(logps.dtype)
         old = batch.old.to(logps) if batch.old is not None else logps.detach()
         ref = batch.ref.to(logps) if batch.ref is not None else None
-        loss = micro_loss(logps, old, ref, adv, mask, self.s, batch.normaliser)
+        keep = (
+            high_entropy(ent, mask, self.s.top_entropy_quantile, self.world)
+            if self.s.top_entropy_quantile < 1
+            else None
+        )
+        terms = token_losses(logps, old, ref, adv, mask, self.s, keep)
+        loss = reduce(terms.loss, mask, self.s, batch.normaliser)
         with torch.no_grad():
-            _, low, high, region = token_losses(logps, old, ref, adv, self.s)
-            kl = (torch.exp(ref - logps) - (ref - logps) - 1) if ref is not None else torch.zeros_like(logps)
-            self.metrics.count_loss(mask, low, high, region, kl, ent)
+            self.metrics.count_loss(mask, terms, ent)
         return loss
 
     def count_generation(self, scored: Any, rewards: list[Any]) -> None:
@@ -77,3 +90,9 @@ class GRPO:
 
     def flush(self, world_size: int, split: str = "train") -> dict[str, Any]:
         return self.metrics.flush(world_size)
+
+
+def settings(rl: Any) -> Settings:
+    """The loss's settings from train.rl."""
+    names = Settings.__dataclass_fields__
+    return Settings(**{k: getattr(rl, k) for k in names})

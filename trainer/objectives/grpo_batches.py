@@ -16,8 +16,7 @@ def rollouts(self: Any, stream: Any, scored: Any) -> list[Any]:
     """Advantages over the step (every rank's rewards), rows and normalisers, old and reference log-probs."""
     import torch.distributed as dist
 
-    from trainer.objectives.grpo_loss import advantages as adv_of
-    from trainer.objectives.grpo_loss import combined
+    from trainer.objectives.grpo_loss import aggregate
     from trainer.rl.rollout import Rollout
 
     weights = torch.tensor(self.rl.weights(), dtype=torch.float64)
@@ -28,7 +27,9 @@ def rollouts(self: Any, stream: Any, scored: Any) -> list[Any]:
         parts = [torch.empty_like(local).to(self.device) for _ in range(self.world)]
         dist.all_gather(parts, local.to(self.device))
         everyone = torch.cat([p.cpu() for p in parts])
-    adv_all, zero_all = adv_of(combined(everyone, weights), self.rl.num_generations, self.rl.scale_rewards)
+    adv_all, zero_all = aggregate(everyone, weights, self.rl.num_generations, self.rl.scale_rewards,
+                                  self.rl.multi_objective_aggregation)  # fmt: skip
+    scored.extra["step"] = (everyone, zero_all, adv_all)  # the step's, every rank's: its metrics (TRL's)
     n = len(local)
     mine = slice(stream.rank * n, (stream.rank + 1) * n) if distributed else slice(0, n)
     adv, zero = adv_all[mine], zero_all[mine]

@@ -1,114 +1,164 @@
-"""GRPO's metrics (trainer/objectives/grpo.py): each reward function's mean and std and the combined
-reward's, the share of groups whose rewards are all equal, the completions' length and truncated share,
-the clip ratios (low, high, region), the KL when beta > 0, the entropy, and generation's share of the
-time; summed over a log interval's steps and reduced over the ranks at a log step."""
+"""GRPO's metrics (trainer/objectives/grpo.py), as TRL's GRPOTrainer logs them.
+
+Of a generation (steps that generate only: with num_iterations > 1 the steps that reuse one log none of
+these, as TRL): each reward function's mean and std and the combined reward's over the step's completions
+of every rank (`reward_std` is the step's Bessel-corrected std, TRL's), the share of completions whose
+advantage's std was zero (`zero_std_share`: TRL's frac_reward_zero_std), the completions' mean and longest
+length and truncated share, generation's time, and what the reward functions logged with `log_metric`; a
+log line averages them over the interval's generations (NaN values left out, as TRL).
+Of every micro step: the clip ratios (low, high and region: of tokens, or of completions at the sequence
+level), the KL when beta > 0 (with its ratio correction where the loss has it), the entropy, VESPO's weight;
+pooled over the interval's tokens (TRL averages its micro batches' ratios), reduced over the ranks at a log
+step."""
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from typing import Any
 
 import torch
 
-from trainer.objectives.grpo_loss import STATS
+from trainer.objectives.grpo_loss import CLIPPED, STATS, nanstd
 
 
 class RLMetrics:
     def __init__(self, rl: Any) -> None:
         self.rl = rl
         self.device: Any = "cpu"
-        self.names: list[str] = []
-        self.sums: Any = None
+        self.sums: Any = None  # STATS, this rank's, since the last log line
+        self.steps: list[dict[str, float]] = []  # each generation's metrics (the same on every rank)
+        self.user: list[dict[str, list[float]]] = []  # each generation's log_metric values (this rank's)
+        self.pending: dict[str, list[float]] = defaultdict(list)
         self.max_length = 0
         self.t0: float | None = None
+        self.completions: Any = None  # trainer/rl/completions.py: CompletionLog, where log_completions > 0
 
-    def count_loss(self, mask: Any, low: Any, high: Any, region: Any, kl: Any, ent: Any) -> None:
+    def log_metric(self, name: str, value: float) -> None:
+        """A reward function's `log_metric(name, value)` (TRL's): averaged over the generation and the ranks."""
+        self.pending[str(name)].append(float(value))
+
+    def count_loss(self, mask: Any, terms: Any, ent: Any) -> None:
         at = {k: i for i, k in enumerate(STATS)}
         row = torch.zeros(len(STATS), dtype=torch.float64, device=mask.device)
-        row[at["tokens"]] = mask.sum()
-        row[at["clip_low"]] = (low * mask).sum()
-        row[at["clip_high"]] = (high * mask).sum()
-        row[at["clip_region"]] = (region * mask).sum()
-        row[at["kl"]] = (kl * mask).sum()
-        row[at["entropy"]] = (ent * mask).sum()
+        m = mask.to(torch.float64)
+        row[at["tokens"]] = m.sum()
+        if terms.high is not None:
+            if terms.high.shape[1] == 1:  # the sequence level: a ratio a completion, counted a completion
+                n, of = float(terms.high.shape[0]), lambda x: x.to(torch.float64).sum()  # noqa: E731
+            else:
+                n, of = m.sum(), lambda x: (x.to(torch.float64) * m).sum()  # noqa: E731
+            row[at["clip_low"]], row[at["clip_high"]] = of(terms.low), of(terms.high)
+            row[at["clip_region"]], row[at["clip_n"]] = of(terms.low | terms.high), n
+        if terms.kl is not None:
+            row[at["kl"]] = (terms.kl.expand_as(m) * m).sum()
+        if terms.phi is not None:
+            row[at["phi"]], row[at["phi_n"]] = terms.phi.to(torch.float64).sum(), float(terms.phi.shape[0])
+        row[at["entropy"]] = (ent * m).sum()
         self._add(row)
 
     def count_generation(self, scored: Any, rewards: list[Any]) -> None:
+        """A generation: its metrics over every rank's completions (`scored.extra["step"]`: the step's rewards,
+        whether each one's std was zero), its lengths (this rank's, summed over the ranks at a log step)."""
         from trainer.objectives.grpo_loss import combined
 
-        self.names = [r.name for r in rewards]
-        r = scored.rewards
-        total = combined(r, torch.tensor(self.rl.weights(), dtype=torch.float64))
-        cols = torch.cat([r, total.unsqueeze(1)], dim=1)  # every function's, then the combined reward
-        ok = ~torch.isnan(cols)
-        vals = torch.nan_to_num(cols, nan=0.0)
+        everyone, zero, _ = scored.extra["step"]
+        step: dict[str, float] = {}
+        for j, r in enumerate(rewards):
+            col = everyone[:, j]
+            step[f"reward_{r.name}"], step[f"reward_{r.name}_std"] = (
+                float(torch.nanmean(col)),
+                float(nanstd(col)),
+            )
+        total = combined(everyone, torch.tensor(self.rl.weights(), dtype=everyone.dtype))
+        step["reward"], step["reward_std"] = float(torch.nanmean(total)), float(nanstd(total))
+        step["zero_std_share"] = float(zero.to(torch.float64).mean())
+        step["rounds"] = float(scored.extra.get("rounds", 1))
+        self.steps.append(step)
+        self.user.append(dict(self.pending))
+        self.pending.clear()
         lengths = torch.tensor([len(c) for c, _ in scored.completions], dtype=torch.float64)
-        g = self.rl.num_generations
-        row = torch.zeros(len(STATS) + 3 * cols.shape[1], dtype=torch.float64)
         at = {k: i for i, k in enumerate(STATS)}
+        row = torch.zeros(len(STATS), dtype=torch.float64)
         row[at["completions"]] = len(lengths)
-        row[at["groups"]] = len(lengths) // g
-        row[at["zero_std_groups"]] = (
-            float(scored.zero_std.reshape(-1, g)[:, 0].sum()) if scored.zero_std is not None else 0
-        )
         row[at["length_sum"]] = lengths.sum()
         row[at["truncated"]] = sum(1 for _, ended in scored.completions if not ended)
         row[at["generation_s"]] = scored.seconds
-        k = len(STATS)
-        row[k : k + cols.shape[1]] = vals.sum(0)
-        row[k + cols.shape[1] : k + 2 * cols.shape[1]] = (vals**2).sum(0)
-        row[k + 2 * cols.shape[1] :] = ok.sum(0)
         self.max_length = max(self.max_length, int(lengths.max()) if len(lengths) else 0)
         self._add(row.to(self.device))
+        if self.completions is not None:
+            self.completions.keep(scored, rewards)
 
     def _add(self, row: Any) -> None:
-        """Add a row of sums: STATS (a micro batch's loss terms), then the rewards' (a generation's)."""
         if self.sums is None:
-            self.sums = torch.zeros(
-                len(STATS) + 3 * (len(self.names) + 1), dtype=torch.float64, device=self.device
-            )
-        self.sums[: len(row)] += row.to(self.sums.device)
+            self.sums = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
+        self.sums += row.to(self.sums.device)
 
     def flush(self, world_size: int) -> dict[str, Any]:
-        """The interval's metrics over every rank (one all-reduce; every rank calls it)."""
+        """The interval's metrics over every rank (every rank calls it: one all-reduce, and the names the
+        reward functions logged gathered)."""
         import time
 
         import torch.distributed as dist
 
-        k = len(STATS)
-        f = len(self.names) + 1
+        distributed = dist.is_initialized() and world_size > 1
         sums = (
             self.sums
             if self.sums is not None
-            else torch.zeros(k + 3 * f, dtype=torch.float64, device=self.device)
+            else torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
         )
+        user = sorted({k for u in self.user for k in u})
+        if distributed:
+            names: list[Any] = [None] * world_size
+            dist.all_gather_object(names, user)
+            user = sorted({k for n in names for k in n})
+        # per generation and name: the sum and the count of what the functions logged (TRL: over the ranks)
+        logged = torch.tensor([[f(u.get(k, [])) for k in user for f in (sum, len)] for u in self.user] or [[]],
+                              dtype=torch.float64, device=sums.device)  # fmt: skip
         longest = torch.tensor([self.max_length], dtype=torch.float64, device=sums.device)
-        if dist.is_initialized() and world_size > 1:
+        if distributed:
             dist.all_reduce(sums)
+            if user:
+                dist.all_reduce(logged)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)  # every rank's longest completion
-        self.sums = None
-        s = {name: float(v) for name, v in zip(STATS, sums[:k].tolist(), strict=True)}
+        s = {name: float(v) for name, v in zip(STATS, sums.tolist(), strict=True)}
         out: dict[str, Any] = {}
-        n = max(s["completions"], 1.0)
+        if self.steps:  # the interval generated: its generations' metrics, averaged (NaN left out)
+            for key in self.steps[-1]:
+                if key == "rounds" and not self.rl.dynamic_sampling:
+                    continue
+                valid = [st[key] for st in self.steps if key in st and not math.isnan(st[key])]
+                if valid:
+                    out[key] = sum(valid) / len(valid)
+            n = max(s["completions"], 1.0)
+            out.update({"completion_length": s["length_sum"] / n, "completion_length_max": int(longest[0]),
+                        "truncated_share": s["truncated"] / n,
+                        "generation_s": s["generation_s"] / max(world_size, 1)})  # fmt: skip
+            for i, k in enumerate(user):
+                per = [
+                    (a / c)
+                    for a, c in zip(logged[:, 2 * i].tolist(), logged[:, 2 * i + 1].tolist(), strict=True)
+                    if c
+                ]
+                if per:
+                    out[k] = sum(per) / len(per)
         tokens = max(s["tokens"], 1.0)
-        for j, name in enumerate([*self.names, "reward"]):
-            total, sq, cnt = (float(sums[k + j]), float(sums[k + f + j]), float(sums[k + 2 * f + j]))
-            mean = total / max(cnt, 1.0)
-            std = max(sq / max(cnt, 1.0) - mean**2, 0.0) ** 0.5
-            key = "reward" if name == "reward" else f"reward_{name}"
-            out[key], out[f"{key}_std"] = mean, std
+        if self.rl.loss_type in (*CLIPPED, "cispo") and s["clip_n"]:
+            clip_n = s["clip_n"]
+            out.update({"clip_low": s["clip_low"] / clip_n, "clip_high": s["clip_high"] / clip_n,
+                        "clip_region": s["clip_region"] / clip_n})  # fmt: skip
+        if s["tokens"]:
+            out["entropy"] = s["entropy"] / tokens
+            if self.rl.beta > 0:
+                out["kl"] = s["kl"] / tokens
+        if s["phi_n"]:
+            out["vespo_phi"] = s["phi"] / s["phi_n"]
         now = time.perf_counter()
         elapsed = now - self.t0 if self.t0 is not None else None
         self.t0 = now
-        out.update({
-            "zero_std_share": s["zero_std_groups"] / max(s["groups"], 1.0),
-            "completion_length": s["length_sum"] / n, "completion_length_max": int(longest[0]),
-            "truncated_share": s["truncated"] / n, "clip_low": s["clip_low"] / tokens,
-            "clip_high": s["clip_high"] / tokens, "clip_region": s["clip_region"] / tokens,
-            "entropy": s["entropy"] / tokens, "generation_s": s["generation_s"] / max(world_size, 1),
-        })  # fmt: skip
-        if self.rl.beta > 0:
-            out["kl"] = s["kl"] / tokens
-        if elapsed:
+        if elapsed and "generation_s" in out:
             out["generation_share"] = min(1.0, out["generation_s"] / elapsed)
-        self.max_length = 0
+        if self.completions is not None and self.steps:
+            self.completions.write()
+        self.sums, self.steps, self.user, self.max_length = None, [], [], 0
         return out
