@@ -189,7 +189,7 @@ def build(
     stream, evaluator = data_for_rank(exp, runtime, data, one_off, planned)
     state = TrainState()
     mets = make_metrics(exp, runtime, planned, engine, hosts, max_steps or exp.train.max_steps)
-    objective_notes = prepare_objective(exp, env, engine, data, mets, stream)
+    objective_notes = prepare_objective(exp, env, engine, data, mets, stream, state)
     if engine.experts is not None:  # the router's expert load, per layer, over every rank
         objective_reduced = mets.reduced
         mets.reduced = lambda: {**(objective_reduced() if objective_reduced else {}),
@@ -233,7 +233,7 @@ def build(
 
 
 def prepare_objective(
-    exp: Experiment, env: Any, engine: Any, data: Any, mets: Any, stream: Any = None
+    exp: Experiment, env: Any, engine: Any, data: Any, mets: Any, stream: Any = None, state: Any = None
 ) -> list[str]:
     """A preference objective: the reference's log-probs (before a checkpoint is loaded: computed by
     the model as training starts, or read from the cache) and its metrics; the banner's lines."""
@@ -244,7 +244,7 @@ def prepare_objective(
     if exp.train.objective == "grpo":
         from trainer.rl import prepare
 
-        return prepare(exp, env, engine, data, stream)
+        return prepare(exp, env, engine, data, stream, mets, state)
     lines = [f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward; "
              + ("dropout off (train.preference.disable_dropout, as TRL: the reference is computed without it)"
                 if exp.train.preference.disable_dropout else "the model's dropout kept (train.preference."

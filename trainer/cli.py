@@ -227,6 +227,9 @@ def _main(argv: list[str] | None = None) -> int:
                 "no experiment file given: bin/train EXPERIMENT.yaml (try configs/experiments/tiny.yaml)"
             )
         exp = config_mod.load(args.experiment, args.overrides)
+        from trainer.dotted import search
+
+        search(Path(args.experiment).resolve().parent, Path.cwd())  # the user's modules (rewards, factories)
         if args.prepare_data:
             return prepare_data_command(exp)
         if args.preview_data is not None:

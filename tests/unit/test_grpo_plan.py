@@ -94,8 +94,8 @@ def test_generation_s_term_is_the_measured_peak_of_sampling(family, new):
     assert abs(planned / measured - 1) <= 0.10, (measured, planned)
 
 
-@pytest.mark.parametrize("sets", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9)],
-                         ids=["plain", "temperature", "top_k", "top_p"])  # fmt: skip
+@pytest.mark.parametrize("sets", [(1.0, 0, 1.0, None), (0.7, 0, 1.0, None), (1.0, 50, 1.0, None), (1.0, 0, 0.9, None),
+                                  (1.0, 0, 1.0, 0.05)], ids=["plain", "temperature", "top_k", "top_p", "min_p"])  # fmt: skip
 def test_the_sampling_logits_term_is_the_measured_peak_at_a_large_vocabulary(sets):
     """32 rows of a 65,536-token vocabulary, one tiny layer (the logits are the peak): the Gumbel noise, the
     processed scores, top-p's sort, against logits_bytes (within 10%); and with the noise made 8 rows at a time."""
@@ -107,22 +107,22 @@ def test_the_sampling_logits_term_is_the_measured_peak_at_a_large_vocabulary(set
     from trainer.rl.generate import ModelSampler, Sampling
     from trainer.strategy.planning.generation import logits_bytes
 
-    (t, k, p), vocab, rows = sets, 65536, 32
+    (t, k, p, mp), vocab, rows = sets, 65536, 32
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                      num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=64)).eval()  # fmt: skip
     engine = SimpleNamespace(ds=SimpleNamespace(module=m), device=torch.device("cpu"))
-    sampler = ModelSampler(engine, Sampling(max_new_tokens=8, temperature=t, top_k=k, top_p=p), synced=False,
-                           batch=rows)  # fmt: skip
+    sampler = ModelSampler(engine, Sampling(max_new_tokens=8, temperature=t, top_k=k, top_p=p, min_p=mp),
+                           synced=False, batch=rows)  # fmt: skip
     prompts = [[5, 6, 7, 8]] * rows
     sampler.sample(prompts, list(range(rows)))  # the allocator's arenas warmed
     peak = Peak()
     start = peak.reset()
     sampler.sample(prompts, list(range(rows, 2 * rows)))
     measured = peak.since(start)
-    planned = logits_bytes(SimpleNamespace(temperature=t, top_k=k, top_p=p), rows, vocab)
+    planned = logits_bytes(SimpleNamespace(temperature=t, top_k=k, top_p=p, min_p=mp), rows, vocab)
     print(
-        f"temperature {t} top_k {k} top_p {p}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f}"
+        f"temperature {t} top_k {k} top_p {p} min_p {mp}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f}"
     )
     assert abs(planned / measured - 1) <= 0.10, (measured, planned)
     import trainer.rl.generate as generate
@@ -132,7 +132,7 @@ def test_the_sampling_logits_term_is_the_measured_peak_at_a_large_vocabulary(set
         start = peak.reset()
         sampler.sample(prompts, list(range(2 * rows, 3 * rows)))
         measured = peak.since(start)
-        planned = logits_bytes(SimpleNamespace(temperature=t, top_k=k, top_p=p), rows, vocab)
+        planned = logits_bytes(SimpleNamespace(temperature=t, top_k=k, top_p=p, min_p=mp), rows, vocab)
     finally:
         generate.NOISE_ELEMENTS = was
     print(f"  the noise 8 rows at a time: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f}")

@@ -62,16 +62,20 @@ def test_rewards_get_the_prompts_as_given_and_completions_without_the_stop_token
     s.prompts = prompts
     seen = {}
 
-    def reward(prompts, completions, columns, where):
+    def reward(prompts, completions, **columns):
         seen.update(prompts=prompts, completions=completions, columns=columns)
         return [1.0] * len(completions)
 
+    from trainer.rl.rewards import Reward
+
     eos = tok.eos_token_id
-    s.attach(SimpleNamespace(sample=lambda ps, seed: [([ord("3"), eos], True)] * len(ps)), None, [reward])
+    s.attach(SimpleNamespace(sample=lambda ps, seed: [([ord("3"), eos], True)] * len(ps)), None,
+             [Reward("r", reward, 1.0, {})])  # fmt: skip
     s._score([0, 1], [1, 2])
     assert seen["prompts"] == ["How many?", "How many?", "And now?", "And now?"]
     assert seen["completions"] == ["3"] * 4
-    assert seen["columns"] == {"answer": ["3", "3", "4", "4"]}
+    assert seen["columns"]["answer"] == ["3", "3", "4", "4"]
+    assert seen["columns"]["completion_ids"] == [[ord("3"), eos]] * 4  # TRL's: up to and including the stop
 
 
 def test_sampling_sets_the_model_s_generation_config_aside():
@@ -154,3 +158,67 @@ def test_a_completion_does_not_depend_on_the_rows_that_share_its_generate_call()
     }
     assert drawn[4] == drawn[2] == drawn[1], drawn
     assert drawn[4][0] != drawn[4][1]  # a group's completions are drawn apart
+
+
+# ----------------------------------------------------------------------------- where a completion ends; min_p
+
+# the published generation_config.json's eos_token_id of the instruct models of these tokenizers
+PUBLISHED = {
+    "llama3_2": (
+        [128001, 128008, 128009],
+        "<|eot_id|>",
+    ),  # Llama-3.2-1B-Instruct: end_of_text, eom_id, eot_id
+    "qwen3": ([151645, 151643], "<|im_end|>"),  # Qwen3-0.6B: im_end, endoftext
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_generation_stops_at_every_end_token_trl_and_generate_stop_at(name):
+    from helpers import tokenizer_dir
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from trainer.rl.generate import stop_tokens
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir(name))
+    listed, eot = PUBLISHED[name]
+    stop = stop_tokens(tok, eot, GenerationConfig(eos_token_id=listed))
+    # TRL's GRPOTrainer: the tokenizer's EOS and the generation config's list; generate: the list
+    assert {tok.eos_token_id, *listed} <= set(stop), (stop, listed)
+    assert tok.convert_tokens_to_ids(eot) in stop and len(stop) == len(set(stop))
+    before = stop_tokens(tok, eot)  # (without the generation config: what sampling stopped at before)
+    assert set(listed) - set(before), "the published list adds nothing: the test would not see the fix"
+
+
+def test_a_completion_ends_at_an_end_token_only_the_generation_config_lists():
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    from trainer.rl.generate import stop_tokens
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=257)).eval()
+    engine = SimpleNamespace(ds=SimpleNamespace(module=model), device=torch.device("cpu"))
+    prompts, streams = [[72, 105, 33]] * 2, [3, 4]
+    free = ModelSampler(engine, Sampling(max_new_tokens=12, stop=(256,), pad=256), synced=False, batch=2)
+    (row, ended), _ = free.sample(prompts, streams)
+    assert not ended and len(row) == 12
+    eom = row[4]  # a token the model draws: as if its generation config listed it as an end token
+    stop = stop_tokens(byte_tokenizer(), "", GenerationConfig(eos_token_id=[256, eom]))
+    sampler = ModelSampler(engine, Sampling(max_new_tokens=12, stop=stop, pad=256), synced=False, batch=2)
+    (cut, ended), _ = sampler.sample(prompts, streams)
+    assert ended and cut == row[: row.index(eom) + 1]
+
+
+def test_min_p_is_transformers_min_p_after_the_other_warpers():
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper
+
+    from trainer.rl.generate import processed
+
+    torch.manual_seed(0)
+    scores = torch.randn(4, 60) * 3
+    for t, k, m in [(1.0, 0, 0.1), (0.7, 10, 0.05), (1.3, 0, 0.5), (1.0, 0, 1.0)]:
+        ours = processed(scores, Sampling(max_new_tokens=1, temperature=t, top_k=k, min_p=m))
+        theirs = TemperatureLogitsWarper(t)(None, scores)
+        theirs = TopKLogitsWarper(k)(None, theirs) if k else theirs
+        theirs = MinPLogitsWarper(m)(None, theirs)
+        assert torch.equal(ours, theirs), (t, k, m)
+        assert (ours > -torch.inf).sum() < scores.numel()  # something was dropped

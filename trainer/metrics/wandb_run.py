@@ -84,6 +84,16 @@ class WandbRun:
         with contextlib.suppress(Exception):  # a tracking hiccup must never stop training
             self._wandb.log(data, step=step)
 
+    def table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """A table of records (train.rl.log_completions' completions), nested values as JSON text."""
+        import json
+
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        cell = lambda v: json.dumps(v, default=str) if isinstance(v, dict | list) else v  # noqa: E731
+        with contextlib.suppress(Exception):  # a tracking hiccup must never stop training
+            table = self._wandb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in rows])
+            self._wandb.log({name: table}, step=step)
+
     def close(self, exit_code: int = 0) -> None:
         with contextlib.suppress(Exception):
             self.run.finish(exit_code=exit_code)

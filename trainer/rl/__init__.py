@@ -1,31 +1,36 @@
 """Online reinforcement learning with verifiable rewards (train.objective: grpo; docs/rl.md): the rewards
-(`rewards.py`), generation from the trained weights (`generate.py`, the seam an inference engine would
-implement) and the stream of a run's rollouts (`rollout.py`); the loss is an objective
-(trainer/objectives/grpo.py). `prepare` wires them to the engine once it exists."""
+(`rewards.py`, `answers.py`, `reward_model.py`), generation from the trained weights (`generate.py`, the seam
+an inference engine would implement), the stream of a run's rollouts (`rollout.py`) and the completions log
+(`completions.py`); the loss is an objective (trainer/objectives/grpo.py). `prepare` wires them to the engine
+once it exists."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
-def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: Any) -> list[str]:
+def prepare(
+    exp: Any, env: Any, engine: Any, data: Any, stream: Any, mets: Any = None, state: Any = None
+) -> list[str]:
     """The run's rewards (imported now: an error stops it before training), its sampler and objective, wired
     to the stream; the banner's lines."""
     from trainer.rl.generate import ModelSampler, Sampling, stop_tokens
-    from trainer.rl.rewards import load
 
     rl, tok = exp.train.rl, data.tokenizer
-    rewards = load(rl.rewards)
     objective = engine.objective
     objective.world, objective.engine, objective.device = env.world_size, engine, engine.device
+    rewards = load_rewards(exp, engine)
     eot = ""
     if (data.finetune or {}).get("chat"):  # prompts of chat messages: their answers end at the turn's end
         from trainer.data.examples import chat_profile
 
         eot = chat_profile(exp.data, tok).eot
+    module = engine.ds.module
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    stop = stop_tokens(tok, eot, getattr(base, "generation_config", None))
     sampling = Sampling(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                        top_k=rl.top_k, stop=stop_tokens(tok, eot), pad=int(pad), width=stream.longest + 1)  # fmt: skip
+                        top_k=rl.top_k, min_p=rl.min_p, stop=stop, pad=int(pad), width=stream.longest + 1)  # fmt: skip
     # (width: the data's longest prompt and one more, so that every row of every call is padded: transformers
     # drops an attention mask of ones, and its attention would then take another path for some calls)
     synced = env.world_size > 1 and engine.ds.zero_optimization_stage() == 3
@@ -33,12 +38,40 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: Any) -> list[str
     stream.attach(
         ModelSampler(engine, sampling, synced, batch=prompts * rl.num_generations), objective, rewards
     )
+    stream.steps_done = (lambda: state.step) if state is not None else (lambda: 0)
+    stream.max_steps, stream.log_metric = exp.train.max_steps, objective.metrics.log_metric
+    if rl.log_completions:
+        from trainer.rl.completions import CompletionLog
+
+        wandb = next((s for s in (mets.sinks if mets is not None else []) if hasattr(s, "table")), None)
+        objective.metrics.completions = CompletionLog(
+            exp.run_dir, rl.log_completions, env.rank == 0, step=stream.steps_done, prompt_of=stream.columns_prompt,
+            group=rl.num_generations, wandb=wandb,
+        )  # fmt: skip
     names = ", ".join(f"{r.name} x {r.weight:g}" for r in rewards)
-    stops = ", ".join(tok.decode([t]) for t in sampling.stop) or "none"
+    stops = ", ".join(repr(tok.decode([t])) for t in sampling.stop) or "none"
+    min_p = f", min_p {rl.min_p:g}" if rl.min_p is not None else ""
     return [
         f"objective: {objective.describe()}; rewards: {names}",
         f"generation: {stream.per_rank} prompt(s) x {rl.num_generations} completions a rank a step, "
         f"{min(prompts, stream.per_rank)} prompt(s) a generate call, at most "
-        f"{rl.max_new_tokens} new tokens (temperature {rl.temperature:g}, top_p {rl.top_p:g}, top_k {rl.top_k or 'off'}), "
-        f"stopping at {stops}; from the trained weights ({'ZeRO-3 gathered, ranks in step' if synced else 'in place'})",
+        f"{rl.max_new_tokens} new tokens (temperature {rl.temperature:g}, top_p {rl.top_p:g}, top_k {rl.top_k or 'off'}"
+        f"{min_p}), stopping at {stops}; from the trained weights ({'ZeRO-3 gathered, ranks in step' if synced else 'in place'})",
     ]
+
+
+def load_rewards(exp: Any, engine: Any) -> list[Any]:
+    """train.rl.rewards, a reward model (function: model) on the run's device in its precision."""
+    from trainer.rl.rewards import load
+
+    def model(i: int, options: dict[str, Any]) -> Any:
+        import torch
+
+        from trainer.rl.reward_model import RewardModel
+
+        params = engine.ds.module.parameters()  # the run's compute precision (the policy's floating weights)
+        dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+        return RewardModel(options["path"], device=engine.device, dtype=dtype, batch_size=options.get("batch_size", 8),
+                           template_kwargs=exp.data.chat_template_kwargs, key=f"train.rl.rewards[{i}]")  # fmt: skip
+
+    return load(exp.train.rl.rewards, model)

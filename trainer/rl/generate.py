@@ -8,11 +8,12 @@ every forward; `synced_gpus` keeps the ranks in lockstep until every rank's comp
 and QLoRA (peft's model, bitsandbytes' layers). It samples `batch` rows a call (train.rl.generation_batch
 prompts' groups: by default all of a rank's step, the fewest decode passes). Prompts are left-padded to
 `width` at least (the data's longest prompt and one more: every row of every call padded alike, so that no call
-takes transformers' unmasked path), and every completion starts at the same position; sampling stops at EOS or
-the chat template's end-of-turn token.
+takes transformers' unmasked path), and every completion starts at the same position; sampling stops where
+`generate` and TRL stop: at the tokenizer's EOS, every `eos_token_id` of the model's generation config, and
+the chat template's end-of-turn token (`stop_tokens`).
 
 Sampling is Gumbel-max with a counter-based noise: a row's token at decode step t is the argmax of its
-processed logits (/ temperature, top-k, top-p, as transformers' warpers) plus Gumbel noise that is a function of
+processed logits (/ temperature, top-k, top-p, min-p, as transformers' warpers) plus Gumbel noise that is a function of
 (the row's stream, t, the token) only (splitmix64 over int64 tensors, 52 bits of uniform; `gumbel`). That is a
 sample from softmax(processed logits) (to the uniform's 2**-52 grain), and a completion depends on its own
 stream and its own logits, not on the RNG, its rank or which rows share its call: each row's stream comes from
@@ -22,7 +23,8 @@ other ranks, micro batches or calls draws the same ones wherever a row's logits 
 beside it: on CPU in fp32 (tested), not guaranteed on GPUs, whose matrix kernels are chosen by the rows of
 the call (bf16 rounding then flips a near tie now and then, and the completion goes its own way from there).
 The training RNG (dropout) is untouched. Only the sampling asked for applies: the
-model's published generation_config (a repetition penalty, min_p...) is set aside while sampling.
+model's published generation_config (a repetition penalty, min_p...) is set aside while sampling (its end
+tokens are read at start).
 
 An inference engine (vLLM, SGLang) would implement `Sampler` over its own copy of the weights: after each
 optimizer step the trained weights (gathered, and with LoRA the adapters merged or passed as an adapter)
@@ -43,7 +45,8 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    stop: tuple[int, ...] = ()  # token ids that end a completion (EOS, the end-of-turn token)
+    min_p: float | None = None
+    stop: tuple[int, ...] = ()  # token ids that end a completion (EOS, the generation config's, end-of-turn)
     pad: int = 0
     width: int = 0  # prompts are left-padded to at least this many tokens (the data's longest prompt + 1)
 
@@ -90,8 +93,8 @@ def gumbel(streams: Any, step: int, vocab: int) -> Any:
 
 
 def processed(scores: Any, s: Sampling) -> Any:
-    """The logits sampling draws from: / temperature, then top-k, then top-p (transformers' warpers, in
-    their order, with their ties: at least one token kept)."""
+    """The logits sampling draws from: / temperature, then top-k, then top-p, then min-p (transformers'
+    warpers, in their order, with their ties: at least one token kept)."""
     import torch
 
     if s.temperature != 1.0:
@@ -104,6 +107,9 @@ def processed(scores: Any, s: Sampling) -> Any:
         drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - s.top_p)
         drop[..., -1:] = False
         scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
+    if s.min_p is not None:  # below min_p x the likeliest's probability (the kept set's, as transformers')
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < s.min_p * probs.amax(dim=-1, keepdim=True), -torch.inf)
     return scores
 
 
@@ -134,9 +140,15 @@ def gumbel_processor(s: Sampling, streams: Any, width: int) -> Any:
     return GumbelMax()
 
 
-def stop_tokens(tok: Any, eot: str = "") -> tuple[int, ...]:
-    """EOS, and the chat template's end-of-turn token where it is one token."""
+def stop_tokens(tok: Any, eot: str = "", generation_config: Any = None) -> tuple[int, ...]:
+    """Where a completion ends, as `generate` and TRL's GRPOTrainer end it: the tokenizer's EOS, every
+    `eos_token_id` of the model's generation config (an int or a list: Llama 3.1's <|eom_id|> and
+    <|end_of_text|>, Qwen2.5's <|endoftext|>...), and the chat template's end-of-turn token where it is one."""
     out = [] if tok.eos_token_id is None else [int(tok.eos_token_id)]
+    listed = getattr(generation_config, "eos_token_id", None)
+    for t in [listed] if isinstance(listed, int) else list(listed or []):
+        if int(t) not in out:
+            out.append(int(t))
     if eot:
         ids = tok(eot, add_special_tokens=False)["input_ids"]
         if len(ids) == 1 and ids[0] not in out:

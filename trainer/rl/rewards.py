@@ -1,85 +1,113 @@
-"""train.rl.rewards: the reward functions of GRPO, built in or the user's, checked.
+"""train.rl.rewards: the reward functions of GRPO, built in, a local reward model, or the user's, called as
+TRL's GRPOTrainer calls them (so that a TRL reward function runs here unchanged).
 
-Every function is called once a generation with the prompts (the rows' prompts as given: strings or message
-lists, one per completion), the completions (decoded strings) and every other column of the rows (each a
-list, one value per completion), plus its `options` as keyword arguments, and returns one float (or None:
-no opinion, left out of the combined reward's weighted sum) per completion. A function that cannot be
-imported, is not callable, raises, returns another count or something other than numbers is an error
-naming it (exit 2: before training where it can be checked; else naming the row).
+Every function is called once a generation with keyword arguments: `prompts` (the rows' prompts as given:
+strings or message lists, one per completion), `completions` (the decoded completions: strings for text
+prompts, `[{"role": "assistant", "content": text}]` for chat prompts, as TRL), `completion_ids` (their token
+ids, without padding), `trainer_state` (`global_step`, `epoch`, `max_steps`), `log_extra(column, values)` and
+`log_metric(name, value)` (TRL's: a column of the completions log, a scalar averaged into the log line) and
+every other column of the rows (a list each, one value per completion), plus its `options`. A function
+without `**kwargs` gets those it names. It returns one number per completion (floats, ints, bools, numpy's;
+None or NaN: no opinion, left out of the combined reward's weighted sum), as a list, tuple or 1-D array.
+`async def` functions are awaited together. A function given by path whose parameters take none of
+prompts, completions and completion_ids (nor **kwargs) is a factory (TRL's get_soft_overlong_punishment):
+called once with its options, it returns the reward function.
 
-Built-ins, for verifiable tasks:
+A function that cannot be imported, is not callable, raises, returns another count or something other than
+numbers is an error naming it (exit 2: before training where it can be checked; else naming the rows).
 
-- `answer`: the answer in the completion, the last match of `pattern` (default: the last number), equal to
-  the row's `column` (default `answer`): exactly as strings (stripped), or with `numeric: true` as numbers
-  within `tolerance` (default 0); 1.0 or 0.0, None where the row has no such column value;
+Built-ins, for verifiable tasks (`answers.py`: how an answer is read):
+
+- `answer`: the completion's answer (the last `\\boxed{}`, else GSM8K's `#### x`, else the last number; or
+  the last match of `pattern`, its first group if it has one) equals the row's `column` (default `answer`;
+  GSM8K's solutions are read after their `####`): as strings (stripped of spaces and trailing punctuation,
+  numbers of their thousands separators), or with `numeric: true` as numbers within `tolerance`; 1.0 or 0.0,
+  None where the row has no value;
 - `format`: 1.0 where the completion matches `pattern` (Python's re.search; `fullmatch: true` for the
   whole completion), else 0.0;
 - `length`: minus the completion's distance from `target` characters over `scale` (default: target), at
-  most 0: a penalty for straying from a length.
+  most 0: a penalty for straying from a length;
+- `model`: a local sequence-classification model's logit (`reward_model.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.rl.answers import answer
 
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return None
+# what TRL gives every reward function beside the columns
+GIVEN = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
-def answer(prompts: Sequence[Any], completions: Sequence[str], *, column: str = "answer", pattern: str = NUMBER,
-           numeric: bool = False, tolerance: float = 0.0, **columns: Any) -> list[float | None]:  # fmt: skip
-    """1.0 where the completion's answer (the last match of `pattern`; its first group if it has one) equals
-    the row's `column`."""
-    if column not in columns:
-        raise UserError(f"train.rl.rewards: answer reads the column '{column}', which the data does not have; "
-                        f"its columns: {', '.join(sorted(columns)) or 'none'} (set options.column)")  # fmt: skip
-    rx = re.compile(pattern)
-    out: list[float | None] = []
-    for text, expected in zip(completions, columns[column], strict=True):
-        if expected is None:
-            out.append(None)
-            continue
-        found = [m.group(1) if m.groups() else m.group(0) for m in rx.finditer(text)]
-        if not found:
-            out.append(0.0)
-            continue
-        got = found[-1].strip()
-        if numeric:
-            a, b = _number(got), _number(str(expected))
-            out.append(1.0 if a is not None and b is not None and abs(a - b) <= tolerance else 0.0)
-        else:
-            out.append(1.0 if got == str(expected).strip() else 0.0)
-    return out
-
-
-def format_(prompts: Sequence[Any], completions: Sequence[str], *, pattern: str, fullmatch: bool = False,
+def format_(prompts: Sequence[Any], completions: Sequence[Any], *, pattern: str, fullmatch: bool = False,
             **columns: Any) -> list[float]:  # fmt: skip
     """1.0 where the completion matches `pattern`."""
     rx = re.compile(pattern, re.DOTALL)
     match = rx.fullmatch if fullmatch else rx.search
-    return [1.0 if match(text) else 0.0 for text in completions]
+    return [1.0 if match(text_of(c)) else 0.0 for c in completions]
 
 
-def length(prompts: Sequence[Any], completions: Sequence[str], *, target: int, scale: float | None = None,
+def length(prompts: Sequence[Any], completions: Sequence[Any], *, target: int, scale: float | None = None,
            **columns: Any) -> list[float]:  # fmt: skip
     """Minus the distance from `target` characters over `scale`."""
     s = float(scale or target or 1)
-    return [-abs(len(text) - target) / s for text in completions]
+    return [-abs(len(text_of(c)) - target) / s for c in completions]
+
+
+def text_of(completion: Any) -> str:
+    """A completion's text: the string, or a chat completion's message content."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
 
 
 BUILTINS: dict[str, Callable[..., Any]] = {"answer": answer, "format": format_, "length": length}
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function reads of the run (TRL's `trainer_state`, a transformers TrainerState's names):
+    optimizer steps done before this generation, the epoch (with its fraction), the run's last step."""
+
+    global_step: int
+    epoch: float
+    max_steps: int
+
+
+@dataclass
+class Batch:
+    """A generation's completions as the reward functions get them (see the module's doc)."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    completion_ids: list[list[int]]
+    columns: dict[str, list[Any]]
+    trainer_state: TrainerState
+    where: str  # the rows, for errors
+    log_extra: Callable[[str, list[Any]], None] = lambda column, values: None
+    log_metric: Callable[[str, float], None] = lambda name, value: None
+    given: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.given = {"prompts": self.prompts, "completions": self.completions, "completion_ids": self.completion_ids,
+                      "trainer_state": self.trainer_state, "log_extra": self.log_extra, "log_metric": self.log_metric,
+                      **{k: v for k, v in self.columns.items() if k not in GIVEN}}  # fmt: skip
+
+
+def _params(fn: Any) -> tuple[set[str], bool]:
+    """(the keyword names `fn` takes, whether it takes **kwargs); (empty, True) where it cannot be told."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return set(), True
+    names = {p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
 
 
 @dataclass
@@ -89,31 +117,74 @@ class Reward:
     weight: float
     options: dict[str, Any]
 
-    def __call__(self, prompts: list[Any], completions: list[str], columns: dict[str, list[Any]],
-                 where: str) -> list[float]:  # fmt: skip
-        """Its values, NaN for None; an error naming the function and `where` (the rows) otherwise."""
+    def kwargs(self, batch: Batch) -> dict[str, Any]:
+        names, var = _params(self.fn)
+        given = batch.given if var else {k: v for k, v in batch.given.items() if k in names}
+        return {**given, **self.options}
+
+    def call(self, batch: Batch) -> Any:
+        """The function's output (a coroutine where it is async); its errors named."""
         try:
-            values = self.fn(prompts=prompts, completions=completions, **columns, **self.options)
+            return self.fn(**self.kwargs(batch))
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 (the user's function: named, never a silent zero)
             raise UserError(
-                f"train.rl.rewards: {self.name} raised {type(e).__name__}: {e} ({where})"
+                f"train.rl.rewards: {self.name} raised {type(e).__name__}: {e} ({batch.where})"
             ) from None
-        if not isinstance(values, list | tuple) or len(values) != len(completions):
-            got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
-            raise UserError(f"train.rl.rewards: {self.name} returned {got} for {len(completions)} completions "
-                            f"({where}); it must return one float or None a completion")  # fmt: skip
-        out = []
-        for i, v in enumerate(values):
-            if v is None:
-                out.append(math.nan)
-            elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(float(v)):
-                raise UserError(f"train.rl.rewards: {self.name} returned {v!r} (a {type(v).__name__}) for completion "
-                                f"{i} ({where}); it must return a finite float or None")  # fmt: skip
-            else:
-                out.append(float(v))
-        return out
+
+    def __call__(self, batch: Batch) -> list[float]:
+        return self.values(self.call(batch), batch)
+
+    def values(self, out: Any, batch: Batch) -> list[float]:
+        """Its output as floats, NaN for None (and NaN): an error naming the function and the rows otherwise."""
+        n, where = len(batch.completions), batch.where
+        if hasattr(out, "tolist") and getattr(out, "ndim", 1) == 1:  # a numpy array or a tensor
+            out = out.tolist()
+        if not isinstance(out, list | tuple) or len(out) != n:
+            got = f"{len(out)} values" if isinstance(out, list | tuple) else type(out).__name__
+            hint = " (a factory? give its options: it is called with them once its parameters take no completions)"
+            raise UserError(f"train.rl.rewards: {self.name} returned {got} for {n} completions ({where}); it must "
+                            f"return one number or None a completion{hint if callable(out) else ''}")  # fmt: skip
+        return [number(self.name, v, i, where) for i, v in enumerate(out)]
+
+
+def number(name: str, v: Any, i: int, where: str) -> float:
+    """A reward value as a float: None and NaN are NaN (no opinion); bools and numpy's numbers converted."""
+    if v is None:
+        return math.nan
+    if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:  # numpy's scalars, 0-d arrays and tensors
+        v = v.item()
+    if isinstance(v, bool | int | float) and not (isinstance(v, float) and math.isinf(v)):
+        return float(v)
+    raise UserError(f"train.rl.rewards: {name} returned {v!r} (a {type(v).__name__}) for completion {i} ({where}); "
+                    "it must return a finite number or None")  # fmt: skip
+
+
+def score(rewards: Sequence[Reward], batch: Batch) -> list[list[float]]:
+    """Every function's values (functions, completions): the synchronous ones in order, the async ones
+    awaited together (asyncio.gather, TRL's)."""
+    out: list[Any] = [None] * len(rewards)
+    waiting: list[tuple[int, Any]] = []
+    for i, r in enumerate(rewards):
+        got = r.call(batch)
+        if inspect.isawaitable(got):
+            waiting.append((i, got))
+        else:
+            out[i] = r.values(got, batch)
+    if waiting:
+
+        async def all_of() -> list[Any]:
+            return await asyncio.gather(*(c for _, c in waiting), return_exceptions=True)
+
+        for (i, _), got in zip(waiting, asyncio.run(all_of()), strict=True):
+            if isinstance(got, UserError):
+                raise got
+            if isinstance(got, BaseException):
+                raise UserError(f"train.rl.rewards: {rewards[i].name} raised {type(got).__name__}: {got} "
+                                f"({batch.where})") from None  # fmt: skip
+            out[i] = rewards[i].values(got, batch)
+    return out
 
 
 def combined(per_function: Any, weights: Any) -> Any:
@@ -126,35 +197,55 @@ def combined(per_function: Any, weights: Any) -> Any:
     return rewards
 
 
-def load(specs: Sequence[Any]) -> list[Reward]:
-    """train.rl.rewards as callables: built-ins by name, the user's by package.module:function (imported now:
-    an error here stops the run before training, exit 2)."""
+def load(specs: Sequence[Any], model: Callable[[int, dict[str, Any]], Any] | None = None) -> list[Reward]:
+    """train.rl.rewards as callables: built-ins by name, `model` by `model(i, options)` (a reward model on the
+    run's device), the user's by package.module:function (imported now, a factory called now: an error here
+    stops the run before training, exit 2)."""
     out = []
     for i, spec in enumerate(specs):
-        name, options = spec.function, dict(spec.options)
+        name, options, key = spec.function, dict(spec.options), f"train.rl.rewards[{i}]"
+        if name == "model":
+            if model is None:
+                raise UserError(f"{key}: function: model needs the run's device (bin/train loads it)")
+            out.append(Reward(f"model:{options['path']}", model(i, options), float(spec.weight), {}))
+            continue
         if name in BUILTINS:
             fn = BUILTINS[name]
-            if name in ("format", "length"):
-                need = "pattern" if name == "format" else "target"
-                if need not in options:
-                    raise UserError(f"train.rl.rewards[{i}]: {name} needs options.{need}")
-            if name == "answer" and "pattern" in options:
-                try:
-                    re.compile(options["pattern"])
-                except re.error as e:
-                    raise UserError(
-                        f"train.rl.rewards[{i}]: answer's pattern does not compile: {e}"
-                    ) from None
+            check_builtin(name, options, key)
         else:
-            fn = import_function(name, f"train.rl.rewards[{i}]")
+            fn = import_function(name, key)
+            names, var = _params(fn)
+            if not var and not names & {"prompts", "completions", "completion_ids"}:  # a factory
+                try:
+                    fn = fn(**options)
+                except Exception as e:  # noqa: BLE001 (the user's factory: named)
+                    raise UserError(f"{key}: {name} takes none of prompts, completions, completion_ids, so it is "
+                                    f"called as a factory with options {options}: it raised {type(e).__name__}: {e}; "
+                                    "give the factory's arguments as options") from None  # fmt: skip
+                if not callable(fn):
+                    raise UserError(f"{key}: {name} (a factory: it takes none of prompts, completions, "
+                                    f"completion_ids) returned {type(fn).__name__}, not a reward function")  # fmt: skip
+                options = {}
         out.append(Reward(name, fn, float(spec.weight), options))
     return out
+
+
+def check_builtin(name: str, options: dict[str, Any], key: str) -> None:
+    if name in ("format", "length"):
+        need = "pattern" if name == "format" else "target"
+        if need not in options:
+            raise UserError(f"{key}: {name} needs options.{need}")
+    if name in ("answer", "format") and "pattern" in options:
+        try:
+            re.compile(options["pattern"])
+        except (re.error, TypeError) as e:
+            raise UserError(f"{key}: {name}'s options.pattern does not compile: {e}") from None
 
 
 def import_function(path: str, key: str) -> Callable[..., Any]:
     if not path.partition(":")[2]:
         raise UserError(
-            f"{key}: '{path}' is neither a built-in ({', '.join(BUILTINS)}) nor package.module:function"
+            f"{key}: '{path}' is neither a built-in ({', '.join([*BUILTINS, 'model'])}) nor package.module:function"
         )
     from trainer.dotted import load_callable
 

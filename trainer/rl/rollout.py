@@ -67,6 +67,8 @@ class Scored:
     zero_std: Any = None
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)  # the completions decoded (the completions log)
+    logged: dict[str, list[Any]] = field(default_factory=dict)  # the reward functions' log_extra columns
 
 
 def _hash63(text: str) -> int:
@@ -118,6 +120,14 @@ class RolloutStream:
         self.left = 0  # optimizer steps the current generation still serves (num_iterations)
         self.current: list[Rollout] = []
         self.fed = 0
+        from trainer.rl.rewards import TrainerState
+
+        self.state = TrainerState(0, 0.0, 0)
+        self.steps_done: Any = lambda: (
+            0
+        )  # the run's optimizer steps so far (trainer_state; rl.prepare sets it)
+        self.max_steps = 0
+        self.log_metric: Any = lambda name, value: None
 
     def attach(self, sampler: Any, objective: Any, rewards: list[Any]) -> None:
         self.sample_fn, self.objective, self.rewards = sampler, objective, rewards
@@ -177,8 +187,13 @@ class RolloutStream:
         return [int(order[p]) for p in places], places, epoch
 
     def _generate_step(self) -> list[Rollout]:
+        from trainer.rl.rewards import TrainerState
+
         t0 = time.perf_counter()
         rounds, kept = 0, None
+        pos = self.position
+        self.state = TrainerState(int(self.steps_done()), pos.epoch + pos.sample / max(self.sampler.usable, 1),
+                                  self.max_steps)  # fmt: skip
         while True:
             indices, places, epoch = self._take()  # (the epoch after a rollover: as a resumed run sees it)
             scored = self._score(indices, [group_seed(self.seed, epoch, p) for p in places])
@@ -212,9 +227,20 @@ class RolloutStream:
         )
         import torch
 
-        values = [r(prompts, texts, columns, where) for r in self.rewards]
+        from trainer.rl.rewards import Batch, score
+
+        chat = bool(prompts) and not isinstance(
+            prompts[0], str
+        )  # TRL's: one assistant message for chat prompts
+        given = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        logged: dict[str, list[Any]] = {}
+        batch = Batch(prompts, given, [list(c) for c, _ in completions], columns, self.state, where,
+                      log_extra=lambda column, values: logged.__setitem__(str(column), list(values)),
+                      log_metric=self.log_metric)  # fmt: skip
+        values = score(self.rewards, batch)
         rewards = torch.tensor(values, dtype=torch.float64).T.reshape(len(completions), len(self.rewards))
-        return Scored(list(indices), completions, rewards)
+        logged = {k: v for k, v in logged.items() if len(v) == len(completions)}  # (one value a completion)
+        return Scored(list(indices), completions, rewards, texts=texts, logged=logged)
 
     def columns_prompt(self, i: int) -> Any:
         """The row's prompt as the data gives it (the reward functions' `prompts`: a string or the messages)."""
@@ -224,7 +250,9 @@ class RolloutStream:
 def _merge(a: Scored, b: Scored) -> Scored:
     import torch
 
-    return Scored(a.prompts + b.prompts, a.completions + b.completions, torch.cat([a.rewards, b.rewards]))
+    logged = {k: a.logged[k] + b.logged[k] for k in a.logged if k in b.logged}
+    return Scored(a.prompts + b.prompts, a.completions + b.completions, torch.cat([a.rewards, b.rewards]),
+                  texts=a.texts + b.texts, logged=logged)  # fmt: skip
 
 
 def _spread(s: Scored, group: int, weights: list[float]) -> list[bool]:
@@ -263,4 +291,6 @@ def _select(s: Scored, group: int, keep: int, dynamic: bool, weights: list[float
         order = [i for i in range(n) if spread[i]] + [i for i in range(n) if not spread[i]]
     chosen = sorted(order[:keep]) if dynamic else order[:keep]
     rows = [g * group + j for g in chosen for j in range(group)]
-    return Scored([s.prompts[g] for g in chosen], [s.completions[i] for i in rows], s.rewards[rows])
+    return Scored([s.prompts[g] for g in chosen], [s.completions[i] for i in rows], s.rewards[rows],
+                  texts=[s.texts[i] for i in rows] if s.texts else [],
+                  logged={k: [v[i] for i in rows] for k, v in s.logged.items()})  # fmt: skip

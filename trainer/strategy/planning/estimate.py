@@ -14,6 +14,7 @@ from trainer.config import Experiment
 from trainer.optimizers import OPTIMIZERS
 from trainer.strategy.planning.buffers import _number, buffers, zero_section, zero_sizes
 from trainer.strategy.planning.candidates import TABLE, Candidate, ModelInfo, _c
+from trainer.strategy.planning.generation import reward_model_bytes
 from trainer.strategy.planning.host import host_needs, snapshot_bytes
 from trainer.strategy.planning.states import model_states, optimizer_implementation
 from trainer.strategy.planning.step import SUB_GROUP_SIZE, step_bytes
@@ -116,7 +117,7 @@ def estimate_all(
             persistent,
             info.quantized,
         )
-        buf = buffers(c, info, lp, on_gpu, template)
+        buf = buffers(c, info, lp, on_gpu, template) + reward_model_bytes(exp, lp)  # grpo: reward models
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
         fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         step = step_bytes(c, trainable, world_size, lp, fused_wrapper, largest_tensor, sub_group)

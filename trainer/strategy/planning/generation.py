@@ -14,13 +14,17 @@ of at most seq_len - max_new_tokens, and its completion; `generation_rows`). It 
   eager attention materialises them);
 - then, a token at a time: the whole cache, one layer's keys or values copied as they grow, the last position's
   logits (`logits_bytes`): R x vocab x 12 bytes (the model's, transformers' fp32 copy, the choice), 4 more where
-  temperature, top-k or top-p make processed scores, and the larger of top-p's sort (16 a row and token) and
-  the Gumbel noise's int64 and float64 temporaries (24 a row and token, for at most NOISE_ELEMENTS pairs at
-  a time).
+  temperature, top-k, top-p or min-p make processed scores, and the largest of top-p's sort (16 a row and
+  token), min-p's probabilities and mask (5) and the Gumbel noise's int64 and float64 temporaries (24 a row
+  and token, for at most NOISE_ELEMENTS pairs at a time).
 
 The peak is the larger of the two phases; calibrated against malloc's live bytes while GPT-2 shapes
 sample on CPU (tests/unit/test_grpo_plan.py: GPT-2 and Llama shapes, prefill-bound and decode-bound, within
 10%).
+
+A reward model (train.rl.rewards' `function: model`) is held on every rank for the whole run: its weights in
+the run's precision (`reward_model_bytes`, among the plan's buffers), and while it scores (after sampling,
+when the cache is freed) one layer's activations of options.batch_size rows of data.seq_len tokens at a time.
 
 No reference model is held: beta 0 builds none, and with LoRA the reference is the model with its adapters
 off (beta > 0 without LoRA is refused). The old log-probs (num_iterations > 1) and the rollouts are kept on
@@ -29,6 +33,7 @@ the host: a step's completions x length x 32 bytes (rows of three int64, two fp3
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 # hidden states a prompt token holds at the prefill's peak beside its MLP's, measured (malloc's live bytes
@@ -85,7 +90,49 @@ def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     decode = kv_cache_bytes(info, g, row_length(exp), lp) * (1 + 1 / (2 * layers)) + logits_bytes(
         exp.train.rl, g, info.vocab or 0
     )
-    return int(max(prefill, decode))
+    scoring = max((m[1] for m in reward_models(exp, lp)), default=0)
+    return int(max(prefill, decode, scoring))
+
+
+def reward_models(exp: Any, lp: int) -> list[tuple[int, int]]:
+    """(weights, a forward's activations) of each reward model (function: model) whose config reads."""
+    if not is_rl(exp):
+        return []
+    out = []
+    for r in exp.train.rl.rewards:
+        if r.function == "model" and isinstance(r.options.get("path"), str):
+            params, hidden, width, heads = _reward_model_shape(r.options["path"])
+            rows, length = int(r.options.get("batch_size", 8)), exp.data.seq_len
+            # one layer at a time (no cache: use_cache off), its MLP's and the rest of its hidden states, and
+            # eager attention's scores
+            act = rows * length * ((3 * width) + 4.5 * hidden) * lp + rows * heads * length * length * lp
+            out.append((params * lp, int(act)))
+    return out
+
+
+def reward_model_bytes(exp: Any, lp: int) -> int:
+    """The reward models' weights, held on every rank for the whole run (a buffer of every candidate)."""
+    return sum(w for w, _ in reward_models(exp, lp))
+
+
+@functools.lru_cache(maxsize=8)
+def _reward_model_shape(path: str) -> tuple[int, int, int, int]:
+    """(parameters, hidden size, MLP width, heads) of the sequence-classification model at `path`, counted on
+    the meta device; zeros where it does not read (the run then stops at load, naming it)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        cfg = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(cfg)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0, 0, 0
+    text = cfg.get_text_config()
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    width = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    heads = int(getattr(text, "num_attention_heads", 0) or 1)
+    return sum(p.numel() for p in model.parameters()), hidden, width, heads
 
 
 def logits_bytes(rl: Any, rows: int, vocab: int) -> int:
@@ -94,11 +141,13 @@ def logits_bytes(rl: Any, rows: int, vocab: int) -> int:
     with temperature 0.7, top_k 50 or top_p 0.9; in chunks of 8 rows 18.3, 22.3 and 32.0; all within 1.5%)."""
     from trainer.rl.generate import noise_rows
 
-    processing = rl.temperature != 1.0 or rl.top_k or rl.top_p < 1.0
+    min_p = getattr(rl, "min_p", None) is not None
+    processing = rl.temperature != 1.0 or rl.top_k or rl.top_p < 1.0 or min_p
     base = rows * vocab * (12 + (4 if processing else 0))
     noise = min(rows, noise_rows(vocab)) * vocab * 24  # the int64 counter, its shift, the float64 uniform
     sort = rows * vocab * 16 if rl.top_p < 1.0 else 0  # top-p's sorted scores, their order, softmax, cumsum
-    return int(base + max(noise, sort))
+    drop = rows * vocab * 5 if min_p else 0  # min-p's probabilities and their mask
+    return int(base + max(noise, sort, drop))
 
 
 def host_bytes(exp: Any) -> int:
@@ -113,11 +162,14 @@ def host_bytes(exp: Any) -> int:
 def generation_line(exp: Any, plan: Any) -> str:
     """--plan's line for grpo: what generation holds and why."""
     from trainer.config import format_size
+    from trainer.strategy.planning.states import low_precision_bytes
 
     rl, e = exp.train.rl, plan.estimate
+    weights = reward_model_bytes(exp, low_precision_bytes(plan.precision))
+    held = f"; reward model(s): {format_size(weights)} of weights, held through the run" if weights else ""
     return (
         f"generation: {format_size(e.generation)} per rank between steps (key/value cache of {generation_rows(exp)} "
         f"completions a generate call x {row_length(exp)} tokens, the prompt's forward, the sampling logits); rows of a prompt "
         f"(at most {exp.data.seq_len - rl.max_new_tokens} tokens) and its completion (max_new_tokens {rl.max_new_tokens}) "
-        "trained; no reference model " + ("(beta 0)" if rl.beta == 0 else "(LoRA's adapters off)")
+        "trained; no reference model " + ("(beta 0)" if rl.beta == 0 else "(LoRA's adapters off)") + held
     )

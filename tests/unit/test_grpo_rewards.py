@@ -1,0 +1,326 @@
+"""GRPO's reward functions get what TRL's GRPOTrainer gives them, and score as there (issue 60), TRL's own
+`_calculate_rewards` called beside ours on the same completions (tests/trl_ref.py): the keyword arguments
+(prompts, completions as strings or one assistant message for chat prompts, completion_ids, trainer_state,
+log_extra, log_metric, the columns); every function of `trl.rewards` by path (its factories called with the
+options); async functions awaited together; numpy numbers, bools, None and NaN; a local reward model
+(function: model) scores as TRL scores a sequence-classification model, batched, without gradients; the user's
+modules import from the directories bin/train adds; and the built-in answer reward reads numbers as a table
+says."""
+
+import asyncio
+import json
+import math
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+import trl_ref  # noqa: E402
+
+from trainer.errors import UserError  # noqa: E402
+from trainer.rl import rewards as R  # noqa: E402
+
+CHAT = [[{"role": "user", "content": "What is 1/3 of 1?"}], [{"role": "user", "content": "And 2 + 2?"}]]
+TEXTS = [r"<think>a third</think> The answer is \boxed{\frac{1}{3}}", "<think>sum</think>4",
+         "the the the the answer is 5", "<think>no end"]  # fmt: skip
+IDS = [[5, 6, 7, 1], [8, 1], [9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22]]
+SOLUTIONS = [r"$\frac{1}{3}$", "$4$", "$4$", r"$\frac{1}{3}$"]
+
+
+def batch(chat=True, **columns):
+    prompts = [CHAT[0], CHAT[1], CHAT[1], CHAT[0]] if chat else ["What is 1/3 of 1?", "And 2 + 2?"] * 2
+    given = [[{"role": "assistant", "content": t}] for t in TEXTS] if chat else list(TEXTS)
+    cols = {"solution": SOLUTIONS, **columns}
+    return R.Batch(prompts, given, IDS, cols, R.TrainerState(3, 0.5, 10), "rows 0, 1 of data.train")
+
+
+def theirs(funcs, b):
+    """TRL's `_calculate_rewards` on the same batch: (completions, functions), NaN for None."""
+    inputs = [{"prompt": p, **{k: v[i] for k, v in b.columns.items()}} for i, p in enumerate(b.prompts)]
+    state = SimpleNamespace(global_step=b.trainer_state.global_step, epoch=b.trainer_state.epoch)
+    out, _ = trl_ref.calculate_rewards(funcs, inputs, b.prompts, b.completions, b.completion_ids, state=state)
+    return out.to(torch.float64)
+
+
+def ours(specs, b):
+    return torch.tensor(R.score(R.load([SimpleNamespace(**s) for s in specs]), b), dtype=torch.float64).T
+
+
+def same(a, b, tol=1e-6):
+    assert a.shape == b.shape and torch.equal(torch.isnan(a), torch.isnan(b)), (a, b)
+    assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), atol=tol), (a, b)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_reward_function_gets_what_trl_gives_it(chat):
+    seen = {}
+
+    def probe(**kwargs):
+        seen.setdefault("calls", []).append(kwargs)
+        return [0.0] * len(kwargs["completions"])
+
+    b = batch(chat, answer=["1", "2", "3", "4"])
+    R.score([R.Reward("probe", probe, 1.0, {})], b)
+    theirs([probe], b)
+    mine, trl_s = seen["calls"]
+    assert set(mine) == set(trl_s), set(mine) ^ set(trl_s)
+    for k in ("prompts", "completions", "completion_ids", "solution", "answer"):
+        assert mine[k] == trl_s[k], k
+    assert mine["trainer_state"].global_step == trl_s["trainer_state"].global_step == 3
+    assert mine["trainer_state"].epoch == 0.5 and callable(mine["log_extra"]) and callable(mine["log_metric"])
+    if chat:  # TRL's conversational completions: one assistant message
+        assert mine["completions"][0] == [{"role": "assistant", "content": TEXTS[0]}]
+
+
+TRL_REWARDS = {  # every function trl.rewards has, by path, with the options its factories take
+    "think_format_reward": {},
+    "accuracy_reward": {},
+    "reasoning_accuracy_reward": {},
+    "get_cosine_scaled_reward": {"max_len": 8},
+    "get_repetition_penalty_reward": {"ngram_size": 2, "max_penalty": -1.0},
+    "get_soft_overlong_punishment": {"max_completion_len": 8, "soft_punish_cache": 4},
+}
+
+
+def test_the_table_names_every_function_of_trl_rewards():
+    import trl.rewards
+
+    shipped = {n for names in trl.rewards._import_structure.values() for n in names}
+    assert shipped == set(TRL_REWARDS)
+
+
+@pytest.mark.parametrize("name", list(TRL_REWARDS))
+def test_every_trl_reward_runs_by_path_and_scores_as_in_trl(name):
+    if "accuracy" in name or "cosine" in name:
+        pytest.importorskip("math_verify")
+    import trl.rewards
+
+    options = TRL_REWARDS[name]
+    fn = getattr(trl.rewards, name)
+    theirs_fn = fn(**options) if name.startswith("get_") else fn  # TRL's users call the factories themselves
+    b = batch(chat=True)
+    got = ours([{"function": f"trl.rewards:{name}", "weight": 1.0, "options": options}], b)
+    same(got, theirs([theirs_fn], b))
+    assert not torch.isnan(got).all()
+    print(f"{name}: {got.squeeze(1).tolist()}")
+
+
+def test_async_rewards_are_awaited_together_as_in_trl():
+    async def slow_length(completions, **kw):
+        await asyncio.sleep(0.4)
+        return [float(len(c[0]["content"])) for c in completions]
+
+    async def slow_ids(completion_ids, **kw):
+        await asyncio.sleep(0.4)
+        return [len(i) for i in completion_ids]
+
+    b = batch()
+    t = time.perf_counter()
+    got = torch.tensor(R.score([R.Reward("a", slow_length, 1.0, {}), R.Reward("b", slow_ids, 1.0, {})], b)).T
+    took = time.perf_counter() - t
+    assert took < 0.75, f"{took:.2f} s: awaited one after the other"
+    same(got.to(torch.float64), theirs([slow_length, slow_ids], b))
+
+
+def test_numpy_numbers_bools_none_and_nan_are_taken_as_trl_takes_them():
+    def odd(**kw):
+        return np.array([np.float32(0.5), np.int64(2), True, np.nan])
+
+    def mixed(**kw):
+        return [np.float64(0.25), None, np.bool_(False), 1]
+
+    b = batch()
+    rewards = [R.Reward("odd", odd, 1.0, {}), R.Reward("mixed", mixed, 1.0, {})]
+    got = torch.tensor(R.score(rewards, b), dtype=torch.float64).T
+    same(got, theirs([odd, mixed], b))
+    assert got[:, 0].tolist()[:3] == [0.5, 2.0, 1.0] and math.isnan(got[3, 0]) and math.isnan(got[1, 1])
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [(["good"] * 4, "returned 'good' (a str) for completion 0"), ([1.0, math.inf, 0.0, 0.0], "returned inf"),
+     ([1.0, 2.0], "returned 2 values for 4 completions")],
+)  # fmt: skip
+def test_what_is_not_a_number_a_completion_stops_the_run_naming_the_function(values, needle):
+    with pytest.raises(UserError) as e:
+        R.score([R.Reward("mine", lambda **kw: values, 1.0, {})], batch())
+    assert needle in str(e.value) and "mine" in str(e.value) and "rows 0, 1" in str(e.value)
+
+
+def test_log_metric_and_log_extra_reach_the_log_line_and_the_completions_log(tmp_path):
+    from trainer.objectives.grpo_metrics import RLMetrics
+    from trainer.rl.completions import CompletionLog
+
+    def scorer(completions, log_metric, log_extra, **kw):
+        log_metric("think_share", 0.25)
+        log_extra("verdict", ["ok", "no", "no", "ok"])
+        return [1.0, 0.0, 0.0, 1.0]
+
+    rl = SimpleNamespace(weights=lambda: [1.0], dynamic_sampling=False, loss_type="dapo", beta=0.0)
+    m = RLMetrics(rl)
+    m.completions = CompletionLog(
+        tmp_path, 2, True, step=lambda: 7, prompt_of=lambda i: f"prompt {i}", group=2
+    )
+    logged = {}
+    b = batch()
+    b = R.Batch(b.prompts, b.completions, b.completion_ids, b.columns, b.trainer_state, b.where,
+                log_extra=lambda c, v: logged.__setitem__(c, v), log_metric=m.log_metric)  # fmt: skip
+    values = torch.tensor(R.score([R.Reward("scorer", scorer, 1.0, {})], b), dtype=torch.float64).T
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    scored = SimpleNamespace(extra={"step": (values, torch.zeros(4, dtype=torch.bool), adv)}, prompts=[0, 1],
+                             completions=[(i, True) for i in IDS], seconds=0.1, rewards=values, texts=TEXTS,
+                             logged=logged, advantages=adv)  # fmt: skip
+    m.count_generation(scored, [SimpleNamespace(name="scorer", weight=1.0)])
+    out = m.flush(1)
+    assert out["think_share"] == 0.25
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["step"] == 7 and rows[0]["verdict"] == "ok"
+    assert (
+        rows[1]["prompt"] == "prompt 0"
+        and rows[1]["completion"] == TEXTS[1]
+        and rows[1]["rewards"] == {"scorer": 0.0}
+    )
+    assert rows[0]["advantage"] == 1.0 and rows[0]["reward"] == 1.0
+
+
+def test_a_factory_is_called_with_its_options_and_its_errors_are_named():
+    (r,) = R.load([SimpleNamespace(function="trl.rewards:get_soft_overlong_punishment", weight=1.0,
+                                   options={"max_completion_len": 8, "soft_punish_cache": 4})])  # fmt: skip
+    assert r.options == {} and r.fn.max_completion_len == 8
+    with pytest.raises(UserError, match="called as a factory with options .* raised TypeError"):
+        R.load([SimpleNamespace(function="trl.rewards:get_soft_overlong_punishment", weight=1.0,
+                                options={"max_len": 8})])  # fmt: skip
+
+
+def test_the_user_s_module_imports_from_the_directories_bin_train_adds(tmp_path):
+    from trainer import dotted
+
+    (tmp_path / "beside_yaml_rewards.py").write_text(
+        "def short(completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
+    with pytest.raises(UserError, match="cannot import 'beside_yaml_rewards'"):
+        dotted.load_callable("beside_yaml_rewards:short", "train.rl.rewards[0]")
+    dotted.search(tmp_path)
+    assert dotted.load_callable("beside_yaml_rewards:short", "train.rl.rewards[0]")(completions=["a"]) == [
+        0.0
+    ]
+
+
+ANSWERS = [  # completion, expected (the row's), as strings, with numeric: true
+    ("The answer is 42, since it is six sevens.", "42", 1.0, 1.0),
+    ("1,234", "1234", 1.0, 1.0),
+    ("In all: 1,234.", "1,234", 1.0, 1.0),
+    ("It costs $1,000.", "1000", 1.0, 1.0),
+    ("So it is -3.", "-3", 1.0, 1.0),
+    (r"Thus \boxed{17} apples, not 18", "17", 1.0, 1.0),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", 1.0, 0.0),
+    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0, 1.0),
+    ("#### 1,080", "1080", 1.0, 1.0),
+    ("3.5 hours", "3.50", 0.0, 1.0),
+    ("42 or 420", "42", 0.0, 0.0),
+    ("The answer is 7", "8", 0.0, 0.0),
+    ("no number here", "8", 0.0, 0.0),
+    ("10, 20", "20", 1.0, 1.0),
+]
+
+
+@pytest.mark.parametrize(("text", "expected", "as_string", "as_number"), ANSWERS)
+def test_the_answer_reward_reads_numbers_as_the_table_says(text, expected, as_string, as_number):
+    from trainer.rl.answers import answer
+
+    assert answer([None], [text], answer=[expected]) == [as_string]
+    assert answer([None], [text], answer=[expected], numeric=True, tolerance=1e-9) == [as_number]
+    assert answer([None], [[{"role": "assistant", "content": text}]], answer=[expected]) == [as_string]
+
+
+def test_the_answer_reward_skips_rows_without_an_answer_and_names_a_missing_column():
+    from trainer.rl.answers import answer
+
+    assert answer([None], ["4"], answer=[None]) == [None]
+    with pytest.raises(UserError, match="reads the column 'solution'.*set options.column"):
+        answer([None], ["4"], column="solution", answer=["4"])
+
+
+# ----------------------------------------------------------------------------- a local reward model
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from trainer.data.tokenizer import byte_tokenizer
+
+    path = tmp_path_factory.mktemp("reward_model")
+    tok = byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), num_labels=1, max_position_embeddings=256)  # fmt: skip
+    LlamaForSequenceClassification(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_reward_model_scores_as_trl_s_reward_model_batched_without_gradients(reward_model_dir, chat):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trainer.rl.reward_model import RewardModel
+
+    b = batch(chat)
+    ours_model = RewardModel(
+        str(reward_model_dir), device=torch.device("cpu"), dtype=torch.float32, batch_size=3
+    )
+    (r,) = R.load([SimpleNamespace(function="model", weight=1.0, options={"path": str(reward_model_dir)})],
+                  model=lambda i, options: ours_model)  # fmt: skip
+    got = torch.tensor(R.score([r], b), dtype=torch.float64).T
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(reward_model_dir)
+    tok.pad_token = tok.eos_token  # (TRL's __init__ does so for a tokenizer without a pad token)
+    model.config.pad_token_id = tok.pad_token_id
+    out, _ = trl_ref.calculate_rewards([model], [{"prompt": p} for p in b.prompts], b.prompts, b.completions,
+                                       b.completion_ids, processing_classes=[tok])  # fmt: skip
+    same(got, out.to(torch.float64), tol=1e-5)
+    assert got.std() > 0 and not any(p.requires_grad for p in ours_model.model.parameters())
+    assert not ours_model.model.training
+    print(f"reward model ({'chat' if chat else 'text'}): ours {got.squeeze(1).tolist()}")
+
+
+def test_a_reward_model_path_that_is_not_a_model_is_refused(tmp_path):
+    from trainer.rl.reward_model import RewardModel
+
+    with pytest.raises(UserError, match=r"train.rl.rewards\[0\].options.path: .* is not a model directory"):
+        RewardModel(str(tmp_path), device=torch.device("cpu"), dtype=torch.float32, key="train.rl.rewards[0]")
+
+
+def test_the_plan_holds_the_reward_model_s_weights_on_every_rank(reward_model_dir, tmp_path, capsys):
+    from helpers import ROOT
+    from transformers import AutoModelForSequenceClassification
+
+    from trainer import config
+    from trainer.cli import main
+    from trainer.strategy.planning.generation import reward_model_bytes
+
+    params = sum(
+        p.numel() for p in AutoModelForSequenceClassification.from_pretrained(reward_model_dir).parameters()
+    )
+    rewards = json.dumps([{"function": "model", "options": {"path": str(reward_model_dir), "batch_size": 4}}])
+    sets = [
+        f"train.rl.rewards={rewards}",
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    exp = config.load(ROOT / "configs/experiments/tiny-grpo.yaml", sets)
+    assert reward_model_bytes(exp, 4) == params * 4 and reward_model_bytes(exp, 2) == params * 2
+    args = [str(ROOT / "configs/experiments/tiny-grpo.yaml"), "--plan"]
+    for s in sets:
+        args += ["--set", s]
+    capsys.readouterr()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "reward model(s): " in out and "held through the run" in out, out[-2000:]

@@ -1,0 +1,56 @@
+"""train.rl.log_completions: N of a log step's completions as the model wrote them, on rank 0: their prompts,
+completions, each reward function's value, the combined reward, the advantage and what the functions logged
+with `log_extra` (TRL's completions table), a JSON line each in <run_dir>/completions.jsonl, and a wandb table
+where wandb is on. The N are the first of rank 0's last generation before the log step (its first groups:
+the step's first prompts), written only where the interval generated. bin/report shows the last ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class CompletionLog:
+    def __init__(self, run_dir: str | Path, n: int, is_main: bool, *, step: Any, prompt_of: Any, group: int,
+                 wandb: Any = None) -> None:  # fmt: skip
+        self.path = Path(run_dir) / "completions.jsonl"
+        self.n, self.is_main, self.step, self.wandb = n, is_main, step, wandb
+        self.prompt_of, self.group = prompt_of, group  # a prompt as the data gives it, by its index
+        self.rows: list[dict[str, Any]] = []
+
+    def keep(self, scored: Any, rewards: list[Any]) -> None:
+        """The generation's first N completions (called on every rank; kept on rank 0)."""
+        if not self.is_main:
+            return
+        import torch
+
+        from trainer.rl.rewards import combined
+
+        n = min(self.n, len(scored.completions))
+        total = combined(scored.rewards[:n], torch.tensor([r.weight for r in rewards], dtype=torch.float64))
+        self.rows = []
+        for i in range(n):
+            row = {"prompt": self.prompt_of(scored.prompts[i // self.group]), "completion": scored.texts[i],
+                   "ended": bool(scored.completions[i][1]),
+                   "rewards": {r.name: _plain(float(scored.rewards[i, j])) for j, r in enumerate(rewards)},
+                   "reward": _plain(float(total[i])), "advantage": float(scored.advantages[i])}  # fmt: skip
+            row.update({k: v[i] for k, v in scored.logged.items()})
+            self.rows.append(row)
+
+    def write(self) -> None:
+        """At a log step: the kept completions, a line each, with the step."""
+        if not (self.is_main and self.rows):
+            return
+        step = int(self.step())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            for row in self.rows:
+                f.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        if self.wandb is not None:
+            self.wandb.table("completions", [{"step": step, **r} for r in self.rows], step)
+        self.rows = []
+
+
+def _plain(v: Any) -> Any:
+    return None if v is None or v != v else v  # NaN (None from the function): null in JSON
