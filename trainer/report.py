@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run {run_dir}")
     for k, v in rows:
         print(f"  {k.ljust(width)}  {v}")
+    from trainer.rl.completions import shown
+
+    for line in shown(run_dir):  # grpo's train.rl.log_completions: the last ones the model wrote
+        print(line)
     print(f"plot: {out}")
     return 0
 

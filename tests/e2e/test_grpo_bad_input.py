@@ -66,7 +66,7 @@ def test_a_reward_returning_strings_stops_the_run_naming_it_and_the_rows(tmp_pat
                                             "    return ['good' for _ in completions]\n")  # fmt: skip
     out = run(tmp_path, experiment=rewards(tmp_path, "my_rewards:score"), env={"PYTHONPATH": str(tmp_path)})
     assert "train.rl.rewards: my_rewards:score returned 'good' (a str) for completion 0" in out, out
-    assert "it must return a finite float or None" in out
+    assert "it must return a finite number or None" in out
 
 
 def test_a_template_without_a_generation_prompt_is_refused(tmp_path):

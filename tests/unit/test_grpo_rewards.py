@@ -173,7 +173,7 @@ def test_log_metric_and_log_extra_reach_the_log_line_and_the_completions_log(tmp
     scored = SimpleNamespace(extra={"step": (values, torch.zeros(4, dtype=torch.bool), adv)}, prompts=[0, 1],
                              completions=[(i, True) for i in IDS], seconds=0.1, rewards=values, texts=TEXTS,
                              logged=logged, advantages=adv)  # fmt: skip
-    m.count_generation(scored, [SimpleNamespace(name="scorer", weight=1.0)])
+    m.count_generation(scored, [SimpleNamespace(name="scorer", label="scorer", weight=1.0)])
     out = m.flush(1)
     assert out["think_share"] == 0.25
     import json

@@ -66,10 +66,9 @@ class RLMetrics:
         step: dict[str, float] = {}
         for j, r in enumerate(rewards):
             col = everyone[:, j]
-            step[f"reward_{r.name}"], step[f"reward_{r.name}_std"] = (
-                float(torch.nanmean(col)),
-                float(nanstd(col)),
-            )
+            label = getattr(r, "label", r.name)  # (a path's function name: TRL's rewards/<name>/mean)
+            step[f"reward_{label}"] = float(torch.nanmean(col))
+            step[f"reward_{label}_std"] = float(nanstd(col))
         total = combined(everyone, torch.tensor(self.rl.weights(), dtype=everyone.dtype))
         step["reward"], step["reward_std"] = float(torch.nanmean(total)), float(nanstd(total))
         step["zero_std_share"] = float(zero.to(torch.float64).mean())

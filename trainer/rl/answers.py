@@ -24,6 +24,11 @@ GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
 TRAILING = ".,;:!? \t\n"
 
 
+def text_of(completion: Any) -> str:
+    """A completion's text: the string, or a chat completion's message content (TRL's conversational form)."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
+
+
 def boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} (or \\fbox{...}), its braces balanced; None without one."""
     at = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
@@ -79,8 +84,6 @@ def as_number(text: str) -> float | None:
 def answer(prompts: Sequence[Any], completions: Sequence[Any], *, column: str = "answer", pattern: str | None = None,
            numeric: bool = False, tolerance: float = 0.0, **columns: Any) -> list[float | None]:  # fmt: skip
     """1.0 where the completion's answer equals the row's `column` (see the module's doc)."""
-    from trainer.rl.rewards import text_of
-
     if column not in columns:
         raise UserError(f"train.rl.rewards: answer reads the column '{column}', which the data does not have; "
                         f"its columns: {', '.join(sorted(k for k in columns if k not in GIVEN)) or 'none'} "

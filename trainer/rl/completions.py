@@ -33,7 +33,7 @@ class CompletionLog:
         for i in range(n):
             row = {"prompt": self.prompt_of(scored.prompts[i // self.group]), "completion": scored.texts[i],
                    "ended": bool(scored.completions[i][1]),
-                   "rewards": {r.name: _plain(float(scored.rewards[i, j])) for j, r in enumerate(rewards)},
+                   "rewards": {r.label: _plain(float(scored.rewards[i, j])) for j, r in enumerate(rewards)},
                    "reward": _plain(float(total[i])), "advantage": float(scored.advantages[i])}  # fmt: skip
             row.update({k: v[i] for k, v in scored.logged.items()})
             self.rows.append(row)
@@ -54,3 +54,30 @@ class CompletionLog:
 
 def _plain(v: Any) -> Any:
     return None if v is None or v != v else v  # NaN (None from the function): null in JSON
+
+
+def shown(run_dir: str | Path, limit: int = 4) -> list[str]:
+    """bin/report's lines for the last logged step's completions (none without completions.jsonl)."""
+    path = Path(run_dir) / "completions.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a crash: the others still show
+            continue
+    if not rows:
+        return []
+    step = rows[-1].get("step")
+    last = [r for r in rows if r.get("step") == step][:limit]
+    out = [f"completions at step {step} ({path}):"]
+    for r in last:
+        prompt = r["prompt"] if isinstance(r["prompt"], str) else (r["prompt"] or [{}])[-1].get("content", "")
+        values = ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, int | float) else f"{k} -" for k, v in r["rewards"].items()
+        )
+        reward = "-" if r.get("reward") is None else f"{r['reward']:.3g}"
+        out.append(f"  {prompt!r} -> {r['completion']!r}{'' if r.get('ended') else ' [...]'}")
+        out.append(f"    reward {reward} ({values}), advantage {r['advantage']:.3g}")
+    return out

@@ -38,10 +38,11 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
-from trainer.rl.answers import answer
+from trainer.rl.answers import answer, text_of
 
 # what TRL gives every reward function beside the columns
 GIVEN = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
@@ -60,11 +61,6 @@ def length(prompts: Sequence[Any], completions: Sequence[Any], *, target: int, s
     """Minus the distance from `target` characters over `scale`."""
     s = float(scale or target or 1)
     return [-abs(len(text_of(c)) - target) / s for c in completions]
-
-
-def text_of(completion: Any) -> str:
-    """A completion's text: the string, or a chat completion's message content."""
-    return completion if isinstance(completion, str) else completion[0]["content"]
 
 
 BUILTINS: dict[str, Callable[..., Any]] = {"answer": answer, "format": format_, "length": length}
@@ -112,10 +108,14 @@ def _params(fn: Any) -> tuple[set[str], bool]:
 
 @dataclass
 class Reward:
-    name: str
+    name: str  # as train.rl.rewards gives it (the errors name it so)
     fn: Callable[..., Any]
     weight: float
     options: dict[str, Any]
+    label: str = ""  # the metrics' name (reward_<label>): a path's function name, unless two share it
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.name
 
     def kwargs(self, batch: Batch) -> dict[str, Any]:
         names, var = _params(self.fn)
@@ -207,7 +207,8 @@ def load(specs: Sequence[Any], model: Callable[[int, dict[str, Any]], Any] | Non
         if name == "model":
             if model is None:
                 raise UserError(f"{key}: function: model needs the run's device (bin/train loads it)")
-            out.append(Reward(f"model:{options['path']}", model(i, options), float(spec.weight), {}))
+            out.append(Reward(f"model:{options['path']}", model(i, options), float(spec.weight), {},
+                              label=f"model_{Path(options['path']).name}"))  # fmt: skip
             continue
         if name in BUILTINS:
             fn = BUILTINS[name]
@@ -227,6 +228,12 @@ def load(specs: Sequence[Any], model: Callable[[int, dict[str, Any]], Any] | Non
                                     f"completion_ids) returned {type(fn).__name__}, not a reward function")  # fmt: skip
                 options = {}
         out.append(Reward(name, fn, float(spec.weight), options))
+    short = [
+        r.name.rpartition(":")[2] if ":" in r.name and not r.name.startswith("model:") else r.name
+        for r in out
+    ]
+    for r, label in zip(out, short, strict=True):
+        r.label = label if short.count(label) == 1 else r.name
     return out
 
 

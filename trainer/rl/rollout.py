@@ -90,14 +90,8 @@ class RolloutStream:
 
     def __init__(self, data: Any, section: Any, rl: Any, *, rank: int, world: int, micro: int, accum: int,
                  seed: int, seq_len: int, tokenizer: Any) -> None:  # fmt: skip
-        self.rl, self.rank, self.world, self.micro, self.accum, self.seed = (
-            rl,
-            rank,
-            world,
-            micro,
-            accum,
-            seed,
-        )
+        self.rl, self.rank, self.world = rl, rank, world
+        self.micro, self.accum, self.seed = micro, accum, seed
         self.group = rl.num_generations
         self.per_rank = micro * accum // self.group  # prompts a rank a step
         self.prompts = np.asarray(data.train)
@@ -225,26 +219,33 @@ class RolloutStream:
         where = (
             f"rows {', '.join(str(i) for i in indices[:5])}{' ...' if len(indices) > 5 else ''} of data.train"
         )
-        import torch
-
-        from trainer.rl.rewards import Batch, score
-
-        chat = bool(prompts) and not isinstance(
-            prompts[0], str
-        )  # TRL's: one assistant message for chat prompts
-        given = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-        logged: dict[str, list[Any]] = {}
-        batch = Batch(prompts, given, [list(c) for c, _ in completions], columns, self.state, where,
-                      log_extra=lambda column, values: logged.__setitem__(str(column), list(values)),
-                      log_metric=self.log_metric)  # fmt: skip
-        values = score(self.rewards, batch)
-        rewards = torch.tensor(values, dtype=torch.float64).T.reshape(len(completions), len(self.rewards))
-        logged = {k: v for k, v in logged.items() if len(v) == len(completions)}  # (one value a completion)
+        rewards, logged = scored_by(self.rewards, prompts, texts, completions, columns, self.state, where,
+                                    self.log_metric)  # fmt: skip
         return Scored(list(indices), completions, rewards, texts=texts, logged=logged)
 
     def columns_prompt(self, i: int) -> Any:
         """The row's prompt as the data gives it (the reward functions' `prompts`: a string or the messages)."""
         return self.columns[i][PROMPT]
+
+
+def scored_by(rewards: list[Any], prompts: list[Any], texts: list[str], completions: list[Any],
+              columns: dict[str, list[Any]], state: Any, where: str, log_metric: Any) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """The completions' rewards (completions, functions), NaN for None, as TRL's reward functions get them
+    (trainer/rl/rewards.py), and the columns they logged with log_extra."""
+    import torch
+
+    from trainer.rl.rewards import Batch, score
+
+    chat = bool(prompts) and not isinstance(prompts[0], str)  # TRL's: one assistant message for chat prompts
+    given = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    logged: dict[str, list[Any]] = {}
+    batch = Batch(prompts, given, [list(c) for c, _ in completions], columns, state, where,
+                  log_extra=lambda column, values: logged.__setitem__(str(column), list(values)),
+                  log_metric=log_metric)  # fmt: skip
+    values = torch.tensor(score(rewards, batch), dtype=torch.float64).T.reshape(
+        len(completions), len(rewards)
+    )
+    return values, {k: v for k, v in logged.items() if len(v) == len(completions)}  # (one value a completion)
 
 
 def _merge(a: Scored, b: Scored) -> Scored:

@@ -1,0 +1,75 @@
+"""train.rl's keys of issue 60, given wrong (bin/train in this process, --print-config: nothing trains): each
+exits 2 with one message naming the experiment file, the key and the fix, no traceback; and the warnings TRL
+gives for legal but unlikely combinations are given at start."""
+
+import pytest
+from helpers import ROOT
+
+EXP = ROOT / "configs" / "experiments" / "tiny-grpo.yaml"
+
+
+def model(options):
+    """train.rl.rewards with one reward model of these options, as --set writes it."""
+    import json
+
+    return "train.rl.rewards=" + json.dumps([{"function": "model", "options": options}])
+
+
+BAD = {
+    "KL correction not a bool": (["train.rl.use_bias_correction_kl=maybe"], ["train.rl.use_bias_correction_kl", "bool"]),
+    "unknown importance level": (["train.rl.importance_sampling_level=seq"], ["train.rl.importance_sampling_level", "token", "sequence"]),
+    "unknown aggregation": (["train.rl.multi_objective_aggregation=mean"], ["train.rl.multi_objective_aggregation", "normalize_then_sum"]),
+    "unknown loss type": (["train.rl.loss_type=ppo"], ["train.rl.loss_type", "cispo", "vespo"]),
+    "entropy quantile above 1": (["train.rl.top_entropy_quantile=1.5"], ["train.rl.top_entropy_quantile", "less than or equal to 1"]),
+    "entropy quantile not a number": (["train.rl.top_entropy_quantile=top"], ["train.rl.top_entropy_quantile", "number"]),
+    "sapo temperature 0": (["train.rl.sapo_temperature_neg=0"], ["train.rl.sapo_temperature_neg", "greater than 0"]),
+    "vespo lambda negative": (["train.rl.vespo_lambda_pos=-1"], ["train.rl.vespo_lambda_pos", "greater than 0"]),
+    "vespo k negative": (["train.rl.vespo_k_neg=-1"], ["train.rl.vespo_k_neg", "greater than or equal to 0"]),
+    "min_p above 1": (["train.rl.min_p=2"], ["train.rl.min_p", "less than or equal to 1"]),
+    "repetition penalty": (["train.rl.repetition_penalty=1.1"], ["train.rl.repetition_penalty", "remove it (1.0)"]),
+    "log_completions negative": (["train.rl.log_completions=-1"], ["train.rl.log_completions", "greater than or equal to 0"]),
+    "log_completions not a number": (["train.rl.log_completions=all"], ["train.rl.log_completions", "integer"]),
+    "scale_rewards with normalize_then_sum": (["train.rl.multi_objective_aggregation=normalize_then_sum",
+                                               "train.rl.scale_rewards=none"], ["train.rl.scale_rewards", "remove scale_rewards"]),
+    "a reward model without a path": ([model({})], ["train.rl.rewards[0].options.path", "sequence-classification"]),
+    "a reward model with an empty path": ([model({"path": ""})], ["train.rl.rewards[0].options.path"]),
+    "a reward model's batch size 0": ([model({"path": "m", "batch_size": 0})],
+                                      ["train.rl.rewards[0].options.batch_size", ">= 1"]),
+    "a reward model's unknown option": ([model({"path": "m", "pooling": "mean"})],
+                                        ["train.rl.rewards[0].options", "not pooling"]),
+}  # fmt: skip
+
+
+def run(sets, tmp_path, capsys):
+    from trainer.cli import main
+
+    args = [str(EXP), "--print-config", "--set", f"run_dir={tmp_path / 'run'}"]
+    for s in sets:
+        args += ["--set", s]
+    capsys.readouterr()
+    code = main(args)
+    got = capsys.readouterr()
+    return code, got.out + got.err
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_rl_key_exits_2_naming_the_file_the_key_and_the_fix(name, tmp_path, capsys):
+    sets, needles = BAD[name]
+    code, out = run(sets, tmp_path, capsys)
+    assert code == 2, out
+    assert "Traceback" not in out and "tiny-grpo.yaml" in out, out
+    for needle in needles:
+        assert needle in out, f"{needle!r} not in:\n{out}"
+
+
+@pytest.mark.parametrize(
+    "sets,needle",
+    [(["train.rl.loss_type=cispo"], "cispo caps the ratio at epsilon_high, unset"),
+     (["train.rl.loss_type=luspo"], "luspo is a sequence-level loss"),
+     (["train.rl.loss_type=dapo", "train.rl.importance_sampling_level=sequence"], "GSPO's setup is loss_type: grpo")],
+)  # fmt: skip
+def test_trl_s_warnings_are_given(sets, needle):
+    from trainer import config
+
+    exp = config.load(EXP, sets)
+    assert any(needle in w for w in config.warnings(exp)), config.warnings(exp)
