@@ -279,8 +279,7 @@ def on_out_of_memory(run: Run, e: BaseException) -> int:
     if after is not None:
         levers, nxt = after
         # an offload rung is pinned; a rung without keeps the experiment's offload (auto may climb later)
-        offload = [] if nxt.offload == "none" else [f"strategy.offload={nxt.offload}"]
-        rung = [f"strategy.zero_stage={nxt.stage}", *offload, *levers.overrides()]
+        rung = [*nxt.overrides(), *levers.overrides()]
     record_oom(run.exp.run_dir, stage=c.stage, offload=c.offload, step=step, rank=env.rank,
                attempt=dist.attempt(), error=str(e), levers=plan.levers.describe(), next_overrides=rung,
                next_name=None if after is None else f"{after[1].name} with activation levers: {after[0].describe()}")  # fmt: skip

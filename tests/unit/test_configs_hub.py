@@ -13,7 +13,16 @@ TEMPLATES = sorted((ROOT / "configs" / "deepspeed").glob("*.json"))
 
 def test_the_shipped_templates_are_the_ones_the_design_names():
     names = {p.stem for p in TEMPLATES}
-    assert names == {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme"}
+    assert names == {
+        "zero0",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero2_offload",
+        "zero3_offload",
+        "zero3_offload_optimizer",
+        "zero3_nvme",
+    }
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.name)

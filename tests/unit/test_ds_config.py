@@ -117,11 +117,30 @@ def test_lr_scaling():
     assert ds["optimizer"]["params"]["lr"] == pytest.approx(2e-3)
 
 
-def test_offload_sections():
-    ds, plan = build(["strategy.zero_stage=3", "strategy.offload=cpu"])
+def test_offload_sections(tmp_path):
+    """ZeRO-3 with CPU offload: the optimizer alone where that fits (the parameters stay on the device: no
+    offload_param section, zero3_offload_optimizer.json), the parameters too when asked for; a template that
+    offloads the parameters against offload_params: false is a mismatch, never silently overridden."""
+    pin = ["strategy.zero_stage=3", "strategy.offload=cpu", "strategy.justification=test"]
+    ds, plan = build(pin)
+    z = ds["zero_optimization"]
+    assert (
+        plan.candidate.name == "zero3+cpu (optimizer only)"
+        and plan.candidate.template == "zero3_offload_optimizer.json"
+    )
+    assert z["offload_optimizer"]["device"] == "cpu" and "offload_param" not in z
+    ds, plan = build([*pin, "strategy.offload_params=true"])
     z = ds["zero_optimization"]
     assert plan.candidate.name == "zero3+cpu"
     assert z["offload_optimizer"]["device"] == "cpu" and z["offload_param"]["device"] == "cpu"
+    ds, plan = build(["strategy.offload=cpu", "strategy.zero_stage=2", "strategy.justification=test"])
+    assert (
+        plan.candidate.name == "zero2+cpu" and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    )
+    with pytest.raises(UserError, match="zero_optimization.offload_param.device.*optimizer only"):
+        build(
+            [*pin, "strategy.offload_params=false", "strategy.deepspeed=configs/deepspeed/zero3_offload.json"]
+        )
 
 
 def test_huggingface_style_template_is_accepted(tmp_path):

@@ -194,6 +194,38 @@ def test_unsupported_models_are_refused_with_the_key():
     assert "model.chunked_loss: a factory's model computes its own loss" in e.value.render()
 
 
+def test_a_frozen_head_gets_no_gradient_buffer_and_no_product(monkeypatch):
+    """LoRA's LM head is frozen: the tiled loss keeps no fp32 (vocab x hidden) gradient for it (1.96 GiB at
+    Llama-3-8B's 128,256 x 4,096) and runs no product for it, two products a chunk instead of three; the
+    hidden states' gradient is the same as with a trained head. The plan drops the term with it."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (2, 9))
+    calls = []
+    real = loss._mm
+    monkeypatch.setattr(loss, "_mm", lambda a, b: calls.append(1) or real(a, b))
+    frozen = loss.linear_cross_entropy(hidden, weight, labels, rows=6)  # 18 rows: 3 chunks
+    assert len(calls) == 3 * 2
+    assert all(t is None or tuple(t.shape) != (50, 16) for t in frozen.grad_fn.saved_tensors)
+    frozen.backward()
+    frozen_grad, hidden.grad = hidden.grad.clone(), None
+    loss.linear_cross_entropy(hidden, weight.clone().requires_grad_(), labels, rows=6).backward()
+    assert torch.equal(frozen_grad, hidden.grad)
+
+    from trainer.strategy.planning.activations import activations_for
+    from trainer.strategy.planning.levers import Levers
+
+    info = strategy.ModelInfo(params=8 * 10**9, largest_layer=1, hidden=4096, layers=32, heads=32, vocab=128256,
+                              attn_implementation="sdpa", intermediate=14336, kv_heads=8)  # fmt: skip
+    sets = ["data.seq_len=8192", "model.config.n_positions=8192", "model.lora={r: 8}"]
+    frozen_exp = config.load(TINY, sets)
+    trained_exp = config.load(TINY, sets + ["model.lora.train_modules=[lm_head]"])
+    levers = Levers(chunked_loss=True, checkpointing=True)
+    trained, planned = (activations_for(e, info, 2, levers) for e in (trained_exp, frozen_exp))
+    assert trained - planned == 128256 * 4096 * 4
+
+
 def test_planner_counts_one_chunk_instead_of_the_logits():
     """GPT-2 124M at micro 64 x 1024 in bf16: the whole logits are 3.3G values, 18 bytes each
     (59 GB, measured 17.2 on an H100); chunked, 3.2 GiB."""

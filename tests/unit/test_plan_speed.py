@@ -49,8 +49,8 @@ def test_qlora_of_an_8b_on_16gb_checkpoints_rather_than_offloads():
     [
         ("configs/experiments/llama-1b.yaml", 1, 80, (), "zero0", "tiled loss"),
         ("configs/experiments/gpt2-124m.yaml", 1, 80, (), "zero0", "tiled loss"),
-        ("configs/experiments/llama7b.yaml", 8, 80, (), "zero2", "activation checkpointing"),
-        ("configs/experiments/llama3-8b-32k.yaml", 8, 80, (), "zero2", "sequence parallel 8"),
+        ("configs/experiments/llama7b.yaml", 8, 80, (), "zero1", "activation checkpointing"),
+        ("configs/experiments/llama3-8b-32k.yaml", 8, 80, (), "zero1", "sequence parallel 8"),
         (QLORA, 2, 24, ("model.pretrained=configs/models/llama-3-70b", "train.micro_batch_size=1", "train.grad_accum=16",
                         "train.global_batch_size=32"),
          "zero3+cpu (optimizer only)", "activation checkpointing"),
@@ -58,7 +58,9 @@ def test_qlora_of_an_8b_on_16gb_checkpoints_rather_than_offloads():
 )  # fmt: skip
 def test_the_classic_plans_keep_their_choice(path, world, device, sets, stage, levers):
     """The Llama 1B, GPT-2, Llama-2-7B on 8 GPUs, 8B at 32k tokens and 70B QLoRA on 2 x 24 GB: the plans the
-    memory order made are the fastest by time too (none got slower)."""
+    memory order made are the fastest by time too (none got slower). ZeRO-1 is a rung since issue 61: where
+    ZeRO-2 was the first rung that fitted, ZeRO-1 fits too and reduces as many bytes at accumulation 1
+    (fewer above it), so the cheaper rung takes the tie."""
     if "qlora" in path:
         pytest.importorskip("bitsandbytes")
     _, _, p, _ = planned(path, world, device, 1024 if "70b" not in str(sets) else 256, *sets)

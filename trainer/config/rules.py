@@ -256,6 +256,15 @@ def _strategy(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("strategy.zero_stage", "8bit base weights cannot be sharded by ZeRO-3: bitsandbytes' "
                     "Linear8bitLt keeps each layer's whole int8 weight in its state after a forward; use "
                     "model.lora.quantization: 4bit, or zero_stage 0-2 (or auto)"))  # fmt: skip
+    if s.offload_params != "auto":
+        where = "true" if s.offload_params else "false"
+        if s.offload == "none" or s.zero_stage in (0, 1, 2):
+            out.append(("strategy.offload_params", f"{where} applies to ZeRO stage 3 with offload, but the "
+                        f"experiment sets zero_stage {s.zero_stage} and offload {s.offload}; set "
+                        "strategy.offload_params: auto, or zero_stage 3 (or auto) and offload cpu (or auto)"))  # fmt: skip
+        elif s.offload == "nvme" and s.offload_params is False:
+            out.append(("strategy.offload_params", "false with offload nvme: NVMe offload here moves the "
+                        "parameters too; set offload_params: auto or true, or offload: cpu"))  # fmt: skip
     if s.offload == "nvme":
         if s.zero_stage in (0, 1, 2):
             out.append(("strategy.offload", "nvme offload needs zero_stage 3 (or auto)"))

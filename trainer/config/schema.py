@@ -22,6 +22,7 @@ from trainer.config.fields import (
     choice,
     thaw,
 )
+from trainer.config.hardware_schema import HardwareSection
 from trainer.config.rl_schema import RLSection
 from trainer.optimizers import OPTIMIZERS
 
@@ -315,10 +316,15 @@ class StrategySection(Section):
     """How the model is spread over ranks: the ZeRO stage and offload (see docs/strategies.md)."""
 
     zero_stage: choice("auto", 0, 1, 2, 3) = Field(
-        "auto", description="auto = first of 0 -> 2 -> 3 that fits; 1 only when asked for"
+        "auto", description="auto = the fastest setting that fits by the plan's step time (docs/strategies.md)"
     )
     offload: choice("auto", "none", "cpu", "nvme") = Field(
         "auto", description="auto = none unless nothing fits on the device, then cpu, then nvme"
+    )
+    offload_params: AutoBool = Field(
+        "auto",
+        description="stage 3 with offload: the parameters on the host too (true), the optimizer alone (false); "
+        "auto = parameters only when the optimizer alone offloaded does not fit",
     )
     nvme_path: str | None = Field(None, description="directory for NVMe offload (offload: nvme)")
     justification: str = Field(
@@ -344,6 +350,9 @@ class StrategySection(Section):
     device_memory: Size = Field(None, description="memory per device, e.g. 80GB; null = read the GPU")
     host_memory: Size = Field(None, description="host memory per node for offload; null = read it")
     headroom: float = Field(0.9, gt=0.0, le=1.0, description="share of device memory the plan may use")
+    hardware: HardwareSection = Field(
+        default_factory=HardwareSection, description="the machine the plan times its settings on"
+    )
 
 
 class DistSection(Section):

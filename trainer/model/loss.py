@@ -61,10 +61,12 @@ def _mm(a: Any, b: Any) -> Any:
 
 
 def _chunks(
-    hidden: Any, weight: Any, targets: Any, rows: int, grads: bool, num_items: float | None = None
-) -> tuple[Any, Any, Any]:
-    """(mean loss, d loss / d hidden, d loss / d weight); the gradients are None without `grads`.
-    `num_items`: divide the sum by this instead of the count of targets here (transformers'
+    hidden: Any, weight: Any, targets: Any, rows: int, grads: bool, num_items: float | None = None,
+    weight_grad: bool = True,
+) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(mean loss, d loss / d hidden, d loss / d weight); the gradients are None without `grads`, the
+    weight's without `weight_grad` too (a frozen head: LoRA's, no fp32 (vocab x hidden) buffer and no
+    product for it). `num_items`: divide the sum by this instead of the count of targets here (transformers'
     num_items_in_batch: the targets of the whole step, for a loss normalized across micro batches).
 
     Per chunk, four passes over its logits in eager mode: the matmul writes them, log-softmax
@@ -82,7 +84,11 @@ def _chunks(
     safe = torch.where(valid, targets, 0)[:, None]
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty_like(hidden) if grads else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+    grad_w = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        if grads and weight_grad
+        else None
+    )
     for start in range(0, n, rows):
         h = hidden[start : start + rows]
         t = safe[start : start + rows]
@@ -93,8 +99,9 @@ def _chunks(
             # d(loss of a row)/d logits = softmax - one_hot(target), in fp32, then in h's precision
             g = logp.exp_().scatter_add_(1, t, torch.full_like(t, -1.0, dtype=logp.dtype)).to(h.dtype)
             grad_h[start : start + rows] = _mm(g, weight).float().mul_(v / denom).to(h.dtype)
-            grad_w.add_(_mm(g.t(), h * v.to(h.dtype)))
-    if grads:
+            if grad_w is not None:
+                grad_w.add_(_mm(g.t(), h * v.to(h.dtype)))
+    if grad_w is not None:
         grad_w.div_(denom)
     return total / denom, grad_h, grad_w
 
@@ -102,7 +109,9 @@ def _chunks(
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, rows: int, num_items: float | None) -> Any:
-        loss, grad_h, grad_w = _chunks(hidden, weight, targets, rows, grads=True, num_items=num_items)
+        weight_grad = ctx.needs_input_grad[1]  # a frozen head (LoRA) gets no gradient, so none is made
+        loss, grad_h, grad_w = _chunks(hidden, weight, targets, rows, grads=True, num_items=num_items,
+                                       weight_grad=weight_grad)  # fmt: skip
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return loss
@@ -112,7 +121,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         return (
             grad_h * grad_out.to(grad_h.dtype),
-            (grad_w * grad_out).to(ctx.weight_dtype),
+            None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype),
             None,
             None,
             None,

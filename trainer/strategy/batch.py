@@ -6,7 +6,8 @@ A micro step's host work (launching a layer's operators, ZeRO-3's hooks) costs t
 rows it carries, so a larger micro batch spends less of the host per token: at micro 1 an 8B's LoRA step
 on an H200 kept the GPU busy 40-70% of the time (issue 55). `auto` plans every micro batch that divides
 the rank's share of the global batch, largest first, and takes the one whose plan (rung and levers) has
-the lowest estimated seconds per token (strategy/planning/speed.py), the larger on a tie; accumulation
+the lowest estimated seconds per token (strategy/planning/speed.py), the larger on a tie (estimates within
+a relative 1e-9 of each other: float noise is no difference); accumulation
 makes up the rest, so the step trains the global batch the experiment asked for whatever the micro
 batch. The banner says what was chosen and why.
 """
@@ -19,6 +20,7 @@ from typing import Any
 from trainer.errors import UserError
 
 MAX_MICRO = 512  # the largest micro batch auto tries
+TIE = 1e-9  # relative: estimated times closer than this are equal (float noise, not a faster setting)
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,13 @@ def resolve(exp: Any, world_size: int, plan_for: Any) -> tuple[Any, Batch | None
             f"train.global_batch_size {target} does not divide by the {world_size} rank(s); give a multiple of "
             f"{world_size}"
         )
-    tried, first_error = [], None
+    tried, last_error = [], None
     for m in divisors(target // world_size):
         e = with_batch(exp, m, target // (world_size * m))
         try:
             p = plan_for(e)
         except UserError as err:  # does not fit at this micro batch
-            first_error = first_error or err
+            last_error = err
             continue
         if p.dp_world != world_size:  # sequence parallelism: fewer data-parallel ranks share the batch
             if target % (m * p.dp_world):
@@ -76,9 +78,11 @@ def resolve(exp: Any, world_size: int, plan_for: Any) -> tuple[Any, Batch | None
         tried.append((p.speed.per_token if p.speed is not None else 0.0, -m, e, p))
         if len(tried) >= 2 and tried[-1][0] > tried[-2][0] * 1.5:
             break  # smaller micro batches only add host work from here
-    if not tried:
-        raise first_error or UserError("train.micro_batch_size: auto: nothing fits")
-    best = min(tried, key=lambda x: (x[0], x[1]))
+    if not tried:  # the smallest micro batch's error: what blocks the job even there
+        raise last_error or UserError("train.micro_batch_size: auto: nothing fits")
+    # the fastest per token; estimates within TIE of it are equal, and the larger micro batch takes the tie
+    fastest = min(x[0] for x in tried)
+    best = min((x for x in tried if x[0] <= fastest * (1 + TIE)), key=lambda x: x[1])
     _, _, e, p = best
     m, a = e.train.micro_batch_size, e.train.grad_accum
     if set_accum and a != t.grad_accum:

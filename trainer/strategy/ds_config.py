@@ -400,6 +400,10 @@ def _zero(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, info: Mod
                     )
                 )
     else:
+        dev = device_of(zero.get("offload_param"))
+        if c.stage == 3 and not c.offload_params and dev not in (None, "none"):
+            f.mismatches.append(Problem("zero_optimization.offload_param.device", f"template offloads the "
+                                        f"parameters to {dev}, the plan the optimizer only (strategy.offload_params)"))  # fmt: skip
         parts = ["offload_optimizer"] + (["offload_param"] if c.stage == 3 and c.offload_params else [])
         for part in parts:
             f.own(d, f"zero_optimization.{part}.device", c.offload, why="strategy.offload")

@@ -1,16 +1,19 @@
-"""The memory planner: which ZeRO stage and offload, and why.
+"""The planner: which ZeRO stage and offload, which activation levers, and why.
 
 `plan()` estimates per-rank memory (model states, activations, buffers; host memory per node for
-offload) for every candidate and applies the escalation rules: the first of 0 -> 2 -> 3 -> 3+cpu ->
-3+nvme (`LADDER`) that fits `device memory x headroom`; stage 1 only when asked for; a pinned stage
-or offload above the rules' choice needs a justification. The run-time escalation climbs the same
-ladder (`next_rung`).
+offload) for every candidate under every setting of the activation levers, and takes the fastest that
+fits by the estimated step (speed.py, on hardware.py's machine) under the escalation rules as
+constraints: offload only when no setting fits on the devices alone, a costlier rung of `LADDER` (0 -> 1
+-> 2 -> 3 -> 2+cpu -> 3+cpu optimizer only -> 3+cpu -> 3+nvme) only where the cheaper ones do not fit or
+are slower; a pinned stage or offload above the rules' choice needs a justification. The run-time
+escalation climbs the same ladder (`next_rung`, ladder.py's `escalation_after`).
 
 One kind of bytes per module: candidates.py (the model's facts, the candidates, the ladder, the
 pins), states.py (parameters, gradients, optimizer state; precision), step.py (the optimizer step's
 own memory), activations.py (what backward keeps, and the levers that shrink it), buffers.py (the
 CUDA context, ZeRO's buckets and the DeepSpeed sizes behind them), host.py (host memory per node),
-estimate.py (all of these per candidate), ladder.py (the decision, the Plan and its table).
+estimate.py (all of these per candidate); speed.py and hardware.py (a step's time); search.py (the
+choice), ladder.py (the Plan and its table).
 
 Nothing here imports torch or deepspeed: planning runs anywhere, in well under a second.
 """

@@ -72,6 +72,14 @@ def lora_bytes_per_token(info: ModelInfo, lora: Any, lp: int) -> float:
     return total
 
 
+def head_trains(lora: Any) -> bool:
+    """Whether the LM head gets a gradient: always without LoRA; with it, only when model.lora.train_modules
+    trains the head (or the embedding, which a tied head is)."""
+    if lora is None:
+        return True
+    return any("lm_head" in m or "embed" in m for m in (getattr(lora, "train_modules", None) or ()))
+
+
 def _trains_norms(lora: Any) -> bool:
     return any("norm" in m for m in (getattr(lora, "train_modules", None) or ()))
 
@@ -101,6 +109,7 @@ def activations(
     tiled_mlp: bool = False,
     offload: bool = False,
     lora: Any = None,
+    head_grad: bool = True,
 ) -> int:
     """Activation bytes per rank: per layer s*b*`layer_bytes_per_token`, plus 5*a*s/h x s*b*h
     attention scores with eager attention; with activation checkpointing the layer inputs (2sbh per
@@ -108,7 +117,8 @@ def activations(
     that is the logits, their fp32 copy and its log-softmax, then in backward their gradients (18
     bytes per logit in bf16; measured on a GPU in BENCHMARKS.md). With `model.chunked_loss`, one chunk
     of rows instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus
-    the saved gradients towards the hidden states (lp) and the head's weight (fp32); with
+    the saved gradients towards the hidden states (lp) and, where the head trains (`head_grad`: not a
+    LoRA's frozen head, `head_trains`), the head's weight (fp32); with
     `model.kernels: liger` the chunked loss is Liger's fused linear cross-entropy: chunks of 16-bit
     logits (about V/h times fewer rows than tokens) and a 16-bit gradient of the head's weight.
     `compiled` (train.compile): each layer's activations `COMPILED_LAYERS` times eager's, and the whole
@@ -147,7 +157,7 @@ def activations(
         total += 2 * rows * v * lp + b * s * h * lp + v * h * lp
     elif v and chunked_loss:
         rows = min(b * s, loss_chunk_rows(v))
-        total += 2 * rows * v * (4 + lp) + b * s * h * lp + v * h * 4
+        total += 2 * rows * v * (4 + lp) + b * s * h * lp + (v * h * 4 if head_grad else 0)
     elif v and compiled:
         total += b * s * v * lp
     elif v:
@@ -207,5 +217,5 @@ def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any) -> i
     return activations(
         info, rows_per_micro(exp), row_length(exp), lp, levers.checkpointing, levers.chunked_loss,
         m.kernels, compiled=exp.train.compile, sp=levers.sp, tiled_mlp=levers.tiled_mlp, offload=levers.offload,
-        lora=m.lora,
+        lora=m.lora, head_grad=head_trains(m.lora),
     )  # fmt: skip

@@ -92,44 +92,57 @@ class Candidate:
 
     @property
     def cost(self) -> int:
-        """Position on the escalation ladder: higher = more communication or slower memory."""
-        if self.offload == "none":
-            return self.stage
-        return {"cpu": 4, "nvme": 6}[self.offload] + (self.stage == 3)
+        """Position on the escalation ladder (`LADDER`): the device-only rungs by their communication,
+        then offload by what crosses the host link."""
+        return LADDER.index(self) if self in LADDER else len(LADDER)
 
     @property
     def template(self) -> str:
         suffix = {"none": "", "cpu": "_offload", "nvme": "_nvme"}[self.offload]
+        if self.stage == 3 and self.offload == "cpu" and not self.offload_params:
+            suffix += "_optimizer"
         return f"zero{self.stage}{suffix}.json"
 
+    def overrides(self) -> list[str]:
+        """The --set overrides that pin this candidate (the run-time escalation's next attempt)."""
+        pins = [f"strategy.zero_stage={self.stage}"]
+        if self.offload != "none":
+            pins.append(f"strategy.offload={self.offload}")
+        if self.stage == 3 and self.offload != "none":
+            pins.append(f"strategy.offload_params={str(self.offload_params).lower()}")
+        return pins
 
-def _c(stage: int, offload: str = "none") -> Candidate:
-    return Candidate(stage, offload, offload_params=(stage == 3 and offload != "none"))
+
+def _c(stage: int, offload: str = "none", params: bool | None = None) -> Candidate:
+    return Candidate(stage, offload, offload_params=stage == 3 and offload != "none" and params is not False)
 
 
-LADDER = (_c(0), _c(2), _c(3), _c(3, "cpu"), _c(3, "nvme"))
-TABLE = (_c(0), _c(1), _c(2), _c(2, "cpu"), _c(3), _c(3, "cpu"), _c(3, "nvme"))
+# The escalation ladder, cheapest first: the device-only rungs (ZeRO-1 partitions the optimizer states,
+# ZeRO-2 the gradients too, reduced at every micro step, ZeRO-3 the parameters, gathered in every pass), then
+# offload (the optimizer beside ZeRO-2: ZeRO-Offload; beside ZeRO-3; ZeRO-3's parameters too; NVMe). The plan
+# takes the fastest setting that fits with offload only when no device-only one does (ladder.py); every rung
+# is in the table.
+LADDER = (_c(0), _c(1), _c(2), _c(3), _c(2, "cpu"), _c(3, "cpu", False), _c(3, "cpu"), _c(3, "nvme"))
+TABLE = LADDER
 
 
-def next_rung(stage: int, offload: str) -> tuple[int, str] | None:
-    """(stage, offload) of the rung above a failed candidate, for the run-time escalation (stage 1,
-    not a rung, escalates to 2; 2+cpu to 3+cpu). None on the last rung."""
-    off_ladder = {(1, "none"): (2, "none"), (2, "cpu"): (3, "cpu")}
-    if (stage, offload) in off_ladder:
-        return off_ladder[(stage, offload)]
-    rungs = [(c.stage, c.offload) for c in LADDER]
-    if (stage, offload) not in rungs:
+def next_rung(stage: int, offload: str, offload_params: bool = True) -> Candidate | None:
+    """The rung above a failed candidate on the ladder, for the run-time escalation. None on the last rung."""
+    c = _c(stage, offload, offload_params)
+    if c not in LADDER:
         return None
-    i = rungs.index((stage, offload)) + 1
-    return rungs[i] if i < len(rungs) else None
+    i = LADDER.index(c) + 1
+    return LADDER[i] if i < len(LADDER) else None
 
 
-def pinned_choice(exp: Experiment, template: Mapping[str, Any] | None) -> tuple[int | None, str | None, bool]:
+def pinned_choice(
+    exp: Experiment, template: Mapping[str, Any] | None
+) -> tuple[int | None, str | None, bool | None]:
     """(stage, offload, offload_params) that the experiment or its template fixes; None = free."""
     s = exp.strategy
     stage = None if s.zero_stage == "auto" else s.zero_stage
     offload = None if s.offload == "auto" else s.offload
-    offload_params = True
+    offload_params = None if s.offload_params == "auto" else bool(s.offload_params)
     zero = (template or {}).get("zero_optimization")
     if isinstance(zero, Mapping):
         t_stage = zero.get("stage")
@@ -139,8 +152,8 @@ def pinned_choice(exp: Experiment, template: Mapping[str, Any] | None) -> tuple[
         par_dev = device_of(zero.get("offload_param"))
         if offload is None and opt_dev is not None:
             offload = opt_dev
-        if par_dev in (None, "none") and opt_dev not in (None, "none"):
-            offload_params = False
+        if offload_params is None and opt_dev not in (None, "none"):
+            offload_params = par_dev not in (None, "none")
     return stage, offload, offload_params
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from trainer.config import Experiment
 from trainer.optimizers import OPTIMIZERS
 from trainer.strategy.planning.buffers import _number, buffers, zero_section, zero_sizes
-from trainer.strategy.planning.candidates import TABLE, Candidate, ModelInfo, _c
+from trainer.strategy.planning.candidates import TABLE, Candidate, ModelInfo
 from trainer.strategy.planning.generation import reward_model_bytes
 from trainer.strategy.planning.host import host_needs, snapshot_bytes
 from trainer.strategy.planning.states import model_states, optimizer_implementation
@@ -41,6 +42,7 @@ class Estimate:
     generation: int = 0  # grpo: held while sampling, between steps (planning/generation.py)
     snapshot: int = 0  # checkpoint.async: the host copy of a save, per node (counted in `host`)
     refused: str = ""  # why this candidate cannot run this job whatever its bytes
+    usable: bool = True  # False: NVMe offload without strategy.nvme_path
 
     @property
     def model_states(self) -> int:
@@ -71,6 +73,12 @@ def stored_sizes(info: ModelInfo, lp: int) -> list[int]:
     return sizes
 
 
+@functools.lru_cache(maxsize=64)
+def _persistent(info: ModelInfo, lp: int, threshold: float) -> int:
+    """Elements of the tensors ZeRO-3 keeps whole on every rank (at most `threshold` elements each)."""
+    return sum(x for x in stored_sizes(info, lp) if x <= threshold)
+
+
 def estimate_all(
     exp: Experiment,
     info: ModelInfo,
@@ -87,13 +95,10 @@ def estimate_all(
     host_activations: int = 0,
     generation: int = 0,
 ) -> list[Estimate]:
-    """An estimate per candidate of the table (plus stage 3 with only the optimizer offloaded, when
-    the experiment pins that)."""
-    want_stage, want_offload, offload_params = pinned
+    """An estimate per candidate of the table."""
+    want_offload = pinned[1]
     state_bytes = OPTIMIZERS[exp.optim.name].state_bytes
     table = list(TABLE)
-    if want_stage == 3 and want_offload not in (None, "none") and not offload_params:
-        table.insert(table.index(_c(3, want_offload)), Candidate(3, want_offload, False))
     out = []
     # what the optimizer step allocates (`step_bytes`) depends on the candidate through its offload
     sub_group = _number(zero_section(template).get("sub_group_size"), SUB_GROUP_SIZE)
@@ -104,7 +109,7 @@ def estimate_all(
         persistent = 0
         if c.stage == 3:
             threshold = zero_sizes(info, zero_section(template))["stage3_param_persistence_threshold"]
-            persistent = sum(x for x in stored_sizes(info, lp) if x <= threshold)
+            persistent = _persistent(info, lp, threshold)
         par, grad, opt = model_states(
             c,
             info.params,
@@ -142,9 +147,23 @@ def estimate_all(
             fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
             gather=(4 * info.largest_layer if c.stage == 3 else 0) + (lp * info.quantized.largest if info.quantized else 0),
             snapshot=snap,
-            step=step, generation=generation,
+            step=step, generation=generation, refused=refused, usable=nvme_ok,
         )  # fmt: skip
-        out.append(
-            dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok and not refused, refused=refused)
-        )
+        out.append(dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok and not refused))
+    return out
+
+
+def with_activations(
+    base: list[Estimate], act: int, host_activations: int, budget: int, host_memory: int | None, copy: bool
+) -> list[Estimate]:
+    """`base` (estimate_all's with no activations and no host copies of them) under one setting of the
+    levers: its activations on the device, `host_activations` more a node on the host. `copy`
+    (checkpoint.async: true): the host must hold the checkpoint copy too."""
+    out = []
+    for b in base:
+        host = b.host + host_activations
+        need = host if copy else host - b.snapshot
+        total = b.model_states + max(act, b.step, b.generation) + b.buffers  # Estimate.total
+        out.append(dataclasses.replace(b, activations=act, host=host, fits_host=host_memory is None or need <= host_memory,
+                                       fits_device=total <= budget and b.usable and not b.refused))  # fmt: skip
     return out

@@ -1,22 +1,24 @@
-"""The decision: the first rung of the ladder that fits, or the pinned candidate and why
-(`plan`), the `Plan` that records it with the evidence, and its table (`describe_plan`); the errors
-when nothing fits or a pin needs a justification.
+"""The decision: the fastest setting that fits under the escalation rules (search.py), or the pinned
+candidate and why (`plan`), the `Plan` that records it with the evidence, and its table (`describe_plan`);
+the errors when nothing fits or a pin needs a justification.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import Experiment, chunked_loss_problem, format_size
 from trainer.errors import UserError
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
-from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, next_rung, pinned_choice
-from trainer.strategy.planning.estimate import Estimate, estimate_all
+from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
+from trainer.strategy.planning.estimate import Estimate, estimate_all, with_activations
 from trainer.strategy.planning.generation import generation_bytes, host_bytes, row_length
+from trainer.strategy.planning.hardware import machine
 from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
+from trainer.strategy.planning.search import Search, blocker, rung_reason, search
 from trainer.strategy.planning.speed import StepTime, step_time
 from trainer.strategy.planning.states import low_precision_bytes
 
@@ -47,6 +49,7 @@ class Plan:
     speed: StepTime | None = None
     fastest: tuple[tuple[Levers, Candidate, StepTime], ...] = ()
     row_seconds: tuple[float, ...] = ()  # the estimated step of each row of `estimates` (the chosen levers)
+    hardware: str = ""  # the machine the steps are timed on, and where its figures come from (hardware.py)
 
     @property
     def sp(self) -> int:
@@ -117,22 +120,32 @@ class Plan:
         }
 
 
+def _covers(r: Candidate, c: Candidate) -> bool:
+    """Rung `r` keeps whatever `c` moves off a rank's device: as high a stage, as much offloaded."""
+    level = {"none": 0, "cpu": 1, "nvme": 3}
+    return r.stage >= c.stage and level[r.offload] + r.offload_params >= level[c.offload] + c.offload_params
+
+
 def escalation_after(plan: Plan) -> tuple[Levers, Candidate] | None:
     """What the run-time escalation tries after an out-of-memory on the plan's (levers, rung): the
-    rung above on the ladder (a pinned stage is where the climb starts; an experiment that pins
-    `strategy.offload: none` never climbs into offload, and NVMe needs its path), then, past the
-    last rung it may take, the next setting of the activation levers in the plan's order on that
-    rung. Nothing the failed attempt had is given up (no lower rung, no lever turned off, no
-    smaller sequence-parallel degree), so every attempt holds less than the last."""
-    by = {(e.candidate.stage, e.candidate.offload): e.candidate for e in plan.estimates}
+    next rung up the ladder that keeps what this one moved off the device and is estimated to hold no
+    more (an experiment that pins `strategy.offload: none` never climbs into offload, and NVMe needs its
+    path), then, past the last rung it may take, the next setting of the activation levers in the plan's
+    order on that rung. Nothing the failed attempt had is given up (no lower stage, no less offloaded, no
+    lever turned off, no smaller sequence-parallel degree), so every attempt holds less than the last."""
+    by = {e.candidate: e for e in plan.estimates}
+    now = by.get(plan.candidate)
     # a rung refused for another reason than memory (NVMe offload without strategy.nvme_path)
     blocked = {e.candidate for e in plan.estimates if not e.fits_device and e.total <= plan.budget}
-    up = next_rung(plan.candidate.stage, plan.candidate.offload)
-    while up is not None:
-        rung = by.get(up)
-        if rung is not None and rung not in blocked and not (plan.offload_pin == "none" and up[1] != "none"):
+    for rung in LADDER[LADDER.index(plan.candidate) + 1 :] if plan.candidate in LADDER else ():
+        if (
+            rung in by
+            and rung not in blocked
+            and _covers(rung, plan.candidate)
+            and not (plan.offload_pin == "none" and rung.offload != "none")
+            and (now is None or by[rung].total <= now.total)
+        ):
             return plan.levers, rung
-        up = next_rung(*up)
     for levers in dict.fromkeys(lv for lv, _ in plan.order):
         if levers != plan.levers and levers.covers(plan.levers):
             return levers, plan.candidate
@@ -151,20 +164,21 @@ def plan(
     precision: str,
     template: Mapping[str, Any] | None = None,
     force: bool = False,
+    device_name: str | None = None,
 ) -> Plan:
-    """Estimate every candidate and choose by the escalation rules (see module docstring).
+    """Estimate every candidate and choose by the escalation rules (see the module docstring).
+    `device_name`: this machine's GPU (torch.cuda.get_device_name), for strategy.hardware.gpu: auto.
 
     Raises UserError when a pinned candidate is above the rules' choice without a justification,
     or is predicted not to fit (unless `force`), or when nothing fits."""
+    kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type, device_memory=device_memory,
+              host_memory=host_memory, precision=precision, template=template, force=force,
+              device_name=device_name)  # fmt: skip
     if exp.train.micro_batch_size == "auto":  # decided first (strategy/batch.py), then planned as given
         from trainer.strategy.batch import resolve
 
-        kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type, device_memory=device_memory,
-                  host_memory=host_memory, precision=precision, template=template, force=force)  # fmt: skip
         exp = resolve(exp, world_size, lambda e: plan(e, info, **kw))[0]
-    return _plan(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type,
-                 device_memory=device_memory, host_memory=host_memory, precision=precision, template=template,
-                 force=force)  # fmt: skip
+    return _plan(exp, info, **kw)
 
 
 def _plan(
@@ -179,12 +193,75 @@ def _plan(
     precision: str,
     template: Mapping[str, Any] | None = None,
     force: bool = False,
+    device_name: str | None = None,
 ) -> Plan:
     s = exp.strategy
     lp = low_precision_bytes(precision)
     budget = int(device_memory * s.headroom)
     pinned = pinned_choice(exp, template)
-    is_pinned = pinned[0] is not None or pinned[1] is not None
+    is_pinned = any(x is not None for x in pinned)
+    hardware, hardware_why = machine(device_type, s.hardware, device_name)
+
+    estimates_for = _estimator(exp, info, pinned, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
+                               on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory,
+                               template=template)  # fmt: skip
+    settings = list(lever_sets(exp, info, world_size, device_type, precision))
+    times: dict[tuple[Levers, Candidate], StepTime] = {}
+
+    def seconds(levers: Levers, c: Candidate) -> StepTime:
+        if (levers, c) not in times:
+            times[levers, c] = step_time(exp, info, levers, c, world_size=world_size, gpus_per_node=gpus_per_node,
+                                         device_type=device_type, lp=lp, hardware=hardware)  # fmt: skip
+        return times[levers, c]
+
+    found = search(settings, estimates_for, pinned, seconds)
+    # the rules' own choice, which a pin above needs a justification against
+    auto = search(settings, estimates_for, (None, None, None), seconds) if is_pinned else found
+    auto_choice = auto.chosen.candidate if auto.chosen else None
+    if found.chosen is not None:
+        levers, chosen = found.chosen.levers, found.chosen.candidate
+    else:
+        levers = min(found.estimates, key=lambda lv: min(e.total for e in found.estimates[lv]))
+        chosen = None
+    estimates = found.estimates[levers]
+    by = {e.candidate: e for e in estimates}
+    hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
+    if chosen is None:
+        pinned_options = [c for c, _ in _pinned_order(found, levers)] if is_pinned else []
+        if not (is_pinned and force and pinned_options):
+            raise _no_fit(exp, by, pinned_options, auto_choice, hint, budget, device_memory, world_size, found,
+                          host_memory, len(settings))  # fmt: skip
+        chosen = pinned_options[0]
+    reason = (
+        _reason(exp, by, chosen, auto_choice, auto, budget)
+        if is_pinned
+        else rung_reason(found, by, hint, budget)
+    )
+    default_tiled = tiled_loss_by_default(exp, info, device_type, precision)
+    return Plan(
+        candidate=chosen, reason=reason, estimates=tuple(estimates), budget=budget, device_memory=device_memory,
+        host_memory=host_memory, world_size=world_size, gpus_per_node=gpus_per_node, precision=precision,
+        device_type=device_type, pinned=is_pinned, justification=s.justification.strip(), auto_choice=auto_choice,
+        levers=levers,
+        levers_reason=("the tiled loss by default on CPU in bf16, where it is the faster loss; " if default_tiled else "")
+        + _levers_reason(levers, settings, found, budget),
+        order=tuple(found.order), offload_pin=pinned[1], speed=seconds(levers, chosen),
+        fastest=tuple((f.levers, f.candidate, f.time) for f in found.fits),
+        row_seconds=tuple(seconds(levers, e.candidate).seconds for e in estimates), hardware=hardware_why,
+    )  # fmt: skip
+
+
+def _estimator(
+    exp: Experiment, info: ModelInfo, pinned: Any, *, lp: int, world_size: int, gpus_per_node: int, on_gpu: bool,
+    budget: int, host_memory: int | None, template: Mapping[str, Any] | None,
+) -> Callable[[Levers], list[Estimate]]:  # fmt: skip
+    """Every rung's estimate under one setting of the levers: the model states, buffers and host needs of
+    every rung, which no lever changes, counted once, and each setting's activations beside them."""
+    base = estimate_all(
+        exp, info, pinned, act=0, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node, on_gpu=on_gpu,
+        budget=budget, host_memory=host_memory, template=template,
+        host_activations=host_bytes(exp) * gpus_per_node, generation=generation_bytes(exp, info, lp),
+    )  # fmt: skip
 
     def estimates_for(levers: Levers) -> list[Estimate]:
         # sequence parallelism runs sdpa where auto would have picked eager (CPU, bf16, short sequences)
@@ -197,138 +274,45 @@ def _plan(
             if levers.offload
             else 0
         )
-        return estimate_all(
-            exp, info, pinned, act=act, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
-            on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory, template=template,
-            host_activations=(extra + host_bytes(exp)) * gpus_per_node, generation=generation_bytes(exp, info, lp),
-        )  # fmt: skip
+        copy = exp.checkpoint.async_ is True
+        return with_activations(base, act, extra * gpus_per_node, budget, host_memory, copy)
 
-    settings = list(lever_sets(exp, info, world_size, device_type, precision))
-
-    def seconds(levers: Levers, c: Candidate) -> StepTime:
-        return step_time(exp, info, levers, c, world_size=world_size, gpus_per_node=gpus_per_node,
-                         device_type=device_type, lp=lp)  # fmt: skip
-
-    found, first, order, fastest = _search(settings, estimates_for, pinned, seconds)
-    levers, estimates, by, options, chosen = (*first, None) if found is None else found
-    auto_choice = next((c for c in LADDER if by[c].fits), None)
-    hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
-    if found is None:
-        if not (is_pinned and force and options):
-            raise _no_fit(exp, by, options if is_pinned else [], auto_choice, hint, budget, device_memory, world_size,
-                          levers, len(settings))  # fmt: skip
-        chosen = options[0]
-    return Plan(
-        candidate=chosen,
-        reason=_reason(exp, by, chosen, auto_choice, is_pinned, hint, budget),
-        estimates=tuple(estimates),
-        budget=budget,
-        device_memory=device_memory,
-        host_memory=host_memory,
-        world_size=world_size,
-        gpus_per_node=gpus_per_node,
-        precision=precision,
-        device_type=device_type,
-        pinned=is_pinned,
-        justification=s.justification.strip(),
-        auto_choice=auto_choice,
-        levers=levers,
-        levers_reason=(
-            "the tiled loss by default on CPU in bf16, where it is the faster loss; "
-            if tiled_loss_by_default(exp, info, device_type, precision)
-            else ""
-        )
-        + _levers_reason(levers, settings, estimates_for, pinned, budget, fastest),
-        order=tuple(order),
-        offload_pin=pinned[1],
-        speed=seconds(levers, chosen),
-        fastest=tuple(fastest),
-        row_seconds=tuple(seconds(levers, e.candidate).seconds for e in estimates),
-    )
+    return estimates_for
 
 
-def _search(
-    settings: list[Levers], estimates_for: Any, pinned: Any, seconds: Any
-) -> tuple[Any, Any, list[tuple[Levers, Candidate]], list[tuple[Levers, Candidate, StepTime]]]:
-    """Every setting of the levers, each with the rungs the experiment allows: (the fastest (levers,
-    rung) that fits by its estimated step (speed.py; ties: the cheaper in memory order): levers,
-    estimates, by candidate, options, the rung; or None), (the cheapest setting's levers, estimates,
-    by, options), every (levers, rung) in the memory order (the run-time escalation climbs it), and
-    every (levers, rung, step) that fits, fastest first."""
-    found, first, order, fits = None, None, [], []
-    for levers in settings:
-        estimates = estimates_for(levers)
-        by = {e.candidate: e for e in estimates}
-        options = _options(by, pinned)
-        order += [(levers, c) for c in options]
-        if first is None:
-            first = (levers, estimates, by, options)
-        for c in options:
-            if by[c].fits:
-                fits.append(
-                    (seconds(levers, c).per_token, len(fits), levers, c, (levers, estimates, by, options, c))
-                )
-    # sequence parallelism shrinks the data-parallel world, and with it the sequences a step trains: its degree
-    # is the memory order's (the first setting that fits), never a choice of speed that changes the batch
-    if fits:
-        first_fit = min(fits, key=lambda x: x[1])
-        fits = [x for x in fits if x[2].sp == first_fit[2].sp]
-    # and offload comes last (the escalation rules): only when nothing on the devices alone fits
-    if any(x[3].offload == "none" for x in fits):
-        fits = [x for x in fits if x[3].offload == "none"]
-    fits.sort(key=lambda x: (x[0], x[1]))
-    if fits:
-        found = fits[0][4]
-    fastest = [(lv, c, seconds(lv, c)) for _, _, lv, c, _ in fits]
-    return found, first, order, fastest
+def _pinned_order(found: Search, levers: Levers) -> list[tuple[Candidate, Estimate]]:
+    """The rungs the pin allows under `levers`, cheapest first, with their estimates."""
+    by = {e.candidate: e for e in found.estimates[levers]}
+    return [(c, by[c]) for lv, c in found.order if lv == levers]
 
 
-def _levers_reason(
-    levers: Levers, settings: list[Levers], estimates_for: Any, pinned: Any, budget: int, fastest: Any = ()
-) -> str:
+def _levers_reason(levers: Levers, settings: list[Levers], found: Search, budget: int) -> str:
     """Why these levers: none needed, or the fastest setting that fits, and what the cheaper settings'
     lowest rung would need."""
     fixed = len(settings) == 1
     if levers == settings[0]:
         return "as the experiment sets them" if fixed else "the cheapest setting: a rung fits without more"
-    cheapest = {e.candidate: e for e in estimates_for(settings[0])}
-    best = min((cheapest[c] for c in _options(cheapest, pinned)), key=lambda e: e.total)
-    seen, others = {fastest[0][1]} if fastest else set(), []
-    for lv, c, t in fastest[1:]:  # the fastest on each other rung
-        if c not in seen and len(others) < 2:
-            seen.add(c)
-            others.append(f"{c.name} with {lv.describe()} {t.seconds:.2f} s")
+    cheapest = found.estimates[settings[0]]
+    allowed = {c for lv, c in found.order if lv == settings[0]}
+    best = min((e for e in cheapest if e.candidate in allowed), key=lambda e: e.total)
+    chosen = found.chosen
+    seen, others = {chosen.candidate} if chosen else set(), []
+    for f in found.fits:  # the fastest on each other rung
+        if f.candidate not in seen and len(others) < 2 and not (found.device_only and f.offloads):
+            seen.add(f.candidate)
+            others.append(f"{f.candidate.name} with {f.levers.describe()} {f.time.seconds:.2f} s")
     return (
         "the fastest setting that fits"
         + (
-            f" (est. {fastest[0][2].seconds:.2f} s a step"
+            f" (est. {chosen.time.seconds:.2f} s a step"
             + (f"; next: {'; '.join(others)}" if others else "")
             + ")"
-            if fastest
+            if chosen
             else ""
         )  # fmt: skip
         + f"; without levers the smallest candidate ({best.candidate.name}) "
         f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
         f"{format_size(budget)}"
-    )
-
-
-def _options(by: dict[Candidate, Estimate], pinned: tuple[int | None, str | None, bool]) -> list[Candidate]:
-    """The candidates to choose from, cheapest first: the ladder; or, when the experiment pins a
-    stage or an offload, the candidates with that part fixed (stage 1 only when named)."""
-    want_stage, want_offload, offload_params = pinned
-    if want_stage is None and want_offload is None:
-        return list(LADDER)
-    return sorted(
-        (
-            c
-            for c in by
-            if (want_stage is None or c.stage == want_stage)
-            and (want_offload is None or c.offload == want_offload)
-            and (c.stage != 1 or want_stage == 1)
-            and (c.stage < 3 or c.offload == "none" or c.offload_params == offload_params)
-        ),
-        key=lambda c: c.cost,
     )
 
 
@@ -341,11 +325,13 @@ def _no_fit(
     budget: int,
     device_memory: int,
     world_size: int,
-    levers: Levers = Levers(),
+    found: Search,
+    host_memory: int | None,
     settings: int = 1,
 ) -> UserError:
-    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit
-    (the table: under the cheapest setting of the levers, `levers`, of the `settings` tried)."""
+    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit, naming
+    what blocks it (device or host memory, NVMe's path); the table under the setting of the levers that
+    comes closest (`by`), of the `settings` tried."""
     headroom = exp.strategy.headroom
     if pinned_options:
         c, e = pinned_options[0], by[pinned_options[0]]
@@ -365,11 +351,10 @@ def _no_fit(
             if settings > 1
             else ""
         )
+        what, fix = blocker(found, budget, host_memory, bool(exp.strategy.nvme_path))
         msg = (
             f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
-            f"{headroom}) on {world_size} rank(s){tried}: lower train.micro_batch_size or data.seq_len, "
-            "let the levers help (model.activation_checkpointing, model.tiled_mlp, strategy.sequence_parallel: "
-            "auto), add ranks, or give strategy.nvme_path for NVMe offload."
+            f"{headroom}) on {world_size} rank(s){tried}: {what}. To fit: {fix}."
         )
     return UserError(
         msg
@@ -384,32 +369,23 @@ def _reason(
     by: dict[Candidate, Estimate],
     chosen: Candidate,
     auto_choice: Candidate | None,
-    is_pinned: bool,
-    hint: str,
+    auto: Search,
     budget: int,
 ) -> str:
-    """Why `chosen`: the first rung that fits (and what the rungs below need), or pinned (and, above
-    the rules' choice, the justification it requires)."""
+    """Why `chosen`, pinned by the experiment (and, above the rules' choice, the justification it requires)."""
     s = exp.strategy
     e = by[chosen]
-    use = f"{format_size(e.total)} of {format_size(budget)} per rank"
-    if not is_pinned:
-        skipped = LADDER[: LADDER.index(chosen)]
-        why = "; ".join(
-            f"{c.name} needs {format_size(by[c].total)}" + (" (host)" if by[c].fits_device else "")
-            for c in skipped
-        )
-        return (
-            f"{chosen.name} is the first rung that fits ({use})"
-            + (f"; {why}" if why else "")
-            + (f"; {hint}" if hint else "")
-        )
-    reason = f"{chosen.name} pinned by the experiment ({use})"
+    reason = (
+        f"{chosen.name} pinned by the experiment ({format_size(e.total)} of {format_size(budget)} per rank)"
+    )
     if auto_choice is not None and chosen.cost > auto_choice.cost:
         if not s.justification.strip():
+            assert auto.chosen is not None
+            a = auto.estimates[auto.chosen.levers]
+            total = next(x.total for x in a if x.candidate == auto_choice)
             raise UserError(
                 f"strategy: {chosen.name} is pinned, but the cheaper {auto_choice.name} fits "
-                f"({format_size(by[auto_choice].total)} of {format_size(budget)} per rank). Set "
+                f"({format_size(total)} of {format_size(budget)} per rank). Set "
                 f"strategy.zero_stage/offload to auto to use {auto_choice.name}, or say why in "
                 "strategy.justification."
             )

@@ -9,8 +9,8 @@ activation checkpointing, and checkpointed activations offloaded to host memory
 `lever_sets` yields every allowed setting cheapest first: fewest levers on, then the cheaper ones
 (the tiled loss costs nothing measurable, then the tiled MLP's recompute, sequence parallelism's
 all-to-alls, checkpointing's recompute of whole layers, the host copies), then the smaller degree. The
-ladder (ladder.py) takes the first setting under which a ZeRO rung fits, and within it the lowest
-rung: fewest costly levers first, then the lowest rung.
+planner (search.py) times every setting on every rung and takes the fastest that fits; this order breaks
+its ties and is the order the run-time escalation climbs past the last rung.
 """
 
 from __future__ import annotations

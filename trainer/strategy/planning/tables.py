@@ -74,8 +74,8 @@ def describe(plan_: Any) -> str:
         else ""
     )
     speed = (
-        f"\nestimated step: {plan_.speed.describe()}, the fastest of {len(plan_.fastest)} setting(s) that fit "
-        "(docs/strategies.md: the step's cost)"
+        f"\nestimated step: {plan_.speed.describe()} of {len(plan_.fastest)} setting(s) that fit, timed on "
+        f"{plan_.hardware} (docs/strategies.md: the step's cost)"
         if plan_.speed is not None and plan_.fastest
         else ""
     )
