@@ -103,3 +103,38 @@ def test_a_failed_verification_fails_the_save_and_writes_nothing(tmp_path):
     ids = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, m.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("kernels", ["fused", "peft"])
+def test_a_tied_head_trained_in_full_saves_and_loads_in_stock_peft(tmp_path, kernels):
+    """model.lora.train_modules: [lm_head] with tie_word_embeddings (the Llama-3.2-1B/3B shape): peft wraps the
+    head and the embedding around one trained weight, which named_parameters() lists once; the save gathers
+    it under both names (peft's state dict asks for each wrapper's), and stock peft loads the adapter to the
+    same logits. It raised KeyError 'modules_to_save.default.weight' at the first save."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tied = {**LLAMA, "tie_word_embeddings": True}
+    base = model.build(config.ModelSection.model_validate({"config": tied}), vocab_size=None, eos_id=None,
+                       seq_len=32)  # fmt: skip
+    base.save_pretrained(tmp_path / "base")
+    section = config.ModelSection.model_validate(
+        {"config": tied, "lora": {"r": 4, "train_modules": ["lm_head"], "kernels": kernels}}
+    )
+    m = model.build(section, vocab_size=None, eos_id=None, seq_len=32)
+    trained = [p for p in m.parameters() if p.requires_grad]
+    with torch.no_grad():
+        m.get_base_model().model.embed_tokens.original_module.weight.copy_(base.model.embed_tokens.weight)
+        for n, p in m.named_parameters():
+            if not p.requires_grad and "base_layer" in n:
+                p.copy_(base.get_parameter(n.removeprefix("base_model.model.").replace(".base_layer", "")))
+        for p in trained:
+            p.add_(0.1 * torch.randn_like(p))
+    head = m.get_base_model().lm_head
+    assert head.weight is m.get_base_model().model.embed_tokens.weight  # still tied
+    assert adapters.save(tmp_path / "adapter", m, zero3=False, is_main=True, stepped=True, base_name=None) > 0
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                         tmp_path / "adapter").eval()  # fmt: skip
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, m.eval()(input_ids=ids).logits)

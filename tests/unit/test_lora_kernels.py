@@ -185,3 +185,57 @@ def test_peft_s_own_forward_where_the_branch_does_not_apply():
         type(layer).__mro__[1].forward = original
         del layer.lora_A["default"].weight.ds_id
     assert calls == [1]
+
+
+def test_a_lora_b_bias_falls_back_to_peft_s_module():
+    """peft's lora_bias=True gives lora_B a bias, which the fused branch does not compute: such a layer runs
+    peft's own forward, so its output is peft's and the bias gets its gradient (the branch had ignored it:
+    outputs off by the bias, no gradient)."""
+
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(128, 128, bias=True)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    peft = get_peft_model(Biased(), LoraConfig(r=8, lora_alpha=16, target_modules=["proj"], lora_bias=True))
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.5)
+    fused = copy.deepcopy(peft)
+    install(fused)
+    x = torch.randn(2, 8, 128)
+    want, got = peft(x), fused(x)
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    bias = fused.base_model.model.proj.lora_B["default"].bias
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+def test_a_fused_model_pickles_and_torch_saves(tmp_path):
+    """copy.deepcopy, pickle and torch.save of a model with fused layers (the class is made at run time): the
+    copy is fused too and computes the same values, also where the class has to be made again (a fresh
+    process, here the cache emptied)."""
+    import pickle
+
+    from trainer.model import lora_kernels
+
+    _, fused = pair(0.0, torch.float32)
+    for n, p in fused.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 8, 128)
+    want = fused(x)
+    data = pickle.dumps(fused)
+    torch.save(fused, tmp_path / "model.pt")
+    # as in a new process: no fused class made yet
+    made = [k for k, v in vars(lora_kernels).items() if isinstance(v, type) and k.startswith("Fused")]
+    for k in made:
+        delattr(lora_kernels, k)
+    lora_kernels._fused_class.cache_clear()
+    for copy_ in (pickle.loads(data), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert fused_layers(copy_) == 1
+        torch.testing.assert_close(copy_(x), want)

@@ -1,7 +1,7 @@
 """model.attn_implementation: varlen (issue 55 item 2; trainer/model/varlen.py): a packed row's examples
 kept apart in one attention call per layer, with no mask; packed = one by one, over the families it is
-verified for (with grouped key/value heads and a sliding window), on the CPU path here (the CUDA
-kernel: tests/gpu/test_gpu_finetune.py and bench/finetune.py check); the engine's lengths equal the
+verified for (with grouped key/value heads and a sliding window), on the CPU path here, with a padding mask
+too (the CUDA kernel: tests/unit/test_gpu_finetune.py and bench/finetune.py check); the engine's lengths equal the
 position ids'; families it is not verified for are refused by name; auto picks it on CUDA only."""
 
 import pytest
@@ -113,3 +113,27 @@ def test_auto_picks_varlen_on_cuda_in_16_bits_for_its_families(device, precision
     assert create.attention(llama.model, seq_len=128, precision=precision, device_type=device) == expected
     gpt2 = config.load("configs/experiments/tiny.yaml")
     assert create.attention(gpt2.model, seq_len=1024, precision="bf16", device_type="cuda") is None
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_padding_mask_keeps_a_packed_row_s_examples_apart(side):
+    """A 2-D padding mask beside a packed row (positions restarting at each example): the fallback keeps the
+    examples apart and leaves the padding out, so each example's logits are its own run alone (it had dropped
+    the examples' mask whenever a padding mask came, and they saw each other)."""
+    ref, var = models("llama", {})
+    lengths, pad = [9, 5], 3
+    ids = torch.randint(3, 96, (1, sum(lengths) + pad), generator=torch.Generator().manual_seed(2))
+    real = torch.cat([torch.arange(n) for n in lengths])
+    fill = torch.ones(pad, dtype=torch.long)  # generate's positions of padding
+    mask = torch.ones(1, sum(lengths) + pad, dtype=torch.long)
+    if side == "right":
+        pos, mask[0, -pad:], tokens = torch.cat([real, fill])[None], 0, slice(0, sum(lengths))
+    else:
+        pos, mask[0, :pad], tokens = torch.cat([fill, real])[None], 0, slice(pad, None)
+    with torch.no_grad():
+        packed = var(input_ids=ids, position_ids=pos, attention_mask=mask).logits[:, tokens]
+        alone, start = [], tokens.start
+        for n in lengths:
+            alone.append(ref(input_ids=ids[:, start : start + n]).logits)
+            start += n
+    torch.testing.assert_close(packed, torch.cat(alone, 1), atol=1e-5, rtol=1e-5)

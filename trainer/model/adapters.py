@@ -111,25 +111,30 @@ def is_peft(module: Any) -> bool:
     return hasattr(module, "peft_config") and hasattr(module, "base_model")
 
 
+def _trainable_named(module: Any) -> list[tuple[str, Any]]:
+    """The trainable parameters under every name they have: a tied weight trained in full (train_modules:
+    [lm_head] with tie_word_embeddings) is one parameter that peft's head and embedding wrappers both hold,
+    and peft's state dict asks for it under each (named_parameters() keeps only the first name)."""
+    return [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]
+
+
 def gather_trainable(module: Any, zero3: bool, is_main: bool) -> dict[str, Any] | None:
-    """The trainable parameters, full and on the CPU, on rank 0 (None elsewhere). At ZeRO-3 every rank
-    takes part in gathering these, and only these (a collective); stages 0-2 hold them whole."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    """The trainable parameters, full and on the CPU, on rank 0 (None elsewhere), under every name (a tied
+    one under each). At ZeRO-3 every rank takes part in gathering these, and only these (a collective);
+    stages 0-2 hold them whole."""
+    named = _trainable_named(module)
     if not zero3:
         return {n: p.detach().to("cpu", copy=True) for n, p in named} if is_main else None
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+    unique = list({id(p): p for _, p in named}.values())
+    with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
         return {n: p.detach().to("cpu", copy=True) for n, p in named} if is_main else None
 
 
 def expected_shapes(module: Any) -> dict[str, tuple[int, ...]]:
-    """Full shapes of the trainable parameters (ZeRO-3's placeholders by `ds_shape`)."""
-    return {
-        n: tuple(getattr(p, "ds_shape", None) or p.shape)
-        for n, p in module.named_parameters()
-        if p.requires_grad
-    }
+    """Full shapes of the trainable parameters under every name (ZeRO-3's placeholders by `ds_shape`)."""
+    return {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in _trainable_named(module)}
 
 
 def verify(state: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], stepped: bool) -> list[str]:

@@ -19,8 +19,8 @@ once (addmm) where peft rounds the product, the scaled product and the sum (bf16
 the last place; tests compare with peft's layer in fp32).
 
 Layers that need more than this fall back to peft's own forward, call by call: an adapter variant
-(DoRA...), several or disabled adapters, merged weights, mixed adapter batches, autocast, and ZeRO-3,
-whose parameter gathering hangs on each submodule's own forward.
+(DoRA...), a bias on the adapter (peft's lora_bias), several or disabled adapters, merged weights, mixed
+adapter batches, autocast, and ZeRO-3, whose parameter gathering hangs on each submodule's own forward.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def _fused_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
     a, b = self.lora_A[name].weight, self.lora_B[name].weight
     if hasattr(a, "ds_id") or a.dtype != b.dtype:  # ZeRO-3 gathers on the submodules' own forward
         return peft_forward(x, *args, **kwargs)
+    if self.lora_B[name].bias is not None or self.lora_A[name].bias is not None:  # peft's lora_bias: not here
+        return peft_forward(x, *args, **kwargs)
     result = self.base_layer(x)
     drop = self.lora_dropout[name]
     p = float(getattr(drop, "p", 0.0)) if drop.training else 0.0
@@ -107,9 +109,25 @@ def _fused_forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 @functools.cache
 def _fused_class(cls: type) -> type:
-    """`cls` (a peft LoRA layer class) with the fused forward; a subclass, so that isinstance, copies and
-    pickles keep working."""
-    return type(f"Fused{cls.__name__}", (cls,), {"forward": _fused_forward, "__module__": cls.__module__})
+    """`cls` (a peft LoRA layer class) with the fused forward; a subclass, so that isinstance and copies keep
+    working. It is an attribute of this module under a name that says which class it extends (pickle and
+    torch.save find a class by its module and name), and a process that has not made it yet makes it on
+    the first lookup (`__getattr__`): a fused model pickles and loads anywhere."""
+    key = ":".join(["Fused", *cls.__module__.split("."), cls.__name__])
+    fused = type(f"Fused{cls.__name__}", (cls,), {"forward": _fused_forward, "__module__": __name__,
+                                                  "__qualname__": key})  # fmt: skip
+    globals()[key] = fused
+    return fused
+
+
+def __getattr__(name: str) -> Any:
+    """A fused class by the name pickle recorded ('Fused:peft:tuners:lora:layer:Linear'), made if need be."""
+    if name.startswith("Fused:"):
+        import importlib
+
+        *module, cls = name.split(":")[1:]
+        return _fused_class(getattr(importlib.import_module(".".join(module)), cls))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install(model: Any) -> int:

@@ -28,8 +28,9 @@ from typing import Any
 
 NAME = "varlen"
 # Families whose attention is plain causal softmax attention (optionally over a sliding window), which
-# the kernel computes exactly; checked packed = one by one on CPU through the fallback and on CUDA
-# through the kernel (tests/unit/test_attention.py, tests/gpu/).
+# the kernel computes exactly; checked packed = one by one on CPU through the fallback, with and without a
+# padding mask (tests/unit/test_varlen.py), and on CUDA through the kernel (tests/unit/test_gpu_finetune.py,
+# bench/finetune.py's device checks).
 VARLEN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -172,7 +173,9 @@ def _fallback(
 ) -> tuple[Any, None]:  # fmt: skip
     """transformers' sdpa with the examples apart by an explicit boolean mask (rows, 1, queries, keys):
     causal from the bottom right (a key/value cache ahead of the queries), within each example of a
-    packed row, within the sliding window, and over the unpadded keys of a 2-D padding mask."""
+    packed row (the cumulative lengths, else the position ids, whether or not a padding mask comes too:
+    generate's padding has positions of its own, 1, and the first real token 0), within the sliding
+    window, and over the unpadded keys of a 2-D padding mask."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -183,7 +186,7 @@ def _fallback(
     mask = (k_pos <= q_pos)[None, None].expand(rows, 1, seq, keys)
     if sliding_window is not None:
         mask = mask & (k_pos > q_pos - int(sliding_window))[None, None]
-    if keys == seq and attention_mask is None:
+    if keys == seq:  # a packed row's examples apart, with or without a padding mask beside them
         cu, _ = _lengths(kwargs, rows, seq, query.device)
         cu = cu.to(query.device).long()
         example = torch.zeros(rows * seq, dtype=torch.long, device=query.device)
