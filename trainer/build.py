@@ -65,11 +65,13 @@ def make_plan(
     if mem is None:  # CPU training: the ranks of a node share its memory
         mem = dist.host_memory() // max(1, gpus_per_node)
     template_path, template = strategy.template_for(exp)
+    gpu = dist.device_name() if this_machine and device_type == "cuda" else None  # hardware.gpu: auto
 
     def plan_for(e: Experiment) -> Any:
         return strategy.plan(
             e, info, world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type,
             device_memory=mem, host_memory=host, precision=precision, template=template or None, force=force,
+            device_name=gpu,
         )  # fmt: skip
 
     from trainer.strategy.batch import resolve

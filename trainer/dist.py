@@ -380,6 +380,21 @@ def device_memory(runtime: Runtime | None = None) -> int | None:
     return None
 
 
+def device_name() -> str | None:
+    """This machine's first GPU's name (nvidia-smi, no CUDA initialisation), for the plan's hardware
+    profile (strategy.hardware.gpu: auto); None without one."""
+    if gpus_hidden():
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)  # fmt: skip
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.splitlines()[0].strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return None
+
+
 def host_memory() -> int:
     import psutil
 
