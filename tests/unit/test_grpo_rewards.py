@@ -324,3 +324,23 @@ def test_the_plan_holds_the_reward_model_s_weights_on_every_rank(reward_model_di
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "reward model(s): " in out and "held through the run" in out, out[-2000:]
+
+
+def test_an_option_or_a_column_named_as_what_trl_gives_is_refused_not_overwritten():
+    with pytest.raises(
+        UserError, match=r"train.rl.rewards\[0\].options: completion_ids is what every reward"
+    ):
+        R.load([SimpleNamespace(function="length", weight=1.0, options={"target": 3, "completion_ids": []})])
+    import numpy as np
+
+    from trainer.data.pack import IGNORE
+    from trainer.data.tokenizer import byte_tokenizer
+    from trainer.rl.rollout import RolloutStream
+
+    prompts = np.full((4, 3), IGNORE, dtype=np.int32)
+    prompts[:, :2] = 65
+    data = SimpleNamespace(train=prompts, columns=[{"prompt": "p", "trainer_state": 1}] * 4)
+    rl = SimpleNamespace(num_generations=2, max_new_tokens=2)
+    with pytest.raises(UserError, match="the column.s. trainer_state have the names"):
+        RolloutStream(data, SimpleNamespace(shuffle=True), rl, rank=0, world=1, micro=2, accum=1, seed=7, seq_len=16,
+                      tokenizer=byte_tokenizer())  # fmt: skip

@@ -207,3 +207,38 @@ def test_reward_std_is_the_step_s_bessel_corrected_std_not_a_pooled_one():
     got = m.flush(1)
     assert got["reward_std"] == pytest.approx(sum(theirs) / 2, rel=1e-6)
     assert got["reward_std"] == pytest.approx((0.5774 + 0.5) / 2, abs=1e-4)
+
+
+def test_the_entropy_quantile_is_over_every_rank_s_tokens_as_trl_s(monkeypatch):
+    """top_entropy_quantile on 2 ranks (torch.distributed's all_gather stood in for): the mask is TRL's
+    get_high_entropy_mask's, whose quantile is of both ranks' completion tokens (padded to the longer)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(5)
+    ents = [torch.rand(3, 4, generator=g, dtype=torch.float64) * 2, torch.rand(2, 6, generator=g, dtype=torch.float64)]
+    masks = [torch.ones(3, 4), torch.ones(2, 6)]
+    masks[0][1, 2:] = 0
+    masks[1][0, 5:] = 0
+    local = [e[m.bool()].float() for e, m in zip(ents, masks, strict=True)]
+    width = max(x.numel() for x in local)
+    padded = [torch.cat([x, torch.full((width - x.numel(),), -1e9)]) for x in local]
+
+    class Gather:
+        calls = 0
+
+        def __call__(self, out, t):  # the sizes first, then the padded entropies, as every rank sends them
+            both = [torch.tensor([x.numel()]) for x in local] if Gather.calls % 2 == 0 else padded
+            for o, b in zip(out, both, strict=True):
+                o.copy_(b.to(o.dtype))
+            Gather.calls += 1
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_gather", Gather())
+    for rank in (0, 1):
+        ours = grpo.high_entropy(ents[rank], masks[rank], 0.3, world=2)
+        t = trl_ref.trainer(top_entropy_quantile=0.3)
+        t.accelerator.pad_across_processes = lambda x, dim=0, pad_index=0: x  # (already padded: both ranks')
+        t.accelerator.gather = lambda x: torch.cat(padded)
+        theirs = t.get_high_entropy_mask(ents[rank], masks[rank], 1 - 0.3)
+        assert torch.equal(ours, theirs), rank
+        assert 0 < ours.sum() < masks[rank].sum()

@@ -210,6 +210,10 @@ def load(specs: Sequence[Any], model: Callable[[int, dict[str, Any]], Any] | Non
             out.append(Reward(f"model:{options['path']}", model(i, options), float(spec.weight), {},
                               label=f"model_{Path(options['path']).name}"))  # fmt: skip
             continue
+        clash = sorted(set(options) & set(GIVEN))
+        if clash:
+            raise UserError(f"{key}.options: {', '.join(clash)} is what every reward function is given (TRL's "
+                            f"arguments: {', '.join(GIVEN)}); rename the option")  # fmt: skip
         if name in BUILTINS:
             fn = BUILTINS[name]
             check_builtin(name, options, key)

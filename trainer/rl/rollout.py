@@ -97,6 +97,12 @@ class RolloutStream:
         self.prompts = np.asarray(data.train)
         self.columns = data.columns or [{} for _ in range(len(self.prompts))]
         self.tok = tokenizer
+        from trainer.rl.rewards import GIVEN
+
+        clash = sorted({k for row in self.columns[:1] for k in row} & set(GIVEN))
+        if clash:
+            raise UserError(f"data.train: the column(s) {', '.join(clash)} have the names of what TRL's reward functions "
+                            f"are given ({', '.join(GIVEN)}); rename them in the data")  # fmt: skip
         self.sampler = RankSampler(len(self.prompts), rank, world, self.per_rank, seed, section.shuffle)
         self.longest = longest = int(lengths(self.prompts).max())
         if longest + rl.max_new_tokens > seq_len:
