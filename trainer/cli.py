@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from trainer.dotted import search
     from trainer.model.quantized import quiet_bitsandbytes
 
     quiet_bitsandbytes()  # (peft imports bitsandbytes when counting a model for --plan too)
@@ -223,12 +224,8 @@ def _main(argv: list[str] | None = None) -> int:
             print(config_mod.describe_table())
             return 0
         if not args.experiment:
-            raise UserError(
-                "no experiment file given: bin/train EXPERIMENT.yaml (try configs/experiments/tiny.yaml)"
-            )
+            raise UserError("no experiment file given: bin/train EXPERIMENT.yaml (try configs/experiments/tiny.yaml)")  # fmt: skip
         exp = config_mod.load(args.experiment, args.overrides)
-        from trainer.dotted import search
-
         search(Path(args.experiment).resolve().parent, Path.cwd())  # the user's modules (rewards, factories)
         if args.prepare_data:
             return prepare_data_command(exp)

@@ -215,7 +215,10 @@ def test_the_entropy_quantile_is_over_every_rank_s_tokens_as_trl_s(monkeypatch):
     import torch.distributed as dist
 
     g = torch.Generator().manual_seed(5)
-    ents = [torch.rand(3, 4, generator=g, dtype=torch.float64) * 2, torch.rand(2, 6, generator=g, dtype=torch.float64)]
+    ents = [
+        torch.rand(3, 4, generator=g, dtype=torch.float64) * 2,
+        torch.rand(2, 6, generator=g, dtype=torch.float64),
+    ]
     masks = [torch.ones(3, 4), torch.ones(2, 6)]
     masks[0][1, 2:] = 0
     masks[1][0, 5:] = 0
