@@ -80,7 +80,7 @@ def summary(
         first, final = prefs[0], prefs[-1]
         rows.append(("reward margin / accuracy", f"{first['reward_margin']:.3f} / {first['reward_accuracy']:.2f} at "
                      f"step {first['step']} -> {final['reward_margin']:.3f} / {final['reward_accuracy']:.2f}"))  # fmt: skip
-    rl = [r for r in train if "zero_std_share" in r]  # grpo: the combined reward, first and final
+    rl = [r for r in train if r.get("reward") is not None]  # grpo: the combined reward, first and final
     if rl:
         rows.append(
             ("reward (combined)", f"{rl[0]['reward']:.3f} at step {rl[0]['step']} -> {rl[-1]['reward']:.3f}")

@@ -344,3 +344,25 @@ def test_an_option_or_a_column_named_as_what_trl_gives_is_refused_not_overwritte
     with pytest.raises(UserError, match="the column.s. trainer_state have the names"):
         RolloutStream(data, SimpleNamespace(shuffle=True), rl, rank=0, world=1, micro=2, accum=1, seed=7, seq_len=16,
                       tokenizer=byte_tokenizer())  # fmt: skip
+
+
+def test_a_log_line_where_every_function_gave_none_logs_no_reward_and_shows_a_dash(caplog):
+    """TRL logs None where no value was valid; the log line then says '-' (it read a missing key before)."""
+    import logging
+
+    from trainer.metrics.sinks import ConsoleSink
+    from trainer.objectives.grpo_metrics import RLMetrics
+
+    rl = SimpleNamespace(weights=lambda: [1.0], dynamic_sampling=False, loss_type="dapo", beta=0.0)
+    m = RLMetrics(rl)
+    nan = torch.full((4, 1), float("nan"), dtype=torch.float64)
+    scored = SimpleNamespace(extra={"step": (nan, torch.ones(4, dtype=torch.bool), torch.zeros(4))},
+                             completions=[([1], True)] * 4, seconds=0.0)  # fmt: skip
+    m.count_generation(scored, [SimpleNamespace(name="f", label="f")])
+    out = m.flush(1)
+    assert "reward" not in out and "reward_f" not in out and out["zero_std_share"] == 1.0
+    rec = dict(step=1, loss=0.0, lr=1e-3, grad_norm=0.0, tokens_per_s=1.0, step_time_s=0.1, data_wait_share=0.0,
+               mfu=None, peak_memory_bytes=1, eta_s=0.0, **out)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        ConsoleSink(1, False).write(rec)
+    assert "reward - (std -)" in caplog.text

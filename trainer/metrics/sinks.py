@@ -125,8 +125,10 @@ class ConsoleSink:
             mfu = f"  margin {rec['reward_margin']:.3f}  acc {rec['reward_accuracy']:.2f}" + mfu
         elif "zero_std_share" in rec:  # grpo: the rewards, the completions, generation's share of the time
             share = f"  gen {rec['generation_share']:.0%}" if "generation_share" in rec else ""
-            mfu = (f"  reward {rec['reward']:.3f} (std {rec['reward_std']:.2f})  len {rec['completion_length']:.1f}"
-                   f"{share}" + mfu)  # fmt: skip
+            # (no reward: every function gave None in the interval; no std: one completion scored)
+            r, sd = rec.get("reward"), rec.get("reward_std")
+            mfu = (f"  reward {'-' if r is None else f'{r:.3f}'} (std {'-' if sd is None else f'{sd:.2f}'})  "
+                   f"len {rec['completion_length']:.1f}{share}" + mfu)  # fmt: skip
         if self._bar is not None:
             self._bar.set_postfix_str(
                 f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:,.0f}{mfu}",
