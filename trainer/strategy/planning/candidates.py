@@ -94,7 +94,7 @@ class Candidate:
     def cost(self) -> int:
         """Position on the escalation ladder (`LADDER`): the device-only rungs by their communication,
         then offload by what crosses the host link."""
-        return LADDER.index(self) if self in LADDER else len(LADDER)
+        return _COST.get(self, len(LADDER))
 
     @property
     def template(self) -> str:
@@ -124,6 +124,7 @@ def _c(stage: int, offload: str = "none", params: bool | None = None) -> Candida
 # is in the table.
 LADDER = (_c(0), _c(1), _c(2), _c(3), _c(2, "cpu"), _c(3, "cpu", False), _c(3, "cpu"), _c(3, "nvme"))
 TABLE = LADDER
+_COST = {c: i for i, c in enumerate(LADDER)}
 
 
 def next_rung(stage: int, offload: str, offload_params: bool = True) -> Candidate | None:

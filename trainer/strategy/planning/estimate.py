@@ -164,6 +164,8 @@ def with_activations(
         host = b.host + host_activations
         need = host if copy else host - b.snapshot
         total = b.model_states + max(act, b.step, b.generation) + b.buffers  # Estimate.total
-        out.append(dataclasses.replace(b, activations=act, host=host, fits_host=host_memory is None or need <= host_memory,
-                                       fits_device=total <= budget and b.usable and not b.refused))  # fmt: skip
+        e = object.__new__(Estimate)  # a copy with these fields changed (dataclasses.replace: 10x slower)
+        e.__dict__.update(b.__dict__, activations=act, host=host, fits_host=host_memory is None or need <= host_memory,
+                          fits_device=total <= budget and b.usable and not b.refused)  # fmt: skip
+        out.append(e)
     return out

@@ -19,7 +19,7 @@ from trainer.strategy.planning.generation import generation_bytes, host_bytes, r
 from trainer.strategy.planning.hardware import machine
 from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
 from trainer.strategy.planning.search import Search, blocker, rung_reason, search
-from trainer.strategy.planning.speed import StepTime, step_time
+from trainer.strategy.planning.speed import StepTime, Timer
 from trainer.strategy.planning.states import low_precision_bytes
 
 
@@ -207,12 +207,13 @@ def _plan(
                                template=template)  # fmt: skip
     settings = list(lever_sets(exp, info, world_size, device_type, precision))
     times: dict[tuple[Levers, Candidate], StepTime] = {}
+    timer = Timer(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, lp=lp, hardware=hardware)
 
     def seconds(levers: Levers, c: Candidate) -> StepTime:
-        if (levers, c) not in times:
-            times[levers, c] = step_time(exp, info, levers, c, world_size=world_size, gpus_per_node=gpus_per_node,
-                                         device_type=device_type, lp=lp, hardware=hardware)  # fmt: skip
-        return times[levers, c]
+        t = times.get((levers, c))
+        if t is None:
+            t = times[levers, c] = timer(levers, c)
+        return t
 
     found = search(settings, estimates_for, pinned, seconds)
     # the rules' own choice, which a pin above needs a justification against

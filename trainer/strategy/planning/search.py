@@ -156,9 +156,14 @@ def blocker(found: Search, budget: int, host_memory: int | None, nvme_path: bool
         )
     e = min(every, key=lambda e: e.total)
     levers = next(lv for lv, es in found.estimates.items() if e in es)
+    host = (
+        f", and host memory too: it needs {format_size(e.host)} a node, {format_size(host_memory)} here"
+        if host_memory is not None and not e.fits_host
+        else ""
+    )
     return (
         f"device memory blocks it: the smallest setting, {e.candidate.name} with {levers.describe()}, needs "
-        f"{format_size(e.total)} per rank ({format_size(e.activations)} of activations)",
+        f"{format_size(e.total)} per rank ({format_size(e.activations)} of activations){host}",
         "lower train.micro_batch_size or data.seq_len, let the levers help (model.activation_checkpointing, "
         "model.tiled_mlp, strategy.sequence_parallel: auto), add ranks, or give strategy.nvme_path for NVMe "
         "offload",

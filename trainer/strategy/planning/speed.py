@@ -103,51 +103,92 @@ def step_time(
 ) -> StepTime:
     """The estimated seconds of one optimizer step (see the module's doc)."""
     m = hardware or machine(device_type, exp.strategy.hardware)[0]
-    t = exp.train
-    micro = t.micro_batch_size if micro is None else micro
-    accum = t.grad_accum if accum is None else accum
-    rows = micro * (1 if t.objective in ("sft", "grpo") else 2)  # (grpo: generation's time not counted)
-    sp, world = max(1, levers.sp), max(1, world_size)
-    dp, node = max(1, world // sp), max(1, min(gpus_per_node, world))
-    s = row_length(exp)
-    tokens = rows * s / sp
-    device = tokens * _flops_per_token(info, levers, s) / m.flops
-    host, transfers, reductions = _launches(exp, info, levers, c, m), 0.0, 0.0
-    trainable = info.params if info.trainable is None else info.trainable
-    passes = 2 + (1 if levers.checkpointing else 0)  # the forward, the recompute, the backward
-    stored, grads = _stored_bytes(info, lp), trainable * lp
-    share = (world - 1) / world  # of a collective's bytes that cross to other ranks
-    link = m.peers if world <= node else m.network  # ZeRO's collectives span the world
-    if c.stage == 3:
-        transfers += stored * passes * share / link
-        if c.offload_params:  # each rank's partition to the device, then gathered as ever
-            transfers += stored / world * passes / (m.host_link if c.offload == "cpu" else m.nvme / node)
-    if c.stage >= 2:  # reduce-scattered at every micro step; offloaded, each rank's partition to the host
-        reductions += grads * share / link
-        transfers += grads / world / m.host_link if c.offload != "none" else 0.0
-    if sp > 1:  # Ulysses: queries, keys, values and outputs exchanged a layer and pass, inside a node
-        kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
-        volume = (2 + 2 * kv) * tokens * (info.hidden or 0) * lp * (info.layers or 0) * passes
-        transfers += volume * (sp - 1) / sp / (m.peers if sp <= node else m.network)
-    if levers.offload:
-        transfers += 2 * (info.layers or 0) * tokens * (info.hidden or 0) * lp / m.host_link
-    micro_s = max(device, host) + transfers + reductions
-    step_reductions = {0: 2, 1: 2, 2: 1, 3: 0}[c.stage] * grads * share / link
-    optimizer, step_copies = 0.0, 0.0
-    if c.offload != "none":
-        optimizer = trainable / world * node / m.cpu_adam  # a node's ranks share its host's cores
-        step_copies = 0.0 if c.offload_params else grads / world / m.host_link  # the updated partition back
-        if c.offload == "nvme":
-            optimizer += 2 * trainable * 12 / world * node / m.nvme  # the states read and written
-    return StepTime(
-        seconds=accum * micro_s + step_reductions + step_copies + optimizer,
-        tokens=accum * tokens * sp * dp,
-        device=accum * device,
-        host=accum * host,
-        transfers=accum * transfers + step_copies,
-        optimizer=optimizer,
-        reductions=accum * reductions + step_reductions,
-    )
+    timer = Timer(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, lp=lp, hardware=m, micro=micro,
+                  accum=accum)  # fmt: skip
+    return timer(levers, c)
+
+
+class Timer:
+    """`step_time` for one job on one machine, every setting: what no setting changes is worked out once."""
+
+    def __init__(
+        self, exp: Any, info: ModelInfo, *, world_size: int, gpus_per_node: int, lp: int, hardware: Machine,
+        micro: int | None = None, accum: int | None = None,
+    ) -> None:  # fmt: skip
+        t, m = exp.train, hardware
+        micro = t.micro_batch_size if micro is None else micro
+        self.accum = t.grad_accum if accum is None else accum
+        self.rows = micro * (
+            1 if t.objective in ("sft", "grpo") else 2
+        )  # (grpo: generation's time not counted)
+        self.m, self.info, self.lp, self.s = m, info, lp, row_length(exp)
+        self.world = max(1, world_size)
+        self.node = max(1, min(gpus_per_node, self.world))
+        self.trainable = info.params if info.trainable is None else info.trainable
+        self.stored, self.grads = _stored_bytes(info, lp), self.trainable * lp
+        self.share = (self.world - 1) / self.world  # of a collective's bytes that cross to other ranks
+        self.link = m.peers if self.world <= self.node else m.network  # ZeRO's collectives span the world
+        self.kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
+        lora = exp.model.lora
+        adapters = (
+            (len(lora.target_modules) if lora.target_modules else (7 if info.intermediate else 3))
+            if lora
+            else 0
+        )
+        fused = lora is not None and getattr(lora, "kernels", "fused") == "fused"
+        self.launches = (
+            (info.layers or 0) * ops_per_layer(info, adapters, bool(info.quantized), fused) * m.op_s
+        )
+        self.tensors = len(info.param_sizes) or 2 * (info.layers or 0)
+
+    def __call__(self, levers: Any, c: Candidate) -> StepTime:
+        m, info, lp, world, node, grads, share, link = (self.m, self.info, self.lp, self.world, self.node,
+                                                        self.grads, self.share, self.link)  # fmt: skip
+        sp = max(1, levers.sp)
+        dp = max(1, world // sp)
+        tokens = self.rows * self.s / sp
+        passes = 2 + (1 if levers.checkpointing else 0)  # the forward, the recompute, the backward
+        device = tokens * _flops_per_token(info, levers, self.s) / m.flops
+        # the layers' operators in the forward, the recompute and the backward (twice a forward's);
+        # at ZeRO-3 its hooks' fetch and release of every parameter tensor in each pass
+        host = self.launches * (passes + 1) + (
+            self.tensors * passes * m.zero3_tensor_s if c.stage == 3 else 0.0
+        )
+        transfers, reductions = 0.0, 0.0
+        if c.stage == 3:
+            transfers += self.stored * passes * share / link
+            if c.offload_params:  # each rank's partition to the device, then gathered as ever
+                transfers += (
+                    self.stored / world * passes / (m.host_link if c.offload == "cpu" else m.nvme / node)
+                )
+        if c.stage >= 2:  # reduce-scattered at every micro step; offloaded, each rank's partition to the host
+            reductions += grads * share / link
+            transfers += grads / world / m.host_link if c.offload != "none" else 0.0
+        if sp > 1:  # Ulysses: queries, keys, values and outputs exchanged a layer and pass, inside a node
+            volume = (2 + 2 * self.kv) * tokens * (info.hidden or 0) * lp * (info.layers or 0) * passes
+            transfers += volume * (sp - 1) / sp / (m.peers if sp <= node else m.network)
+        if levers.offload:
+            transfers += 2 * (info.layers or 0) * tokens * (info.hidden or 0) * lp / m.host_link
+        micro_s = max(device, host) + transfers + reductions
+        step_reductions = (2, 2, 1, 0)[c.stage] * grads * share / link
+        optimizer, step_copies = 0.0, 0.0
+        if c.offload != "none":
+            optimizer = self.trainable / world * node / m.cpu_adam  # a node's ranks share its host's cores
+            step_copies = (
+                0.0 if c.offload_params else grads / world / m.host_link
+            )  # the updated partition back
+            if c.offload == "nvme":
+                optimizer += 2 * self.trainable * 12 / world * node / m.nvme  # the states read and written
+        a = self.accum
+        return StepTime(
+            seconds=a * micro_s + step_reductions + step_copies + optimizer,
+            tokens=a * tokens * sp * dp,
+            device=a * device,
+            host=a * host,
+            transfers=a * transfers + step_copies,
+            optimizer=optimizer,
+            reductions=a * reductions + step_reductions,
+        )
 
 
 def _flops_per_token(info: ModelInfo, levers: Any, s: int) -> float:
@@ -163,22 +204,6 @@ def _flops_per_token(info: ModelInfo, levers: Any, s: int) -> float:
         width = info.intermediate or 4 * h
         flops += 2 * layers * h * width * (3 if info.intermediate else 2)
     return flops
-
-
-def _launches(exp: Any, info: ModelInfo, levers: Any, c: Candidate, m: Machine) -> float:
-    """The host's seconds a micro step: the layers' operators in each pass, ZeRO-3's hooks per tensor."""
-    lora = exp.model.lora
-    adapters = (
-        (len(lora.target_modules) if lora.target_modules else (7 if info.intermediate else 3)) if lora else 0
-    )
-    fused = lora is not None and getattr(lora, "kernels", "fused") == "fused"
-    passes = 3 + (1 if levers.checkpointing else 0)  # forward, backward (twice a forward's work), recompute
-    layers = info.layers or 0
-    host = layers * ops_per_layer(info, adapters, bool(info.quantized), fused) * passes * m.op_s
-    if c.stage == 3:
-        tensors = len(info.param_sizes) or 2 * layers
-        host += tensors * (2 + (1 if levers.checkpointing else 0)) * m.zero3_tensor_s
-    return host
 
 
 def _stored_bytes(info: ModelInfo, lp: int) -> float:

@@ -1,0 +1,38 @@
+"""The planner's decisions over a matrix of jobs (issue 61: 1B, 8B and 70B Llama shapes; full, LoRA, QLoRA; 1 to
+64 ranks; 16 to 141 GB; 2k to 32k tokens) are the checked-in table's, tests/unit/plan_matrix.md, which
+bench/plan_matrix.py writes: a change to any decision or estimate shows in review as a diff of that table. Every
+row obeys the escalation rules: the choice is the fastest setting that fits by the plan's own estimate, and
+offload only where no rung fits without it."""
+
+import difflib
+
+import pytest
+
+from bench import plan_matrix
+
+
+@pytest.fixture(scope="module")
+def regenerated():
+    return plan_matrix.table()
+
+
+def test_the_decisions_are_the_checked_in_table(regenerated):
+    want = plan_matrix.TABLE.read_text()
+    if regenerated != want:
+        diff = "".join(
+            difflib.unified_diff(want.splitlines(True), regenerated.splitlines(True), "checked in", "now")
+        )
+        pytest.fail(
+            f"the planner decides otherwise; review the diff, then python bench/plan_matrix.py --write:\n{diff}"
+        )
+
+
+def test_the_matrix_covers_what_the_issue_names(regenerated):
+    rows = [r.split(" | ") for r in regenerated.splitlines() if r.startswith("| ") and r[2].isdigit()]
+    assert len(rows) == 3 * 3 * 5 * 4 * 3
+    decisions = {r[5] for r in rows}
+    # every rung the ladder has but NVMe (no path given) is the answer somewhere, and nothing fits somewhere
+    assert {"zero0", "zero1", "zero2", "zero3", "zero2+cpu", "zero3+cpu (optimizer only)", "zero3+cpu",
+            "nothing fits"} <= decisions  # fmt: skip
+    blocked = [r[10] for r in rows if r[5] == "nothing fits"]
+    assert all("blocks it" in b for b in blocked), blocked
