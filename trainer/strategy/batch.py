@@ -30,6 +30,22 @@ class Batch:
     why: str  # for the banner: how the global batch is split and why ("" when as written)
 
 
+def accumulation(exp: Any, world_size: int, sp: int) -> int:
+    """The micro steps a step accumulates under sequence parallelism of degree `sp`: with a global batch, what
+    the world / sp data-parallel ranks need to train it at the experiment's micro batch (so that every degree
+    trains the same sequences a step, and the plan compares them, and counts their memory, as they will run);
+    else train.grad_accum."""
+    t = exp.train
+    dp = max(1, world_size // max(1, sp))
+    if (
+        t.global_batch_size
+        and isinstance(t.micro_batch_size, int)
+        and t.global_batch_size % (t.micro_batch_size * dp) == 0
+    ):
+        return t.global_batch_size // (t.micro_batch_size * dp)
+    return t.grad_accum
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of `n` up to MAX_MICRO, largest first."""
     return sorted((d for d in range(1, min(n, MAX_MICRO) + 1) if n % d == 0), reverse=True)
@@ -74,7 +90,12 @@ def resolve(exp: Any, world_size: int, plan_for: Any) -> tuple[Any, Batch | None
             if target % (m * p.dp_world):
                 continue
             e = with_batch(exp, m, target // (m * p.dp_world))
-            p = plan_for(e)
+            dp, p = (
+                p.dp_world,
+                plan_for(e),
+            )  # the same choice: the plan counts each degree at its accumulation
+            if p.dp_world != dp:  # (a plan that does not, a caller's: no split of the global batch it keeps)
+                continue
         tried.append((p.speed.per_token if p.speed is not None else 0.0, -m, e, p))
         if len(tried) >= 2 and tried[-1][0] > tried[-2][0] * 1.5:
             break  # smaller micro batches only add host work from here

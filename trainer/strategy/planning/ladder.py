@@ -12,6 +12,7 @@ from typing import Any
 
 from trainer.config import Experiment, chunked_loss_problem, format_size
 from trainer.errors import UserError
+from trainer.strategy.batch import accumulation
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all, with_activations
@@ -257,12 +258,20 @@ def _estimator(
     budget: int, host_memory: int | None, template: Mapping[str, Any] | None,
 ) -> Callable[[Levers], list[Estimate]]:  # fmt: skip
     """Every rung's estimate under one setting of the levers: the model states, buffers and host needs of
-    every rung, which no lever changes, counted once, and each setting's activations beside them."""
-    base = estimate_all(
-        exp, info, pinned, act=0, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node, on_gpu=on_gpu,
-        budget=budget, host_memory=host_memory, template=template,
-        host_activations=host_bytes(exp) * gpus_per_node, generation=generation_bytes(exp, info, lp),
-    )  # fmt: skip
+    every rung, which no lever changes but the accumulation (ZeRO-1/2 keep more gradients with it; a global
+    batch's accumulation follows the sequence-parallel degree: `accumulation`), counted once each, and each
+    setting's activations beside them."""
+    bases: dict[bool, list[Estimate]] = {}
+
+    def base_for(accum: int) -> list[Estimate]:
+        if (accum > 1) not in bases:
+            e = exp.model_copy(update={"train": exp.train.model_copy(update={"grad_accum": accum})})
+            bases[accum > 1] = estimate_all(
+                e, info, pinned, act=0, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node, on_gpu=on_gpu,
+                budget=budget, host_memory=host_memory, template=template,
+                host_activations=host_bytes(e) * gpus_per_node, generation=generation_bytes(e, info, lp),
+            )  # fmt: skip
+        return bases[accum > 1]
 
     def estimates_for(levers: Levers) -> list[Estimate]:
         # sequence parallelism runs sdpa where auto would have picked eager (CPU, bf16, short sequences)
@@ -276,6 +285,7 @@ def _estimator(
             else 0
         )
         copy = exp.checkpoint.async_ is True
+        base = base_for(accumulation(exp, world_size, levers.sp))
         return with_activations(base, act, extra * gpus_per_node, budget, host_memory, copy)
 
     return estimates_for

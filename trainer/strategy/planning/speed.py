@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.strategy.batch import accumulation
 from trainer.strategy.planning.candidates import Candidate, ModelInfo
 from trainer.strategy.planning.generation import row_length
 from trainer.strategy.planning.hardware import Machine, machine
@@ -116,6 +117,9 @@ class Timer:
         micro: int | None = None, accum: int | None = None,
     ) -> None:  # fmt: skip
         t, m = exp.train, hardware
+        # train.global_batch_size is kept whatever the sequence-parallel degree: a degree's step accumulates what
+        # its data-parallel ranks need for it (strategy/batch.py), so that every setting trains as many tokens
+        self.exp = exp if accum is None and micro is None else None
         micro = t.micro_batch_size if micro is None else micro
         self.accum = t.grad_accum if accum is None else accum
         self.rows = micro * (
@@ -179,7 +183,7 @@ class Timer:
             )  # the updated partition back
             if c.offload == "nvme":
                 optimizer += 2 * self.trainable * 12 / world * node / m.nvme  # the states read and written
-        a = self.accum
+        a = self.accum if self.exp is None else accumulation(self.exp, world, sp)
         return StepTime(
             seconds=a * micro_s + step_reductions + step_copies + optimizer,
             tokens=a * tokens * sp * dp,
