@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE = ROOT / "tests" / "unit" / "plan_matrix.md"
+TABLE = ROOT / "tests/unit/plan_matrix.md"
 MODEL_INFO = ROOT / "bench" / "results" / "plan_matrix"  # model.info's cache of the nine counts, checked in
 EXPERIMENT = ROOT / "configs" / "experiments" / "llama3-8b-qlora.yaml"
 GiB = 2**30

@@ -397,7 +397,7 @@ def _reason(
             raise UserError(
                 f"strategy: {chosen.name} is pinned, but the cheaper {auto_choice.name} fits "
                 f"({format_size(total)} of {format_size(budget)} per rank). Set "
-                f"strategy.zero_stage/offload to auto to use {auto_choice.name}, or say why in "
+                f"strategy.zero_stage/offload/offload_params to auto to use {auto_choice.name}, or say why in "
                 "strategy.justification."
             )
         reason += f"; the rules would pick {auto_choice.name}; justification: {s.justification.strip()}"
