@@ -90,7 +90,7 @@ def sets_for(model: str, method: str, seq: int, gpu: str) -> list[str]:
     return out
 
 
-def infos() -> dict[tuple[str, str], object]:
+def infos(cache: Path = MODEL_INFO) -> dict[tuple[str, str], object]:
     """Each model and method's facts, counted on the meta device (30 s for the nine) or read from the counts
     checked in beside the table (MODEL_INFO: model.info's own cache, keyed by the model section, the
     config.json's digest and the transformers version, so that a change to any of them counts again)."""
@@ -100,7 +100,7 @@ def infos() -> dict[tuple[str, str], object]:
     for m in MODELS:
         for method in METHODS:
             exp = config.load(EXPERIMENT, sets_for(m, method, 2048, "h100"))
-            out[m, method] = model.info(exp.model, 257, 256, cache_dir=MODEL_INFO)
+            out[m, method] = model.info(exp.model, 257, 256, cache_dir=cache)
     return out
 
 
@@ -148,10 +148,10 @@ def row(m: str, method: str, ranks: int, gb: int, seq: int, info: object) -> lis
             f"{t.per_token * 1e6:.1f}", "; ".join(notes)]  # fmt: skip
 
 
-def table() -> str:
+def table(cache: Path = MODEL_INFO) -> str:
     head = ["model", "method", "ranks", "GB", "seq", "decision", "levers", "micro x accum", "s/step",
             "us/token", "note"]  # fmt: skip
-    found = infos()
+    found = infos(cache)
     rows = [row(m, method, r, gb, s, found[m, method]) for m in MODELS for method in METHODS for r in RANKS
             for gb in MEMORY for s in SEQS]  # fmt: skip
     lines = [

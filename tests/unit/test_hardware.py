@@ -3,6 +3,8 @@ strategy.hardware describes (hardware.py): ZeRO's collectives over the whole wor
 reductions at every micro step and ZeRO-0/1's at the boundary, Ulysses' all-to-alls inside a node, CPU Adam
 shared by a node's ranks; the profiles by the GPU's name and the keys over them; bad values refused (exit 2)."""
 
+import shutil
+
 import pytest
 
 from trainer import config, model
@@ -17,9 +19,11 @@ FULL = ["model.lora=null", "train.micro_batch_size=1", "train.grad_accum=1", "tr
 
 
 @pytest.fixture(scope="module")
-def job():
+def job(tmp_path_factory):
     exp = config.load(QLORA, FULL)
-    return exp, model.info(exp.model, 257, 256, cache_dir="bench/results/plan_matrix")
+    cache = tmp_path_factory.mktemp("counts")  # bench/plan_matrix.py's counts, copied (none written back)
+    shutil.copytree("bench/results/plan_matrix", cache, dirs_exist_ok=True)
+    return exp, model.info(exp.model, 257, 256, cache_dir=cache)
 
 
 def t(job, levers, c, world, node=8, accum=1, m=None):

@@ -3,6 +3,8 @@ and train.micro_batch_size: auto takes the micro batch whose plan trains fastest
 (item 3; trainer/strategy/batch.py). The orderings that matter, from the published models' shapes
 (configs/models/) on the machines users bring."""
 
+import shutil
+
 import pytest
 
 from trainer import config, model, strategy
@@ -14,7 +16,18 @@ from trainer.strategy.planning.speed import step_time
 
 GiB = 2**30
 QLORA = "configs/experiments/llama3-8b-qlora.yaml"
-COUNTS = "bench/results/plan_matrix"  # the published models' counts: model.info's cache
+COUNTS = (
+    "bench/results/plan_matrix"  # the published models' counts: model.info's cache, copied per test session
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def counts(tmp_path_factory):
+    """COUNTS copied (the models counted anew, other experiments' models, are not written into the checkout)."""
+    global COUNTS
+    cache = tmp_path_factory.mktemp("counts")
+    shutil.copytree("bench/results/plan_matrix", cache, dirs_exist_ok=True)
+    COUNTS = str(cache)
 
 
 def planned(path, world, device, host, *sets, resolve_batch=True):
