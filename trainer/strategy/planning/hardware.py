@@ -60,8 +60,8 @@ PROFILES = {
     "a100": _gpu("a100", 312, 300, 25, 32),
     "l40s": _gpu("l40s", 362, 32, 12.5, 32),
     "rtx4090": _gpu("rtx4090", 165, 32, 12.5, 32),
-    # two cores; gloo between processes; "offload" copies within host memory. Fitted to the step times of
-    # bench/plan_order.py (BENCHMARKS.md, "The planner's order against measured steps").
+    # two cores; gloo between processes; "offload" copies within host memory. Round figures, to be checked
+    # against bench/plan_order.py's measured steps (BENCHMARKS.md, "The planner's order against measured steps")
     "cpu": Machine(
         name="cpu",
         flops=60e9,
