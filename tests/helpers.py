@@ -55,7 +55,12 @@ CASES = {
     "zero3": (3, 2, "none"),
     "zero2+cpu": (2, 1, "cpu"),
     "zero3+cpu": (3, 1, "cpu"),
+    "zero3+cpu-opt": (3, 1, "cpu"),
 }
+# ZeRO-3 with offload: "zero3+cpu" offloads the parameters too; "zero3+cpu-opt" leaves the choice to the plan,
+# which offloads the optimizer alone where that fits (issue 61's rung). Every other stage 3 + offload run of the
+# tests pins the parameters' offload (resume_sets), as before the plan could choose.
+CASE_SETS = {"zero3+cpu-opt": {"strategy.offload_params": "auto"}}
 
 # Settings per precision of the runs A (conftest.runs). bf16 runs train without dropout: one run per
 # stage is then both the reference of the exact resume and the source of every resharding
@@ -71,6 +76,8 @@ K = 6
 
 
 def resume_sets(data, stage, accum=1, **kw):
+    if stage == 3 and kw.get("strategy.offload", "none") != "none":
+        kw.setdefault("strategy.offload_params", True)
     return {
         **FAST,
         "data.train.files": str(data),

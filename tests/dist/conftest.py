@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import CASES, PRECISIONS, ROOT, Result, resume_sets, train
+from helpers import CASE_SETS, CASES, PRECISIONS, ROOT, Result, resume_sets, train
 
 from trainer.files import file_lock
 
@@ -62,6 +62,7 @@ def runs(shared_dir, small_data):
                 else:
                     stage, accum, offload = CASES[name]
                     extra = {"strategy.offload": offload} if offload != "none" else {}
+                    extra.update(CASE_SETS.get(name, {}))
                     sets = resume_sets(small_data, stage, accum, **extra, **PRECISIONS[precision])
                     r = train(tmp, sets, launcher=launcher)
                     done.write_text(json.dumps(dataclasses.asdict(r), default=str))

@@ -28,7 +28,7 @@ def assert_same_state(resumed: dict, saved: dict) -> None:
             assert torch.equal(resumed[name][key], t), f"{name}.{key} differs after the resume"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n != "zero3+cpu-opt"])  # that rung: fp32 (test_stages)
 def test_bf16_stage_trains_on_two_ranks(runs, name):
     r = runs(name, precision="bf16")
     assert "precision bf16" in r.output

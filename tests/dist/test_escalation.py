@@ -1,5 +1,5 @@
 """Run-time escalation: an out-of-memory at stage 0 ends the attempt and the supervisor continues
-from the last checkpoint one rung higher (stage 2), to the requested number of steps. The
+from the last checkpoint one rung higher (stage 1), to the requested number of steps. The
 supervisor starts the job with torchrun here (with the deepspeed launcher in test_failfast.py)."""
 
 import json
@@ -12,7 +12,7 @@ from helpers import FAST, cli
 pytestmark = pytest.mark.dist
 
 
-def test_oom_at_stage_0_escalates_to_stage_2_and_finishes(tmp_path):
+def test_oom_at_stage_0_escalates_to_stage_1_and_finishes(tmp_path):
     run_dir = tmp_path / "run"
     # checkpoint.async false: a background write of step 6 still in flight at the OOM two steps later
     # (a loaded machine: 3 test workers on 2 cores) is rightly not committed, and the resume is from 3
@@ -27,10 +27,10 @@ def test_oom_at_stage_0_escalates_to_stage_2_and_finishes(tmp_path):
     # first (the other one, blocked in a collective, fails too): the record is what the supervisor reads.
     assert [a["exit"] != 0 for a in attempts] == [True, False]
     assert attempts[0]["oom"]["stage"] == 0 and attempts[0]["oom"]["step"] == 8 and attempts[0]["oom"]["rank"] == 1
-    assert "escalated after out-of-memory on zero0 at step 8 (attempt 0): next attempt on zero2" in out
+    assert "escalated after out-of-memory on zero0 at step 8 (attempt 0): next attempt on zero1" in out
 
     final = json.loads((run_dir / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
-    assert final["step"] == 12 and final["zero_stage"] == 2
+    assert final["step"] == 12 and final["zero_stage"] == 1
     assert "escalated after out-of-memory on zero0" in final["plan"]["reason"]
 
     # Steps: attempt 0 logged 1..7, attempt 1 resumed from the checkpoint at 6 and logged 7..12.
@@ -41,7 +41,7 @@ def test_oom_at_stage_0_escalates_to_stage_2_and_finishes(tmp_path):
     assert repeated == [7], "only the steps between the last checkpoint (6) and the OOM (8) run twice"
     losses = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first7, second7 = [m["loss"] for m in losses if m.get("step") == 7 and "loss" in m]
-    assert abs(first7 - second7) <= 1e-5 * first7, "stage 2 continues exactly where stage 0 stood"
+    assert abs(first7 - second7) <= 1e-5 * first7, "stage 1 continues exactly where stage 0 stood"
 
 
 def test_oom_on_the_last_pinned_rung_escalates_to_the_next_activation_lever(tmp_path):

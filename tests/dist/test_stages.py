@@ -37,6 +37,19 @@ def test_measured_memory_matches_the_plan(runs, name):
     check_memory(runs(name), name)
 
 
+def test_zero3_offloads_the_optimizer_alone_where_that_fits(runs):
+    """Stage 3 with CPU offload and strategy.offload_params: auto (issue 61): the plan offloads the optimizer
+    alone (it fits, and the parameters' copies in every pass would cost time), the DeepSpeed JSON has no
+    offload_param, and the run trains as the other rungs do (test_stage_trains_on_two_ranks); the same pin
+    with offload_params: true offloads the parameters too (run A of zero3+cpu). (The memory census cannot
+    tell offloaded states from the rest on CPU, where both are host memory: no offload case is held to it.)"""
+    r, p = runs("zero3+cpu-opt"), runs("zero3+cpu")
+    zero = r.rank_reports()[0]["ds_config"]["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    assert "zero3+cpu (optimizer only)" in r.output and r.rank_reports()[0]["plan"]["offload_params"] is False
+    assert p.rank_reports()[0]["ds_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
 def test_torchrun_gives_the_same_losses_as_deepspeed(runs):
     ds, tr = runs("zero2", "deepspeed"), runs("zero2")
     check_run(tr, "zero2")
