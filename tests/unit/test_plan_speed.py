@@ -204,3 +204,14 @@ def test_one_choice_by_time_under_the_escalation_rules(world, device, sets, rung
     obeys_the_rules(p)
     if rung == "zero3":  # the faster offload passed over is said
         assert "offload only when no rung fits without it" in p.reason
+
+
+def test_micro_batch_auto_offloads_only_when_no_micro_batch_fits_without_it():
+    """The 8B trained in full on 2 x 80 GB at 8k tokens, a global batch of 64: micro 8 fits only with the optimizer
+    offloaded (ZeRO-Offload), micro 4 fits on the GPUs alone (ZeRO-3). The rules hold across micro batches: the
+    plan takes the one without offload (it had taken the faster offloaded micro 8), and the banner says why."""
+    exp, _, p, batch = planned(QLORA, 2, 80, 512, "model.lora=null", "data.seq_len=8192",
+                               "train.global_batch_size=64")  # fmt: skip
+    assert p.candidate.offload == "none", (p.candidate.name, batch.why)
+    assert "with offload" in batch.why, batch.why
+    obeys_the_rules(p)

@@ -7,9 +7,10 @@ rows it carries, so a larger micro batch spends less of the host per token: at m
 on an H200 kept the GPU busy 40-70% of the time (issue 55). `auto` plans every micro batch that divides
 the rank's share of the global batch, largest first, and takes the one whose plan (rung and levers) has
 the lowest estimated seconds per token (strategy/planning/speed.py), the larger on a tie (estimates within
-a relative 1e-9 of each other: float noise is no difference); accumulation
-makes up the rest, so the step trains the global batch the experiment asked for whatever the micro
-batch. The banner says what was chosen and why.
+a relative 1e-9 of each other: float noise is no difference), and offload only when no micro batch fits
+without it (the escalation rules hold across micro batches too); accumulation makes up the rest, so the step
+trains the global batch the experiment asked for whatever the micro batch. The banner says what was chosen
+and why.
 """
 
 from __future__ import annotations
@@ -97,13 +98,13 @@ def resolve(exp: Any, world_size: int, plan_for: Any) -> tuple[Any, Batch | None
             if p.dp_world != dp:  # (a plan that does not, a caller's: no split of the global batch it keeps)
                 continue
         tried.append((p.speed.per_token if p.speed is not None else 0.0, -m, e, p))
-        if len(tried) >= 2 and tried[-1][0] > tried[-2][0] * 1.5:
-            break  # smaller micro batches only add host work from here
     if not tried:  # the smallest micro batch's error: what blocks the job even there
         raise last_error or UserError("train.micro_batch_size: auto: nothing fits")
-    # the fastest per token; estimates within TIE of it are equal, and the larger micro batch takes the tie
-    fastest = min(x[0] for x in tried)
-    best = min((x for x in tried if x[0] <= fastest * (1 + TIE)), key=lambda x: x[1])
+    # offload only when no micro batch fits without it (the escalation rules, across micro batches too); then
+    # the fastest per token, estimates within TIE of it equal and the larger micro batch taking the tie
+    pool = [x for x in tried if x[3].candidate.offload == "none"] or tried
+    fastest = min(x[0] for x in pool)
+    best = min((x for x in pool if x[0] <= fastest * (1 + TIE)), key=lambda x: x[1])
     _, _, e, p = best
     m, a = e.train.micro_batch_size, e.train.grad_accum
     if set_accum and a != t.grad_accum:
@@ -112,7 +113,9 @@ def resolve(exp: Any, world_size: int, plan_for: Any) -> tuple[Any, Batch | None
             f"which needs grad_accum {a}; remove train.grad_accum (auto sets it) or set the micro batch"
         )
     others = ", ".join(
-        f"{-x[1]}: {x[0] * 1e6:.1f} us/token" for x in sorted(tried, key=lambda x: x[1]) if x is not best
+        f"{-x[1]}: {x[0] * 1e6:.1f} us/token" + ("" if x[3].candidate.offload == "none" else " with offload")
+        for x in sorted(tried, key=lambda x: x[1])
+        if x is not best
     )
     why = (
         f"micro_batch_size auto: {m} (x accumulation {a} x {p.dp_world} data-parallel rank(s) = global batch {target}), "
