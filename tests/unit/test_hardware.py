@@ -132,3 +132,22 @@ def test_offload_params_that_contradicts_the_stage_or_offload_exits_2(capsys, se
     assert main([*args, "--print-config"]) == 2
     text = capsys.readouterr().err
     assert "strategy.offload_params: " in text and needle in text and "Traceback" not in text, text
+
+
+def test_offload_at_stage_0_or_1_exits_2_naming_the_stages_it_runs_at(capsys):
+    """Offload is a rung at stages 2 and 3 only: zero_stage 1 with offload cpu had been taken, then refused by the
+    plan as 'nothing fits ... only NVMe offload fits the device' (no candidate matched the pin)."""
+    for stage in (0, 1):
+        args = [
+            "configs/experiments/tiny.yaml",
+            "--set",
+            f"strategy.zero_stage={stage}",
+            "--set",
+            "strategy.offload=cpu",
+        ]
+        assert main([*args, "--print-config"]) == 2
+        text = capsys.readouterr().err
+        assert (
+            "strategy.offload: offload cpu runs at ZeRO stage 2 or 3" in text
+            and "set zero_stage to 2, 3" in text
+        )

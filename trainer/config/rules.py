@@ -243,12 +243,12 @@ def warnings(exp: Experiment) -> list[str]:
 def _strategy(exp: Experiment) -> list[tuple[str, str]]:
     s = exp.strategy
     out = []
-    if s.offload in ("cpu", "nvme") and s.zero_stage == 0:
+    if s.offload in ("cpu", "nvme") and s.zero_stage in (0, 1):
         out.append(
             (
                 "strategy.offload",
-                f"offload {s.offload} needs a ZeRO optimizer (stage 1, 2 or 3), but zero_stage is 0; "
-                "set zero_stage to 2, 3 or auto",
+                f"offload {s.offload} runs at ZeRO stage 2 or 3 (ZeRO-Offload: stage 2 with the optimizer on the "
+                f"host), but zero_stage is {s.zero_stage}; set zero_stage to 2, 3 or auto",
             )
         )
     lora = exp.model.lora
