@@ -184,7 +184,7 @@ def build(
     agreed = claim_and_agree(exp, runtime, resume, planned.plan)
     if agreed is None:
         return None
-    data, hosts, notes, resume = agreed
+    data, hosts, notes, resume, disk = agreed
     from trainer.build_model import model_and_engine
 
     engine, layout = model_and_engine(exp, env, planned, data)
@@ -211,7 +211,7 @@ def build(
         checkpoints_dir(exp.run_dir), engine=engine, stream=stream, exp=exp, rank=env.rank,
         world_size=env.world_size, plan=planned.plan.summary(), layout=layout, faults=faults,
         data_fingerprint=data.fingerprint, recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
-        resumed_from=str(resume.found.path.resolve()) if resume is not None else None,
+        resumed_from=str(resume.found.path.resolve()) if resume is not None else None, disk=disk,
     )  # fmt: skip
     background, _ = planned.plan.checkpoint_async(exp.checkpoint.async_)
     checkpointer = Checkpointer(
@@ -263,14 +263,15 @@ def prepare_objective(
 
 def claim_and_agree(
     exp: Experiment, runtime: Any, resume: Any, plan: Any
-) -> tuple[Any, list[str], list[str], Any] | None:
+) -> tuple[Any, list[str], list[str], Any, Any] | None:
     """The run directory (rank 0 holds it), the data, then one gather before anything else is built:
     the run directory is ours, every rank resumes from the same checkpoint and reads the same data.
-    Returns (data, every rank's host, notes on changed data, the resume as checked), or None:
-    nothing left to train."""
-    from trainer import consistency, rundir
+    Returns (data, every rank's host, notes on changed data and the lineage, the resume as checked, the
+    checkpoints directory as rank 0 left it: None elsewhere), or None: nothing left to train."""
+    from trainer import consistency, dist, rundir
     from trainer import data as data_mod
     from trainer.errors import UserError
+    from trainer.faults import Faults
 
     env = runtime.env
     lock = rundir.acquire(exp.run_dir) if runtime.is_main else None  # before anything touches run_dir
@@ -306,64 +307,25 @@ def claim_and_agree(
     )
     if lock is not None and runtime.is_main:
         log.warning(lock)  # the filesystem has no locks
+    from trainer.checkpoint.policy import undamaged
+
     resume = undamaged(exp, env, resume)
     if resume is not None and resume.done(exp, env.rank):
         return None
     notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
-    if runtime.is_main:
-        from trainer.checkpoint.disk import CheckpointDir, checkpoints_dir, fork
+    disk = None
+    if runtime.is_main:  # the lineage: a rollback's fork, damaged ones set aside, leftovers (checkpoint/begin.py)
+        from trainer.checkpoint.directory import CheckpointDir
+        from trainer.checkpoint.disk import checkpoints_dir
 
-        root = checkpoints_dir(exp.run_dir)
-        if root.is_dir():  # a save that was killed: its staging directory, a prune's trash (never a rollback)
-            keep = (
-                resume.found.path.name
-                if resume is not None and resume.found.path.parent.resolve() == root.resolve()
-                else ""
-            )
-            CheckpointDir(root).clean_leftovers(
-                keep=keep
-            )  # (a complete staging directory resumed by path stays)
-        if resume is not None:  # a rollback: the newer checkpoints are another line; damaged ones set aside
-            forked = fork(
-                root, resume.found, keep=exp.checkpoint.on_rollback == "keep", damaged_tags=resume.skipped
-            )
-            notes += [forked] if forked else []
-    return data, hosts, notes, resume
-
-
-def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
-    """The checkpoint to resume from, its files' bytes checked against their writers' digests before
-    anything loads (every rank a share; disk.verify_digests): a damaged one stops a `--resume PATH` run
-    naming the file, and otherwise every rank falls back to the newest earlier complete checkpoint
-    that passes, saying so (a file zeroed in place kept its size, and torch's zip CRC failed only
-    while loading, which ended the run)."""
-    from trainer import consistency
-    from trainer.checkpoint import Resume, before, check_compatible, verify
-    from trainer.checkpoint.disk import verify_digests
-    from trainer.errors import UserError
-
-    while resume is not None:
-        found = resume.found
-        problems = sum(
-            consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size), []
-        )
-        if not problems:
-            return resume
-        if resume.explicit:
-            raise UserError(f"--resume {found.path}: the checkpoint is damaged: " + "; ".join(problems[:5]),
-                            everywhere=True)  # fmt: skip
-        older = before(found)
-        while older is not None and verify(older.path, older.state):
-            older = before(older)
-        if older is None:
-            raise UserError(f"{found.path} is damaged ({'; '.join(problems[:3])}) and no earlier complete checkpoint "
-                            "is left to resume from; start fresh in another run_dir", everywhere=True)  # fmt: skip
-        said = f"checkpoint {found.path} is damaged ({'; '.join(problems[:3])}); resuming from {older.tag} instead"
-        if env.rank == 0:
-            log.warning(f"warning: {said}")
-        resume = Resume(older, [*resume.warnings, said], check_compatible(older, exp),
-                        skipped=(*resume.skipped, found.tag))  # fmt: skip
-    return None
+        c = exp.checkpoint
+        disk = CheckpointDir(checkpoints_dir(exp.run_dir), keep_abandoned=c.keep_abandoned, keep_damaged=c.keep_damaged)
+        Faults(env.rank, dist.attempt()).at("killstart", 0)  # tests: a kill during start-up, before the fork
+        notes += disk.start(
+            resume.found if resume else None, explicit=bool(resume and resume.explicit),
+            skipped=resume.skipped if resume else [], on_rollback=c.on_rollback, job=dist.job(),
+        )  # fmt: skip
+    return data, hosts, notes, resume, disk
 
 
 def eval_prompts(exp: Experiment, data: Any) -> list[str]:

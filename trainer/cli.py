@@ -441,18 +441,13 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         if src is not None and src.files is not None:
             resolve_files(src, key)
 
-    from trainer import checkpoint, startup
+    from trainer import startup
+    from trainer.checkpoint.policy import decide, undamaged
 
-    found, warnings = checkpoint.resolve_resume(args.resume, exp.checkpoint.resume, exp.run_dir)
-    if found is not None and Faults(dist.detect().rank, dist.attempt()).stale_resume():
-        found = checkpoint.before(found)  # tests: this rank sees an older run_dir
-    resume = None
-    if found is not None:
-        diffs = checkpoint.check_compatible(found, exp)
-        resume = checkpoint.Resume(found, warnings, diffs, explicit=args.resume not in (None, "latest"))
-        if (
-            resume.done(exp, dist.detect().rank) and dist.detect().world_size == 1
-        ):  # several ranks: once they agree on it
+    resume = decide(args.resume, exp, Faults(dist.detect().rank, dist.attempt()))
+    if resume is not None and dist.detect().world_size == 1:  # several ranks: once they agree (build.py)
+        resume = undamaged(exp, dist.detect(), resume)  # its bytes checked before "nothing to do" is said
+        if resume.done(exp, 0):
             return 0
 
     # torch and transformers' modeling code without the garbage collector's full passes over them

@@ -422,6 +422,12 @@ def attempt() -> int:
     return int(os.environ.get("TRAINER_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
+def job() -> str | None:
+    """The supervised job this attempt belongs to (set by our supervisor; recorded with every commit, so
+    that a restart knows whether the job has a checkpoint of its own yet)."""
+    return os.environ.get("TRAINER_JOB") or None
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 

@@ -63,6 +63,7 @@ def summary(
 ) -> list[tuple[str, str]]:
     from trainer.checkpoint import checkpoints_dir, complete, latest
     from trainer.config import format_size
+    from trainer.errors import UserError
 
     last = train[-1]
     steady = train[1:] or train  # the first interval includes warm-up
@@ -114,7 +115,10 @@ def summary(
             )
         )
     found = complete(checkpoints_dir(run_dir))
-    newest, _ = latest(checkpoints_dir(run_dir))
+    try:
+        newest, _ = latest(checkpoints_dir(run_dir))
+    except UserError:  # a damaged journal: a resume would refuse too
+        newest = None
     rows.append(
         (
             "checkpoints",

@@ -191,6 +191,7 @@ class Supervisor:
     kept_accum: str | None = field(default=None, init=False)
     _child: subprocess.Popen | None = None
     _stopping: int | None = None  # the signal that asked us to stop
+    job: str = field(default_factory=lambda: __import__("uuid").uuid4().hex[:12])  # recorded with every commit
 
     def hosts(self) -> list[tuple[str, int]]:
         return read_hostfile(self.hostfile) if self.hostfile else []
@@ -200,6 +201,7 @@ class Supervisor:
 
     def run(self) -> int:
         from trainer.checkpoint import checkpoints_dir, latest
+        from trainer.checkpoint.lineage import restart_resume
 
         # a missing, malformed or unresolvable hostfile: an error before anything starts
         check_resolves(self.hosts(), self.hostfile)
@@ -231,10 +233,11 @@ class Supervisor:
                 overrides = self._escalate(escalated, overrides, attempt)
                 if overrides is None:
                     return rc
-            # The newest checkpoint of this run; before there is one, what the job was started from.
-            found, _ = latest(checkpoints_dir(self.run_dir))
-            resume = "latest" if found is not None else self.resume
-            start = f"from {found.tag}" if found else f"from {self.resume}" if self.resume else "from scratch"
+            # What the job was started from until it committed a checkpoint of its own (a rollback killed
+            # before its fork or first save is done again); then the newest of its line (lineage.py).
+            resume = restart_resume(self.run_dir, self.resume, self.job)
+            found = latest(checkpoints_dir(self.run_dir))[0] if resume == "latest" else None
+            start = f"from {found.tag}" if found else f"from {resume}" if resume else "from scratch"
             delay = min(self.backoff_s * 2**attempt, 60.0)
             self.say(f"attempt {attempt} failed (exit {rc}); restarting in {delay:.0f} s {start}")
             if back_off(delay, lambda: bool(self._stopping)):
@@ -254,7 +257,7 @@ class Supervisor:
         cmd = self.command(overrides, resume, free_port())
         failure_file = self.run_dir / ".supervisor" / f"attempt-{attempt}-{os.getpid()}.json"
         failure_file.unlink(missing_ok=True)
-        env = attempt_env(attempt, failure_file, self.launcher, self.hostfile, self.run_dir)
+        env = attempt_env(attempt, failure_file, self.launcher, self.hostfile, self.run_dir, self.job)
         self.say(f"attempt {attempt}: {' '.join(cmd)}")
         t0 = time.time()
         self._child = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -346,13 +349,15 @@ def launch_command(sup: Supervisor, overrides: list[str], resume: str | None, po
 
 
 def attempt_env(
-    attempt: int, failure_file: Path, launcher: str, hostfile: str | None, run_dir: Path
+    attempt: int, failure_file: Path, launcher: str, hostfile: str | None, run_dir: Path, job: str | None = None
 ) -> dict[str, str]:
-    """The environment of one attempt: its number, where a rank records a failure, and what the
-    launchers need passed on."""
+    """The environment of one attempt: its number, the job's id, where a rank records a failure, and what
+    the launchers need passed on."""
     from trainer.dist import ENV_CPU, gpus_hidden, remote_env
 
     env = dict(os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())})
+    if job:
+        env["TRAINER_JOB"] = job
     if gpus_hidden():  # GPUs hidden here stay hidden in the ranks (the deepspeed launcher resets them)
         env[ENV_CPU] = "1"
     if launcher == "torchrun":  # pytorch#135712: gloo needs it to rendezvous again

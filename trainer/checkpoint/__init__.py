@@ -1,7 +1,11 @@
 """Checkpoints you can trust.
 
-- `disk.py`: the layout on disk, finding and verifying checkpoints, the manifest, the commit's
-  renames and `latest`, pruning;
+- `disk.py`: the layout on disk, reading and verifying one checkpoint (its manifest and digests);
+- `fs.py`: the file-system operations, in one object (the crash test simulates it);
+- `journal.py`: the lineage journal, one fsynced record per commit, fork, set-aside, prune, conversion;
+- `lineage.py`: which checkpoint a resume, a restart, pruning and export take (pure: journal + scan);
+- `directory.py`: what changes the directory (the manifest, the commit, pruning, setting aside), and
+  `begin.py`: the start of a run there (leftovers, a rollback's fork, damaged ones set aside);
 - `store.py`: saving one atomically (`Store`: staging, the writers, the barrier, the commit);
 - `restore.py`: loading one into the Store's engine (`restore.load`);
 - `cadence.py`: when to save (`Checkpointer`, which the loop offers every step; `Cadence`), the
@@ -23,12 +27,11 @@ from trainer.checkpoint.disk import (
     before,
     checkpoints_dir,
     complete,
-    latest,
     read_state,
-    resolve_resume,
     tag_for,
     verify,
 )
+from trainer.checkpoint.lineage import latest, resolve_resume
 from trainer.checkpoint.policy import HARMLESS, Resume, check_compatible, differences
 from trainer.checkpoint.store import Store
 

@@ -177,7 +177,7 @@ class Checkpointer:
             if moved:
                 log.info(moved)
             t0 = time.perf_counter()
-            self.store.disk.prune(self.section.keep_last, keep=path.name,
+            self.store.disk.prune(self.section.keep_last,
                                   renamed=lambda: self.store.faults.at("killprune", pending.step))  # fmt: skip
             pending.commit_s += time.perf_counter() - t0
             pending.blocked_s += time.perf_counter() - t0

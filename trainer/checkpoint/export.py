@@ -2,8 +2,10 @@
 
     bin/export CHECKPOINT OUT_DIR [--dtype fp32|bf16] [--adapter]
 
-CHECKPOINT is a step_XXXXXXXX directory, a checkpoints directory or a run directory (its latest
-complete checkpoint). The weights exported are the fp32 master weights the optimizer holds, whatever
+CHECKPOINT is a step_XXXXXXXX directory, a checkpoints directory or a run directory (the newest
+intact checkpoint of its current line). Every file's bytes are checked against the digests their writers
+recorded before anything is read: a damaged step directory is refused naming the file; a run directory
+falls back down its line to the newest intact checkpoint, saying so. The weights exported are the fp32 master weights the optimizer holds, whatever
 the training precision: ZeRO stages 1-3 through DeepSpeed's zero_to_fp32 from the partitions; stage
 0 from the module in fp32 training, from the optimizer's master copies in bf16/fp16 (the module
 holds rounded copies). They are loaded into the model the checkpoint's experiment.yaml describes and
@@ -180,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_bitsandbytes()  # as bin/train does
     try:
-        from trainer.checkpoint import resolve_resume
+        from trainer.checkpoint.lineage import export_source
 
-        found, warnings = resolve_resume(args.checkpoint, "never", args.checkpoint)
+        found, warnings = export_source(args.checkpoint)  # every file's bytes verified (or the error names it)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         out = export(found.path, Path(args.out_dir), args.dtype, adapter=args.adapter)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from trainer.checkpoint.disk import Found
+from trainer.checkpoint.disk import Entry, Found
 from trainer.config import Experiment, validate
 from trainer.errors import Problem, UserError
 
@@ -104,7 +104,11 @@ class Resume:
     warnings: list[str]
     differences: list[str]
     explicit: bool = False  # `--resume PATH`: a damaged checkpoint stops the run (no fall back)
-    skipped: tuple[str, ...] = ()  # newer checkpoints passed over as damaged (set aside, not a rollback)
+    skipped: list[Entry] = field(
+        default_factory=list
+    )  # newer on the line, passed over as damaged (set aside)
+    fallbacks: list[Found] = field(default_factory=list)  # the line below `found`, newest first (lineage.py)
+    verified: bool = False  # every file's bytes checked against its digest (build.undamaged)
 
     def done(self, exp: Experiment, rank: int) -> bool:
         """The checkpoint is at train.max_steps already (said by rank 0)."""
@@ -153,3 +157,44 @@ class Resume:
             return json.loads((self.found.path / "ds_config.json").read_text())
         except (OSError, ValueError):
             return None
+
+
+def decide(arg: str | None, exp: Experiment, faults: Any) -> Resume | None:
+    """The resume this run starts from (lineage.resolve: `--resume`, `--resume PATH`, checkpoint.resume),
+    checked against the experiment (`check_compatible`); None: a fresh start."""
+    from trainer.checkpoint.disk import before
+    from trainer.checkpoint.lineage import resolve
+
+    decision, explicit = resolve(arg, exp.checkpoint.resume, exp.run_dir)
+    found = decision.found
+    if found is not None and faults.stale_resume():
+        found = before(found)  # tests: this rank sees an older run_dir
+    if found is None:
+        return None
+    return Resume(found, decision.warnings, check_compatible(found, exp), explicit=explicit,
+                  skipped=decision.skipped, fallbacks=decision.fallbacks)  # fmt: skip
+
+
+def undamaged(exp: Experiment, env: Any, resume: Resume | None) -> Resume | None:
+    """The checkpoint to resume from, its files' bytes checked against their writers' digests before
+    anything loads (every rank a share; disk.verify_digests): a damaged one stops a `--resume PATH` run
+    naming the file, and otherwise every rank falls back down the line (lineage.verified) to the newest
+    checkpoint that passes, saying so once (a file zeroed in place kept its size, and torch's zip CRC
+    failed only while loading, which ended the run)."""
+    from trainer import consistency
+    from trainer.checkpoint.disk import verify_digests
+    from trainer.checkpoint.lineage import verified
+
+    if resume is None or resume.verified:
+        return resume
+
+    def digest_problems(found: Found) -> list[str]:
+        shares = consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size)
+        return sum(shares, [])
+
+    found, below, skipped, said = verified(resume.found, resume.fallbacks, resume.explicit, digest_problems)
+    if found is not resume.found:
+        resume = Resume(found, [*resume.warnings, *said], check_compatible(found, exp), skipped=[*resume.skipped, *skipped],
+                        fallbacks=below)  # fmt: skip
+    resume.verified = True
+    return resume

@@ -19,6 +19,10 @@ worker processes, writing into a hidden directory renamed into place when comple
 collective, so `dist.timeout_s` does not bound it: every rank waits for the completion marker (or rank 0's
 failure report) for up to `checkpoint.convert_timeout_minutes`. An interrupted conversion leaves only a hidden
 directory, which the next one removes before starting again. Needs a filesystem that every rank sees.
+A converted directory is sealed (seal.py: every file fsynced and digested before its `CONVERTED` marker)
+and checked by every rank (a share of its files each) before it loads; a damaged one is rebuilt once from
+the checkpoint, whose bytes were verified before (build.undamaged), and the conversion is recorded in the
+run's journal.
 """
 
 from __future__ import annotations
@@ -36,18 +40,17 @@ import sys
 import time
 import uuid
 import zipfile
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import stage0
+from trainer.checkpoint import seal, stage0, universal
 from trainer.errors import UserError
 from trainer.faults import Faults
 
 log = logging.getLogger("trainer")
 
-DONE = "CONVERTED"
+DONE = seal.MARKER
 UNIVERSAL = "universal"
 TMP_PREFIX = ".convert-tmp-"
 FAILED_PREFIX = ".convert-failed-"
@@ -122,10 +125,12 @@ def load(
     group: Any = None,
     wait_s: float = 7200.0,
     custom_load_fn: Callable[..., None] | None = None,
+    journal_root: Path | None = None,
 ) -> None:
     """Load `ckpt` (a step directory) into `engine`, converting when stage or world size differ.
     `custom_load_fn`: DeepSpeed's, for the module's state (frozen.strict_but_frozen: a checkpoint
-    without the frozen weights, which the engine keeps as built)."""
+    without the frozen weights, which the engine keeps as built). `journal_root`: the run's checkpoints
+    directory, whose journal records a conversion."""
     ds = engine.ds
     src = saved_layout(ckpt)
     dst = (ds.zero_optimization_stage(), ds.dp_world_size)
@@ -149,9 +154,7 @@ def load(
         import torch.distributed as dist
 
         dist.broadcast_object_list(token, src=0, group=group)  # quick: before the conversion starts
-    if rank == 0:
-        convert_in_subprocess(ckpt, tag, names, aliases, target, token[0], wait_s, what)
-    wait_for(ckpt, tag, token[0], wait_s, what)
+    converted(ckpt, tag, (names, aliases, target), token[0], rank, group, wait_s, what, journal_root)
     if dst[0] == 0:
         load_tag(ckpt, tag)
     else:
@@ -162,6 +165,38 @@ def load(
             ds._config.load_universal_checkpoint = False
         _restore_group_hparams(ds, ckpt / tag)
     _normalize_steps(ds, _uses_torch_optimizer(ds))
+
+
+def converted(
+    ckpt: Path, tag: str, spec: tuple[Any, Any, Any], token: str, rank: int, group: Any, wait_s: float, what: str,
+    journal_root: Path | None,
+) -> None:  # fmt: skip
+    """Every rank: `<ckpt>/<tag>` made (rank 0 converts, the others wait), then its files checked against
+    its marker (each rank a share); a damaged one is removed by rank 0 and made again, once."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    for again in (False, True):
+        made = rank == 0 and convert_in_subprocess(ckpt, tag, *spec, token, wait_s, what, rebuild=again)
+        wait_for(ckpt, tag, token, wait_s, what)
+        mine = seal.problems(ckpt / tag, rank, world)
+        bad: list[Any] = [None] * world
+        if world > 1:
+            dist.all_gather_object(bad, mine, group=group)
+        else:
+            bad = [mine]
+        bad = sum(bad, [])
+        if made and journal_root is not None and not bad:
+            seal.record(journal_root, ckpt, tag)
+        if not bad:
+            return
+        if again:
+            raise ResumeError(f"{what}: made again from the checkpoint, and still damaged: {'; '.join(bad[:3])}")
+        if rank == 0:
+            log.warning(f"warning: {ckpt / tag} is damaged ({'; '.join(bad[:3])}); making it again from {ckpt}")
+            shutil.rmtree(ckpt / tag, ignore_errors=True)
+        if world > 1:
+            dist.barrier(group=group)  # the damaged one is gone before any rank waits for the new one
 
 
 def wait_for(ckpt: Path, tag: str, token: str, wait_s: float, what: str, poll_s: float = 0.2) -> None:
@@ -189,15 +224,17 @@ def convert_in_subprocess(
     token: str,
     wait_s: float,
     what: str,
-) -> None:
+    rebuild: bool = False,
+) -> bool:
     """Rank 0: run the conversion in its own process (dying with this one), log the outcome, and on
-    failure leave the report the other ranks wait for."""
+    failure leave the report the other ranks wait for. Returns whether it converted (`rebuild`: the
+    directory there was damaged)."""
     from trainer.dist import cpu_cores
 
-    if (ckpt / tag / DONE).exists():
-        return
+    if not rebuild and seal.marker(ckpt / tag)[0] is not None:
+        return False  # made before: its files are checked against the marker by every rank
     spec = {"names": names, "aliases": aliases, "target": target, "tag": tag, "token": token,
-            "workers": max(1, min(8, cpu_cores()))}  # fmt: skip
+            "workers": max(1, min(8, cpu_cores())), "rebuild": rebuild}  # fmt: skip
     spec_path = ckpt / f".convert-spec-{token}.json"
     log_path = ckpt / f".convert-{token}.log"
     error = None
@@ -235,9 +272,10 @@ def convert_in_subprocess(
     if error is not None:
         with contextlib.suppress(OSError):
             (ckpt / f"{FAILED_PREFIX}{token}").write_text(error + "\n")
-        return  # wait_for() raises, on every rank alike
+        return False  # wait_for() raises, on every rank alike
     log_path.unlink(missing_ok=True)
     log.info(f"{what}: done in {time.perf_counter() - t0:.1f} s ({spec['workers']} workers)")
+    return True
 
 
 def _die_with_parent() -> None:
@@ -284,190 +322,29 @@ def convert(ckpt: Path, spec: dict[str, Any]) -> None:
         for d in ckpt.iterdir():
             if d.name.startswith((TMP_PREFIX, FAILED_PREFIX)):
                 shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
-        uni = ckpt / UNIVERSAL
+        uni, rebuild = ckpt / UNIVERSAL, bool(spec.get("rebuild"))
 
         def make_universal(out: Path) -> None:
             src_stage, _ = saved_layout(ckpt)
             if src_stage == 0:
-                _stage0_to_universal(ckpt, out, names, workers)
+                universal.stage0_to_universal(ckpt, out, names, workers)
             else:
-                _ds_to_universal(ckpt, out, workers)
-                _fix_for_any_target(out)
+                universal.ds_to_universal(ckpt, out, workers)
+                universal.fix_for_any_target(out)
 
-        _build(uni, make_universal)
-        if target["stage0"]:
-            _build(
-                ckpt / spec["tag"],
-                lambda out: _universal_to_stage0(uni, out, names, aliases, target, workers),
-            )
-
-
-def _build(final: Path, make: Callable[[Path], None]) -> None:
-    if (final / DONE).exists():
-        return
-    shutil.rmtree(final, ignore_errors=True)  # an incomplete one (older versions wrote in place)
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
-    tmp.mkdir()
-    make(tmp)
-    Faults().conversion()  # tests: a conversion that fails, takes longer, or loses its rank here
-    (tmp / DONE).touch()
-    os.rename(tmp, final)
+        if not target["stage0"]:
+            _build(uni, make_universal, force=rebuild)
+            return
+        final = ckpt / spec["tag"]
+        if rebuild or seal.marker(final)[0] is None:  # the stage-0 one is made from universal/: verified first
+            _build(uni, make_universal, force=bool(seal.problems(uni)))
+        _build(final, lambda out: universal.universal_to_stage0(uni, out, names, aliases, target, workers), force=rebuild)
 
 
-def _parallel(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:
-    """fn over items in threads (file reads and writes release the GIL)."""
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(fn, items))
-
-
-def _ds_to_universal(ckpt: Path, out: Path, workers: int) -> None:
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    shards = len(glob.glob(str(ckpt / "*_optim_states.pt")))
-    args = argparse.Namespace(
-        input_folder=str(ckpt),
-        output_folder=str(out),
-        num_extract_workers=max(1, min(workers, shards)),
-        num_merge_workers=max(1, workers // 2),  # merging holds whole parameters: fewer at once
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,  # plain HF models carry no universal_checkpoint_info
-    )
-    ds_to_universal(args)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _fix_for_any_target(out: Path) -> None:
-    """Make one universal directory loadable by both DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders."""
-    import deepspeed
-    import torch
-    from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
-
-    zdir = out / "zero"
-    osd_path = zdir / "optimizer_state.pt"
-    osd = torch.load(osd_path, weights_only=False)
-    mp_files = sorted(out.glob("mp_rank_*_model_states.pt"))
-    z3_files = sorted(out.glob("zero_pp_rank_*_mp_rank_*_model_states.pt"))
-    ms = torch.load((mp_files or z3_files)[0], map_location="cpu", weights_only=False)
-    shapes: dict[str, Any] = {}
-    for grp in ms.get("param_shapes") or []:
-        shapes.update(grp)
-    if OPTIMIZER_STATE_DICT in osd:
-        step = next(iter(osd[OPTIMIZER_STATE_DICT]["state"].values()))["step"]
-    else:
-        steps = list(zdir.glob("*/step.pt"))
-        step = torch.load(steps[0], weights_only=False) if steps else None
-    for name, shape in shapes.items():
-        pdir = zdir / name
-        for f in sorted(pdir.glob("*.pt")):  # the fp32 weight and the optimizer's tensors
-            if f.name == "step.pt":
-                continue
-            d = torch.load(f, weights_only=False)
-            if torch.is_tensor(d):  # ZeRO-3 output: flat tensors; ZeRO-1/2 loaders want shaped ones
-                torch.save({PARAM: d.view(shape), CAT_DIM: 0}, f)
-        if step is not None and not (pdir / "step.pt").exists():
-            torch.save(step, pdir / "step.pt")
-    if OPTIMIZER_STATE_DICT not in osd:
-        osd[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": osd[PARAM_GROUPS]}
-    osd.setdefault(DS_VERSION, deepspeed.__version__)
-    torch.save(osd, osd_path)
-    if mp_files and not z3_files:  # the ZeRO-3 loader looks for zero_pp_rank_0_mp_rank_XX_model_states.pt
-        for f in mp_files:
-            mp = f.name[len("mp_rank_") : len("mp_rank_") + 2]
-            _link_or_copy(f, out / f"zero_pp_rank_0_mp_rank_{mp}_model_states.pt")
-    if z3_files and not mp_files:  # ...and the ZeRO-1/2 loader for mp_rank_XX_model_states.pt
-        for f in z3_files:
-            if f.name.startswith("zero_pp_rank_0_"):
-                mp = f.name.split("_mp_rank_")[1][:2]
-                _link_or_copy(f, out / f"mp_rank_{mp}_model_states.pt")
-
-
-def _stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]], workers: int) -> None:
-    """The universal layout from a stage-0 checkpoint (any of stage0's optimizer layouts): the fp32
-    master weights, the optimizer's tensors and the step per parameter."""
-    import deepspeed
-    import torch
-    from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
-
-    zdir = out / "zero"
-    zdir.mkdir(parents=True)
-    sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    try:
-        params, hparams = stage0.read(sd["optimizer"], sd["module"], names)
-    except (ValueError, KeyError, IndexError) as e:
-        raise RuntimeError(f"{ckpt}: cannot read its stage-0 optimizer state: {type(e).__name__}: {e}") from e
-
-    def write(item: tuple[str, stage0.ParamState]) -> None:
-        name, p = item
-        pdir = zdir / name
-        pdir.mkdir()
-        for key, t in {"fp32": p.fp32, **p.state}.items():
-            torch.save({PARAM: t, CAT_DIM: 0}, pdir / f"{key}.pt")
-        torch.save(p.step, pdir / "step.pt")
-
-    _parallel(write, params.items(), workers)
-    step = max((p.step for p in params.values()), default=0)
-    groups = [hp | {"params": []} for hp in hparams]
-    torch.save(
-        {
-            DS_VERSION: deepspeed.__version__,
-            PARAM_GROUPS: groups,
-            OPTIMIZER_STATE_DICT: {"state": {0: {"step": step}}, "param_groups": groups},
-        },
-        zdir / "optimizer_state.pt",
-    )
-    ms = {k: v for k, v in sd.items() if k != "optimizer"}
-    ms["optimizer"] = None
-    torch.save(ms, out / "mp_rank_00_model_states.pt")
-    _link_or_copy(out / "mp_rank_00_model_states.pt", out / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-
-
-def _universal_to_stage0(
-    uni: Path,
-    out: Path,
-    names: list[list[str]],
-    aliases: dict[str, str],
-    target: dict[str, Any],
-    workers: int,
-) -> None:
-    """A stage-0 checkpoint from a universal directory, with the optimizer state in the layout of the
-    engine that will load it (`target`: see target_of). The module gets the fp32 weights; a bf16 or
-    fp16 engine rounds them on load exactly as it rounds its masters after each step."""
-    import torch
-    from deepspeed.checkpoint.constants import PARAM, PARAM_GROUPS
-
-    zdir = uni / "zero"
-    ms = torch.load(
-        sorted(uni.glob("*mp_rank_00_model_states.pt"))[0], map_location="cpu", weights_only=False
-    )
-    hparams = [
-        {k: v for k, v in g.items() if k != "params"}
-        for g in torch.load(zdir / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
-    ]
-
-    def read(name: str) -> tuple[str, stage0.ParamState]:
-        parts = {f.stem: torch.load(f, weights_only=False) for f in sorted((zdir / name).glob("*.pt"))}
-        step = int(parts.pop("step"))
-        fp32 = parts.pop("fp32")[PARAM]
-        return name, stage0.ParamState(fp32, {k: v[PARAM] for k, v in parts.items()}, step)
-
-    params = dict(_parallel(read, [n for g in names for n in g], workers))
-    osd = stage0.build(
-        target["kind"], params, names, hparams, torch_states=target["torch_states"], fields=target["fields"]
-    )
-    full = dict(ms["module"])
-    full.update({name: p.fp32 for name, p in params.items()})
-    for alias, target_name in aliases.items():  # tied weights point at their parameter again
-        if target_name in params:
-            full[alias] = params[target_name].fp32
-    ms["module"], ms["optimizer"], ms["param_shapes"] = full, osd, None
-    torch.save(ms, out / "mp_rank_00_model_states.pt")
+def _build(final: Path, make: Callable[[Path], None], force: bool = False) -> None:
+    """`final` made by `make`, sealed and renamed into place (seal.build_sealed); kept where its marker
+    vouches for it, unless `force`."""
+    seal.build_sealed(final, make, force, before_seal=Faults().conversion)  # tests: fail, slow or kill here
 
 
 def _restore_group_hparams(ds: Any, uni: Path) -> None:

@@ -16,7 +16,6 @@ rank 0 before the other ranks finish) is never used.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import frozen
-from trainer.checkpoint.disk import CheckpointDir, tag_for
+from trainer.checkpoint.directory import CheckpointDir
+from trainer.checkpoint.disk import tag_for
 from trainer.config import Experiment
 from trainer.faults import Faults
 
@@ -98,12 +98,13 @@ class Store:
     copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
     omit_frozen: bool = False  # model.lora from model.pretrained: the frozen base stays out (frozen.py)
     frozen_digest: str | None = None  # model.lora: of the frozen weights (guard_frozen, or a resume's load)
-    disk: CheckpointDir = field(init=False)  # `root` on disk: the manifest, the commit, `latest`, pruning
+    disk: CheckpointDir | None = None  # `root` on disk: the manifest, the commit, pruning (its line: build's start)
 
     def __post_init__(self) -> None:
         from trainer.checkpoint.writer import HostCopier
 
-        self.disk = CheckpointDir(self.root)
+        if self.disk is None:
+            self.disk = CheckpointDir(self.root)
         self.copier = HostCopier()
         self.omit_frozen = frozen.omitted(self.exp)
         if self.omit_frozen:
@@ -154,10 +155,7 @@ class Store:
         tag = tag_for(state.step)
         stage_dir = self.disk.staging(tag)
         if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.disk.clean_leftovers(keep=stage_dir.name)
-            if stage_dir.exists():
-                shutil.rmtree(stage_dir)
+            self.disk.prepare(tag)  # the directory, no leftovers, an empty staging directory
         self.barrier()
         stage_dir.mkdir(parents=True, exist_ok=True)
         # What trainer_state.json will say, taken now: the commit may come steps later.
@@ -197,13 +195,12 @@ class Store:
         mine = {str(Path(k).resolve().relative_to(pending.stage_dir.resolve())): v for k, v in mine.items()}
         reported = self.gather_objects(mine)
         if self.is_main:
-            self.disk.write_manifest(
-                pending.stage_dir, pending.meta, self.engine.ds_config, self.exp, reported
+            written = self.disk.write_manifest(
+                pending.stage_dir, pending.meta, self.engine.ds_config, self.exp.to_yaml(), reported
             )
             self.faults.at("killmanifest", pending.step)
-            self.disk.publish(
-                pending.stage_dir, pending.tag, renamed=lambda: self.faults.at("killrename", pending.step)
-            )
+            self.disk.commit(pending.stage_dir, pending.tag, written,
+                             renamed=lambda: self.faults.at("killrename", pending.step))  # fmt: skip
             self.faults.at("killlatest", pending.step)
         pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:

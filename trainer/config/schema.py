@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import Field
 
+from trainer.config.checkpoint_schema import FLEET_MTBF_NODE_HOURS, CheckpointSection  # noqa: F401 (re-exported)
 from trainer.config.data_schema import DataSection, DataSource  # noqa: F401 (DataSource: re-exported)
 from trainer.config.fields import (
     AutoBool,
@@ -379,56 +380,6 @@ class DistSection(Section):
 
 # Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days of pre-training on
 # 16,384 H100 GPUs (2,048 nodes of 8): 54 x 24 x 2048 / 419 = 6,335 node-hours between failures.
-FLEET_MTBF_NODE_HOURS = 6335.0
-
-
-class CheckpointSection(Section):
-    """When and how checkpoints are written and resumed (see docs/checkpoints.md)."""
-
-    every_steps: int = Field(0, ge=0, description="save every N steps (0 = off)")
-    every_minutes: auto_or(float, "a number of minutes") = Field(
-        0.0,
-        description="save every N minutes (0 = off); auto = the Young/Daly interval from the measured cost of a "
-        "save and mtbf_hours (docs/checkpoints.md)",
-    )
-    mtbf_hours: float = Field(
-        FLEET_MTBF_NODE_HOURS,
-        gt=0.0,
-        description="with every_minutes: auto, each node's mean time between failures; default from the Llama 3 "
-        "paper's fleet: 419 interruptions in 54 days on 2,048 nodes of 8 H100s",
-    )
-    keep_last: int = Field(3, ge=0, description="keep the newest N complete checkpoints (0 = all)")
-    on_rollback: choice("keep", "remove") = Field(
-        "keep",
-        description="resuming from a checkpoint older than the run directory's newest (a rollback): keep = the "
-        "newer checkpoints of the abandoned line are moved to checkpoints/abandoned/, remove = deleted; either way "
-        "they are never resumed or pruned by mistake (see docs/checkpoints.md)",
-    )
-    save_final: bool = Field(True, description="save at the end of training")
-    save_on_signal: bool = Field(True, description="on SIGTERM/SIGUSR1: finish the step, save, exit")
-    signal_exit_code: int = Field(0, ge=0, le=255, description="exit status after a save on a signal")
-    resume: choice("never", "auto") = Field(
-        "never", description="auto = resume from the latest complete checkpoint if there is one"
-    )
-    on_data_change: choice("error", "continue") = Field(
-        "error",
-        description="on resume, when the training data differs from the checkpoint's: error, or continue "
-        "at the saved position in the new data (see docs/checkpoints.md)",
-    )
-    async_: AutoBool = Field(
-        "auto",
-        alias="async",
-        description="write checkpoints in the background: a save copies the state to host memory at a step "
-        "boundary and training goes on while it is written; true, false (every rank waits until its files are "
-        "written), or auto = true unless the copy does not fit in host memory (the plan's host/node column)",
-    )
-    convert_timeout_minutes: float = Field(
-        120.0,
-        gt=0,
-        description="how long every rank waits for a checkpoint's conversion to another stage or world size",
-    )
-
-
 class WandbSection(Section):
     """Weights & Biases logging, rank 0 only."""
 

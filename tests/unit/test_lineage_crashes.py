@@ -1,0 +1,587 @@
+"""The checkpoint lineage under every sequence a user and a cluster make, with a power loss at every
+file-system operation (issue 59).
+
+A model-based test (Hypothesis' stateful testing): the real store code (trainer/checkpoint/: the
+decisions of lineage.py, the saves, commits, prunes and the start of a run in directory.py and begin.py,
+the journal, the sealed conversions of seal.py, bin/export's choice) runs on a simulated file system
+(tests/simfs.py) with a fake engine in place of DeepSpeed (each rank writes its shard, fsynced, and
+reports it). The operations: a start (plain `--resume`, `checkpoint.resume: auto`, `--resume PATH` of the
+newest, of an older checkpoint: a rollback, of one in `abandoned/`, a fresh start), a supervisor's restart,
+a save (synchronous, or in the background and committed a step later), the next step failing with a
+background save written (its salvage), the end of a run, a conversion to universal files, an export, a
+file damaged in place or cut short (a checkpoint's, the journal, a universal file), and a full disk.
+Each may lose power at any file-system operation (`crash`: the k-th from its start), after which only
+what was durable survives.
+
+After every operation the model checks the invariants of docs/checkpoints.md:
+(a) a plain resume (its decision, then the digest check's fallback) continues the newest intact
+    checkpoint of the current line;
+(b) no intact checkpoint of the current line is removed but by `keep_last`, which never removes the newest
+    `keep_last` of the line;
+(c) a line left by a rollback is never resumed or pruned into the current one unless named;
+(d) what a resume, a conversion and an export read is verified: its bytes are the bytes written;
+(e) abandoned/ and damaged/ hold at most `keep_abandoned` / `keep_damaged` after a start.
+The model learns what a crash left from the durable state itself (was the checkpoint renamed into place?
+is the fork's record in the journal?), never from the code under test's decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from simfs import Crash, SimFS
+
+from trainer.checkpoint import journal, lineage, seal
+from trainer.checkpoint.directory import CheckpointDir, write_report
+from trainer.checkpoint.disk import (
+    ABANDONED,
+    DAMAGED,
+    STATE,
+    Found,
+    load_state,
+    tag_for,
+    verify_digests,
+)
+from trainer.errors import UserError
+
+RUN = Path("/run")
+ROOT = RUN / "checkpoints"
+WORLD, KEEP_LAST, KEEP_ABANDONED, KEEP_DAMAGED = 2, 2, 2, 2
+CRASH = st.none() | st.none() | st.integers(1, 160)  # the file-system operation of an attempt a power loss hits
+FULL = st.none() | st.none() | st.none() | st.integers(1, 160)  # ...or a full disk fails
+STATS: collections.Counter = collections.Counter()  # what the sequences covered, printed at the end
+_nonce = itertools.count()
+
+
+def fs_has(fs: SimFS, path: Path) -> bool:
+    return fs.exists(path)
+
+
+def durable_records(fs: SimFS) -> list[dict]:
+    """The journal as the durable state holds it, read without the code under test's parser."""
+    try:
+        raw = fs.read_bytes(ROOT / journal.JOURNAL)
+    except FileNotFoundError:
+        return []
+    return _records(raw)
+
+
+@functools.lru_cache(maxsize=4)
+def _records(raw: bytes) -> list[dict]:
+    out = []
+    for line in raw.split(b"\n"):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "event" in rec:
+            out.append(rec)
+    return out
+
+
+class Lineage(RuleBasedStateMachine):
+    """The model: every checkpoint ever committed (truth), the current line's head, the lines left."""
+
+    @initialize()
+    def setup(self) -> None:
+        self.fs = SimFS()
+        self.fs.mkdir(RUN)
+        self.fs.fsync_dir(Path("/"))
+        self.fs.ops = 0
+        self.truth: dict[str, dict] = {}  # id -> tag, step, parent, files {rel: bytes}
+        self.head: str | None = None  # the current line's newest committed checkpoint
+        self.left: set[str] = set()  # on lines left by rollbacks (or a fresh start)
+        self.pruned: set[str] = set()
+        self.known: set[str] = set()  # journal records learnt (by crc)
+        self.known_drops: set[str] = set()
+        self.dropped: set[str] = set()  # deleted with their set-aside directory (keep_abandoned/keep_damaged)
+        self.placed: dict = {}
+        self.damaged: set[str] = set()  # a file was damaged (twice at the same byte undoes it: intact() compares)
+        self.journal_damaged = False
+        self.universal_damaged: set[str] = set()
+        self.proc: dict | None = None  # the running process: cd, step, found, pending, started_with, job
+        self.last_job: tuple[str | None, str] | None = None  # (started_with, job) of the last supervised job
+        self.cache: dict = {}
+        self.committing: tuple | None = None
+        self.starting: tuple | None = None
+
+    # ----------------------------------------------------------------- model helpers
+    def ancestors(self, ident: str | None) -> list[str]:
+        out = []
+        while ident is not None and ident not in out:
+            out.append(ident)
+            ident = self.truth[ident]["parent"]
+        return out  # newest first
+
+    def where(self, ident: str) -> Path | None:
+        """Where a checkpoint is now (durable or not: what a reader sees), by its id."""
+        key = ("where", ident, self.fs.version)
+        if key not in self.cache:
+            self.cache = {k: v for k, v in self.cache.items() if k[2] == self.fs.version}
+            self.cache[key] = self._where(ident)
+        return self.cache[key]
+
+    def _where(self, ident: str) -> Path | None:
+        t = self.truth[ident]
+        places = [ROOT / t["tag"]] + [ROOT / kind / d / name for kind in (ABANDONED, DAMAGED)
+                                      for d in self.fs.listdir(ROOT / kind) for name in self.fs.listdir(ROOT / kind / d)
+                                      if name.startswith(t["tag"])]  # fmt: skip
+        for p in places:
+            state, _ = load_state(p, self.fs)
+            if state is not None and state.get("state_digest") == ident:
+                return p
+        return None
+
+    def intact(self, ident: str) -> bool:
+        p = self.where(ident)
+        if p is None:
+            return False
+        return all(self.fs.exists(p / rel) and self.fs.read_bytes(p / rel) == data
+                   for rel, data in self.truth[ident]["files"].items())  # fmt: skip
+
+    def expected(self) -> str | None:
+        """The newest intact checkpoint of the current line."""
+        return next((i for i in self.ancestors(self.head) if i not in self.pruned and self.intact(i)), None)
+
+    def describe(self) -> str:
+        return "; ".join(f"{self.truth[i]['tag']} ({i[:6]}{', damaged' if i in self.damaged else ''}"
+                         f"{', pruned' if i in self.pruned else ''} at {self.where(i)})" for i in self.ancestors(self.head))  # fmt: skip
+
+    def power_loss(self, what: str, kill: bool = False) -> None:
+        kind = "kill" if kill else "power loss"
+        STATS[f"{kind} in {what}"] += 1
+        STATS[f"{kind}s"] += 1
+        STATS[f"{kind} at a {self.fs.pending}"] += 1
+        if not kill:
+            self.fs.crash()
+        self.fs.version += 1
+        self.proc = None
+        self.settle()
+
+    def ended(self) -> None:
+        """The run ended with an error (a full disk): nothing is lost, but a commit may have happened."""
+        self.proc = None
+        self.settle()
+
+    def settle(self) -> None:
+        if self.committing is not None:  # what the durable state says of the commit under way
+            self.settle_commit(*self.committing)
+            self.committing = None
+        if self.starting is not None:  # ...and of the start under way (did it fork?)
+            self.settle_start(*self.starting)
+            self.starting = None
+
+    def learn_prunes(self) -> None:
+        """The prunes the durable journal records, learnt as they appear (a record damaged later is
+        remembered); a checkpoint named again by a rollback since is back."""
+        line = self.ancestors(self.head)
+        for rec in durable_records(self.fs):
+            if rec["crc"] in self.known:
+                continue
+            self.known.add(rec["crc"])
+            if rec["event"] == "fork":
+                self.pruned.discard((rec.get("source") or {}).get("id"))
+            for item in rec.get("items", []) if rec["event"] == "prune" else ():
+                i = item["id"]
+                assert i not in self.left, f"(c) a prune removed {item['tag']} of a line left by a rollback"
+                assert i not in line[:KEEP_LAST], f"(b) a prune removed {item['tag']}, one of the line's newest"
+                self.pruned.add(i)
+
+    # ----------------------------------------------------------------- the fake engine
+    def save_files(self, cd: CheckpointDir, step: int) -> tuple[Path, list[dict]]:
+        stage = cd.prepare(tag_for(step))
+        self.fs.mkdir(stage)
+        written = []
+        for rank in range(WORLD):
+            mine = {}
+            for name in (f"rng_rank{rank:05d}.pt", f"shard_rank{rank}.pt"):
+                data = f"{name} step {step} #{next(_nonce)}".encode() * 3
+                self.fs.write(stage / name, data)
+                self.fs.fsync(stage / name)
+                mine[name] = (len(data), self.fs.digest(stage / name))
+            self.fs.fsync_dir(stage)
+            write_report(stage, rank, mine, self.fs)
+            written.append(mine)
+        return stage, written
+
+    def commit(self, stage: Path, step: int, written: list[dict] | None, salvage: bool = False) -> None:
+        p = self.proc
+        cd, tag = p["cd"], tag_for(step)
+        meta = {"step": step, "samples": step * 8, "tokens": step * 1024}
+        parent = cd.lineage.parent if cd.lineage else None
+        staged: dict = {}
+
+        def note_manifest(state: dict) -> dict:
+            staged["id"] = state["state_digest"]
+            staged["files"] = {rel: self.fs.read_bytes(stage / rel) for rel in [*state["files"], STATE]}
+            return state
+
+        real = cd.write_manifest
+        cd.write_manifest = lambda *a, **k: note_manifest(real(*a, **k))
+        self.committing = (tag, step, parent, staged, p["job"])  # settled after a crash from the durable state
+        try:
+            if salvage:
+                cd.salvage(stage, tag, meta, {}, "exp: 1\n", WORLD, written[0])
+            else:
+                cd.commit(stage, tag, cd.write_manifest(stage, meta, {}, "exp: 1\n", written))
+                cd.prune(KEEP_LAST)
+        finally:
+            cd.write_manifest = real
+        self.settle_commit(*self.committing)
+        self.committing = None
+
+    def settle_commit(self, tag: str, step: int, parent: str | None, staged: dict, job: str | None = None) -> None:
+        """Whatever happened (a crash anywhere), what the durable state says about this commit."""
+        i = staged.get("id")
+        state, _ = load_state(ROOT / tag, self.fs)
+        if i is not None and state is not None and state.get("state_digest") == i:
+            self.truth[i] = {"tag": tag, "step": step, "parent": parent, "files": staged["files"], "job": job}
+            self.head = i
+            if self.proc is not None:
+                self.proc["step"], self.proc["pending"] = step, None
+        self.learn_prunes()
+
+    # ----------------------------------------------------------------- starting a run
+    def start(self, arg: str | None, mode: str, job: str | None, convert: bool) -> bool:
+        """The start of an attempt as cli and build make it: the decision, the digest check's fallback,
+        the directory made what the decision says (begin.py). False where it was refused."""
+        fs = self.fs
+        self.starting = (len(durable_records(fs)), None)
+        try:
+            decision, explicit = lineage.resolve(arg, mode, RUN, fs)
+            found = decision.found
+            skipped = []
+            if found is not None:
+                found, _, skipped, _ = lineage.verified(found, decision.fallbacks, explicit,
+                                                        lambda f: verify_digests(f, fs=fs), fs)  # fmt: skip
+                skipped = [*decision.skipped, *skipped]
+        except UserError as e:
+            self.check_refusal(str(e), arg, mode)
+            self.starting = None
+            return False
+        self.check_start_choice(found, explicit, arg, mode)
+        self.starting = (self.starting[0], found.id if found else None)
+        cd = CheckpointDir(ROOT, fs, keep_abandoned=KEEP_ABANDONED, keep_damaged=KEEP_DAMAGED, background_deletes=False)
+        cd.start(found, explicit=explicit, skipped=skipped, on_rollback="keep", job=job)
+        self.settle_start(*self.starting)
+        self.starting = None
+        self.proc = {"cd": cd, "step": found.step if found else 0, "found": found, "job": job}
+        if found is None and not fs.listdir(ROOT):
+            pass
+        self.check_bounded()
+        if convert and found is not None:
+            self.convert()
+        return True
+
+    def settle_start(self, before: int, target: str | None, forked: bool | None = None) -> None:
+        recs = durable_records(self.fs)[before:]
+        fork = next((r for r in recs if r["event"] == "fork"), None)
+        if forked is None:
+            forked = fork is not None
+        if forked and fork is not None:
+            new = (fork.get("source") or {}).get("id")
+            if new is None:  # a fresh start where a journal is
+                self.left |= set(self.ancestors(self.head))
+                self.head = None
+            else:
+                STATS["rollbacks"] += 1
+                self.left |= set(self.ancestors(self.head)) - set(self.ancestors(new))
+                self.left -= set(self.ancestors(new))
+                self.pruned.discard(new)  # named again
+                self.head = new
+
+    def check_start_choice(self, found: Found | None, explicit: bool, arg: str | None, mode: str) -> None:
+        if explicit:
+            assert found is not None and str(found.path) == str(arg), f"--resume {arg} resumed {found and found.path}"
+            assert self.intact(found.id), f"(d) --resume {arg}: resumed damaged bytes"
+            return
+        if arg is None and mode == "never":
+            assert found is None
+            return
+        want = self.expected()
+        got = found.id if found is not None else None
+        assert got == want, (
+            f"(a) a plain resume took {found and found.tag} ({got}), the newest intact of the line is "
+            f"{want and self.truth[want]['tag']} ({want}); line {[self.truth[i]['tag'] for i in self.ancestors(self.head)]}"
+        )
+        assert got is None or got not in self.left or got in self.ancestors(self.head), "(c) resumed a left line"
+
+    def check_refusal(self, text: str, arg: str | None, mode: str) -> None:
+        STATS["refusals"] += 1
+        if "already holds checkpoints" in text or "starting fresh would abandon it" in text:
+            assert arg is None and mode == "never"
+        elif "nothing to resume" in text or "none can be resumed" in text or "no earlier checkpoint" in text:
+            assert self.expected() is None or self.journal_damaged, f"refused, yet the line holds intact ones: {self.describe()}: {text}"
+        elif "journal.jsonl: line" in text:
+            assert self.journal_damaged, f"refused over a journal that was not damaged: {text}"
+        elif "is damaged" in text:
+            assert arg not in (None, "latest"), text
+        else:
+            raise AssertionError(f"unexpected refusal: {text}")
+
+    def check_bounded(self) -> None:
+        for kind, keep in ((ABANDONED, KEEP_ABANDONED), (DAMAGED, KEEP_DAMAGED)):
+            held = self.fs.listdir(ROOT / kind)
+            line = {self.where(i) for i in self.ancestors(self.head)} - {None}
+            free = [d for d in held if not any((ROOT / kind / d) in p.parents for p in line)]
+            assert len(free) <= keep, f"(e) {kind}/ holds {len(free)} > {keep}: {held}"
+
+    # ----------------------------------------------------------------- rules
+    @rule(
+        how=st.sampled_from(["plain", "plain", "auto", "head", "fresh", "older", "abandoned", "restart"]),
+        pick=st.integers(0, 20), supervised=st.booleans(), convert=st.booleans(),
+        saves=st.lists(st.booleans(), max_size=3), fails=st.booleans(), crash=CRASH, full=FULL, kill=st.booleans(),
+    )  # fmt: skip
+    def run(self, how: str, pick: int, supervised: bool, convert: bool, saves: list[bool], fails: bool,
+            crash: int | None, full: int | None = None, kill: bool = False) -> None:  # fmt: skip
+        """One attempt of a job, start to exit: how it starts (a plain `--resume`, checkpoint.resume: auto,
+        `--resume PATH` of the newest, of an older checkpoint (a rollback), of one in abandoned/, a fresh
+        start, or the supervisor's restart of the last supervised job), a conversion as it loads, saves
+        (each synchronous or in the background: committed at the next step), and its end: clean, or the
+        step after a background save failing (the error path commits what every rank wrote). A power loss
+        at the `crash`-th file-system operation of the attempt (`kill`: the process killed there instead,
+        what it wrote stays), or a full disk at the `full`-th."""
+        fs = self.fs
+        self.placed = {i: self.where(i) for i in self.truth}  # where each was as the attempt began
+        if how != "restart":
+            self.last_job = None  # a supervisor restarts its job at once: no other attempt comes between
+        fs.crash_at = fs.ops + crash if crash else None
+        fs.full_at = fs.ops + full if full else None
+        STATS["attempts"] += 1
+        try:
+            self.attempt(how, pick, supervised, convert, saves, fails)
+        except Crash:
+            self.power_loss(f"attempt ({how})", kill)
+        except OSError:
+            STATS["full disks"] += 1
+            self.ended()
+        finally:
+            fs.crash_at = fs.full_at = None
+            self.proc = None
+        self.learn_drops()
+
+    def learn_drops(self) -> None:
+        """Set-aside directories deleted by keep_abandoned / keep_damaged (durable `drop` records): what
+        was in them is gone by rule, and never a checkpoint of the current line."""
+        line = set(self.ancestors(self.head))
+        for rec in durable_records(self.fs):
+            if rec["event"] != "drop" or rec["crc"] in self.known_drops:
+                continue
+            self.known_drops.add(rec["crc"])
+            gone = [i for i, p in self.placed.items() if p is not None and ROOT / rec["dir"] in p.parents]
+            assert not set(gone) & line, f"(e) keep_abandoned deleted {rec['dir']}, which holds the current line's"
+            self.dropped |= set(gone)
+
+    def attempt(self, how: str, pick: int, supervised: bool, convert: bool, saves: list[bool], fails: bool) -> None:
+        arg, mode, job = self.how(how, pick, supervised)
+        if arg == "skip":
+            return
+        STATS[f"start {how}"] += 1
+        if not self.start(arg, mode, job, convert):
+            return
+        for n, background in enumerate(saves):
+            STATS["saves " + ("(background)" if background else "(sync)")] += 1
+            p = self.proc
+            step = p["step"] + 2
+            stage, written = self.save_files(p["cd"], step)
+            last = n == len(saves) - 1
+            if background and last and fails:  # the next step fails: the error path commits it
+                STATS["background saves salvaged (the next step failed)"] += 1
+                self.commit(stage, step, written, salvage=True)
+                assert not fs_has(self.fs, stage), "a background save every rank had written was not committed"
+                return
+            self.commit(stage, step, written)  # sync: now; background: at the next step, the same operations
+        self.proc["cd"].wait_deletes()
+
+    def how(self, how: str, pick: int, supervised: bool) -> tuple[str | None, str, str | None]:
+        """(the --resume argument, checkpoint.resume, the job) of an attempt; ("skip", ...) where it cannot be."""
+        if how == "restart":
+            if self.last_job is None:
+                return "skip", "", None
+            started_with, job = self.last_job
+            arg = lineage.restart_resume(RUN, started_with, job, self.fs)
+            mine = any(t.get("job") == job and self.where(i) is not None for i, t in self.truth.items())
+            if not mine and self.fs.exists(Path(started_with) / STATE):
+                assert arg == started_with, f"a restart before the job's first commit resumed {arg}, not {started_with}"
+            return arg, "never", job
+        if how in ("older", "abandoned"):
+            pool = [i for i in self.truth if i in (self.left if how == "abandoned" else set(self.ancestors(self.head)[1:]))]
+            places = [p for p in (self.where(i) for i in pool) if p is not None]
+            if not places:
+                return "skip", "", None
+            arg = str(places[pick % len(places)])
+            job = f"job{next(_nonce)}" if supervised else None
+            if supervised:
+                self.last_job = (arg, job)
+            return arg, "never", job
+        if how == "head":
+            where = self.where(self.head) if self.head else None
+            return (str(where) if where else "skip"), "never", None
+        return {"plain": ("latest", "never", None), "auto": (None, "auto", None), "fresh": (None, "never", None)}[how]
+
+    def convert(self) -> None:
+        """A resume on another stage or world size, as it loads: universal files made from the resumed
+        checkpoint (its bytes verified a moment before), checked by every reader against their marker,
+        made again when damaged (reshard.converted)."""
+        STATS["conversions"] += 1
+        found, fs = self.proc["found"], self.fs
+        final = found.path / "universal"
+        truth = self.truth.get(found.id)
+
+        def make(out: Path) -> None:
+            for rel in sorted(found.state["files"]):
+                fs.write(out / f"u-{rel}", b"U" + fs.read_bytes(found.path / rel))
+                fs.fsync(out / f"u-{rel}")
+
+        try:
+            for again in (False, True):
+                made = seal.build_sealed(final, make, force=again, fs=fs)
+                if made:
+                    seal.record(ROOT, found.path, "universal", fs)
+                if not seal.problems(final, fs=fs):
+                    break
+        finally:
+            pass
+        assert not seal.problems(final, fs=fs), "(d) a conversion left damaged universal files"
+        if truth is not None:
+            for rel in found.state["files"]:
+                assert fs.read_bytes(final / f"u-{rel}") == b"U" + truth["files"][rel], "(d) universal from damaged bytes"
+        self.universal_damaged.discard(found.id)
+
+    @rule(pick=st.integers(0, 50), truncate=st.booleans(), what=st.sampled_from(["checkpoint", "journal", "universal"]))
+    def damage(self, pick: int, truncate: bool, what: str) -> None:
+        fs = self.fs
+        if what == "journal":
+            if not fs.exists(ROOT / journal.JOURNAL) or truncate:
+                return  # a journal cut short is a crash's torn tail: the crash rule covers it
+            fs.damage(ROOT / journal.JOURNAL)
+            self.journal_damaged = True
+            STATS["damaged: journal"] += 1
+            return
+        ids = [i for i in self.truth if self.where(i) is not None]  # in the order they were committed
+        if not ids:
+            return
+        i = ids[pick % len(ids)]
+        p = self.where(i)
+        if what == "universal":
+            files = [f for f in fs.files_under(p / "universal")]
+            if files:
+                fs.damage(p / "universal" / files[pick % len(files)], truncate)
+                self.universal_damaged.add(i)
+                STATS["damaged: universal file"] += 1
+            return
+        files = sorted(self.truth[i]["files"])
+        rel = files[pick % len(files)]
+        fs.damage(p / rel, truncate)
+        self.damaged.add(i)
+        STATS["damaged: " + ("truncated" if truncate else "in place")] += 1
+
+    # ----------------------------------------------------------------- after every step
+    @invariant()
+    def lineage_holds(self) -> None:
+        if not hasattr(self, "fs"):
+            return
+        full, self.fs.full_at = self.fs.full_at, None  # reading needs no space
+        try:
+            self._check()
+        finally:
+            self.fs.full_at = full
+
+    def _check(self) -> None:
+        fs = self.fs
+        line = self.ancestors(self.head)
+        for i in line:  # (b) every intact checkpoint of the line is still there, unless pruned
+            if i not in self.pruned and i not in self.damaged and i not in self.dropped:
+                assert self.where(i) is not None, f"(b) {self.truth[i]['tag']} of the current line is gone"
+        try:
+            d = lineage.plain(lineage.View.read(ROOT, fs))
+            found = d.found
+            if found is not None:
+                found = lineage.verified(found, d.fallbacks, False, lambda f: verify_digests(f, fs=fs), fs)[0]
+        except UserError as e:
+            text = str(e)
+            assert ("journal.jsonl: line" in text and self.journal_damaged) or self.expected() is None, (
+                f"{text}; line: {self.describe()}")
+            return
+        want = self.expected()
+        got = found.id if found is not None else None
+        assert got == want, (
+            f"(a) a plain resume now would take {found and found.path}, the newest intact of the line is "
+            f"{want and self.where(want)}; line {[self.truth[i]['tag'] for i in line]}"
+        )
+        assert got is None or self.intact(got), "(d) a resume would read damaged bytes"
+
+
+Lineage.TestCase.settings = settings(
+    max_examples=int(__import__('os').environ.get('LINEAGE_EXAMPLES', 400)), stateful_step_count=int(__import__('os').environ.get('LINEAGE_STEPS', 30)), deadline=None, derandomize=True, database=None,
+    suppress_health_check=list(HealthCheck),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_coverage():
+    yield
+    print("\nlineage crash test: " + ", ".join(f"{k} {v}" for k, v in sorted(STATS.items())))
+
+
+TestLineage = Lineage.TestCase
+
+
+# ----------------------------------------------------------------------------- every operation, in turn
+# (setup attempts, the attempt whose every file-system operation is crashed in turn, the recovery)
+PLAIN = {"how": "plain", "pick": 0, "supervised": False, "convert": False, "saves": [], "fails": False}
+SCENARIOS = {
+    "a save and its prune": ([{**PLAIN, "how": "auto", "saves": [False, False]}], {**PLAIN, "saves": [False]}, PLAIN),
+    "a background save committed a step later": ([{**PLAIN, "how": "auto", "saves": [False]}],
+                                                 {**PLAIN, "saves": [True, False]}, PLAIN),
+    "a background save salvaged as the next step fails": ([{**PLAIN, "how": "auto", "saves": [False]}],
+                                                          {**PLAIN, "saves": [True], "fails": True}, PLAIN),
+    "a rollback (fork) and its first save": ([{**PLAIN, "how": "auto", "saves": [False, False, False]}],
+                                             {**PLAIN, "how": "older", "supervised": True, "saves": [False]},
+                                             {**PLAIN, "how": "restart"}),
+    "a rollback into abandoned/": ([{**PLAIN, "how": "auto", "saves": [False, False, False]},
+                                    {**PLAIN, "how": "older", "saves": [False]}],
+                                   {**PLAIN, "how": "abandoned", "supervised": True, "saves": [False]},
+                                   {**PLAIN, "how": "restart"}),
+    "a conversion as a resume loads": ([{**PLAIN, "how": "auto", "saves": [False]}], {**PLAIN, "convert": True}, PLAIN),
+    "the first save of a run directory": ([], {**PLAIN, "how": "auto", "saves": [False, False]}, PLAIN),
+}
+
+
+def crash_points(name: str) -> tuple[list[dict], dict, dict, int]:
+    setup, attempt, recovery = SCENARIOS[name]
+    m = Lineage()
+    m.setup()
+    for step in setup:
+        m.run(**step, crash=None)
+    before = m.fs.ops
+    m.run(**attempt, crash=None)
+    return setup, attempt, recovery, m.fs.ops - before
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_crash_at_every_file_system_operation_of_each_scenario(name):
+    """Every file-system operation of the attempt, in turn: killed there (what was written stays) and a
+    power loss there (only what was durable stays); then the recovery attempt. The invariants hold after
+    each, and every damaged checkpoint... (the model's checks, above)."""
+    setup, attempt, recovery, ops = crash_points(name)
+    for kill in (True, False):
+        for k in range(1, ops + 1):
+            m = Lineage()
+            m.setup()
+            for step in setup:
+                m.run(**step, crash=None)
+            m.run(**attempt, crash=k, kill=kill)
+            m.lineage_holds()
+            m.run(**recovery, crash=None)
+            m.lineage_holds()
+    STATS[f"every operation: {name}"] += 2 * ops
+    print(f"{name}: killed and power lost at each of its {ops} file-system operations; the invariants held")

@@ -1,0 +1,137 @@
+"""The lineage journal: `<run_dir>/checkpoints/journal.jsonl`, one record per event, appended and
+fsynced before the directories it explains are moved or deleted. It is the only truth about which
+line of checkpoints a run directory is on; `latest` is a cache derived from it.
+
+Each record is one line of JSON with the event, its fields, and `crc`: the xxh3-64 of the canonical JSON
+of the rest, so that a record damaged in place is told from one written whole. The events:
+
+- `commit`: a checkpoint was committed (renamed to its final name): tag, step, id (its manifest's
+  digest), parent (the id it continues; null for a fresh start), line, job (the supervisor's job id);
+- `fork`: a resume of a checkpoint other than the line's newest (a rollback, or a checkpoint from
+  elsewhere): the new line, its source (id, tag, step, path), and the checkpoints that leave this
+  directory (`leaving`, moved to `to` or removed);
+- `aside`: checkpoints set aside at start, to `damaged/` (damaged) or `abandoned/` (no part of the
+  line: the rest of an interrupted fork);
+- `prune`: checkpoints `keep_last` removes (recorded before the first is renamed away);
+- `convert`: a checkpoint's universal files (their marker's digest, which holds every file's digest);
+- `import`: the first record of a run directory written before journals existed: its line as the old
+  rules read it (oldest first);
+- `drop`: a set-aside directory deleted by `keep_abandoned` / `keep_damaged`.
+
+A crash during an append leaves a torn last line (or a few bytes of garbage after the last record):
+it was never acknowledged, so it is ignored, and the next append first cuts the file back to its last
+whole record. A damaged line followed by whole records is damage after the fact: readers are told
+(`Parsed.damaged`), and a plain resume refuses when the damage could hide the current line.
+No torch, no DeepSpeed: tests/unit/test_lineage*.py exercise it on a simulated file system.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.fs import LOCAL, LocalFS
+
+JOURNAL = "journal.jsonl"
+EVENTS = ("commit", "fork", "aside", "prune", "convert", "import", "drop")
+
+
+def _crc(fields: dict[str, Any]) -> str:
+    import xxhash
+
+    return xxhash.xxh3_64(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def encode(event: str, fields: dict[str, Any]) -> bytes:
+    if event not in EVENTS:
+        raise ValueError(f"unknown journal event {event!r}")
+    rec = {"event": event, **fields, "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    rec["crc"] = _crc(rec)
+    return (json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
+def decode(line: bytes) -> dict[str, Any] | None:
+    """A record, or None where the line is not one written whole."""
+    try:
+        rec = json.loads(line.decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("event") not in EVENTS:
+        return None
+    rest = {k: v for k, v in rec.items() if k != "crc"}
+    return rec if rec.get("crc") == _crc(rest) else None
+
+
+@dataclass(frozen=True)
+class Record:
+    n: int  # line number in the journal (1-based)
+    event: str
+    data: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+
+@dataclass
+class Parsed:
+    records: list[Record] = field(default_factory=list)
+    damaged: list[int] = field(default_factory=list)  # line numbers damaged in place (whole records after)
+    torn: bool = False  # bytes after the last whole record (a crash during an append)
+    good_end: int = 0  # byte offset just after the last whole record
+    exists: bool = False
+
+
+@functools.lru_cache(maxsize=8)  # a start reads the same journal a few times (readers never change a Parsed)
+def parse(raw: bytes | None) -> Parsed:
+    out = Parsed(exists=raw is not None)
+    if not raw:
+        return out
+    lines = raw.split(b"\n")
+    lines.pop()  # after the last newline: b"" when the file ends with one, else a torn line
+    offset, bad = 0, []
+    for i, line in enumerate(lines, 1):
+        end = offset + len(line) + 1
+        rec = decode(line)
+        if rec is None:
+            bad.append((i, offset))
+        else:
+            out.records.append(Record(i, rec["event"], rec))
+            out.good_end = end
+        offset = end
+    out.damaged = [i for i, off in bad if off < out.good_end]
+    out.torn = len(raw) > out.good_end
+    return out
+
+
+def read(root: Path, fs: LocalFS = LOCAL) -> Parsed:
+    path = Path(root) / JOURNAL
+    try:
+        raw = fs.read_bytes(path)
+    except FileNotFoundError:
+        return parse(None)
+    return parse(raw)
+
+
+def append(root: Path, event: str, fs: LocalFS = LOCAL, **fields: Any) -> Record:
+    """Append one record and fsync it (rank 0). A torn tail left by a crash is cut off first; the
+    first record of a journal also makes its directory entry durable."""
+    root = Path(root)
+    path = root / JOURNAL
+    try:
+        raw = fs.read_bytes(path)
+    except FileNotFoundError:
+        raw = None
+    now = parse(raw)
+    if now.torn:  # a crash during the last append: that record was never acknowledged
+        raw = raw[: now.good_end]
+        fs.durable_write(path, raw)
+    line = encode(event, fields)
+    fs.append(path, line)
+    fs.fsync(path)
+    if not now.exists:
+        fs.fsync_dir(root)
+    return Record((raw or b"").count(b"\n") + 1, event, decode(line[:-1]) or {})

@@ -1,0 +1,465 @@
+"""Which checkpoint a resume, a restart, pruning and export take: a pure function of the journal
+(journal.py) and a scan of the checkpoints directory. No torch, no DeepSpeed, no writes here: what
+follows from a decision is done by trainer/checkpoint/directory.py.
+
+A line is a sequence of checkpoints trained one from the other. Every checkpoint records its line and
+its parent (the checkpoint its training continued) in its manifest, and the journal records each
+commit, each fork (a resume of anything but the line's newest: a new line), each set-aside and prune.
+The current line is the line of the journal's last commit or fork; its head is that commit (or the
+fork's source). A checkpoint committed on the current line whose journal record a crash prevented
+(renamed into place, then killed) names the head as its parent and the current line: it is adopted as
+the new head. The invariants (docs/checkpoints.md), which tests/unit/test_lineage_crashes.py checks after
+every operation and every crash:
+
+- a plain resume continues the newest intact checkpoint of the current line: the head, else down its
+  parents, each verified (a damaged one is named once and set aside);
+- no intact checkpoint of the current line is removed but by `keep_last`, which keeps that many intact;
+- a line left by a rollback is never resumed or pruned into the current one unless named;
+- a plain resume refuses (exit 2) where damage to the journal could hide the current line, never guesses.
+
+A run directory written before journals existed is read by the rules of that time (`legacy_latest`),
+and gets a journal at its next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import journal
+from trainer.checkpoint.disk import (
+    ABANDONED,
+    LATEST,
+    STATE,
+    STEP_DIR,
+    Entry,
+    Found,
+    checkpoints_dir,
+    entry,
+    load_state,
+    named_by_latest,
+    scan,
+    state_problem,
+    tag_for,
+    verify,
+)
+from trainer.checkpoint.fs import LOCAL, LocalFS
+from trainer.errors import UserError
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class View:
+    """A checkpoints directory as read once: its journal and its step_* directories."""
+
+    root: Path
+    fs: LocalFS
+    log: journal.Parsed
+    disk: list[Entry]
+    _abandoned: dict[str, Entry] | None = None
+
+    @classmethod
+    def read(cls, root: Path, fs: LocalFS = LOCAL) -> View:
+        root = Path(root)
+        return cls(root, fs, journal.read(root, fs), scan(root, fs))
+
+    # ----------------------------------------------------------------- the graph
+    @property
+    def records(self) -> list[journal.Record]:
+        return self.log.records
+
+    def events(self, *kinds: str) -> list[journal.Record]:
+        return [r for r in self.records if r.event in kinds]
+
+    def pruned(self) -> set[str]:
+        """Checkpoints a prune recorded (gone, or going: never resumed, removed at the next start), but
+        for one named again since (a fork's source: resumed by path after its prune was recorded)."""
+        out: set[str] = set()
+        for r in self.events("prune", "fork"):
+            if r.event == "prune":
+                out |= {i["id"] for i in r.get("items", []) if i.get("id")}
+            else:
+                out.discard((r.get("source") or {}).get("id"))
+        return out
+
+    @functools.cached_property
+    def index(self) -> dict[str, dict[str, Any]]:
+        """The journal and the scan by id, built once: by_id (here), commit (its record), import_prev,
+        tag (what a record names it), source (a fork's path), unreadable (here, by tag)."""
+        out: dict[str, dict[str, Any]] = {k: {} for k in ("by_id", "commit", "import_prev", "tag", "source")}
+        out["by_id"] = {e.id: e for e in self.disk if e.id is not None}
+        out["unreadable"] = {e.tag: e for e in self.disk if e.state is None}
+        for r in self.records:
+            if r.event == "commit":
+                out["commit"][r.get("id")] = r
+                out["tag"][r.get("id")] = r.get("tag")
+            elif r.event == "import":
+                ids = [c["id"] for c in r.get("chain") or []]
+                out["import_prev"].update({i: (ids[n - 1] if n else None) for n, i in enumerate(ids)})
+                out["tag"].update({c["id"]: c["tag"] for c in r.get("chain") or []})
+            elif r.event == "fork" and (r.get("source") or {}).get("path"):
+                out["source"][r.get("source")["id"]] = r.get("source")["path"]
+        return out
+
+    def by_id(self) -> dict[str, Entry]:
+        return self.index["by_id"]
+
+    def current(self) -> tuple[str | None, str | None, list[int]]:
+        """(the current line, its head's id, journal lines damaged after the record that says so)."""
+        line = head = None
+        at = 0
+        for r in self.records:
+            if r.event == "commit":
+                line, head, at = r.get("line"), r.get("id"), r.n
+            elif r.event == "fork":
+                line, head, at = r.get("line"), (r.get("source") or {}).get("id"), r.n
+            elif r.event == "import":
+                chain = r.get("chain") or []
+                line, head, at = r.get("line"), chain[-1]["id"] if chain else None, r.n
+        recorded = set(self.index["commit"])
+        while line is not None:  # committed here, its journal record lost to a crash: adopted
+            kids = [e for e in self.disk if e.id not in recorded and e.id is not None
+                    and e.lineage("line") == line and e.lineage("parent") == head]  # fmt: skip
+            if not kids:
+                break
+            kid = max(kids, key=lambda e: e.step)
+            head = kid.id
+            recorded.add(head)
+        return line, head, [n for n in self.log.damaged if n > at]
+
+    def parent_of(self, ident: str, located: Entry | None) -> str | None:
+        rec = self.index["commit"].get(ident)
+        if rec is not None:
+            return rec.get("parent")
+        if located is not None and located.state is not None and located.lineage("line") is not None:
+            return located.lineage("parent")
+        if ident in self.index["import_prev"]:
+            return self.index["import_prev"][ident]
+        if located is not None and located.state is not None and located.path.parent == self.root:
+            # a checkpoint from before lineages: the line as the old rules read it (the next older one)
+            older = [e for e in self.disk if e.state is not None and e.lineage("line") is None and e.step < located.step]
+            return older[-1].id if older else None
+        return None
+
+    def locate(self, ident: str) -> Entry | None:
+        """Where the checkpoint `ident` is now: in this directory, or a fork's source elsewhere."""
+        here = self.index["by_id"].get(ident)
+        if here is not None:
+            return here
+        tag = self.index["tag"].get(ident)
+        if tag is not None and tag in self.index["unreadable"]:  # its manifest damaged: known by its tag
+            return self.index["unreadable"][tag]
+        path = self.index["source"].get(ident)
+        if path is not None:
+            e = entry(Path(path), self.fs)
+            if e is not None and e.id in (ident, None):
+                return e
+        return self._aside().get(ident)  # a rollback's source kept in abandoned/ (its record damaged)
+
+    def _aside(self) -> dict[str, Entry]:
+        """The checkpoints in abandoned/, by id (read once, where the journal cannot say where one is)."""
+        if self._abandoned is None:
+            root = self.root / ABANDONED
+            self._abandoned = {e.id: e for d in self.fs.listdir(root) for n in self.fs.listdir(root / d)
+                               if (e := entry(root / d / n, self.fs)) is not None and e.id is not None}  # fmt: skip
+        return self._abandoned
+
+    def chain(self, head: str | None, first: Entry | None = None) -> list[tuple[str, Entry | None]]:
+        """The line below `head`, newest first: (id, where it is now or None). `first`: where the head
+        is, when known (a checkpoint named by path)."""
+        out, seen, pruned = [], set(), self.pruned()
+        while head is not None and head not in seen:
+            seen.add(head)
+            if first is not None and not out:
+                where = first
+            else:  # a pruned one is looked for only where it may still be (a crash after its record)
+                where = self.index["by_id"].get(head) if head in pruned else self.locate(head)
+            out.append((head, where))
+            head = self.parent_of(head, where)
+        return out
+
+    def ancestors(self, found: Found) -> set[str]:
+        """The ids on `found`'s line (itself included)."""
+        ids = {i for i, _ in self.chain(found.id, Entry(found.path, found.step, found.state))}
+        if found.lineage("line") is None:  # from before lineages: the older ones here
+            ids |= {e.id for e in self.disk if e.id is not None and e.step < found.step}
+        return ids
+
+
+# --------------------------------------------------------------------------------------------- decisions
+
+
+@dataclass
+class Decision:
+    """What a resume starts from, and what it passed over."""
+
+    found: Found | None
+    fallbacks: list[Found] = field(default_factory=list)  # the line below `found`, newest first
+    warnings: list[str] = field(default_factory=list)
+    skipped: list[Entry] = field(default_factory=list)  # newer on the line, damaged: set aside at start
+
+
+def _said(e: Entry, why: list[str] | str) -> str:
+    text = why if isinstance(why, str) else "; ".join(why[:3])
+    return f"checkpoint {e.path} is damaged ({text}); skipping it"
+
+
+def plain(view: View) -> Decision:
+    """`--resume` (and a restart, and checkpoint.resume: auto): the newest intact checkpoint of the
+    current line. Raises UserError where journal damage could hide which line is current."""
+    if not view.records:  # no journal (or none of it whole): the rules from before journals
+        return legacy_latest(view)
+    line, head, damaged = view.current()
+    if damaged:
+        raise UserError(
+            f"{view.root / journal.JOURNAL}: line(s) {', '.join(map(str, damaged))} are damaged (not as they were "
+            "written) after the record that says which line of checkpoints is current, so a plain resume cannot "
+            "tell which line to continue. Name the checkpoint to continue with --resume PATH (a step_* directory; "
+            "that starts a new line in the journal), or restore the journal from a backup"
+        )
+    pruned = view.pruned()
+    out = Decision(None)
+    line_entries = [(i, e) for i, e in view.chain(head) if e is not None and i not in pruned]
+    for n, (_, e) in enumerate(line_entries):
+        why = [e.why] if e.state is None else verify(e.path, e.state, view.fs)
+        if not why:
+            out.found = e.found
+            out.fallbacks = [x.found for _, x in line_entries[n + 1 :] if x.state is not None]
+            break
+        out.skipped.append(e)
+        out.warnings.append(_said(e, why))
+    return out
+
+
+def verified(
+    found: Found, fallbacks: list[Found], explicit: bool, digest_problems: Callable[[Found], list[str]],
+    fs: LocalFS = LOCAL,
+) -> tuple[Found, list[Found], list[Entry], list[str]]:
+    """The first of `found` and its line below it whose every file's bytes match their digests
+    (`digest_problems(found)` -> problems; the ranks share the reads in build): (it, the line below it,
+    the ones passed over as damaged, what was said). A damaged checkpoint named by path stops the run."""
+    skipped, said = [], []
+    line = [found, *fallbacks]
+    for n, f in enumerate(line):
+        bad = digest_problems(f) if n == 0 or not verify(f.path, f.state, fs) else ["its manifest check failed"]
+        if not bad:
+            return f, line[n + 1 :], skipped, said
+        if explicit:
+            raise UserError(
+                f"--resume {f.path}: the checkpoint is damaged: " + "; ".join(bad[:5]), everywhere=True
+            )
+        skipped.append(Entry(f.path, f.step, f.state))
+        nxt = next((x for x in line[n + 1 :] if not verify(x.path, x.state, fs)), None)
+        said.append(f"checkpoint {f.path} is damaged ({'; '.join(bad[:3])}); "
+                    + (f"resuming from {nxt.tag} instead" if nxt else "no earlier checkpoint of its line is left"))  # fmt: skip
+    raise UserError(f"{found.path} is damaged and no earlier checkpoint of its line is intact ({' '.join(said)[:800]}); "
+                    "start fresh in another run_dir", everywhere=True)  # fmt: skip
+
+
+def legacy_latest(view: View) -> Decision:
+    """A directory without a journal, read by the rules from before journals: `latest` names the
+    checkpoint, unless a save was committed and stopped before replacing `latest` (the one newer
+    checkpoint whose `previous` is what `latest` names); without a usable `latest`, the newest.
+    Newer checkpoints that are not that are another line (moved aside at start)."""
+    root, fs = view.root, view.fs
+    done = [e for e in view.disk if e.state is not None]
+    named = named_by_latest(root, fs)
+    by_tag = {e.tag: e for e in done}
+    start, out = done, Decision(None)
+    if named is not None and named in by_tag:
+        target = by_tag[named]
+        newer = [e for e in done if e.step > target.step]
+        if not (len(newer) == 1 and newer[0].state.get("previous") == named) and newer:
+            start = [e for e in done if e.step <= target.step]
+            out.warnings.append(f"{root / LATEST} names {named}, older than {', '.join(e.tag for e in newer)}: "
+                                f"resuming from {named} as `latest` says (the newer ones are another line)")  # fmt: skip
+    elif named is not None and done:
+        what = "names no checkpoint" if not STEP_DIR.match(named) else "names no complete checkpoint"
+        out.warnings.append(f"{root / LATEST} is damaged or stale ({named[:40]!r} {what}); it is not needed: "
+                            "resuming from the newest complete checkpoint")  # fmt: skip
+    top = max((e.step for e in start), default=-1)
+    bad = [e for e in view.disk if e.state is None and e.step <= (top if start is not done else 1 << 62)]
+    line = sorted([*start, *bad], key=lambda e: -e.step)
+    said = []
+    for n, e in enumerate(line):
+        why = [e.why] if e.state is None else verify(e.path, e.state, fs)
+        if not why:
+            out.found = e.found
+            out.fallbacks = [x.found for x in line[n + 1 :] if x.state is not None]
+            break
+        out.skipped.append(e)
+        said.append(_said(e, why))
+    out.warnings[:0] = said
+    return out
+
+
+def explicit(path: Path, fs: LocalFS = LOCAL) -> Found:
+    """`--resume PATH` of a step directory: the checkpoint, or a UserError naming what is damaged."""
+    state, why = load_state(path, fs)
+    if why is not None:
+        raise UserError(f"--resume {path}: the checkpoint is damaged: {why}")
+    problems = verify(path, state, fs)
+    if problems:
+        raise UserError(f"--resume {path}: the checkpoint is damaged: " + "; ".join(problems))
+    return Found(Path(path), state)
+
+
+def is_head(view: View, found: Found) -> bool:
+    """`found` is what a plain resume of `view` continues (no rollback)."""
+    if not view.records:
+        legacy = legacy_latest(view).found
+        return legacy is not None and legacy.path.resolve() == found.path.resolve()
+    _, head, _ = view.current()
+    return head == found.id
+
+
+def refuse_fresh(view: View) -> None:
+    """A fresh start in a directory holding checkpoints, readable or not, or whose journal's line goes on
+    from one elsewhere (a rollback into abandoned/ not yet saved), would mix two runs."""
+    elsewhere = None
+    if not view.disk and view.records:
+        with contextlib.suppress(UserError):
+            elsewhere = plain(view).found
+    if elsewhere is not None:
+        raise UserError(
+            f"{view.root}: the run's line continues from {elsewhere.path} (resumed, not yet saved again); starting "
+            "fresh would abandon it. Resume with --resume, or choose another run_dir (--set run_dir=...)"
+        )
+    if view.disk:
+        bad = [e.tag for e in view.disk if e.state is None]
+        said = f" ({len(bad)} of them unreadable: {', '.join(bad[:4])})" if bad else ""
+        raise UserError(
+            f"{view.root} already holds checkpoints (newest: {view.disk[-1].tag}){said}; starting fresh would mix "
+            "runs and replace them. Resume with --resume (or checkpoint.resume: auto), or name one with "
+            f"--resume PATH, or choose another run_dir (--set run_dir=...), or move {view.root} away"
+        )
+
+
+def resolve(arg: str | None, mode: str, run_dir: str | Path, fs: LocalFS = LOCAL) -> tuple[Decision, bool]:
+    """What to resume from: `--resume` (arg 'latest'), `--resume PATH`, or checkpoint.resume: auto.
+    Returns (the decision, whether the checkpoint was named explicitly)."""
+    root = checkpoints_dir(run_dir)
+    view = View.read(root, fs)
+    if arg is None and mode == "never":
+        refuse_fresh(view)
+        return Decision(None), False
+    if arg is None or arg == "latest":
+        d = plain(view)
+        if d.found is not None:
+            return d, False
+        if arg is None and not view.disk:  # auto: nothing there yet, start fresh
+            return d, False
+        if arg is None:  # auto over checkpoints none of which can be resumed: never start over them
+            raise UserError(
+                f"checkpoint.resume: auto: {root} holds checkpoints but none can be resumed ("
+                + " ".join(d.warnings)[:600]
+                + "); starting fresh there would prune and mix them. Repair them, resume one with --resume PATH, "
+                "or choose another run_dir"
+            )
+        looked = f"looked in {root.resolve()} for the journal, '{LATEST}' and step_* directories"
+        raise UserError(
+            f"--resume: nothing to resume: no complete checkpoint ({looked}). " + " ".join(d.warnings)
+        )
+    path = Path(arg)
+    if fs.exists(path / STATE) or (STEP_DIR.match(path.name) and fs.is_dir(path)):
+        return Decision(explicit(path, fs)), True  # a damaged one stops the run; a rollback if not the head
+    for guess in (path, path / "checkpoints"):  # a checkpoints dir or a run dir: its newest
+        if fs.exists(guess / journal.JOURNAL) or fs.exists(guess / LATEST) or scan(guess, fs):
+            d = plain(View.read(guess, fs))
+            if d.found is not None:
+                if guess.resolve() == root.resolve():
+                    return d, False
+                return Decision(d.found, [], d.warnings), True
+    raise UserError(
+        f"--resume {arg}: not a checkpoint (no {STATE} in it) and no complete checkpoint below it; pass a "
+        "step_XXXXXXXX directory, a checkpoints directory or a run directory"
+    )
+
+
+def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Found | None, list[str]]:
+    """(the checkpoint to resume from, warnings): `resolve` for callers that need no more."""
+    d, _ = resolve(arg, mode, run_dir)
+    return d.found, d.warnings
+
+
+def latest(root: Path, fs: LocalFS = LOCAL) -> tuple[Found | None, list[str]]:
+    """The checkpoint a plain resume of `root` continues, and warnings naming what was skipped."""
+    d = plain(View.read(root, fs))
+    return d.found, d.warnings
+
+
+def restart_resume(
+    run_dir: Path, started_with: str | None, job: str | None, fs: LocalFS = LOCAL
+) -> str | None:
+    """What a supervisor's restart resumes: the `--resume PATH` the job was started with until this job
+    committed a checkpoint of its own (a rollback killed before it forked, or before its first save, is
+    done again), then the line's newest (`latest`); nothing resumable: as started."""
+    view = View.read(checkpoints_dir(run_dir), fs)
+    mine = any(r.get("job") == job for r in view.events("commit")) or any(
+        e.lineage("job") == job for e in view.disk
+    )
+    if started_with not in (None, "latest") and not (job and mine):
+        return started_with
+    with contextlib.suppress(UserError):
+        if plain(view).found is not None:
+            return "latest"
+    return started_with
+
+
+def prune_plan(view: View, keep_last: int) -> list[Entry]:
+    """The checkpoints `keep_last` removes: those of the current line older than its newest
+    `keep_last` intact ones (the files the manifest lists, with their sizes). Never another line's."""
+    if keep_last <= 0:
+        return []
+    _, head, damaged = view.current()
+    if damaged:
+        return []  # the line is uncertain: remove nothing
+    pruned = view.pruned()
+    line = [
+        e for i, e in view.chain(head) if e is not None and i not in pruned and e.path.parent == view.root
+    ]
+    intact = [e for e in line if e.state is not None and not verify(e.path, e.state, view.fs)]
+    keep = intact[:keep_last]
+    if len(keep) < keep_last:
+        return []
+    floor = min(e.step for e in keep)
+    kept = {e.path for e in keep}
+    return [e for e in line if e.path not in kept and e.step < floor]
+
+
+def export_source(arg: str, fs: LocalFS = LOCAL) -> tuple[Found, list[str]]:
+    """The checkpoint bin/export reads, every file's bytes verified: a step directory must be intact
+    (else a UserError naming the file); a run or checkpoints directory gives its line's newest intact."""
+    from trainer.checkpoint.disk import problems
+
+    path = Path(arg)
+    if fs.exists(path / STATE) or (STEP_DIR.match(path.name) and fs.is_dir(path)):
+        found = explicit(path, fs)
+        bad = problems(found, fs, digests=True)
+        if bad:
+            raise UserError(
+                f"{path}: the checkpoint is damaged: " + "; ".join(bad[:5]) + "; export another one"
+            )
+        return found, []
+    for guess in (path / "checkpoints", path):
+        if not (fs.exists(guess / journal.JOURNAL) or scan(guess, fs)):
+            continue
+        d = plain(View.read(guess, fs))
+        warnings = list(d.warnings)
+        for found in [f for f in [d.found, *d.fallbacks] if f is not None]:
+            bad = problems(found, fs, digests=True)
+            if not bad:
+                return found, warnings
+            warnings.append(f"checkpoint {found.path} is damaged ({'; '.join(bad[:3])}); skipping it")
+        raise UserError(f"{arg}: no intact checkpoint to export. " + " ".join(warnings))
+    raise UserError(f"{arg}: not a checkpoint (no {STATE} in it) and no checkpoint below it")
+
+
+__all__ = ["Decision", "View", "explicit", "latest", "plain", "prune_plan", "resolve", "resolve_resume",
+           "restart_resume", "state_problem", "tag_for"]  # fmt: skip

@@ -1,0 +1,175 @@
+"""The conversions between checkpoint layouts that reshard.py runs in its conversion process:
+DeepSpeed's ZeRO checkpoints to its universal format (`ds_to_universal`, made loadable by both the
+ZeRO-1/2 and the ZeRO-3 loaders), stage-0 checkpoints (trainer/checkpoint/stage0.py's optimizer layouts)
+to the universal format, and a universal directory back to a stage-0 checkpoint in the layout of the
+engine that loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint import stage0
+
+
+def parallel(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:
+    """fn over items in threads (file reads and writes release the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(fn, items))
+
+
+def ds_to_universal(ckpt: Path, out: Path, workers: int) -> None:
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    shards = len(glob.glob(str(ckpt / "*_optim_states.pt")))
+    args = argparse.Namespace(
+        input_folder=str(ckpt),
+        output_folder=str(out),
+        num_extract_workers=max(1, min(workers, shards)),
+        num_merge_workers=max(1, workers // 2),  # merging holds whole parameters: fewer at once
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # plain HF models carry no universal_checkpoint_info
+    )
+    ds_to_universal(args)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def fix_for_any_target(out: Path) -> None:
+    """Make one universal directory loadable by both DeepSpeed's ZeRO-1/2 and ZeRO-3 loaders."""
+    import deepspeed
+    import torch
+    from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+
+    zdir = out / "zero"
+    osd_path = zdir / "optimizer_state.pt"
+    osd = torch.load(osd_path, weights_only=False)
+    mp_files = sorted(out.glob("mp_rank_*_model_states.pt"))
+    z3_files = sorted(out.glob("zero_pp_rank_*_mp_rank_*_model_states.pt"))
+    ms = torch.load((mp_files or z3_files)[0], map_location="cpu", weights_only=False)
+    shapes: dict[str, Any] = {}
+    for grp in ms.get("param_shapes") or []:
+        shapes.update(grp)
+    if OPTIMIZER_STATE_DICT in osd:
+        step = next(iter(osd[OPTIMIZER_STATE_DICT]["state"].values()))["step"]
+    else:
+        steps = list(zdir.glob("*/step.pt"))
+        step = torch.load(steps[0], weights_only=False) if steps else None
+    for name, shape in shapes.items():
+        pdir = zdir / name
+        for f in sorted(pdir.glob("*.pt")):  # the fp32 weight and the optimizer's tensors
+            if f.name == "step.pt":
+                continue
+            d = torch.load(f, weights_only=False)
+            if torch.is_tensor(d):  # ZeRO-3 output: flat tensors; ZeRO-1/2 loaders want shaped ones
+                torch.save({PARAM: d.view(shape), CAT_DIM: 0}, f)
+        if step is not None and not (pdir / "step.pt").exists():
+            torch.save(step, pdir / "step.pt")
+    if OPTIMIZER_STATE_DICT not in osd:
+        osd[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": osd[PARAM_GROUPS]}
+    osd.setdefault(DS_VERSION, deepspeed.__version__)
+    torch.save(osd, osd_path)
+    if mp_files and not z3_files:  # the ZeRO-3 loader looks for zero_pp_rank_0_mp_rank_XX_model_states.pt
+        for f in mp_files:
+            mp = f.name[len("mp_rank_") : len("mp_rank_") + 2]
+            link_or_copy(f, out / f"zero_pp_rank_0_mp_rank_{mp}_model_states.pt")
+    if z3_files and not mp_files:  # ...and the ZeRO-1/2 loader for mp_rank_XX_model_states.pt
+        for f in z3_files:
+            if f.name.startswith("zero_pp_rank_0_"):
+                mp = f.name.split("_mp_rank_")[1][:2]
+                link_or_copy(f, out / f"mp_rank_{mp}_model_states.pt")
+
+
+def stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]], workers: int) -> None:
+    """The universal layout from a stage-0 checkpoint (any of stage0's optimizer layouts): the fp32
+    master weights, the optimizer's tensors and the step per parameter."""
+    import deepspeed
+    import torch
+    from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+
+    zdir = out / "zero"
+    zdir.mkdir(parents=True)
+    sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    try:
+        params, hparams = stage0.read(sd["optimizer"], sd["module"], names)
+    except (ValueError, KeyError, IndexError) as e:
+        raise RuntimeError(f"{ckpt}: cannot read its stage-0 optimizer state: {type(e).__name__}: {e}") from e
+
+    def write(item: tuple[str, stage0.ParamState]) -> None:
+        name, p = item
+        pdir = zdir / name
+        pdir.mkdir()
+        for key, t in {"fp32": p.fp32, **p.state}.items():
+            torch.save({PARAM: t, CAT_DIM: 0}, pdir / f"{key}.pt")
+        torch.save(p.step, pdir / "step.pt")
+
+    parallel(write, params.items(), workers)
+    step = max((p.step for p in params.values()), default=0)
+    groups = [hp | {"params": []} for hp in hparams]
+    torch.save(
+        {
+            DS_VERSION: deepspeed.__version__,
+            PARAM_GROUPS: groups,
+            OPTIMIZER_STATE_DICT: {"state": {0: {"step": step}}, "param_groups": groups},
+        },
+        zdir / "optimizer_state.pt",
+    )
+    ms = {k: v for k, v in sd.items() if k != "optimizer"}
+    ms["optimizer"] = None
+    torch.save(ms, out / "mp_rank_00_model_states.pt")
+    link_or_copy(out / "mp_rank_00_model_states.pt", out / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def universal_to_stage0(
+    uni: Path,
+    out: Path,
+    names: list[list[str]],
+    aliases: dict[str, str],
+    target: dict[str, Any],
+    workers: int,
+) -> None:
+    """A stage-0 checkpoint from a universal directory, with the optimizer state in the layout of the
+    engine that will load it (`target`: see target_of). The module gets the fp32 weights; a bf16 or
+    fp16 engine rounds them on load exactly as it rounds its masters after each step."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM, PARAM_GROUPS
+
+    zdir = uni / "zero"
+    ms = torch.load(
+        sorted(uni.glob("*mp_rank_00_model_states.pt"))[0], map_location="cpu", weights_only=False
+    )
+    hparams = [
+        {k: v for k, v in g.items() if k != "params"}
+        for g in torch.load(zdir / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
+    ]
+
+    def read(name: str) -> tuple[str, stage0.ParamState]:
+        parts = {f.stem: torch.load(f, weights_only=False) for f in sorted((zdir / name).glob("*.pt"))}
+        step = int(parts.pop("step"))
+        fp32 = parts.pop("fp32")[PARAM]
+        return name, stage0.ParamState(fp32, {k: v[PARAM] for k, v in parts.items()}, step)
+
+    params = dict(parallel(read, [n for g in names for n in g], workers))
+    osd = stage0.build(
+        target["kind"], params, names, hparams, torch_states=target["torch_states"], fields=target["fields"]
+    )
+    full = dict(ms["module"])
+    full.update({name: p.fp32 for name, p in params.items()})
+    for alias, target_name in aliases.items():  # tied weights point at their parameter again
+        if target_name in params:
+            full[alias] = params[target_name].fp32
+    ms["module"], ms["optimizer"], ms["param_shapes"] = full, osd, None
+    torch.save(ms, out / "mp_rank_00_model_states.pt")
