@@ -73,8 +73,10 @@ def model_states(
         grads = lp * t / n
         optim = (master + moments) * t / n
     if c.offload != "none":
-        optim = 0
-        grads = 0 if c.stage == 2 else grads / 2
+        # the optimizer's states and the gradients' partitions on the host: stage 2 accumulates them there,
+        # stage 3 keeps its gradient partitions' buffer on the optimizer's device (stage3.py: self.device is
+        # the CPU with offload_optimizer; DeepSpeed's estimator: 2P/N + the largest layer on the GPU)
+        optim, grads = 0, 0
         if c.offload_params:
             params = (
                 4 * largest + extra
