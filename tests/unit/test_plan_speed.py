@@ -148,7 +148,9 @@ def test_micro_batch_auto_ties_go_to_the_larger_micro_batch():
 
     def plan_for(e):
         per_token = noise[e.train.micro_batch_size]
-        return SimpleNamespace(dp_world=1, candidate=Candidate(0), speed=StepTime(per_token * 7, 7, 0, 0, 0, 0))
+        return SimpleNamespace(
+            dp_world=1, candidate=Candidate(0), speed=StepTime(per_token * 7, 7, 0, 0, 0, 0)
+        )
 
     picked, batch = resolve(exp, 1, plan_for)
     assert (picked.train.micro_batch_size, picked.train.grad_accum) == (7, 1), batch.why
