@@ -307,8 +307,6 @@ def claim_and_agree(
     )
     if lock is not None and runtime.is_main:
         log.warning(lock)  # the filesystem has no locks
-    from trainer.checkpoint.policy import undamaged
-
     resume = undamaged(exp, env, resume)
     if resume is not None and resume.done(exp, env.rank):
         return None
@@ -319,13 +317,46 @@ def claim_and_agree(
         from trainer.checkpoint.disk import checkpoints_dir
 
         c = exp.checkpoint
-        disk = CheckpointDir(checkpoints_dir(exp.run_dir), keep_abandoned=c.keep_abandoned, keep_damaged=c.keep_damaged)
-        Faults(env.rank, dist.attempt()).at("killstart", 0)  # tests: a kill during start-up, before the fork
-        notes += disk.start(
-            resume.found if resume else None, explicit=bool(resume and resume.explicit),
-            skipped=resume.skipped if resume else [], on_rollback=c.on_rollback, job=dist.job(),
-        )  # fmt: skip
+        faults = Faults(env.rank, dist.attempt())
+        disk = CheckpointDir(checkpoints_dir(exp.run_dir), keep_abandoned=c.keep_abandoned,
+                             keep_damaged=c.keep_damaged, faults=faults)  # fmt: skip
+        faults.at("killstart", 0)  # tests: a kill during start-up, before the fork
+        try:
+            notes += disk.start(
+                resume.found if resume else None, explicit=bool(resume and resume.explicit),
+                skipped=resume.skipped if resume else [], on_rollback=c.on_rollback, job=dist.job(),
+            )  # fmt: skip
+        except OSError as e:  # a read-only or full checkpoints directory: a restart would fail the same way
+            from trainer.checkpoint.fs import describe
+
+            raise UserError("checkpoints: " + describe(e, e.filename or disk.root, "preparing the run's checkpoints")) from None
     return data, hosts, notes, resume, disk
+
+
+def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
+    """The checkpoint to resume from, its files' bytes checked against their writers' digests before
+    anything loads (every rank a share; disk.verify_digests): a damaged one stops a `--resume PATH` run
+    naming the file, and otherwise every rank falls back down the line (lineage.verified) to the newest
+    checkpoint that passes, saying so once (a file zeroed in place kept its size, and torch's zip CRC
+    failed only while loading, which ended the run)."""
+    from trainer import consistency
+    from trainer.checkpoint import Resume, check_compatible
+    from trainer.checkpoint.disk import verify_digests
+    from trainer.checkpoint.lineage import verified
+
+    if resume is None or resume.verified:
+        return resume
+
+    def digest_problems(found: Any) -> list[str]:
+        shares = consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size)
+        return sum(shares, [])
+
+    found, below, skipped, said = verified(resume.found, resume.fallbacks, resume.explicit, digest_problems)
+    if found is not resume.found:
+        resume = Resume(found, [*resume.warnings, *said], check_compatible(found, exp), skipped=[*resume.skipped, *skipped],
+                        fallbacks=below)  # fmt: skip
+    resume.verified = True
+    return resume
 
 
 def eval_prompts(exp: Experiment, data: Any) -> list[str]:

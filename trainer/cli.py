@@ -442,7 +442,8 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             resolve_files(src, key)
 
     from trainer import startup
-    from trainer.checkpoint.policy import decide, undamaged
+    from trainer.build import undamaged
+    from trainer.checkpoint.policy import decide
 
     resume = decide(args.resume, exp, Faults(dist.detect().rank, dist.attempt()))
     if resume is not None and dist.detect().world_size == 1:  # several ranks: once they agree (build.py)

@@ -21,6 +21,9 @@ Production code calls a `Faults` object (bound to this rank and attempt) at name
   first), killmanifest (the manifest written, the staging directory not yet renamed), killrename
   (renamed, `latest` not yet replaced), killlatest (`latest` replaced, nothing pruned yet), killprune
   (the first old checkpoint renamed to its trash name, not yet deleted);
+- the start of a run in its checkpoints directory (rank 0, trainer/checkpoint/begin.py), each a SIGKILL:
+  killstart (before anything there moves: a rollback's fork not yet recorded), killfork (a fork
+  recorded and its first checkpoint moved to abandoned/, the rest not yet);
 - `stale_resume()`, when choosing the checkpoint to resume: staleresume@0 (this rank takes the one
   before the latest, as a node-local or stale run_dir would show it);
 - `conversion()`, in the process converting a checkpoint for another stage or world size, before

@@ -5,8 +5,7 @@
 - `--check`: the consistency checks, one step and a checkpoint round trip (multi-node bring-up);
 - `--overfit-batch`: train on one fixed batch, a quick proof that the pipeline learns (loss -> 0);
 - `--profile`: a torch.profiler trace of a few steps after warm-up, and the top operators;
-- `--dry-run`: build everything (process group, data, model, engine, a checkpoint to resume) and
-  take no step.
+- `--dry-run`: build everything (process group, data, model, engine, a checkpoint to resume), no step.
 
 `--overfit-batch` and `--profile` write into `<run_dir>/overfit-batch` and `<run_dir>/profile`,
 start from fresh weights, evaluate nothing and save no checkpoint, so they never disturb a run.
@@ -220,16 +219,18 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
         exit_code = run.exp.checkpoint.signal_exit_code if run.state.stopped else 0
         if run.state.stopped:  # saved: a SIGTERM from the launcher as the ranks exit must not fail it
             ignore_sigterm_after_save()
-    except torch.OutOfMemoryError as e:
-        exit_code = on_out_of_memory(run, e)
-        return exit_code
-    except NonFiniteLoss as e:
-        exit_code = on_nonfinite(run, e)
     except CheckpointWriteError as e:  # every rank, at the same step: loud, and no traceback
         print(f"[rank {run.env.rank}] error: {e}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # every rank has said it before the launcher ends them
             run.checkpointer.store.barrier()
         return exit_code
+    except Exception as e:  # a background save written before the step failed is kept (committed) first
+        run.checkpointer.salvage()
+        if isinstance(e, torch.OutOfMemoryError):
+            return (exit_code := on_out_of_memory(run, e))
+        if not isinstance(e, NonFiniteLoss):
+            raise
+        exit_code = on_nonfinite(run, e)
     finally:
         run.metrics.record(attempt_cost(run, run.state.tokens - tokens0, exit_code))
         run.metrics.close(exit_code)

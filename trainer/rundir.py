@@ -30,8 +30,17 @@ def acquire(run_dir: str | Path) -> str | None:
     """Take the run directory's lock for the rest of this process. Returns None when taken, or why
     not: the holder's description, or a warning when the filesystem has no locks ("warning: ...")."""
     path = Path(run_dir) / LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")  # noqa: SIM115  (held open until the process ends)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")  # noqa: SIM115  (held open until the process ends)
+    except OSError as e:  # read-only, no permission, a full disk: nothing could be saved there
+        from trainer.checkpoint.fs import describe
+        from trainer.errors import UserError
+
+        raise UserError(
+            f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
+            + describe(e, e.filename or path, "creating the run's lock file")
+        ) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -109,6 +109,20 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
     return hosts
 
 
+def writable(run_dir: Path) -> None:
+    """The run directory exists and this user can write it (a UserError naming it and the fix)."""
+    probe = Path(run_dir) / f".write-check-{os.getpid()}"
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        from trainer.checkpoint.fs import describe
+
+        raise UserError(f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
+                        + describe(e, e.filename or probe, "writing a file in it")) from None
+
+
 def record_oom(
     run_dir: str | Path, *, stage: int, offload: str, step: int, rank: int, attempt: int, error: str,
     levers: str = "none", next_overrides: list[str] | None = None, next_name: str | None = None,
@@ -207,7 +221,7 @@ class Supervisor:
         check_resolves(self.hosts(), self.hostfile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        writable(self.run_dir)  # attempts.jsonl, failure records, checkpoints: an input error, never retried
         overrides = list(self.overrides)
         resume = self.resume
         attempt = 0

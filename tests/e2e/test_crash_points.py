@@ -1,15 +1,15 @@
-"""Every crash point of a save (issue 54): a run killed at each boundary of a save and its publication, in
-synchronous and asynchronous mode, is followed by a plain `--resume`, which must continue from the newest
-complete checkpoint, move or delete nothing complete, remove the staging leftovers and log a rollback
-only for a real one.
+"""Crash points of a save through the real CLI (issues 54 and 59): a run killed at a boundary of a save and
+its publication is followed by a plain `--resume`, which must continue from the newest complete
+checkpoint, move or delete nothing complete, remove the staging leftovers and log no rollback.
 
-The boundaries (trainer/faults.py): before this rank's first file, after the RNG file, after the last
-shard, before the manifest (killcommit), after it (killmanifest), after the rename (killrename: the newest
-checkpoint complete but `latest` still naming the one before), after `latest` (killlatest), and during
-pruning (killprune: an old checkpoint renamed to its trash name, not yet deleted).
+Every file-system operation of a save, a commit, a prune, a rollback and a conversion is killed (and
+power-lost) in turn by tests/unit/test_lineage_crashes.py, on the real store code with a simulated file
+system; here the boundaries that involve the training process itself: a rank's writer killed between its
+files (synchronous and in the background), a kill during pruning, and two kills in a row between the
+commit's rename and its journal record (issue 59, case 1: `latest` still named step 4 while 6 and 8 were
+complete and newer, and the next plain resume rolled back to 4, moving 6 and 8 to abandoned/).
 
-One trained run directory (steps 2 and 4) is shared by every case; each case copies it, resumes it to the
-save at step 6 and is killed there, then resumes plainly to step 7.
+One trained run directory (steps 2 and 4) is shared by every case; each case copies it.
 """
 
 import shutil
@@ -24,17 +24,9 @@ SMALL = {**FAST, "model.config.n_layer": 1, "data.eval_fraction": 0, "train.micr
 
 # (fault, the step the plain resume must continue from)
 POINTS = {
-    "before the first file": ("killfile@6:n=0", 4),
     "after the rng file": ("killfile@6:n=1", 4),
-    "after the last shard": ("killfile@6:n=2", 4),
-    "before the manifest": ("killcommit@6", 4),
-    "after the manifest": ("killmanifest@6", 4),
-    "after the rename": ("killrename@6", 6),
-    "after latest": ("killlatest@6", 6),
     "during pruning": ("killprune@6", 6),
 }
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("crash") / "base"
@@ -45,14 +37,9 @@ def trained(tmp_path_factory):
     return run_dir
 
 
-# the files are written by the training thread (sync) or a writer thread (async); the commit (manifest,
-# rename, `latest`, pruning) runs on the training thread in both modes, so its points are killed once
-CASES = [
-    (p, m)
-    for p in POINTS
-    for m in ("sync", "async")
-    if m == "sync" or POINTS[p][0].startswith(("killfile", "killcommit"))
-]
+# the files are written by the training thread (sync) or a writer thread (async); pruning runs on the
+# training thread in both modes
+CASES = [("after the rng file", "sync"), ("after the rng file", "async"), ("during pruning", "sync")]
 
 
 @pytest.mark.parametrize("point,mode", CASES)
@@ -116,3 +103,25 @@ def test_a_checkpoint_engine_the_project_would_replace_is_refused(tmp_path, key)
     with pytest.raises(UserError) as e:
         load_template(path)
     assert "checkpoint engine this project does not use" in str(e.value) and "remove it" in e.value.render()
+
+
+def test_two_kills_between_the_rename_and_its_record_lose_nothing(trained, tmp_path):
+    """Issue 59, case 1: killrename at step 6, a plain resume, killrename again at step 8: steps 6 and 8 are
+    committed (renamed into place) without their journal records; the next plain resume continues 8 (each
+    names its parent and line in its manifest: adopted) and logs no rollback. A flipped byte in `latest`
+    (a cache, never read when the journal is there) changes nothing."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    root = run_dir / "checkpoints"
+    sets = {**SMALL, "run_dir": run_dir, "checkpoint.async": False, "checkpoint.keep_last": 0}
+    for step in (6, 8):
+        code, out = cli({**sets, "train.max_steps": step}, "--resume", env={"TRAINER_FAULT": f"killrename@{step}"})
+        assert code != 0 and "injected killrename" in out, out[-3000:]
+        assert (root / f"step_{step:08d}").is_dir()
+    (root / "latest").write_text("step_00000002\n")  # what case 1's variant flipped it to
+    code, out = cli({**sets, "train.max_steps": 9}, "--resume")
+    assert code == 0, out[-3000:]
+    assert f"resumed from {root / 'step_00000008'}" in out and "rollback" not in out, out[-3000:]
+    assert not (root / "abandoned").exists()
+    assert sorted(d.name for d in root.iterdir() if d.name.startswith("step_")) == [
+        f"step_{s:08d}" for s in (2, 4, 6, 8, 9)]  # fmt: skip

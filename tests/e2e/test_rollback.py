@@ -44,10 +44,13 @@ def test_a_rollback_is_a_new_line_a_restart_resumes(tmp_path, on_rollback="keep"
 
 
 def test_a_rollback_can_delete_the_abandoned_line(tmp_path):
-    """checkpoint.on_rollback: remove (disk.fork, as a resume calls it): the newer checkpoints of the
+    """checkpoint.on_rollback: remove (the start of a run, trainer/checkpoint/begin.py, after a `--resume
+    PATH` of an older checkpoint): the fork is recorded in the journal, the newer checkpoints of the
     abandoned line are deleted, `latest` names the checkpoint resumed from; a staging leftover is no part
-    of any line (a crashed save: the resume removes it before, tests/e2e/test_crash_points.py)."""
-    from trainer.checkpoint.disk import Found, complete, fork
+    of any line (a crashed save: removed at the start, tests/e2e/test_crash_points.py)."""
+    from trainer.checkpoint.directory import CheckpointDir
+    from trainer.checkpoint.disk import Found, complete
+    from trainer.checkpoint.journal import read
 
     root = tmp_path / "checkpoints"
     for step in (10, 20, 30):
@@ -56,7 +59,10 @@ def test_a_rollback_can_delete_the_abandoned_line(tmp_path):
         (d / "trainer_state.json").write_text(json.dumps({"step": step, "files": {}}))
     (root / ".tmp-step_00000040").mkdir()
     (root / "latest").write_text("step_00000030\n")
-    said = fork(root, Found(root / "step_00000010", {"step": 10}), keep=False)
+    found = Found(root / "step_00000010", {"step": 10, "files": {}})
+    said = " ".join(CheckpointDir(root).start(found, explicit=True, on_rollback="remove"))
     assert "step_00000020, step_00000030" in said and "removed" in said and ".tmp-" not in said
     assert [f.tag for f in complete(root)] == ["step_00000010"]
     assert (root / "latest").read_text().strip() == "step_00000010" and not (root / "abandoned").exists()
+    fork = [r for r in read(root).records if r.event == "fork"]
+    assert len(fork) == 1 and fork[0].get("to") == "removed" and not (root / ".tmp-step_00000040").exists()

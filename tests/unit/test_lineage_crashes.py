@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from simfs import Crash, SimFS
 
-from trainer.checkpoint import journal, lineage, seal
+from trainer.checkpoint import directory, journal, lineage, seal
 from trainer.checkpoint.directory import CheckpointDir, write_report
 from trainer.checkpoint.disk import (
     ABANDONED,
@@ -229,7 +229,7 @@ class Lineage(RuleBasedStateMachine):
         self.committing = (tag, step, parent, staged, p["job"])  # settled after a crash from the durable state
         try:
             if salvage:
-                cd.salvage(stage, tag, meta, {}, "exp: 1\n", WORLD, written[0])
+                directory.salvage(cd, stage, tag, meta, {}, "exp: 1\n", WORLD, written[0])
             else:
                 cd.commit(stage, tag, cd.write_manifest(stage, meta, {}, "exp: 1\n", written))
                 cd.prune(KEEP_LAST)

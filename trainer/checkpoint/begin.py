@@ -19,21 +19,18 @@ next start, which reads the same decision from the journal.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from trainer.checkpoint import journal
 from trainer.checkpoint.aside import aside_dir, describe, evict, move, set_aside
 from trainer.checkpoint.disk import ABANDONED, DAMAGED, STAGING_PREFIX, TRASH_PREFIX, Entry, Found
-from trainer.checkpoint.lineage import View, is_head
+from trainer.checkpoint.lineage import Lineage, View, is_head, new_line
 
-if TYPE_CHECKING:
-    from trainer.checkpoint.directory import CheckpointDir
+CheckpointDir = Any  # trainer/checkpoint/directory.py's, which imports this module
 
 
 def start(cd: CheckpointDir, found: Found | None, *, explicit: bool, skipped: list[Entry], on_rollback: str,
           job: str | None) -> list[str]:  # fmt: skip
-    from trainer.checkpoint.directory import Lineage, new_line
-
     fs, root = cd.fs, cd.root
     cd.ensure()
     here = found is not None and found.path.parent.resolve() == root.resolve()
@@ -77,8 +74,6 @@ def _off_line(view: View, found: Found) -> tuple[list[Entry], list[Entry]]:
 
 
 def _fork(cd: CheckpointDir, view: View, found: Found, on_rollback: str, job: str | None) -> list[str]:
-    from trainer.checkpoint.directory import Lineage, new_line
-
     fs, root = cd.fs, cd.root
     leaving, bad = _off_line(view, found)
     line = new_line()
@@ -110,8 +105,6 @@ def _fork(cd: CheckpointDir, view: View, found: Found, on_rollback: str, job: st
 
 
 def _continue(cd: CheckpointDir, view: View, found: Found, skipped: list[Entry], job: str | None) -> list[str]:
-    from trainer.checkpoint.directory import Lineage, new_line
-
     fs, root = cd.fs, cd.root
     said = []
     damaged = [e for e in skipped if fs.exists(e.path) and e.path.parent == root]

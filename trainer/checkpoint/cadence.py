@@ -184,6 +184,21 @@ class Checkpointer:
             _report(pending, path, write_s, self._step, self.record)
         return path
 
+    def salvage(self) -> None:
+        """A step failed (an exception, a non-finite loss, an out-of-memory) with a background save in
+        flight: commit it if every rank finished writing it (Store.salvage), else leave it uncommitted.
+        Every rank, on its way out; never raises (the step's own error is what the job ends with)."""
+        pending, self.inflight = self.inflight, None
+        if pending is None or pending.writer is None:
+            return
+        try:
+            path = self.store.salvage(pending)
+        except Exception as e:  # noqa: BLE001  (the failure being handled is the one to report)
+            log.warning(f"warning: the background save of step {pending.step} could not be committed: {e}")
+            return
+        if path is not None:
+            log.info(f"checkpoint {path} committed on the way out (written in the background before the step failed)")
+
     def load(self, found: Found, state: Any) -> None:
         restore.load(self.store, found, state, wait_s=self.section.convert_timeout_minutes * 60)
         self.cadence.saved(state.step)

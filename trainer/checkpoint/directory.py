@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,22 +39,9 @@ from trainer.checkpoint.disk import (
     state_digest,
 )
 from trainer.checkpoint.fs import LOCAL, LocalFS
-from trainer.checkpoint.lineage import View, is_head, prune_plan
+from trainer.checkpoint.lineage import Lineage, View, is_head, new_line, prune_plan
 
 log = logging.getLogger("trainer")
-
-
-def new_line() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-@dataclass
-class Lineage:
-    """What the next commit records: its line, its parent (the checkpoint training continued), the job."""
-
-    line: str
-    parent: str | None = None
-    job: str | None = None
 
 
 @dataclass
@@ -69,6 +55,7 @@ class CheckpointDir:
     keep_abandoned: int = 2
     keep_damaged: int = 2
     background_deletes: bool = True  # pruned directories deleted on a thread (the crash test: inline)
+    faults: Any = None  # tests: trainer/faults.py's kill points of a start (killfork)
     _deleting: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,40 +92,10 @@ class CheckpointDir:
                 self.fs.rmtree(self.root / name)
 
     # ----------------------------------------------------------------- a save
-    def write_manifest(
-        self, stage_dir: Path, meta: dict[str, Any], ds_config: Any, exp_yaml: str,
-        reported: list[dict[str, tuple[int, str]]] = (),
-    ) -> dict[str, Any]:  # fmt: skip
-        """The metadata of a save whose files are all written: ds_config.json, experiment.yaml, then
-        trainer_state.json (`meta`, the lineage and the manifest) written durably. The manifest holds
-        every file each rank `reported` (its path in the checkpoint: (bytes, digest), written and fsynced
-        by that rank), and what rank 0 finds here that no rank reported (its metadata, DeepSpeed's script),
-        fsynced and digested here. Returns the state written."""
-        fs = self.fs
-        fs.write(stage_dir / "ds_config.json", (json.dumps(ds_config, indent=2) + "\n").encode())
-        fs.write(stage_dir / "experiment.yaml", exp_yaml.encode())
-        files, digests, writers = {}, {}, {}
-        for rank, rows in enumerate(reported):
-            for rel, (size, digest) in rows.items():
-                files[rel], digests[rel], writers[rel] = size, digest, rank
-        for rel in fs.files_under(stage_dir):
-            if rel != STATE and rel not in files:
-                fs.fsync(stage_dir / rel)
-                files[rel], digests[rel], writers[rel] = (
-                    fs.size(stage_dir / rel),
-                    fs.digest(stage_dir / rel),
-                    0,
-                )
-        fs.fsync_dir(stage_dir)
-        lin = self.lineage or self._fresh_line()
-        state = json.loads(json.dumps({
-            **meta, "files": files, "digests": digests, "writers": writers,
-            "previous": named_by_latest(self.root, fs),  # read by the rules from before journals
-            LINEAGE: {"line": lin.line, "parent": lin.parent, "job": lin.job},
-        }))  # fmt: skip
-        state[STATE_DIGEST] = state_digest(state)  # of the contents as they read back (keys as strings)
-        fs.durable_write(stage_dir / STATE, (json.dumps(state, indent=2) + "\n").encode())
-        return state
+    def write_manifest(self, stage_dir: Path, meta: dict[str, Any], ds_config: Any, exp_yaml: str,
+                       reported: list[dict[str, tuple[int, str]]] = ()) -> dict[str, Any]:  # fmt: skip
+        """The metadata and manifest of a save whose files are all written (`manifest`); returns the state."""
+        return manifest(self, stage_dir, meta, ds_config, exp_yaml, reported)
 
     def commit(self, stage_dir: Path, tag: str, state: dict[str, Any], renamed: Any = None) -> Path:
         """The commit: the staging directory renamed to its final name (the commit point), its journal
@@ -161,17 +118,6 @@ class CheckpointDir:
         lin.parent = ident
         self.write_latest(tag)
         return final
-
-    def salvage(self, stage_dir: Path, tag: str, meta: dict[str, Any], ds_config: Any, exp_yaml: str, world: int,
-                mine: dict[str, tuple[int, str]]) -> Path | None:  # fmt: skip
-        """Rank 0, on the way out of a failed step: commit a background save every rank finished writing
-        (each rank's report in the staging directory, `reports`; rank 0's own files: `mine`), with no
-        collective (the other ranks may be anywhere). None where a rank's report is missing."""
-        got = reports(stage_dir, world, self.fs)
-        if got is None:
-            return None
-        got[0] = mine
-        return self.commit(stage_dir, tag, self.write_manifest(stage_dir, meta, ds_config, exp_yaml, got))
 
     def write_latest(self, tag: str | None) -> None:
         """The `latest` cache (DeepSpeed's loaders and people read it; decisions never do)."""
@@ -234,6 +180,49 @@ class CheckpointDir:
         return start(self, found, explicit=explicit, skipped=list(skipped), on_rollback=on_rollback, job=job)
 
 
+def manifest(
+    cd: CheckpointDir, stage_dir: Path, meta: dict[str, Any], ds_config: Any, exp_yaml: str,
+    reported: list[dict[str, tuple[int, str]]] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """ds_config.json, experiment.yaml, then trainer_state.json (`meta`, the lineage and the manifest)
+    written durably. The manifest holds every file each rank `reported` (its path in the checkpoint:
+    (bytes, digest), written and fsynced by that rank), and what rank 0 finds here that no rank reported
+    (its metadata, DeepSpeed's script), fsynced and digested here. Returns the state written."""
+    fs = cd.fs
+    fs.write(stage_dir / "ds_config.json", (json.dumps(ds_config, indent=2) + "\n").encode())
+    fs.write(stage_dir / "experiment.yaml", exp_yaml.encode())
+    files, digests, writers = {}, {}, {}
+    for rank, rows in enumerate(reported):
+        for rel, (size, digest) in rows.items():
+            files[rel], digests[rel], writers[rel] = size, digest, rank
+    for rel in fs.files_under(stage_dir):
+        if rel != STATE and rel not in files:
+            fs.fsync(stage_dir / rel)
+            files[rel], digests[rel], writers[rel] = fs.size(stage_dir / rel), fs.digest(stage_dir / rel), 0
+    fs.fsync_dir(stage_dir)
+    lin = cd.lineage or cd._fresh_line()
+    state = json.loads(json.dumps({
+        **meta, "files": files, "digests": digests, "writers": writers,
+        "previous": named_by_latest(cd.root, fs),  # read by the rules from before journals
+        LINEAGE: {"line": lin.line, "parent": lin.parent, "job": lin.job},
+    }))  # fmt: skip
+    state[STATE_DIGEST] = state_digest(state)  # of the contents as they read back (keys as strings)
+    fs.durable_write(stage_dir / STATE, (json.dumps(state, indent=2) + "\n").encode())
+    return state
+
+
+def salvage(cd: CheckpointDir, stage_dir: Path, tag: str, meta: dict[str, Any], ds_config: Any, exp_yaml: str,
+            world: int, mine: dict[str, tuple[int, str]]) -> Path | None:  # fmt: skip
+    """Rank 0, on the way out of a failed step: commit a background save every rank finished writing (each
+    rank's report in the staging directory, `reports`; rank 0's own files: `mine`), with no collective (the
+    other ranks may be anywhere). None where a rank's report is missing."""
+    got = reports(stage_dir, world, cd.fs)
+    if got is None:
+        return None
+    got[0] = mine
+    return cd.commit(stage_dir, tag, cd.write_manifest(stage_dir, meta, ds_config, exp_yaml, got))
+
+
 REPORT = ".written-rank{rank:05d}.json"  # a rank's files of a background save, written when they are durable
 
 
@@ -259,4 +248,4 @@ def reports(stage_dir: Path, world: int, fs: LocalFS = LOCAL) -> list[dict[str, 
     return out
 
 
-__all__ = ["CheckpointDir", "Lineage", "is_head", "new_line", "reports", "write_report"]
+__all__ = ["CheckpointDir", "Lineage", "is_head", "manifest", "new_line", "reports", "salvage", "write_report"]

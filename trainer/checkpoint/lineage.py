@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,6 +191,19 @@ class View:
         if found.lineage("line") is None:  # from before lineages: the older ones here
             ids |= {e.id for e in self.disk if e.id is not None and e.step < found.step}
         return ids
+
+
+def new_line() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class Lineage:
+    """What the next commit records: its line, its parent (the checkpoint training continued), the job."""
+
+    line: str
+    parent: str | None = None
+    job: str | None = None
 
 
 # --------------------------------------------------------------------------------------------- decisions

@@ -173,28 +173,3 @@ def decide(arg: str | None, exp: Experiment, faults: Any) -> Resume | None:
         return None
     return Resume(found, decision.warnings, check_compatible(found, exp), explicit=explicit,
                   skipped=decision.skipped, fallbacks=decision.fallbacks)  # fmt: skip
-
-
-def undamaged(exp: Experiment, env: Any, resume: Resume | None) -> Resume | None:
-    """The checkpoint to resume from, its files' bytes checked against their writers' digests before
-    anything loads (every rank a share; disk.verify_digests): a damaged one stops a `--resume PATH` run
-    naming the file, and otherwise every rank falls back down the line (lineage.verified) to the newest
-    checkpoint that passes, saying so once (a file zeroed in place kept its size, and torch's zip CRC
-    failed only while loading, which ended the run)."""
-    from trainer import consistency
-    from trainer.checkpoint.disk import verify_digests
-    from trainer.checkpoint.lineage import verified
-
-    if resume is None or resume.verified:
-        return resume
-
-    def digest_problems(found: Found) -> list[str]:
-        shares = consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size)
-        return sum(shares, [])
-
-    found, below, skipped, said = verified(resume.found, resume.fallbacks, resume.explicit, digest_problems)
-    if found is not resume.found:
-        resume = Resume(found, [*resume.warnings, *said], check_compatible(found, exp), skipped=[*resume.skipped, *skipped],
-                        fallbacks=below)  # fmt: skip
-    resume.verified = True
-    return resume

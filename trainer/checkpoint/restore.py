@@ -35,7 +35,7 @@ def load(store: Store, found: Found, state: Any, wait_s: float = 7200.0) -> None
     try:
         reshard.load(
             store.engine, found.path, names, aliases, store.rank, store._group, wait_s=wait_s,
-            custom_load_fn=custom,
+            custom_load_fn=custom, journal_root=store.root,
         )  # fmt: skip
     except (UserError, torch.OutOfMemoryError):
         raise

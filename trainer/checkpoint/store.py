@@ -75,6 +75,11 @@ class Pending:
     writer: Any = None  # writer.Writer of a background save; None: written in the foreground
     written: dict[str, tuple[int, str]] = field(default_factory=dict)  # this rank's files: (bytes, digest)
 
+    def files(self) -> dict[str, tuple[int, str]]:
+        """This rank's files of the save, by their path in the checkpoint: (bytes, digest)."""
+        mine = {**self.written, **(self.writer.written if self.writer is not None else {})}
+        return {str(Path(k).resolve().relative_to(self.stage_dir.resolve())): v for k, v in mine.items()}
+
 
 @dataclass
 class Store:
@@ -120,9 +125,7 @@ class Store:
 
     def barrier(self) -> None:
         if self._group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=self._group)
+            __import__("torch.distributed").distributed.barrier(group=self._group)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (picklable), on every rank (on the checkpoint's CPU group)."""
@@ -191,9 +194,7 @@ class Store:
         final = self.root / pending.tag
         # Every rank's files, as each wrote them (made durable by the rank that wrote them): the manifest
         # lists what every rank reports, not what rank 0 can see.
-        mine = {**pending.written, **(pending.writer.written if pending.writer is not None else {})}
-        mine = {str(Path(k).resolve().relative_to(pending.stage_dir.resolve())): v for k, v in mine.items()}
-        reported = self.gather_objects(mine)
+        reported = self.gather_objects(pending.files())
         if self.is_main:
             written = self.disk.write_manifest(
                 pending.stage_dir, pending.meta, self.engine.ds_config, self.exp.to_yaml(), reported
@@ -209,6 +210,22 @@ class Store:
         else:
             pending.blocked_s += pending.commit_s
         return final
+
+    def salvage(self, pending: Pending, wait_s: float = 30.0) -> Path | None:
+        """A failed step's way out, every rank: rank 0 commits the background save once every rank's report
+        is in its staging directory (no collective: the others may be anywhere). The writer is joined (alive
+        at exit, it aborted the process: 134 instead of the error's own code)."""
+        from trainer.checkpoint.directory import reports, salvage
+
+        w = pending.writer
+        w.wait()
+        if not self.is_main or w.status != 0 or w.error is not None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while reports(pending.stage_dir, self.world_size, self.disk.fs) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return salvage(self.disk, pending.stage_dir, pending.tag, pending.meta, self.engine.ds_config,
+                       self.exp.to_yaml(), self.world_size, pending.files())  # fmt: skip
 
     def guard_frozen(self) -> None:
         """model.lora: the digest every save compares with, taken once, before the first step (build
@@ -254,7 +271,7 @@ def _snapshot(store: Store, pending: Pending, rng: tuple[Path, Any]) -> None:
     pending.snapshot_bytes = store.copier.bytes
     pending.writer = Writer(
         [rng, *snap.queued], copier=store.copier, faults=store.faults, step=pending.step,
-        zipfile=snap.zipfile_serialization,
+        zipfile=snap.zipfile_serialization, report=(pending.stage_dir, store.rank),
     )  # fmt: skip
 
 

@@ -141,11 +141,16 @@ class _Counted:
     def __init__(self, f: Any, count: Any, seen: Any = None) -> None:
         self._f, self._count, self._seen = f, count, seen
         self.seen = 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         if self._seen is not None:
             self._seen(data)
-        n = self._f.write(data)
+        try:
+            n = self._f.write(data)
+        except OSError as e:  # torch's zip writer would report it as "unexpected pos", losing the cause
+            self.error = e
+            raise
         n = len(data) if n is None else n
         self.seen += n
         self._count(n)
@@ -167,12 +172,22 @@ def write_file(path: Path, obj: Any, zipfile: bool = True, count: Any = None) ->
     import xxhash
 
     h = xxhash.xxh3_128()
-    with open(path, "wb") as f:
-        out = _Counted(f, count or (lambda n: None), h.update)
-        torch.save(obj, out, _use_new_zipfile_serialization=zipfile)
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
+    out = None
+    try:
+        with open(path, "wb") as f:
+            out = _Counted(f, count or (lambda n: None), h.update)
+            torch.save(obj, out, _use_new_zipfile_serialization=zipfile)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+    except (OSError, RuntimeError) as e:  # a full disk, a quota, an I/O error: the cause, the file, the bytes
+        cause = out.error if out is not None and out.error is not None else e
+        if not isinstance(cause, OSError):
+            raise
+        from trainer.checkpoint.fs import describe
+
+        written = f" after {out.seen:,} bytes of it were written" if out is not None else ""
+        raise OSError(cause.errno, describe(cause, path, f"writing a checkpoint file{written}")) from e
     if out.seen != size:  # something wrote past write() (a seek back, a descriptor): digest the disk's bytes
         return size, file_digest(path)
     return size, h.hexdigest()
@@ -225,8 +240,10 @@ class Writer:
         faults: Any,
         step: int,
         zipfile: bool = True,
+        report: tuple[Path, int] | None = None,
     ) -> None:
         self.files, self.copier, self.faults, self.step, self.zipfile = files, copier, faults, step, zipfile
+        self.report = report  # (staging directory, rank): this rank's report once its files are durable
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.bytes = 0
@@ -251,6 +268,10 @@ class Writer:
             self.faults.files(self.step, len(self.files))
             for d in dirs:
                 fsync_dir(d)
+            if self.report is not None:  # what rank 0 commits from if the next step fails (salvage)
+                from trainer.checkpoint.directory import write_report
+
+                write_report(self.report[0], self.report[1], self.written)
             self.faults.after_write(self.step)
         except BaseException as e:  # noqa: BLE001  (reported to every rank by the next step's collective)
             self.error = e
