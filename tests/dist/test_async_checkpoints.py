@@ -17,17 +17,19 @@ ASYNC = {"checkpoint.every_steps": 3, "checkpoint.async": True}
 
 def test_kills_with_a_background_write_in_flight_leave_the_previous_checkpoint(tmp_path, small_data, runs):
     """One run killed three times while step 9's checkpoint is written in the background and
-    training goes on, resumed from step 6 after each: rank 1 killed once its files are written,
-    rank 0's already done (the window between two ranks' ends); every rank killed; rank 0 killed
-    when, every rank done, it commits. `latest` names step 6 after each; the last resume ends exactly
-    like run A. (Taking references instead of the copy makes the last resume differ from run A;
-    committing before every rank is done leaves `latest` at step 9.)"""
+    training goes on, resumed from step 6 after each: rank 1 killed after the first of its files,
+    rank 0's already done (the window between two ranks' ends); every rank killed once its files are
+    written; rank 0 killed when, every rank done, it commits. `latest` names step 6 after each; the last
+    resume ends exactly like run A. (Taking references instead of the copy makes the last resume differ
+    from run A; committing before every rank is done leaves `latest` at step 9. Rank 1 killed once all
+    its files are written and reported may leave a complete step 9, which rank 0 then commits on its way
+    out, tests/e2e/test_lineage_cases.py: not this test's window.)"""
     a = runs("zero2")
     ckpts = tmp_path / "run" / "checkpoints"
     s = sets(small_data, 2, **ASYNC)
     # The first attempt also writes step 6 1.5 s late, while steps 7-9 change the live state: the
     # final resume from it then proves the files hold the copy taken at step 6.
-    kills = [("killsave@9:rank=1,slowsave@6:ms=1500", "deepspeed"), ("killsave@9", "torchrun"),
+    kills = [("killfile@9:n=1:rank=1,slowsave@9:rank=1:ms=1500,slowsave@6:ms=1500", "deepspeed"), ("killsave@9", "torchrun"),
              ("killcommit@9:rank=0", "torchrun")]  # fmt: skip
     for i, (fault, launcher) in enumerate(kills):
         b = train(tmp_path, s, launcher=launcher, env={"TRAINER_FAULT": fault},

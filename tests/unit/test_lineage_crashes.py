@@ -28,6 +28,7 @@ is the fork's record in the journal?), never from the code under test's decision
 from __future__ import annotations
 
 import collections
+import os
 import functools
 import itertools
 import json
@@ -521,7 +522,7 @@ class Lineage(RuleBasedStateMachine):
 
 
 Lineage.TestCase.settings = settings(
-    max_examples=int(__import__('os').environ.get('LINEAGE_EXAMPLES', 400)), stateful_step_count=int(__import__('os').environ.get('LINEAGE_STEPS', 30)), deadline=None, derandomize=True, database=None,
+    max_examples=int(os.environ.get("LINEAGE_EXAMPLES", 1000)), stateful_step_count=int(os.environ.get("LINEAGE_STEPS", 12)), deadline=None, derandomize=True, database=None,
     suppress_health_check=list(HealthCheck),
 )  # fmt: skip
 

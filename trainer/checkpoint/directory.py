@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,17 @@ def salvage(cd: CheckpointDir, stage_dir: Path, tag: str, meta: dict[str, Any], 
         return None
     got[0] = mine
     return cd.commit(stage_dir, tag, cd.write_manifest(stage_dir, meta, ds_config, exp_yaml, got))
+
+
+def wait_for_reports(stage_dir: Path, world: int, quiet_s: float = 10.0) -> None:
+    """Until every rank's report of a save is in its staging directory, or nothing was written there for
+    `quiet_s` seconds (a rank died, or is stuck: its save stays uncommitted)."""
+    seen, quiet = None, time.monotonic() + quiet_s
+    while reports(stage_dir, world) is None and time.monotonic() < quiet:
+        now = sum(f.stat().st_size for f in Path(stage_dir).rglob("*") if f.is_file())
+        if now != seen:
+            seen, quiet = now, time.monotonic() + quiet_s
+        time.sleep(0.2)
 
 
 REPORT = ".written-rank{rank:05d}.json"  # a rank's files of a background save, written when they are durable

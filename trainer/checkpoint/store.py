@@ -211,19 +211,17 @@ class Store:
             pending.blocked_s += pending.commit_s
         return final
 
-    def salvage(self, pending: Pending, wait_s: float = 30.0) -> Path | None:
+    def salvage(self, pending: Pending, wait_s: float = 10.0) -> Path | None:
         """A failed step's way out, every rank: rank 0 commits the background save once every rank's report
         is in its staging directory (no collective: the others may be anywhere). The writer is joined (alive
         at exit, it aborted the process: 134 instead of the error's own code)."""
-        from trainer.checkpoint.directory import reports, salvage
+        from trainer.checkpoint.directory import salvage, wait_for_reports
 
         w = pending.writer
         w.wait()
         if not self.is_main or w.status != 0 or w.error is not None:
             return None
-        deadline = time.monotonic() + wait_s
-        while reports(pending.stage_dir, self.world_size, self.disk.fs) is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_reports(pending.stage_dir, self.world_size, quiet_s=wait_s)
         return salvage(self.disk, pending.stage_dir, pending.tag, pending.meta, self.engine.ds_config,
                        self.exp.to_yaml(), self.world_size, pending.files())  # fmt: skip
 
