@@ -232,8 +232,9 @@ def plain(view: View) -> Decision:
     line, head, damaged = view.current()
     if damaged:
         raise UserError(
-            f"{view.root / journal.JOURNAL}: line(s) {', '.join(map(str, damaged))} are damaged (not as they were "
-            "written) after the record that says which line of checkpoints is current, so a plain resume cannot "
+            f"{view.root / journal.JOURNAL}: "
+            + (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
+            + " damaged (not as written) after the record that says which line of checkpoints is current, so a plain resume cannot "
             "tell which line to continue. Name the checkpoint to continue with --resume PATH (a step_* directory; "
             "that starts a new line in the journal), or restore the journal from a backup"
         )

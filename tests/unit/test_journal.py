@@ -1,0 +1,97 @@
+"""The lineage journal and its neighbours, case by case (the properties over sequences:
+tests/unit/test_lineage_crashes.py): a torn last record, damage in the middle, a directory from before
+journals, a full disk's error, set-aside names that never collide."""
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.checkpoint import journal, lineage
+from trainer.checkpoint.aside import aside_dir
+from trainer.checkpoint.directory import CheckpointDir
+from trainer.checkpoint.disk import ABANDONED, STATE, Found
+from trainer.errors import UserError
+
+
+def commit(root: Path, step: int, cd: CheckpointDir) -> Found:
+    stage = cd.prepare(f"step_{step:08d}")
+    stage.mkdir(parents=True, exist_ok=True)
+    (stage / "shard.pt").write_bytes(b"x" * step)
+    state = cd.write_manifest(stage, {"step": step}, {}, "exp: 1\n")
+    return Found(cd.commit(stage, f"step_{step:08d}", state), state)
+
+
+def test_a_torn_last_record_is_ignored_and_cut_before_the_next(tmp_path):
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    commit(root, 2, cd)
+    path = root / journal.JOURNAL
+    with open(path, "ab") as f:  # a crash in the middle of an append: half a record, no newline
+        f.write(b'{"event":"commit","id":"abc')
+    parsed = journal.read(root)
+    assert parsed.torn and not parsed.damaged and [r.event for r in parsed.records] == ["commit"]
+    assert lineage.latest(root)[0].step == 2
+    commit(root, 4, cd)
+    assert path.read_bytes().count(b"\n") == 2 and not journal.read(root).torn
+
+
+def test_damage_before_the_current_line_is_read_around_after_it_refused(tmp_path):
+    """A record damaged in place (a byte flipped) followed by a commit: the commit says which line is
+    current, the resume goes on. Damage after the last commit could hide a rollback: a plain resume refuses
+    (exit 2), naming the journal's line and the fix, and never guesses."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    for step in (2, 4, 6):
+        commit(root, step, cd)
+    path = root / journal.JOURNAL
+    lines = path.read_bytes().split(b"\n")
+    lines[0] = lines[0].replace(b'"step":2', b'"step":3')  # the first commit's record, damaged
+    path.write_bytes(b"\n".join(lines))
+    assert journal.read(root).damaged == [1] and lineage.latest(root)[0].step == 6
+    lines[2] = lines[2].replace(b'"step":6', b'"step":7')  # the last commit's, and a whole record after it
+    path.write_bytes(b"\n".join(lines) + journal.encode("prune", {"items": []}))
+    with pytest.raises(UserError, match=r"journal.jsonl: line 3 is damaged.*--resume PATH"):
+        lineage.latest(root)
+
+
+def test_a_directory_from_before_journals_is_read_as_then_and_gets_one(tmp_path):
+    """No journal: `latest` names the checkpoint (the old rules), and the next start records the line as
+    those rules read it (an `import` record), so that later decisions come from the journal."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        d = root / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        (d / STATE).write_text(json.dumps({"step": step, "files": {}}))
+    (root / "latest").write_text("step_00000004\n")
+    found, warnings = lineage.latest(root)
+    assert found.step == 4 and "older than step_00000006" in warnings[0]
+    CheckpointDir(root).start(found, explicit=False)
+    rec = next(r for r in journal.read(root).records if r.event == "import")
+    assert [c["tag"] for c in rec.get("chain")] == ["step_00000002", "step_00000004"]
+    assert [p.name for p in root.glob(f"{ABANDONED}/*/*")] == ["step_00000006"]  # another line: set aside
+    assert lineage.latest(root)[0].step == 4
+
+
+def test_a_full_disk_names_the_file_the_error_and_the_bytes():
+    """A checkpoint file on a full disk (/dev/full: every write fails with ENOSPC): torch's zip writer
+    reported `RuntimeError: ... unexpected pos`, losing the cause and the path."""
+    torch = pytest.importorskip("torch")
+    from trainer.checkpoint.writer import write_file
+
+    with pytest.raises(OSError) as e:
+        write_file(Path("/dev/full"), {"x": torch.zeros(100_000)})
+    assert e.value.errno == errno.ENOSPC
+    assert "/dev/full: No space left on device (ENOSPC)" in str(e.value) and "bytes of it were written" in str(e.value)
+
+
+def test_set_aside_names_never_collide_and_sort_in_order(tmp_path):
+    cd = CheckpointDir(tmp_path)
+    names = [aside_dir(cd, ABANDONED, "step_00000004").name for _ in range(50)]  # the same second
+    assert len(set(names)) == 50
+    for n in names:
+        (tmp_path / ABANDONED / n).mkdir(parents=True)
+    from trainer.checkpoint.aside import held
+
+    assert held(cd, ABANDONED) == names
