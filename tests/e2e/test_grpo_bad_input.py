@@ -61,6 +61,18 @@ def test_a_reward_that_does_not_import_is_refused_before_training(tmp_path):
     assert "step " not in out  # nothing trained
 
 
+def test_a_reward_module_that_raises_at_import_is_refused_before_training(tmp_path):
+    """The finding: a module raising at import (an API key missing) gave exit 1 and a traceback."""
+    (tmp_path / "judge_rewards.py").write_text("raise RuntimeError('needs OPENAI_API_KEY')\n")
+    out = run(
+        tmp_path, experiment=rewards(tmp_path, "judge_rewards:score"), env={"PYTHONPATH": str(tmp_path)}
+    )
+    assert (
+        "train.rl.rewards[0]: importing 'judge_rewards' raised RuntimeError: needs OPENAI_API_KEY" in out
+    ), out
+    assert "step " not in out
+
+
 def test_a_reward_returning_strings_stops_the_run_naming_it_and_the_rows(tmp_path):
     (tmp_path / "my_rewards.py").write_text("def score(prompts, completions, **columns):\n"
                                             "    return ['good' for _ in completions]\n")  # fmt: skip

@@ -211,6 +211,36 @@ def test_the_user_s_module_imports_from_the_directories_bin_train_adds(tmp_path)
     ]
 
 
+BROKEN_MODULES = {  # a module that fails as it is imported: its source, what the message says of the cause
+    "raises": ("import os\nraise RuntimeError('needs OPENAI_API_KEY\\nset it first')\n",
+               "RuntimeError: needs OPENAI_API_KEY"),
+    "syntax": ("def f(completions, **kw)\n    return [0.0]\n", "SyntaxError: expected ':' ("),
+    "exits": ("import sys\nsys.exit('no key')\n", "SystemExit: no key"),
+    "a dependency missing": ("import not_a_module_xyz\n", "it imports 'not_a_module_xyz', which is not installed"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["train.rl.rewards[0]", "model.factory"])
+@pytest.mark.parametrize("case", list(BROKEN_MODULES))
+def test_a_module_that_fails_at_import_is_a_user_error_naming_the_key_the_module_and_the_cause(
+    tmp_path, case, key
+):
+    """The finding: only ImportError was caught; a module raising at import (an API key missing) or with a
+    syntax error gave exit 1 and a traceback. The reward's loader and model.factory's are the same."""
+    from trainer import dotted
+
+    source, cause = BROKEN_MODULES[case]
+    name = f"broken_{case.replace(' ', '_')}_{key[0]}"
+    (tmp_path / f"{name}.py").write_text(source)
+    dotted.search(tmp_path)
+    with pytest.raises(UserError) as e:
+        dotted.load_callable(f"{name}:f", key)
+    text = str(e.value)
+    assert text.startswith(f"{key}: importing '{name}'"), text
+    assert cause in text and "\n" not in text, text
+    assert "OPENAI_API_KEY" not in text or "set it first" not in text  # the cause's first line only
+
+
 ANSWERS = [  # completion, expected (the row's), as strings, with numeric: true
     ("The answer is 42, since it is six sevens.", "42", 1.0, 1.0),
     ("1,234", "1234", 1.0, 1.0),
