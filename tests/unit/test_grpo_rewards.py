@@ -125,6 +125,62 @@ def test_async_rewards_are_awaited_together_as_in_trl():
     same(got.to(torch.float64), theirs([slow_length, slow_ids], b))
 
 
+def test_an_async_reward_keeps_one_event_loop_for_the_run_as_in_trl():
+    """The finding: a new event loop every generation (asyncio.run per call), so a reward keeping one
+    httpx.AsyncClient for the process (the LLM-judge pattern) failed at the second generation with 'Event
+    loop is closed'. TRL runs one loop in a thread for the run; so do we, closed at the end."""
+    import http.server
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+
+    class Judge(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # kept-alive connections: the client's pool holds them on its loop
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            out = json.dumps({"score": len(body["text"]) / 10}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+
+    def a_judge():  # one client for the process, as a judge's module makes it (one each: ours, TRL's)
+        client, loops = httpx.AsyncClient(), []
+
+        async def judge(completions, **kw):
+            loops.append(asyncio.get_running_loop())
+            replies = await asyncio.gather(
+                *(client.post(url, json={"text": c[0]["content"]}) for c in completions)
+            )
+            return [r.json()["score"] for r in replies]
+
+        return judge, loops
+
+    (ours_judge, loops), (trl_judge, _) = a_judge(), a_judge()
+    try:
+        b = batch()
+        for _ in range(3):  # three generations
+            got = R.score([R.Reward("judge", ours_judge, 1.0, {})], b)
+            same(torch.tensor(got, dtype=torch.float64).T, theirs([trl_judge], b))
+        assert loops[1] is loops[0] and loops[2] is loops[0] and loops[0].is_running()
+        R.close_loop()  # the run's end
+        assert loops[0].is_closed()
+        again, seen = a_judge()  # another run in the process: a loop of its own
+        R.score([R.Reward("judge", again, 1.0, {})], b)
+        assert seen[0] is not loops[0] and seen[0].is_running()
+    finally:
+        R.close_loop()
+        server.shutdown()
+
+
 def test_numpy_numbers_bools_none_and_nan_are_taken_as_trl_takes_them():
     def odd(**kw):
         return np.array([np.float32(0.5), np.int64(2), True, np.nan])

@@ -9,9 +9,10 @@ ids, without padding), `trainer_state` (`global_step`, `epoch`, `max_steps`), `l
 every other column of the rows (a list each, one value per completion), plus its `options`. A function
 without `**kwargs` gets those it names. It returns one number per completion (floats, ints, bools, numpy's;
 None or NaN: no opinion, left out of the combined reward's weighted sum), as a list, tuple or 1-D array.
-`async def` functions are awaited together. A function given by path whose parameters take none of
-prompts, completions and completion_ids (nor **kwargs) is a factory (TRL's get_soft_overlong_punishment):
-called once with its options, it returns the reward function.
+`async def` functions are awaited together, on one event loop for the run (a thread's, as TRL's). A
+function given by path whose parameters take none of prompts, completions and completion_ids (nor **kwargs)
+is a factory (TRL's get_soft_overlong_punishment): called once with its options, it returns the reward
+function.
 
 A function that cannot be imported, is not callable, raises, returns another count or something other than
 numbers is an error naming it (exit 2: before training where it can be checked; else naming the rows).
@@ -33,9 +34,12 @@ Built-ins, for verifiable tasks (`answers.py`: how an answer is read):
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import inspect
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,9 +165,62 @@ def number(name: str, v: Any, i: int, where: str) -> float:
                     "it must return a finite number or None")  # fmt: skip
 
 
+class Loop:
+    """The event loop the async reward functions run on: one for the run, in a daemon thread (TRL's
+    start_event_loop_in_daemon), started at the first async call, so that what a function's module keeps
+    between generations (an httpx.AsyncClient, an AsyncOpenAI: bound to the loop they first ran on) lives on;
+    closed at the end of the process (atexit, as TRL), or by `close`."""
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.registered = False  # (close registered with atexit)
+
+    def run(self, coroutine: Any) -> Any:
+        """The coroutine's result, run on the loop (started now if it is not running)."""
+        with self.lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                ready = threading.Event()
+                self.thread = threading.Thread(target=self._serve, args=(self.loop, ready), daemon=True,
+                                               name="rewards-async-loop")  # fmt: skip
+                self.thread.start()
+                ready.wait()
+                if not self.registered:
+                    atexit.register(self.close)
+                    self.registered = True
+            loop = self.loop
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+
+    @staticmethod
+    def _serve(loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        loop.run_forever()
+
+    def close(self) -> None:
+        """Stop the loop and close it (its async generators shut down first); a later `run` starts another."""
+        with self.lock:
+            loop, thread, self.loop, self.thread = self.loop, self.thread, None, None
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(Exception):  # (best effort, at the end)
+            asyncio.run_coroutine_threadsafe(loop.shutdown_asyncgens(), loop).result(timeout=5)
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout=5)
+        if not loop.is_running():
+            loop.close()
+
+
+LOOP = Loop()
+close_loop = LOOP.close  # the end of a run (atexit calls it too)
+
+
 def score(rewards: Sequence[Reward], batch: Batch) -> list[list[float]]:
     """Every function's values (functions, completions): the synchronous ones in order, the async ones
-    awaited together (asyncio.gather, TRL's)."""
+    awaited together (asyncio.gather, TRL's) on the run's one event loop (`Loop`)."""
     out: list[Any] = [None] * len(rewards)
     waiting: list[tuple[int, Any]] = []
     for i, r in enumerate(rewards):
@@ -177,7 +234,7 @@ def score(rewards: Sequence[Reward], batch: Batch) -> list[list[float]]:
         async def all_of() -> list[Any]:
             return await asyncio.gather(*(c for _, c in waiting), return_exceptions=True)
 
-        for (i, _), got in zip(waiting, asyncio.run(all_of()), strict=True):
+        for (i, _), got in zip(waiting, LOOP.run(all_of()), strict=True):
             if isinstance(got, UserError):
                 raise got
             if isinstance(got, BaseException):
