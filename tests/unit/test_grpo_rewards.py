@@ -384,6 +384,47 @@ def test_a_reward_model_path_that_is_not_a_model_is_refused(tmp_path):
         RewardModel(str(tmp_path), device=torch.device("cpu"), dtype=torch.float32, key="train.rl.rewards[0]")
 
 
+def not_a_reward_model(path, kind):
+    """A directory that loads as a sequence-classification model but is no reward model: a 2-label classifier
+    or a causal LM (no score head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from trainer.data.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.save_pretrained(path)
+    cfg = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "two labels":
+        LlamaForSequenceClassification(LlamaConfig(num_labels=2, **cfg)).save_pretrained(path)
+    else:
+        LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "kind,why",
+    [("two labels", "its head has 2 labels"), ("a causal LM", "its score head would be newly initialised")],
+)
+def test_a_reward_model_that_is_not_one_label_or_has_no_score_head_is_refused(tmp_path, kind, why):
+    """The finding: a 2-label classifier was scored by its logit 0 (TRL loads with num_labels=1 and raises on
+    the size), a causal LM got a random score head (noise, no warning). Loaded as TRL loads it; refused."""
+    from transformers import AutoModelForSequenceClassification
+
+    from trainer.rl.reward_model import RewardModel
+
+    path = not_a_reward_model(tmp_path / kind.replace(" ", "_"), kind)
+    if kind == "two labels":  # TRL's load (its __init__: num_labels=1) refuses it too
+        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+            AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    with pytest.raises(UserError) as e:
+        RewardModel(path, device=torch.device("cpu"), dtype=torch.float32, key="train.rl.rewards[1]")
+    text = str(e.value)
+    assert text.startswith(f"train.rl.rewards[1].options.path: {path}: "), text
+    assert why in text and "one label" in text, text
+
+
 def test_the_plan_holds_the_reward_model_s_weights_on_every_rank(reward_model_dir, tmp_path, capsys):
     from helpers import ROOT
     from transformers import AutoModelForSequenceClassification

@@ -6,6 +6,8 @@ special tokens, padded on the right with the reward model's pad token (its EOS w
 first logit of the sequence's last token is the reward. It runs in `batch_size` completions a forward
 (options.batch_size, default 8), on every rank, in eval mode under torch.no_grad, on the run's device in the
 run's precision; its weights and one forward are in the plan (trainer/strategy/planning/generation.py).
+It is loaded as TRL loads one (num_labels=1): a directory whose head has another number of labels, or whose
+weights lack the score head (a causal LM's) or others, is refused (they would be newly initialised: noise).
 """
 
 from __future__ import annotations
@@ -24,6 +26,26 @@ def check_path(path: str, key: str) -> Path:
     return p
 
 
+def check_head(info: dict[str, Any], model: Any, path: str, key: str) -> None:
+    """Refuse a model whose head is not one label (TRL's load raises on the size) or whose weights lack some
+    of the model's (its score head: a causal LM's directory), which would be newly initialised: noise."""
+    what = f"{key}.options.path: {path}: "
+    fix = "give a reward model trained with one label (AutoModelForSequenceClassification, num_labels=1)"
+    mismatched = list(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, saved, _ = mismatched[0]
+        raise UserError(f"{what}its head has {tuple(saved)[0]} labels ({name} is {list(saved)}), not one label: "
+                        f"TRL loads a reward model with num_labels=1 and refuses it; {fix}")  # fmt: skip
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        kind = ", ".join(getattr(model.config, "architectures", None) or []) or "its config.json's model"
+        head = "its score head would be newly initialised" if any("score" in k for k in missing) else (
+            "weights would be newly initialised")  # fmt: skip
+        raise UserError(f"{what}{head} (the directory holds no {', '.join(missing[:3])}"
+                        f"{' ...' if len(missing) > 3 else ''}: it was saved as {kind}), so its scores would be "
+                        f"noise; {fix}")  # fmt: skip
+
+
 class RewardModel:
     """A reward function over a sequence-classification model (see the module's doc)."""
 
@@ -34,10 +56,14 @@ class RewardModel:
         where = check_path(path, key)
         try:
             self.tok = AutoTokenizer.from_pretrained(where)
-            model = AutoModelForSequenceClassification.from_pretrained(where, dtype=dtype)
-        except (OSError, ValueError, KeyError) as e:
+            # as TRL loads it (num_labels=1); a head of another size is reported, not raised, to name it
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                where, dtype=dtype, num_labels=1, ignore_mismatched_sizes=True, output_loading_info=True
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise UserError(f"{key}.options.path: {path} does not load as a sequence-classification model and "
                             f"tokenizer: {e}") from None  # fmt: skip
+        check_head(info, model, path, key)
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
         # the model scores the last token that is not padding: it finds it by the pad token (TRL sets it so)
