@@ -244,6 +244,44 @@ def test_log_metric_and_log_extra_reach_the_log_line_and_the_completions_log(tmp
     assert rows[0]["advantage"] == 1.0 and rows[0]["reward"] == 1.0
 
 
+def test_every_reward_has_a_metric_and_a_column_of_its_own_where_names_repeat(tmp_path):
+    """The finding: two built-ins of one name (two format patterns, two answer columns) shared one metric and
+    one completions column, the first lost. Every reward's label is unique: the name, then _2, _3..."""
+    from trainer.objectives.grpo_metrics import RLMetrics
+    from trainer.rl.completions import CompletionLog
+
+    specs = [SimpleNamespace(function="format", weight=1.0, options={"pattern": "<think>"}),
+             SimpleNamespace(function="format", weight=1.0, options={"pattern": "^the"}),
+             SimpleNamespace(function="answer", weight=1.0, options={"column": "a"}),
+             SimpleNamespace(function="answer", weight=1.0, options={"column": "b"}),
+             SimpleNamespace(function="trl.rewards:think_format_reward", weight=1.0, options={}),
+             SimpleNamespace(function="trl.rewards:think_format_reward", weight=1.0, options={})]  # fmt: skip
+    rewards = R.load(specs)
+    labels = [r.label for r in rewards]
+    assert labels == ["format", "format_2", "answer", "answer_2", "think_format_reward",
+                      "think_format_reward_2"], labels  # fmt: skip
+    two = R.load([SimpleNamespace(function="trl.rewards:think_format_reward", weight=1.0, options={}),
+                  SimpleNamespace(function="trl.rewards.format_rewards:think_format_reward", weight=1.0, options={}),
+                  SimpleNamespace(function="format", weight=1.0, options={"pattern": "x"})])  # fmt: skip
+    assert [r.label for r in two] == [r.name for r in two[:2]] + ["format"]  # two paths, one function name
+    b = batch(chat=True, a=["1", "4", "5", "3"], b=["3", "2", "5", "9"])
+    values = torch.tensor(R.score(rewards, b), dtype=torch.float64).T
+    rl = SimpleNamespace(weights=lambda: [1.0] * 6, dynamic_sampling=False, loss_type="dapo", beta=0.0)
+    m = RLMetrics(rl)
+    m.completions = CompletionLog(tmp_path, 4, True, step=lambda: 1, prompt_of=lambda i: f"p{i}", group=2)
+    adv = torch.zeros(4, dtype=torch.float64)
+    scored = SimpleNamespace(extra={"step": (values, torch.zeros(4, dtype=torch.bool), adv)}, prompts=[0, 1],
+                             completions=[(i, True) for i in IDS], seconds=0.1, rewards=values, texts=TEXTS,
+                             logged={}, advantages=adv)  # fmt: skip
+    m.count_generation(scored, rewards)
+    out = m.flush(1)
+    for j, label in enumerate(labels):
+        assert out[f"reward_{label}"] == pytest.approx(float(values[:, j].mean())), label
+    assert out["reward_format"] != out["reward_format_2"] and out["reward_answer"] != out["reward_answer_2"]
+    row = json.loads((tmp_path / "completions.jsonl").read_text().splitlines()[0])
+    assert list(row["rewards"]) == labels and row["rewards"]["format"] != row["rewards"]["format_2"]
+
+
 def test_a_factory_is_called_with_its_options_and_its_errors_are_named():
     (r,) = R.load([SimpleNamespace(function="trl.rewards:get_soft_overlong_punishment", weight=1.0,
                                    options={"max_completion_len": 8, "soft_punish_cache": 4})])  # fmt: skip

@@ -289,13 +289,27 @@ def load(specs: Sequence[Any], model: Callable[[int, dict[str, Any]], Any] | Non
                                     f"completion_ids) returned {type(fn).__name__}, not a reward function")  # fmt: skip
                 options = {}
         out.append(Reward(name, fn, float(spec.weight), options))
-    short = [
-        r.name.rpartition(":")[2] if ":" in r.name and not r.name.startswith("model:") else r.name
-        for r in out
-    ]
-    for r, label in zip(out, short, strict=True):
-        r.label = label if short.count(label) == 1 else r.name
+    label(out)
     return out
+
+
+def label(rewards: Sequence[Reward]) -> None:
+    """Each reward's label (its metrics reward_<label>, its completions column), unique: a built-in's name, a
+    path's function name (the whole path where two paths share one), model_<directory>; where a label
+    repeats (two format patterns, two answer columns, one function twice), the second is <label>_2, ..."""
+    short = [r.name.rpartition(":")[2] if ":" in r.name and not r.name.startswith("model:") else r.label
+             for r in rewards]  # fmt: skip
+    paths = {r.name for r in rewards if ":" in r.name and not r.name.startswith("model:")}
+    taken: set[str] = set()
+    for r, name in zip(rewards, short, strict=True):
+        clash = sum(1 for p in paths if p.rpartition(":")[2] == name) > 1  # two paths' function names
+        base = r.name if clash else name
+        got, n = base, 1
+        while got in taken:
+            n += 1
+            got = f"{base}_{n}"
+        taken.add(got)
+        r.label = got
 
 
 def check_builtin(name: str, options: dict[str, Any], key: str) -> None:
