@@ -4,8 +4,9 @@ Of a generation (steps that generate only: with num_iterations > 1 the steps tha
 these, as TRL): each reward function's mean and std and the combined reward's over the step's completions
 of every rank (`reward_std` is the step's Bessel-corrected std, TRL's), the share of completions whose
 advantage's std was zero (`zero_std_share`: TRL's frac_reward_zero_std), the completions' mean and longest
-length and truncated share, generation's time, and what the reward functions logged with `log_metric`; a
-log line averages them over the interval's generations (NaN values left out, as TRL).
+length and truncated share, generation's time, and what the reward functions logged with `log_metric` (a
+name the run logs itself under log_metric/<name>); a log line averages them over the interval's generations
+(NaN values left out, as TRL).
 Of every micro step: the clip ratios (low, high and region: of tokens, or of completions at the sequence
 level), the KL when beta > 0 (with its ratio correction where the loss has it), the entropy, VESPO's weight;
 pooled over the interval's tokens (TRL averages its micro batches' ratios), reduced over the ranks at a log
@@ -19,7 +20,16 @@ from typing import Any
 
 import torch
 
+from trainer.metrics.recorder import FIELDS
 from trainer.objectives.grpo_loss import CLIPPED, STATS, nanstd
+
+# the names GRPO logs itself (and reward_<label>, reward_<label>_std): a reward function's log_metric of one of
+# these, of a field of the run's record (recorder.FIELDS, the tags), of an eval_ name or of one under the prefix
+# is written as log_metric/<name> (docs/rl.md)
+OWN = ("reward", "reward_std", "zero_std_share", "rounds", "completion_length", "completion_length_max",
+       "truncated_share", "generation_s", "generation_share", "clip_low", "clip_high", "clip_region", "entropy",
+       "kl", "vespo_phi")  # fmt: skip
+PREFIX = "log_metric/"
 
 
 class RLMetrics:
@@ -33,10 +43,16 @@ class RLMetrics:
         self.max_length = 0
         self.t0: float | None = None
         self.completions: Any = None  # trainer/rl/completions.py: CompletionLog, where log_completions > 0
+        self.reserved: set[str] = {*FIELDS, *OWN}  # rl.prepare adds the run's tags
 
     def log_metric(self, name: str, value: float) -> None:
-        """A reward function's `log_metric(name, value)` (TRL's): averaged over the generation and the ranks."""
-        self.pending[str(name)].append(float(value))
+        """A reward function's `log_metric(name, value)` (TRL's): averaged over the generation and the ranks;
+        a name the run logs itself is the function's under log_metric/<name>."""
+        self.pending[self.metric_name(str(name))].append(float(value))
+
+    def metric_name(self, name: str) -> str:
+        taken = name in self.reserved or name.startswith(("reward_", "eval_", PREFIX))
+        return PREFIX + name if taken else name
 
     def count_loss(self, mask: Any, terms: Any, ent: Any) -> None:
         at = {k: i for i, k in enumerate(STATS)}

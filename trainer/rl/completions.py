@@ -1,6 +1,7 @@
 """train.rl.log_completions: N of a log step's completions as the model wrote them, on rank 0: their prompts,
 completions, each reward function's value, the combined reward, the advantage and what the functions logged
-with `log_extra` (TRL's completions table), a JSON line each in <run_dir>/completions.jsonl, and a wandb table
+with `log_extra` (TRL's completions table; a column named as one of the row's own fields under
+log_extra/<column>), a JSON line each in <run_dir>/completions.jsonl, and a wandb table
 where wandb is on. The N are the first of rank 0's last generation before the log step (its first groups:
 the step's first prompts), written only where the interval generated. bin/report shows the last ones."""
 
@@ -35,7 +36,7 @@ class CompletionLog:
                    "ended": bool(scored.completions[i][1]),
                    "rewards": {r.label: _plain(float(scored.rewards[i, j])) for j, r in enumerate(rewards)},
                    "reward": _plain(float(total[i])), "advantage": float(scored.advantages[i])}  # fmt: skip
-            row.update({k: v[i] for k, v in scored.logged.items()})
+            row.update({column_name(k): v[i] for k, v in scored.logged.items()})
             self.rows.append(row)
 
     def write(self) -> None:
@@ -50,6 +51,15 @@ class CompletionLog:
         if self.wandb is not None:
             self.wandb.table("completions", [{"step": step, **r} for r in self.rows], step)
         self.rows = []
+
+
+ROW = ("step", "prompt", "completion", "ended", "rewards", "reward", "advantage")  # a row's own fields
+PREFIX = "log_extra/"
+
+
+def column_name(column: str) -> str:
+    """A log_extra column's name in the row: log_extra/<column> where the row has a field of that name."""
+    return PREFIX + column if column in ROW or column.startswith(PREFIX) else column
 
 
 def _plain(v: Any) -> Any:
@@ -67,17 +77,24 @@ def shown(run_dir: str | Path, limit: int = 4) -> list[str]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:  # a line cut by a crash: the others still show
             continue
+    rows = [r for r in rows if isinstance(r, dict)]
     if not rows:
         return []
     step = rows[-1].get("step")
     last = [r for r in rows if r.get("step") == step][:limit]
     out = [f"completions at step {step} ({path}):"]
     for r in last:
-        prompt = r["prompt"] if isinstance(r["prompt"], str) else (r["prompt"] or [{}])[-1].get("content", "")
-        values = ", ".join(
-            f"{k} {v:.3g}" if isinstance(v, int | float) else f"{k} -" for k, v in r["rewards"].items()
-        )
-        reward = "-" if r.get("reward") is None else f"{r['reward']:.3g}"
-        out.append(f"  {prompt!r} -> {r['completion']!r}{'' if r.get('ended') else ' [...]'}")
-        out.append(f"    reward {reward} ({values}), advantage {r['advantage']:.3g}")
+        prompt = r.get("prompt")
+        if isinstance(prompt, list):  # chat messages: the last one's content
+            message = prompt[-1] if prompt else {}
+            prompt = message.get("content", "") if isinstance(message, dict) else message
+        rewards = r.get("rewards") if isinstance(r.get("rewards"), dict) else {}
+        values = ", ".join(f"{k} {_shown(v)}" for k, v in rewards.items())
+        out.append(f"  {prompt!r} -> {r.get('completion')!r}{'' if r.get('ended') else ' [...]'}")
+        out.append(f"    reward {_shown(r.get('reward'))} ({values}), advantage {_shown(r.get('advantage'))}")
     return out
+
+
+def _shown(v: Any) -> str:
+    """A number as bin/report shows it; '-' for anything else (null, or what an edited file holds)."""
+    return f"{v:.3g}" if isinstance(v, int | float) and not isinstance(v, bool) else "-"
