@@ -427,6 +427,18 @@ ANSWERS = [  # completion, expected (the row's), as strings, with numeric: true
     ("The answer is 7", "8", 0.0, 0.0),
     ("no number here", "8", 0.0, 0.0),
     ("10, 20", "20", 1.0, 1.0),
+    # the review's: a leading-dot decimal read 5, a Unicode minus read 3, a fraction read as its denominator
+    ("The probability is .5", "5", 0.0, 0.0),
+    ("The probability is .5", "0.5", 1.0, 1.0),
+    ("It is 0.5.", ".5", 1.0, 1.0),
+    ("So it is -.25", "-0.25", 1.0, 1.0),
+    ("The answer is \u22123", "3", 0.0, 0.0),
+    ("The answer is \u22123", "-3", 1.0, 1.0),
+    ("#### \u22121,080", "-1080", 1.0, 1.0),
+    ("x = 1/2", "2", 0.0, 0.0),
+    ("Answer: 1/2", "1/2", 1.0, 1.0),
+    ("Answer: 1/2", "0.5", 0.0, 1.0),
+    ("Answer: \u22123/4.", "-0.75", 0.0, 1.0),
 ]
 
 

@@ -3,11 +3,13 @@ comparing it with the row's.
 
 The answer read: the last match of `pattern` (its first group if it has one) where one is given; by default
 the last `\\boxed{...}` (braces balanced), else the last GSM8K `#### x`, else the last number (thousands
-separators kept within it: "1,234"; a comma or full stop after it is punctuation: "42," and "42." read 42).
+separators kept within it: "1,234"; a comma or full stop after it is punctuation: "42," and "42." read 42; a
+leading dot is a decimal: ".5"; Unicode's minus (U+2212) a sign; a fraction one number: "1/2").
 The expected value is the row's `column`; a GSM8K solution (text ending `#### x`) is read after its `####`.
 Both are normalised before a string comparison: spaces and trailing punctuation (. , ; : ! ?) stripped, a
-number's thousands separators and a `$` before it dropped. With `numeric: true` both are read as numbers and
-compared within `tolerance`.
+number's thousands separators and a `$` before it dropped, its minus made ASCII's and a leading dot's zero
+written (".5" = "0.5"). With `numeric: true` both are read as numbers (a fraction as its value) and compared
+within `tolerance`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from typing import Any
 
 from trainer.errors import UserError
 
-# a number: thousands groups of three after a comma ("1,234,567"), or plain digits; a decimal part
-NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,]*\d)"
+# a number: a sign (ASCII's or Unicode's minus), thousands groups of three after a comma ("1,234,567") or plain
+# digits, a decimal part (".5": a leading dot), a fraction's denominator ("1/2": one number, not two)
+MINUS = "-\u2212"
+DIGITS = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+NUMERIC = rf"[{MINUS}]?{DIGITS}(?:/\d+)?"
+NUMBER = rf"{NUMERIC}(?![\d,]*\d)"
 GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
 TRAILING = ".,;:!? \t\n"
 
@@ -66,18 +72,24 @@ def expected_of(value: Any) -> str:
 
 
 def normalise(text: str) -> str:
-    """Spaces and trailing punctuation stripped; a number's thousands separators and leading $ dropped."""
+    """Spaces and trailing punctuation stripped; a number's thousands separators and leading $ dropped, its
+    minus ASCII's, a leading dot's zero written (".5": "0.5")."""
     text = text.strip().rstrip(TRAILING).strip()
     plain = text.removeprefix("$").strip()
-    if re.fullmatch(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", plain):
-        return plain.replace(",", "")
+    if re.fullmatch(NUMERIC, plain):
+        plain = plain.replace(",", "").replace("\u2212", "-")
+        return re.sub(r"(^|-|/)\.", r"\g<1>0.", plain)
     return text
 
 
 def as_number(text: str) -> float | None:
+    """The number a text is (a fraction's value), None where it is none."""
+    plain = normalise(text).removeprefix("$").replace(",", "")
+    numerator, slash, denominator = plain.partition("/")
     try:
-        return float(normalise(text).removeprefix("$").replace(",", ""))
-    except ValueError:
+        value = float(numerator)
+        return value / float(denominator) if slash else value
+    except (ValueError, ZeroDivisionError):
         return None
 
 
