@@ -6,6 +6,8 @@ CISPO's cap); the advantages and the reward metrics equal `_generate_and_score_c
 scaling and both aggregations, with None rewards; the clip, KL and entropy metrics equal `_compute_loss`'s.
 All in fp64 but TRL's rewards (fp32 there)."""
 
+import re
+
 import pytest
 import torch
 
@@ -17,9 +19,9 @@ from trainer.objectives import grpo  # noqa: E402
 
 B, T = 6, 5
 
-# train.rl's names for TRL's (where they differ) and the defaults that differ on purpose
+# train.rl's names for TRL's (where they differ) and the defaults that differ on purpose: (ours, TRL's)
 NAMES = {"max_new_tokens": "max_completion_length"}
-DIFFERENT = {"max_new_tokens": "64 here (a tiny model's), 256 in TRL: set it"}
+DIFFERENT = {"max_new_tokens": (64, 512)}  # a tiny model's here; docs/rl.md says so: set it
 
 
 def test_our_defaults_are_trl_s():
@@ -31,6 +33,28 @@ def test_our_defaults_are_trl_s():
               if getattr(ours, k) != trl_defaults[NAMES.get(k, k)]}  # fmt: skip
     assert not differ, differ
     assert trl_defaults["use_bias_correction_kl"] is True and ours.use_bias_correction_kl is True
+
+
+def test_the_defaults_that_differ_are_stated_with_trl_s_true_value():
+    """The finding: docs/rl.md and this file said TRL's max_completion_length defaults to 256; it is 512."""
+    from helpers import ROOT
+
+    docs = (ROOT / "docs" / "rl.md").read_text()
+    for k, (here, theirs) in DIFFERENT.items():
+        assert getattr(RLSection(), k) == here and trl_ref.config_defaults()[NAMES.get(k, k)] == theirs, k
+        assert f"| `{NAMES.get(k, k)}` ({theirs}) | `train.rl.{k}` ({here} here" in docs, k
+
+
+def test_the_loss_settings_defaults_are_trl_s():
+    """grpo_loss.Settings says its defaults are TRL 1.16's: every one of them (max_new_tokens said 256)."""
+    import dataclasses
+
+    trl_defaults = trl_ref.config_defaults()
+    s = grpo.Settings()
+    differ = {f.name: (getattr(s, f.name), trl_defaults[NAMES.get(f.name, f.name)])
+              for f in dataclasses.fields(grpo.Settings)
+              if getattr(s, f.name) != trl_defaults[NAMES.get(f.name, f.name)]}  # fmt: skip
+    assert not differ, differ
 
 
 def batch(seed=0, iterations=1, beta=0.0):
@@ -116,6 +140,42 @@ def test_without_the_kl_correction_the_gradient_differs_by_what_the_issue_measur
     print(f"gradient without the correction against TRL's default: {gap:.2%} of its largest element")
     assert gap > 1e-3
     assert s.use_bias_correction_kl
+
+
+def test_with_mask_truncated_completions_the_loss_is_trl_s_times_b_over_b_minus_truncated_where_the_docs_say():
+    """The finding: the docs named grpo and dr_grpo only; sapo and luspo differ too. TRL zeroes a truncated
+    completion's mask but still counts it among the completions it averages over (grpo, sapo, luspo) or in
+    its normaliser (dr_grpo): ours is TRL's times B / (B - truncated) there, loss and gradient, and equal
+    elsewhere. docs/rl.md and grpo_loss.py's docstring name exactly those types."""
+    from helpers import ROOT
+
+    from trainer.objectives import grpo_loss
+
+    logits, logps, mask, old, _, adv, _ = batch(iterations=3)
+    truncated = torch.tensor([0, 0, 1, 0, 0, 1], dtype=torch.float64)  # rows 2 and 5 hit max_new_tokens
+    counts = 1 - truncated
+    m = mask * counts.unsqueeze(1)  # TRL's completion mask with mask_truncated_completions (ours: the counts)
+    factor, differ = B / (B - int(truncated.sum())), set()
+    for lt in grpo.LOSS_TYPES:
+        rl = dict(loss_type=lt, mask_truncated_completions=True)
+        s = grpo.settings(RLSection(**rl, max_new_tokens=T))
+        theirs, _ = trl_ref.compute_loss(logps, m, adv, old, None, None, max_completion_length=T, **rl)
+        (g_theirs,) = torch.autograd.grad(theirs, logits, retain_graph=True)
+        norm = m.sum() if lt == "bnpo" else grpo.step_normaliser(s, int(counts.sum()), int(m.sum()))
+        ours = grpo.micro_loss(logps, old, None, adv, m, s, float(norm))
+        (g_ours,) = torch.autograd.grad(ours, logits, retain_graph=True)
+        f = 1.0 if lt not in grpo_loss.TRUNCATED_APART else factor
+        assert ours.item() == pytest.approx(f * theirs.item(), rel=1e-9), lt
+        assert torch.allclose(g_ours, f * g_theirs, rtol=1e-9, atol=1e-13), lt
+        if abs(ours.item() / theirs.item() - 1) > 1e-9:
+            differ.add(lt)
+    assert differ == set(grpo_loss.TRUNCATED_APART) == {"grpo", "sapo", "luspo", "dr_grpo"}
+    docs = (ROOT / "docs" / "rl.md").read_text()
+    phrase = "B / (B - truncated)"
+    for said in (docs[docs.index("With `mask_truncated_completions: true`") :][:900],
+                 docs[docs.index("What differs on purpose") :][:900], grpo_loss.__doc__):  # fmt: skip
+        sentence = said[: said.index(phrase)].rsplit(". ", 1)[-1]  # what the sentence names before the factor
+        assert {lt for lt in grpo.LOSS_TYPES if re.search(rf"\b{lt}\b", sentence)} == differ, sentence
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "cispo", "luspo"])

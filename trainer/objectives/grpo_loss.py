@@ -34,8 +34,11 @@ did not end is out of both the sum and the normaliser) and normalised over the s
 A micro batch's loss is its share of the step's sum over the step's normaliser times ranks x micro steps,
 so that DeepSpeed's mean over micro steps and ranks gives the step's loss, however the step is split
 (1 rank x 4 micro steps = 2 x 2 = 4 x 1). For one micro batch on one rank every type equals TRL's
-`_compute_loss`, value and gradient, at TRL's defaults and at every option here (tests/unit/test_grpo_trl.py,
-fp64, TRL's code called).
+`_compute_loss`, value and gradient, at TRL's defaults and at every option here but one
+(tests/unit/test_grpo_trl.py, fp64, TRL's code called): with mask_truncated_completions TRL zeroes a truncated
+completion's tokens but still counts it among the completions it averages over or in its normaliser, so there
+grpo, sapo, luspo and dr_grpo are TRL's times B / (B - truncated) (B completions, `TRUNCATED_APART`); bnpo,
+dapo, cispo and vespo equal TRL's.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the types whose ratio is clipped (clip metrics)
 PER_COMPLETION = ("grpo", "sapo", "luspo")  # normalised by the step's completions
 PER_TOKEN = ("dapo", "cispo", "vespo")  # normalised by the step's tokens
+# with mask_truncated_completions: TRL's loss times B / (B - truncated) (TRL counts a truncated completion still)
+TRUNCATED_APART = ("grpo", "sapo", "luspo", "dr_grpo")
 
 
 def nanstd(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
@@ -106,14 +111,15 @@ def aggregate(
 
 @dataclass(frozen=True)
 class Settings:
-    """What the loss reads of train.rl (the defaults: TRL 1.16's)."""
+    """What the loss reads of train.rl (the defaults: TRL 1.16's GRPOConfig's, max_new_tokens its
+    max_completion_length; train.rl's own max_new_tokens default is 64, docs/rl.md)."""
 
     loss_type: str = "dapo"
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
     delta: float | None = None
-    max_new_tokens: int = 256
+    max_new_tokens: int = 512
     use_bias_correction_kl: bool = True
     importance_sampling_level: str = "token"
     top_entropy_quantile: float = 1.0
