@@ -37,6 +37,11 @@ BAD = {
                                       ["train.rl.rewards[0].options.batch_size", ">= 1"]),
     "a reward model's unknown option": ([model({"path": "m", "pooling": "mean"})],
                                         ["train.rl.rewards[0].options", "not pooling"]),
+    # the review's: a weight of NaN was accepted (every combined reward NaN: no advantage, no learning)
+    "a reward weight NaN": (['train.rl.rewards=[{"function": "format", "weight": .nan, "options": {"pattern": "x"}}]'],
+                            ["train.rl.rewards[0].weight", "nan", "a finite number"]),
+    "a reward weight infinite": (['train.rl.rewards=[{"function": "answer"}, {"function": "format", "weight": -.inf, '
+                                  '"options": {"pattern": "x"}}]'], ["train.rl.rewards[1].weight", "-inf", "a finite number"]),
 }  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import Field
@@ -182,6 +183,10 @@ def rl_problems(exp: Any) -> list[tuple[str, str]]:
         out.append(("train.rl.scale_rewards", "normalize_then_sum normalises each reward function within its group "
                     "and the sums over the step, whatever scale_rewards says (as TRL's); remove scale_rewards or "
                     "use sum_then_normalize"))  # fmt: skip
+    for i, r in enumerate(rl.rewards):
+        if not math.isfinite(r.weight):
+            out.append((f"train.rl.rewards[{i}].weight", f"{r.weight}: give a finite number (the weight of its "
+                        "values in each completion's reward; 0 logs the function without training on it)"))  # fmt: skip
     models = [i for i, r in enumerate(rl.rewards) if r.function == "model"]
     for i in models:
         path = rl.rewards[i].options.get("path")

@@ -73,7 +73,8 @@ BUILTINS: dict[str, Callable[..., Any]] = {"answer": answer, "format": format_, 
 @dataclass(frozen=True)
 class TrainerState:
     """What a reward function reads of the run (TRL's `trainer_state`, a transformers TrainerState's names):
-    optimizer steps done before this generation, the epoch (with its fraction), the run's last step."""
+    optimizer steps done before this generation, the epoch (with its fraction), the run's last step; only
+    these three (TRL passes the whole TrainerState: log_history, best_metric... are not here; docs/rl.md)."""
 
     global_step: int
     epoch: float
