@@ -251,6 +251,7 @@ def test_what_a_reward_logs_never_replaces_the_run_s_own_fields(tmp_path, caplog
     import logging
 
     from trainer.metrics import Metrics
+    from trainer.metrics.recorder import FIELDS
     from trainer.objectives.grpo_metrics import RLMetrics
     from trainer.rl.completions import CompletionLog, shown
 
@@ -299,7 +300,7 @@ def test_what_a_reward_logs_never_replaces_the_run_s_own_fields(tmp_path, caplog
     assert lines[0].startswith("completions at step 1") and "advantage 1" in lines[2], lines
     plain = Metrics(tmp_path / "plain", is_main=True, world_size=1, log_every=1, max_steps=10, samples_per_step=4,
                     tokens_per_step=64, device=None, tags={"strategy": "zero2"})  # fmt: skip
-    assert set(plain.step(1, 0.25, 0.0, engine, lr=3e-4)) <= plain.fields()  # the reserved names: every field
+    assert set(plain.step(1, 0.25, 0.0, engine, lr=3e-4)) <= {*FIELDS, *plain.tags}  # reserved: every field
     plain.close()
 
 

@@ -22,7 +22,7 @@ from trainer.metrics.sinks import ConsoleSink, JsonlSink
 
 HISTORY = 8  # records kept in memory (Metrics.history)
 # the fields of a training record the run writes itself (training_record's, the stragglers, a mixture's tokens
-# by source; Metrics.fields() adds the tags): names a reward function's log_metric may not take (grpo_metrics.py)
+# by source; and Metrics.tags): names a reward function's log_metric may not take (grpo_metrics.py)
 FIELDS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "tokens_per_s_per_rank",
           "samples_per_s_per_rank", "step_time_s", "data_wait_share", "mfu", "peak_memory_bytes", "memory_kind",
           "peak_load_bytes", "skipped_steps", "elapsed_s", "eta_s", "rank_busy_s", "rank_tokens_per_s",
@@ -109,10 +109,6 @@ class Metrics:
         self.last_loss: float | None = None
         self.first_loss: float | None = None
         self._t_start = time.perf_counter()
-
-    def fields(self) -> set[str]:
-        """The names of the fields the run writes itself in a training record (FIELDS and the tags)."""
-        return {*FIELDS, *self.tags}
 
     def add_sink(self, sink: Any) -> None:
         """Another destination for the records (rank 0), e.g. a started wandb run."""

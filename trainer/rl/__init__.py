@@ -41,7 +41,7 @@ def prepare(
     stream.steps_done = (lambda: state.step) if state is not None else (lambda: 0)
     stream.max_steps, stream.log_metric = exp.train.max_steps, objective.metrics.log_metric
     if mets is not None:  # the names a reward's log_metric may not take: every field of the run's record
-        objective.metrics.reserved |= mets.fields()
+        objective.metrics.reserved |= set(mets.tags)  # (recorder.FIELDS and GRPO's own already)
     if rl.log_completions:
         from trainer.rl.completions import CompletionLog
 
