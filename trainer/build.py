@@ -168,9 +168,11 @@ def build(
     *,
     one_off: bool = False,
     max_steps: int | None = None,
+    training: bool = True,
 ) -> Run | None:
     """The Run, or None when a resume finds the checkpoint already at train.max_steps. `one_off`:
-    --overfit-batch and --profile (no eval); `max_steps`: the steps the metrics count to."""
+    --overfit-batch and --profile (no eval); `max_steps`: the steps the metrics count to; `training`: the
+    default mode (the others leave the checkpoints directory as it is: no rollback, nothing moved)."""
     from trainer import dist, metrics
     from trainer.checkpoint import Checkpointer, Store, checkpoints_dir
     from trainer.control import Control
@@ -181,7 +183,7 @@ def build(
     metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
     for warning in _config_warnings(exp) if runtime.is_main else ():
         log.warning(f"warning: {warning}")
-    agreed = claim_and_agree(exp, runtime, resume, planned.plan)
+    agreed = claim_and_agree(exp, runtime, resume, planned.plan, training)
     if agreed is None:
         return None
     data, hosts, notes, resume, disk = agreed
@@ -262,7 +264,7 @@ def prepare_objective(
 
 
 def claim_and_agree(
-    exp: Experiment, runtime: Any, resume: Any, plan: Any
+    exp: Experiment, runtime: Any, resume: Any, plan: Any, training: bool = True
 ) -> tuple[Any, list[str], list[str], Any, Any] | None:
     """The run directory (rank 0 holds it), the data, then one gather before anything else is built:
     the run directory is ours, every rank resumes from the same checkpoint and reads the same data.
@@ -312,7 +314,7 @@ def claim_and_agree(
         return None
     notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
     disk = None
-    if runtime.is_main:  # the lineage: a rollback's fork, damaged ones set aside, leftovers (checkpoint/begin.py)
+    if runtime.is_main and training:  # the lineage: a rollback's fork, damaged ones set aside (checkpoint/begin.py)
         from trainer.checkpoint.directory import CheckpointDir
         from trainer.checkpoint.disk import checkpoints_dir
 

@@ -483,6 +483,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             resume,
             one_off=mode in SUBDIR,  # no eval (see trainer/modes.py)
             max_steps=PROFILE_WARMUP + PROFILE_ACTIVE if mode == "profile" else None,
+            training=mode == "train",  # the one-off modes move nothing in the checkpoints directory
         )
         return 0 if run is None else RUN[mode](run)
     except UserError as e:

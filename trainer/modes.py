@@ -138,8 +138,7 @@ def time_by_kind(averages: Any, cuda: bool, wall: float) -> str:
 
 
 def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
-    """Tests: the engine's logits on the first two training sequences (compared with an export); not
-    under sequence parallelism, whose attention takes shards of seq_len."""
+    """Tests: the engine's logits on the first two training sequences (compared with an export); not under SP."""
     import torch
 
     if getattr(engine, "sp", 1) > 1:
@@ -205,8 +204,7 @@ def train(run: Run) -> int:
 
 
 def _training(run: Run, body: Any, verdict: Any = None) -> int:
-    """Run `body` (steps of the loop); end an out-of-memory or a non-finite loss through its
-    handler; close the metrics; write the tests' reports; say how it went."""
+    """Run `body` (the loop); an OOM or a non-finite loss through its handler; close the metrics; say how it went."""
     import torch
 
     from trainer.checkpoint import CheckpointWriteError
@@ -224,13 +222,15 @@ def _training(run: Run, body: Any, verdict: Any = None) -> int:
         with contextlib.suppress(Exception):  # every rank has said it before the launcher ends them
             run.checkpointer.store.barrier()
         return exit_code
-    except Exception as e:  # a background save written before the step failed is kept (committed) first
-        run.checkpointer.salvage()
-        if isinstance(e, torch.OutOfMemoryError):
-            return (exit_code := on_out_of_memory(run, e))
-        if not isinstance(e, NonFiniteLoss):
-            raise
-        exit_code = on_nonfinite(run, e)
+    except Exception as e:  # the failure recorded first; a background save every rank wrote is then committed
+        try:
+            if isinstance(e, torch.OutOfMemoryError):
+                return (exit_code := on_out_of_memory(run, e))
+            if not isinstance(e, NonFiniteLoss):
+                raise
+            exit_code = on_nonfinite(run, e)
+        finally:
+            run.checkpointer.salvage()
     finally:
         run.metrics.record(attempt_cost(run, run.state.tokens - tokens0, exit_code))
         run.metrics.close(exit_code)

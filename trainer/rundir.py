@@ -32,6 +32,9 @@ def acquire(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / LOCK
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".write-check-{os.getpid()}")  # the lock may exist: a new file must be possible
+        probe.write_text("")
+        probe.unlink()
         f = open(path, "a+")  # noqa: SIM115  (held open until the process ends)
     except OSError as e:  # read-only, no permission, a full disk: nothing could be saved there
         from trainer.checkpoint.fs import describe
@@ -39,7 +42,7 @@ def acquire(run_dir: str | Path) -> str | None:
 
         raise UserError(
             f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
-            + describe(e, e.filename or path, "creating the run's lock file")
+            + describe(e, e.filename or path, "writing in it")
         ) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -114,8 +114,11 @@ def writable(run_dir: Path) -> None:
     probe = Path(run_dir) / f".write-check-{os.getpid()}"
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
+        for where in (Path(run_dir), Path(run_dir) / "checkpoints"):
+            if where.is_dir():
+                probe = where / f".write-check-{os.getpid()}"
+                probe.write_text("")
+                probe.unlink()
     except OSError as e:
         from trainer.checkpoint.fs import describe
 

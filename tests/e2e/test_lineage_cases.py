@@ -229,3 +229,61 @@ def test_a_read_only_run_dir_is_an_input_error_never_retried(trained, tmp_path):
     for c, o in ((code, out), (code_sup, out_sup)):
         assert c == 2 and f"run_dir {run_dir} cannot be written" in o and "Traceback" not in o, o[-3000:]
     assert "[supervisor] attempt" not in out_sup, out_sup[-3000:]
+
+
+# ----------------------------------------------------------------------------- the review's findings
+def test_a_hung_background_write_does_not_take_a_failures_exit_code(tmp_path):
+    """Review of issue 59, F2: step 5 runs out of memory while step 4's background write hangs (a hung
+    mount): the failure is recorded first (the supervisor escalates) and the salvage gives up once nothing
+    is written for 10 s; the run exits 3. Before, the salvage waited for the watchdog and exited 1 (no
+    out-of-memory record: no escalation; a NaN's 4 became a retried 1)."""
+    run_dir = tmp_path / "run"
+    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 8, "checkpoint.every_steps": 4, "checkpoint.async": True,
+                     "strategy.on_oom": "escalate", "dist.watchdog_s": 120}, env={"TRAINER_FAULT": "hangwrite@4,oom@5"})  # fmt: skip
+    assert code == 3, out[-3000:]
+    assert (run_dir / "escalation.json").exists() and "committed on the way out" not in out
+
+
+def test_a_read_only_checkpoints_directory_is_found_before_training(trained, tmp_path):
+    """Review of issue 59, F3: `checkpoints/` immutable while the run directory is not: every attempt
+    trained, failed at its first save with a traceback (exit 1) and was retried. Now exit 2 before training."""
+    run_dir, root = copy(trained, tmp_path)
+    if subprocess.run(["chattr", "+i", str(root)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here")
+    try:
+        sets = {**SMALL, "run_dir": run_dir, "train.max_steps": 8}
+        code, out = cli(sets, "--resume")
+        code_sup, out_sup = cli(sets, "--resume", "--launcher", "none", "--max-restarts", 2)
+    finally:
+        subprocess.run(["chattr", "-i", str(root)], check=True)
+    for c, o in ((code, out), (code_sup, out_sup)):
+        assert c == 2 and "Traceback" not in o and "step      7" not in o, o[-3000:]
+        assert str(root) in o and "choose a writable run_dir" in o, o[-3000:]
+    assert "[supervisor] attempt" not in out_sup
+
+
+def test_a_dry_run_moves_nothing(trained, tmp_path):
+    """Review of issue 59, F5: `--dry-run --resume .../step_00000002` carried out the rollback (moved or,
+    with on_rollback: remove, deleted steps 4 and 6); the one-off modes leave the checkpoints directory as
+    it is."""
+    run_dir, root = copy(trained, tmp_path)
+    code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": 8, "checkpoint.on_rollback": "remove"},
+                    "--dry-run", "--resume", root / tag(2))  # fmt: skip
+    assert code == 0, out[-3000:]
+    assert all((root / tag(s)).is_dir() for s in (2, 4, 6)) and not (root / "abandoned").exists()
+    assert head(root) == tag(6)
+
+
+def test_converting_a_read_only_checkpoint_fails_at_once(trained, tmp_path):
+    """Review of issue 59, F6: a checkpoint whose directory cannot be written, resumed on another stage:
+    the conversion cannot write beside it and could not report it either, and every rank waited for
+    checkpoint.convert_timeout_minutes (120) in silence. Now exit 2 at once, naming it and the fix."""
+    src, root = copy(trained, tmp_path)
+    if subprocess.run(["chattr", "-R", "+i", str(root / tag(6))], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here")
+    try:
+        code, out = cli({**SMALL, "run_dir": tmp_path / "other", "train.max_steps": 8, "strategy.zero_stage": 2,
+                         "strategy.justification": "the test converts"}, "--resume", root / tag(6), timeout=120)  # fmt: skip
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(root / tag(6))], check=True)
+    assert code == 2 and "copy the checkpoint somewhere writable" in out and "Traceback" not in out, out[-3000:]

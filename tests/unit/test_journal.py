@@ -95,3 +95,51 @@ def test_set_aside_names_never_collide_and_sort_in_order(tmp_path):
     from trainer.checkpoint.aside import held
 
     assert held(cd, ABANDONED) == names
+
+
+@pytest.mark.parametrize("how", ["cut", "flip"])
+def test_a_damaged_last_record_never_undoes_a_rollback(tmp_path, how):
+    """Review of issue 59, F1: a rollback killed before its first save leaves the fork as the journal's last
+    record; that record cut short (a truncation reads like a torn append) or damaged in place (a whole line:
+    not a torn append) must not make a plain resume continue the abandoned line (it had resumed step 6 from
+    abandoned/, and the next append cut the fork away). It refuses (exit 2) or continues step 2."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    commit(root, 6, cd)
+    CheckpointDir(root).start(two, explicit=True)  # a rollback: 4 and 6 moved to abandoned/
+    assert lineage.latest(root)[0].path == two.path
+    path = root / journal.JOURNAL
+    raw = bytearray(path.read_bytes())
+    if how == "cut":
+        raw = raw[:-10]
+    else:
+        i = raw.rfind(b'"line":"') + 9
+        raw[i] = ord("0") if raw[i] != ord("0") else ord("1")
+    path.write_bytes(bytes(raw))
+    try:
+        found, _ = lineage.latest(root)
+    except UserError as e:
+        assert "journal.jsonl" in str(e) and "--resume PATH" in str(e)
+        return
+    assert found is not None and "abandoned" not in str(found.path), found.path
+
+
+def test_a_copy_of_a_run_directory_reads_its_own_checkpoints(tmp_path):
+    """Review of issue 59, F4: a rollback to a checkpoint in abandoned/, killed before its first save, then
+    the run directory copied: a plain resume in the copy took the original's checkpoint (the fork recorded
+    its absolute path). A source inside the checkpoints directory is recorded relative to it."""
+    import shutil
+
+    root = tmp_path / "run" / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    CheckpointDir(root).start(two, explicit=True)  # 4 to abandoned/
+    away = next(root.glob("abandoned/*/step_00000004"))
+    state = json.loads((away / STATE).read_text())
+    CheckpointDir(root).start(Found(away, state), explicit=True)  # back to the abandoned 4
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    found, _ = lineage.latest(tmp_path / "copy" / "checkpoints")
+    assert found.path == tmp_path / "copy" / "checkpoints" / away.relative_to(root)

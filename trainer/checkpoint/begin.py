@@ -19,6 +19,7 @@ next start, which reads the same decision from the journal.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import journal
@@ -33,6 +34,8 @@ def start(cd: CheckpointDir, found: Found | None, *, explicit: bool, skipped: li
           job: str | None) -> list[str]:  # fmt: skip
     fs, root = cd.fs, cd.root
     cd.ensure()
+    fs.write(root / ".write-check", b"")  # a read-only checkpoints directory: an error before training
+    fs.unlink(root / ".write-check")
     here = found is not None and found.path.parent.resolve() == root.resolve()
     cd.clean_leftovers(keep=found.path.name if here and found.path.name.startswith(STAGING_PREFIX) else "")
     view = View.read(root, fs)
@@ -80,7 +83,7 @@ def _fork(cd: CheckpointDir, view: View, found: Found, on_rollback: str, job: st
     keep = on_rollback == "keep"
     to = aside_dir(cd, ABANDONED, found.tag) if keep and leaving else None
     journal.append(root, "fork", fs, line=line, job=job,
-                   source={"id": found.id, "tag": found.tag, "step": found.step, "path": str(found.path.resolve())},
+                   source={"id": found.id, "tag": found.tag, "step": found.step, "path": _where(found.path, root)},
                    leaving=[{"id": e.id, "tag": e.tag, "step": e.step} for e in leaving],
                    to=str(to.relative_to(root)) if to else ("removed" if leaving else None))  # fmt: skip
     said = []
@@ -132,3 +135,12 @@ def _continue(cd: CheckpointDir, view: View, found: Found, skipped: list[Entry],
                        chain=[{"id": e.id, "tag": e.tag, "step": e.step} for e in chain])  # fmt: skip
     cd.lineage = Lineage(line or new_line(), found.id, job)
     return said
+
+
+def _where(path: Path, root: Path) -> str:
+    """A fork source's path as the journal records it: relative to the checkpoints directory where it lies
+    inside it (a copy of the run directory then reads its own), absolute elsewhere."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(root).resolve()))
+    except ValueError:
+        return str(Path(path).resolve())

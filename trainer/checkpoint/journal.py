@@ -18,15 +18,19 @@ of the rest, so that a record damaged in place is told from one written whole. T
   rules read it (oldest first);
 - `drop`: a set-aside directory deleted by `keep_abandoned` / `keep_damaged`.
 
-A crash during an append leaves a torn last line (or a few bytes of garbage after the last record):
-it was never acknowledged, so it is ignored, and the next append first cuts the file back to its last
-whole record. A damaged line followed by whole records is damage after the fact: readers are told
-(`Parsed.damaged`), and a plain resume refuses when the damage could hide the current line.
+A crash during an append leaves a torn last line (bytes after the last newline): it was never
+acknowledged, so it is ignored, and the next append first cuts it off. A whole line that is not a record
+(its crc fails) is damage after the fact, wherever it is: readers are told (`Parsed.damaged`), and a plain
+resume refuses when the damage could hide the current line. `journal.last` names the last record appended
+(its crc and where its line ends, written durably after it): a journal cut short or damaged at its end,
+which would otherwise read as a shorter journal, is told by it (`cut_short`), and a plain resume refuses
+then too.
 No torch, no DeepSpeed: tests/unit/test_lineage*.py exercise it on a simulated file system.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
@@ -37,6 +41,7 @@ from typing import Any
 from trainer.checkpoint.fs import LOCAL, LocalFS
 
 JOURNAL = "journal.jsonl"
+LAST = "journal.last"  # a copy of the last record appended: a journal cut short is told from a torn append
 EVENTS = ("commit", "fork", "aside", "prune", "convert", "import", "drop")
 
 
@@ -71,6 +76,7 @@ class Record:
     n: int  # line number in the journal (1-based)
     event: str
     data: dict[str, Any]
+    end: int = 0  # the byte offset just after its line
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.data.get(key, default)
@@ -79,30 +85,31 @@ class Record:
 @dataclass
 class Parsed:
     records: list[Record] = field(default_factory=list)
-    damaged: list[int] = field(default_factory=list)  # line numbers damaged in place (whole records after)
-    torn: bool = False  # bytes after the last whole record (a crash during an append)
-    good_end: int = 0  # byte offset just after the last whole record
+    damaged: list[int] = field(default_factory=list)  # whole lines that are not records: damaged in place
+    torn: bool = False  # bytes after the last newline (a crash during an append)
+    good_end: int = 0  # byte offset just after the last newline
+    tail: tuple[str, int] | None = None  # journal.last: (crc, end offset) of a record appended, durably
     exists: bool = False
 
 
 @functools.lru_cache(maxsize=8)  # a start reads the same journal a few times (readers never change a Parsed)
 def parse(raw: bytes | None) -> Parsed:
+    """Whole lines that are not records (their crc fails) are damage, wherever they are; bytes after the
+    last newline are a torn append (a crash before its fsync returned: never acknowledged)."""
     out = Parsed(exists=raw is not None)
     if not raw:
         return out
     lines = raw.split(b"\n")
     lines.pop()  # after the last newline: b"" when the file ends with one, else a torn line
-    offset, bad = 0, []
+    offset = 0
     for i, line in enumerate(lines, 1):
-        end = offset + len(line) + 1
         rec = decode(line)
+        offset += len(line) + 1
         if rec is None:
-            bad.append((i, offset))
+            out.damaged.append(i)
         else:
-            out.records.append(Record(i, rec["event"], rec))
-            out.good_end = end
-        offset = end
-    out.damaged = [i for i, off in bad if off < out.good_end]
+            out.records.append(Record(i, rec["event"], rec, offset))
+    out.good_end = offset
     out.torn = len(raw) > out.good_end
     return out
 
@@ -113,7 +120,23 @@ def read(root: Path, fs: LocalFS = LOCAL) -> Parsed:
         raw = fs.read_bytes(path)
     except FileNotFoundError:
         return parse(None)
-    return parse(raw)
+    out = parse(raw)
+    try:
+        last = json.loads(fs.read_bytes(Path(root) / LAST).decode())
+        out = dataclasses.replace(out, tail=(str(last["crc"]), int(last["end"])))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none (a journal from before it), or damaged: the journal is read as it is
+    return out
+
+
+def cut_short(parsed: Parsed) -> bool:
+    """The journal lost records after they were written (cut short, or its end damaged): `journal.last`,
+    written after each append, names a record (its crc, where its line ends) the journal does not hold
+    there. (A crash before journal.last was written leaves it naming an earlier record: that holds.)"""
+    if parsed.tail is None:
+        return False
+    crc, end = parsed.tail
+    return not any(r.end == end and r.data.get("crc") == crc for r in parsed.records)
 
 
 def append(root: Path, event: str, fs: LocalFS = LOCAL, **fields: Any) -> Record:
@@ -134,4 +157,7 @@ def append(root: Path, event: str, fs: LocalFS = LOCAL, **fields: Any) -> Record
     fs.fsync(path)
     if not now.exists:
         fs.fsync_dir(root)
+    end = len(raw or b"") + len(line)
+    tail = {"crc": decode(line[:-1])["crc"], "end": end}  # what the journal must hold there from now on
+    fs.durable_write(root / LAST, json.dumps(tail).encode(), tmp_name=f".{LAST}.tmp")
     return Record((raw or b"").count(b"\n") + 1, event, decode(line[:-1]) or {})

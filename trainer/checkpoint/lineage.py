@@ -34,7 +34,6 @@ from typing import Any
 
 from trainer.checkpoint import journal
 from trainer.checkpoint.disk import (
-    ABANDONED,
     LATEST,
     STATE,
     STEP_DIR,
@@ -63,7 +62,6 @@ class View:
     fs: LocalFS
     log: journal.Parsed
     disk: list[Entry]
-    _abandoned: dict[str, Entry] | None = None
 
     @classmethod
     def read(cls, root: Path, fs: LocalFS = LOCAL) -> View:
@@ -156,20 +154,12 @@ class View:
         tag = self.index["tag"].get(ident)
         if tag is not None and tag in self.index["unreadable"]:  # its manifest damaged: known by its tag
             return self.index["unreadable"][tag]
-        path = self.index["source"].get(ident)
+        path = self.index["source"].get(ident)  # a fork's source: here (relative) or elsewhere (absolute)
         if path is not None:
-            e = entry(Path(path), self.fs)
+            e = entry(self.root / path, self.fs)  # an absolute path stays what it is
             if e is not None and e.id in (ident, None):
                 return e
-        return self._aside().get(ident)  # a rollback's source kept in abandoned/ (its record damaged)
-
-    def _aside(self) -> dict[str, Entry]:
-        """The checkpoints in abandoned/, by id (read once, where the journal cannot say where one is)."""
-        if self._abandoned is None:
-            root = self.root / ABANDONED
-            self._abandoned = {e.id: e for d in self.fs.listdir(root) for n in self.fs.listdir(root / d)
-                               if (e := entry(root / d / n, self.fs)) is not None and e.id is not None}  # fmt: skip
-        return self._abandoned
+        return None  # never guessed from abandoned/: only a fork's record makes one of those current
 
     def chain(self, head: str | None, first: Entry | None = None) -> list[tuple[str, Entry | None]]:
         """The line below `head`, newest first: (id, where it is now or None). `first`: where the head
@@ -230,13 +220,14 @@ def plain(view: View) -> Decision:
     if not view.records:  # no journal (or none of it whole): the rules from before journals
         return legacy_latest(view)
     line, head, damaged = view.current()
-    if damaged:
+    if damaged or journal.cut_short(view.log):
+        what = (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are") + (
+            " damaged (not as written) after the record that says which line of checkpoints is current"
+        ) if damaged else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
         raise UserError(
-            f"{view.root / journal.JOURNAL}: "
-            + (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
-            + " damaged (not as written) after the record that says which line of checkpoints is current, so a plain resume cannot "
-            "tell which line to continue. Name the checkpoint to continue with --resume PATH (a step_* directory; "
-            "that starts a new line in the journal), or restore the journal from a backup"
+            f"{view.root / journal.JOURNAL}: {what}, so a plain resume cannot tell which line to continue. Name "
+            "the checkpoint to continue with --resume PATH (a step_* directory; that starts a new line in the "
+            "journal), or restore the journal from a backup"
         )
     pruned = view.pruned()
     out = Decision(None)

@@ -265,13 +265,19 @@ def convert_in_subprocess(
         if error is None and (rc != 0 or not (ckpt / tag / DONE).exists()):
             tail = log_path.read_text().strip().splitlines()[-12:]
             error = f"exit {rc}: " + "\n  ".join(tail or ["(no output)"])
-    except OSError as e:  # e.g. a read-only checkpoint directory
-        error = f"{type(e).__name__}: {e}"
+    except OSError as e:  # e.g. a read-only checkpoint directory: converted files could not go beside it
+        from trainer.checkpoint.fs import describe
+
+        error = describe(e, e.filename or ckpt, "converting in place; copy the checkpoint somewhere writable and "
+                         "resume the copy")  # fmt: skip
     finally:
-        spec_path.unlink(missing_ok=True)
-    if error is not None:
         with contextlib.suppress(OSError):
+            spec_path.unlink(missing_ok=True)
+    if error is not None:
+        try:
             (ckpt / f"{FAILED_PREFIX}{token}").write_text(error + "\n")
+        except OSError:  # the other ranks cannot be told through the directory: this rank ends the job
+            raise ResumeError(f"{what} failed on rank 0: {error}") from None
         return False  # wait_for() raises, on every rank alike
     log_path.unlink(missing_ok=True)
     log.info(f"{what}: done in {time.perf_counter() - t0:.1f} s ({spec['workers']} workers)")

@@ -218,9 +218,8 @@ class Store:
         from trainer.checkpoint.directory import salvage, wait_for_reports
 
         w = pending.writer
-        w.wait()
-        if not self.is_main or w.status != 0 or w.error is not None:
-            return None
+        if not w.wait(poll_s=0.2, quiet_s=wait_s) or not self.is_main or w.status != 0:
+            return None  # (a write that hangs is given up: the failure's own exit code comes first)
         wait_for_reports(pending.stage_dir, self.world_size, quiet_s=wait_s)
         return salvage(self.disk, pending.stage_dir, pending.tag, pending.meta, self.engine.ds_config,
                        self.exp.to_yaml(), self.world_size, pending.files())  # fmt: skip

@@ -290,18 +290,23 @@ class Writer:
             return WRITING
         return FAILED if self.error is not None else DONE
 
-    def wait(self, heartbeat: Any = None, poll_s: float = 1.0) -> None:
+    def wait(self, heartbeat: Any = None, poll_s: float = 1.0, quiet_s: float | None = None) -> bool:
         """Until the write is done, calling `heartbeat` (the watchdog's) whenever bytes were written
         since the last look: a long write is progress, a write stuck on a hung mount is not, and the
-        watchdog ends the job after dist.watchdog_s as it would a stuck synchronous save."""
-        seen = self.progress
+        watchdog ends the job after dist.watchdog_s as it would a stuck synchronous save. `quiet_s`: give
+        up once nothing was written for that long (False; the thread is left to the process's end)."""
+        seen, quiet = self.progress, time.monotonic() + (quiet_s or 0.0)
         while not self._done.wait(poll_s):
-            if heartbeat is not None and self.progress != seen:
-                seen = self.progress
-                heartbeat()
+            if self.progress != seen:
+                seen, quiet = self.progress, time.monotonic() + (quiet_s or 0.0)
+                if heartbeat is not None:
+                    heartbeat()
+            elif quiet_s is not None and time.monotonic() > quiet:
+                return False
         # The thread itself ends too: a daemon thread still alive when the interpreter finalizes is
         # stopped where it stands (inside torch's C++ that can abort the process).
         self._thread.join()
+        return True
 
     def describe_error(self) -> str:
         e = self.error
