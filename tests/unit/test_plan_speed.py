@@ -121,7 +121,7 @@ def test_micro_batch_auto_keeps_the_global_batch_and_prefers_the_larger():
 
 def test_a_global_batch_that_cannot_be_kept_is_refused():
     pytest.importorskip("bitsandbytes")
-    with pytest.raises(UserError, match="does not divide by the 3 rank"):
+    with pytest.raises(UserError, match="does not divide by the 3 data-parallel rank"):
         planned(QLORA, 3, 80, 256)
     with pytest.raises(UserError, match="not a multiple of micro_batch_size 3"):
         planned(QLORA, 1, 80, 256, "train.micro_batch_size=3")
@@ -217,3 +217,26 @@ def test_micro_batch_auto_offloads_only_when_no_micro_batch_fits_without_it():
     assert p.candidate.offload == "none", (p.candidate.name, batch.why)
     assert "with offload" in batch.why, batch.why
     obeys_the_rules(p)
+
+
+def test_a_global_batch_kept_only_under_sequence_parallelism_is_planned():
+    """Review of issue 61, finding 1: global batch 16 on 64 ranks divides only by sequence parallelism's
+    data-parallel ranks (64 / sp). It had been refused as 'not a multiple of micro_batch_size 1 x 64
+    data-parallel rank(s)' with SP 4 pinned (16 of them), and as not dividing by the 64 ranks with the micro
+    batch auto; the plan counts over world / sp for each degree and refuses only where none keeps it."""
+    sets = ("train.global_batch_size=16", "strategy.sequence_parallel=4")
+    exp, _, p, batch = planned(QLORA, 64, 80, 2048, *sets, "train.micro_batch_size=1")
+    assert (p.sp, p.dp_world, batch.micro, batch.accum) == (4, 16, 1, 1), batch.why
+    assert "16 data-parallel rank(s)" in batch.why
+    exp, _, p, batch = planned(QLORA, 64, 80, 2048, *sets)  # micro_batch_size: auto
+    assert p.sp == 4 and exp.train.micro_batch_size * exp.train.grad_accum * p.dp_world == 16, batch.why
+    exp, _, p, batch = planned(QLORA, 64, 80, 2048, "train.global_batch_size=16")  # the degree auto too
+    assert p.dp_world <= 16 and exp.train.micro_batch_size * exp.train.grad_accum * p.dp_world == 16
+    # a micro batch above the world's share: SP 2 on 8 ranks leaves 4 data-parallel ranks, a share of 4 each
+    exp, _, p, batch = planned(QLORA, 8, 80, 2048, "train.global_batch_size=16", "strategy.sequence_parallel=2",
+                               "train.micro_batch_size=4")  # fmt: skip
+    assert (p.dp_world, batch.accum) == (4, 1), batch.why
+    with pytest.raises(UserError) as e:  # no degree keeps it: 64 / 4 = 16 ranks do not divide 8
+        planned(QLORA, 64, 80, 2048, "train.global_batch_size=8", "strategy.sequence_parallel=4",
+                "train.micro_batch_size=1")  # fmt: skip
+    assert "16 data-parallel rank(s)" in str(e.value) and "sequence_parallel 4" in str(e.value), str(e.value)

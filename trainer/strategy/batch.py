@@ -22,6 +22,7 @@ from trainer.errors import UserError
 
 MAX_MICRO = 512  # the largest micro batch auto tries
 TIE = 1e-9  # relative: estimated times closer than this are equal (float noise, not a faster setting)
+SP_DEGREES = (2, 4, 8, 16, 32, 64)  # the sequence-parallel degrees strategy.sequence_parallel: auto tries
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,41 @@ def accumulation(exp: Any, world_size: int, sp: int) -> int:
     ):
         return t.global_batch_size // (t.micro_batch_size * dp)
     return t.grad_accum
+
+
+def sp_degrees(exp: Any, world_size: int) -> list[int]:
+    """The sequence-parallel degrees the plan may choose from, before the model's own limits (levers.py's
+    `sp_problem`): the pinned one, or under auto 1 and every degree of SP_DEGREES that divides the world (1
+    alone for the preference objectives, not verified under sequence parallelism)."""
+    sp = exp.strategy.sequence_parallel
+    if sp != "auto":
+        return [int(sp)]
+    if exp.train.objective != "sft":
+        return [1]
+    return [1] + [d for d in SP_DEGREES if d <= world_size and world_size % d == 0]
+
+
+def data_parallel_worlds(exp: Any, world_size: int) -> list[int]:
+    """The data-parallel worlds the plan may choose from (world / sp for each of `sp_degrees`), largest first:
+    a global batch is kept whatever the degree, so it must divide by one of them."""
+    return sorted({world_size // d for d in sp_degrees(exp, world_size) if world_size % d == 0}, reverse=True)
+
+
+def keeps(exp: Any, world_size: int, sp: int, micro: int) -> bool:
+    """Whether sequence parallelism of degree `sp` keeps train.global_batch_size at micro batch `micro` (its
+    world / sp data-parallel ranks divide it); True without a global batch."""
+    target = exp.train.global_batch_size
+    return not target or target % (micro * max(1, world_size // max(1, sp))) == 0
+
+
+def _ranks(exp: Any, world_size: int, dps: list[int]) -> str:
+    """The data-parallel ranks that share the batch, for the errors: the world's, or world / sp's."""
+    sp = exp.strategy.sequence_parallel
+    if dps == [world_size]:
+        return f"{world_size} data-parallel rank(s)"
+    if sp != "auto":
+        return f"{dps[0]} data-parallel rank(s) ({world_size} / strategy.sequence_parallel {sp})"
+    return f"{' or '.join(map(str, dps))} data-parallel rank(s) ({world_size} / each sequence-parallel degree auto tries)"
 
 
 def divisors(n: int) -> list[int]:
@@ -74,28 +110,30 @@ def resolve(exp: Any, world_size: int, plan_for: Any) -> tuple[Any, Batch | None
     set_accum = "grad_accum" in t.model_fields_set
     if micro != "auto":
         return _fixed(exp, micro, target, world_size, plan_for, set_accum)
-    if target % world_size:
+    dps = data_parallel_worlds(exp, world_size)
+    kept = [dp for dp in dps if target % dp == 0]
+    if not kept:
         raise UserError(
-            f"train.global_batch_size {target} does not divide by the {world_size} rank(s); give a multiple of "
-            f"{world_size}"
+            f"train.global_batch_size {target} does not divide by the {_ranks(exp, world_size, dps)}; give a "
+            f"multiple of {dps[-1]}"
         )
+    # every micro batch that divides the share of some degree's data-parallel ranks, largest first
+    micros = sorted({m for dp in kept for m in divisors(target // dp)}, reverse=True)
     tried, last_error = [], None
-    for m in divisors(target // world_size):
-        e = with_batch(exp, m, target // (world_size * m))
+    for m in micros:
+        dp = next(dp for dp in kept if target % (m * dp) == 0)
+        e = with_batch(exp, m, target // (m * dp))
         try:
             p = plan_for(e)
         except UserError as err:  # does not fit at this micro batch
             last_error = err
             continue
-        if p.dp_world != world_size:  # sequence parallelism: fewer data-parallel ranks share the batch
-            if target % (m * p.dp_world):
-                continue
+        if target % (m * p.dp_world):  # (a plan that does not keep it, a caller's: no split it keeps)
+            continue
+        if target // (m * p.dp_world) != e.train.grad_accum:  # the accumulation of the degree it chose
             e = with_batch(exp, m, target // (m * p.dp_world))
-            dp, p = (
-                p.dp_world,
-                plan_for(e),
-            )  # the same choice: the plan counts each degree at its accumulation
-            if p.dp_world != dp:  # (a plan that does not, a caller's: no split of the global batch it keeps)
+            dp, p = p.dp_world, plan_for(e)  # the same choice: the plan counts each degree at its accumulation
+            if p.dp_world != dp:
                 continue
         tried.append((p.speed.per_token if p.speed is not None else 0.0, -m, e, p))
     if not tried:  # the smallest micro batch's error: what blocks the job even there
@@ -130,14 +168,18 @@ def _fixed(
     exp: Any, micro: int, target: int, world_size: int, plan_for: Any, set_accum: bool
 ) -> tuple[Any, Batch]:
     """A global batch with a micro batch given: accumulation = global / (micro x data-parallel ranks)."""
-    dp = world_size
-    if target % (micro * dp) == 0:
-        p = plan_for(with_batch(exp, micro, target // (micro * dp)))
-        dp = p.dp_world
-    if target % (micro * dp):
+    dps = data_parallel_worlds(exp, world_size)
+    kept = [dp for dp in dps if target % (micro * dp) == 0]
+    if not kept:
+        raise UserError(
+            f"train.global_batch_size {target} is not a multiple of micro_batch_size {micro} x "
+            f"{_ranks(exp, world_size, dps)}; give a global batch it divides, or micro_batch_size: auto"
+        )
+    dp = plan_for(with_batch(exp, micro, target // (micro * kept[0]))).dp_world
+    if target % (micro * dp):  # (a plan that does not keep it, a caller's)
         raise UserError(
             f"train.global_batch_size {target} is not a multiple of micro_batch_size {micro} x {dp} data-parallel "
-            f"rank(s); give a global batch it divides, or micro_batch_size: auto"
+            "rank(s) of the plan; give a global batch it divides, or micro_batch_size: auto"
         )
     accum = target // (micro * dp)
     if set_accum and accum != exp.train.grad_accum:

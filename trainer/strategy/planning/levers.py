@@ -22,11 +22,12 @@ from typing import Any
 
 from trainer.config import Experiment, chunked_loss_problem
 from trainer.errors import UserError
+from trainer.strategy.batch import SP_DEGREES, keeps, sp_degrees
 from trainer.strategy.planning.candidates import ModelInfo
 
 # the levers' costs, cheapest first (their order among settings with as many levers on)
 COST = {"chunked_loss": 1, "tiled_mlp": 2, "sp": 3, "checkpointing": 4, "offload": 5}
-SP_DEGREES = (2, 4, 8, 16, 32, 64)
+__all__ = ["COST", "SP_DEGREES", "Levers", "lever_sets", "sp_problem", "tiled_loss_by_default"]
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,28 @@ def _tiled_loss_allowed(exp: Experiment, info: ModelInfo) -> bool:
     return sft and exp.model.factory is None and not problem
 
 
+def _keeping(exp: Experiment, world_size: int, sps: list[int]) -> list[int]:
+    """The degrees of `sps` whose data-parallel ranks (world / sp) keep train.global_batch_size at the micro
+    batch (strategy/batch.py: the global batch is kept whatever the degree); a UserError when none does."""
+    t = exp.train
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
+    kept = [d for d in sps if keeps(exp, world_size, d, micro)]
+    if not kept:
+        ranks = " or ".join(str(world_size // d) for d in sps)
+        raise UserError(
+            f"train.global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size {micro} x {ranks} "
+            f"data-parallel rank(s) (world {world_size} / the sequence-parallel degree this job can take: "
+            f"{', '.join(map(str, sps))}); give a global batch they divide, or micro_batch_size: auto"
+        )
+    return kept
+
+
 def lever_sets(
     exp: Experiment, info: ModelInfo, world_size: int, device_type: str, precision: str = ""
 ) -> Iterator[Levers]:
     """Every setting of the levers the experiment allows, cheapest first (see the module docstring)."""
     m, s = exp.model, exp.strategy
     transformers_model = m.factory is None
-    sft = exp.train.objective == "sft"
     chunked = (
         [True]
         if tiled_loss_by_default(exp, info, device_type, precision)
@@ -135,17 +151,11 @@ def lever_sets(
         if info.attn_implementation == "eager" and m.attn_implementation == "auto"
         else info.attn_implementation
     )
-    if s.sequence_parallel == "auto" and not sft:  # preference objectives under SP: not verified yet
-        sps = [1]
-    elif s.sequence_parallel == "auto":
-        sps = [1] + [
-            d
-            for d in SP_DEGREES
-            if d <= world_size and not sp_problem(info, d, world_size, exp.data.seq_len, attn)
-        ]
-    else:
-        sps = [int(s.sequence_parallel)]
-        problem = sp_problem(info, sps[0], world_size, exp.data.seq_len, attn) if sps[0] > 1 else None
+    sps = sp_degrees(exp, world_size)
+    if s.sequence_parallel == "auto":
+        sps = [d for d in sps if d == 1 or not sp_problem(info, d, world_size, exp.data.seq_len, attn)]
+    elif sps[0] > 1:
+        problem = sp_problem(info, sps[0], world_size, exp.data.seq_len, attn)
         if problem:
             fix = (
                 "set it to 1 (off)"
@@ -153,6 +163,7 @@ def lever_sets(
                 else "give a degree that divides the ranks, the attention heads and data.seq_len, or 1 (off), or auto"
             )
             raise UserError(f"strategy.sequence_parallel: {sps[0]} cannot run this job: {problem}; {fix}")
+    sps = _keeping(exp, world_size, sps)
     sets = {
         Levers(sp, c, t, k, o)
         for sp, c, t, k, o in itertools.product(sps, chunked, tiled, checkpointing, offload)
