@@ -83,7 +83,9 @@ def test_a_full_disk_names_the_file_the_error_and_the_bytes():
     with pytest.raises(OSError) as e:
         write_file(Path("/dev/full"), {"x": torch.zeros(100_000)})
     assert e.value.errno == errno.ENOSPC
-    assert "/dev/full: No space left on device (ENOSPC)" in str(e.value) and "bytes of it were written" in str(e.value)
+    assert "/dev/full: No space left on device (ENOSPC)" in str(
+        e.value
+    ) and "bytes of it were written" in str(e.value)
 
 
 def test_set_aside_names_never_collide_and_sort_in_order(tmp_path):
@@ -143,3 +145,30 @@ def test_a_copy_of_a_run_directory_reads_its_own_checkpoints(tmp_path):
     shutil.copytree(tmp_path / "run", tmp_path / "copy")
     found, _ = lineage.latest(tmp_path / "copy" / "checkpoints")
     assert found.path == tmp_path / "copy" / "checkpoints" / away.relative_to(root)
+
+
+@pytest.mark.parametrize("cut", ["torn", "damaged"])
+def test_a_journal_cut_to_no_whole_record_is_never_read_as_one_from_before_journals(tmp_path, cut):
+    """Found by the sequence test in CI: the journal cut short twice (journal.last names a record it no longer
+    has) to half a record, or damaged in place to no whole one. It had been read as a directory from before
+    journals: the old rules resumed the newest step, and the start's next record (a damaged checkpoint set
+    aside) made a journal with no commit in it, whole again by journal.last, so that the next plain resume
+    found nothing to resume beside an intact step_2. A plain resume refuses (the line is unknown), and no
+    prune removes anything."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    for step in (2, 4, 6):
+        commit(root, step, cd)
+    path = root / journal.JOURNAL
+    raw = path.read_bytes()
+    path.write_bytes(
+        raw[: raw.index(b"\n") // 2] if cut == "torn" else raw.replace(b'"tag":"step_', b'"tag":"STEP_')
+    )
+    view = lineage.View.read(root)
+    assert not view.records and view.journaled
+    with pytest.raises(UserError, match=r"journal.jsonl: .*--resume PATH"):
+        lineage.latest(root)
+    assert lineage.prune_plan(view, 1) == []
+    assert not lineage.is_head(
+        view, Found(root / "step_00000006", json.loads((root / "step_00000006" / STATE).read_text()))
+    )

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from trainer.checkpoint import reshard, stage0
+from trainer.checkpoint import reshard, stage0, universal
 
 WRAPPERS = {"fused": "FP16_Optimizer", "unfused": "FP16_UnfusedOptimizer"}
 
@@ -180,13 +180,13 @@ def test_the_universal_round_trip_on_disk(tmp_path):
     saved = masters(model, opt, layout)
     uni = tmp_path / "universal"
     uni.mkdir()
-    reshard._stage0_to_universal(ckpt, uni, names, workers=2)
+    universal.stage0_to_universal(ckpt, uni, names, workers=2)
     for kind in ("fused", "torch"):
         _, live, _ = make(kind, torch.float16 if kind == "fused" else torch.float32)
         target = {"stage0": True, "kind": kind, "fields": stage0.wrapper_fields(live), "torch_states": True}
         out = tmp_path / reshard.target_tag(target)
         out.mkdir()
-        reshard._universal_to_stage0(uni, out, names, aliases, target, workers=2)
+        universal.universal_to_stage0(uni, out, names, aliases, target, workers=2)
         sd = torch.load(out / "mp_rank_00_model_states.pt", weights_only=False)
         assert stage0.kind_of(sd["optimizer"]) == kind
         assert sd["lr_scheduler"] == {"last_batch_iteration": 1}

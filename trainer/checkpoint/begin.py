@@ -48,7 +48,7 @@ def start(cd: CheckpointDir, found: Found | None, *, explicit: bool, skipped: li
     view = View.read(root, fs) if done else view
     if found is None:
         line = new_line()
-        if view.records:  # a fresh start where a journal is: the line changes here
+        if view.journaled:  # a fresh start where a journal is: the line changes here
             journal.append(root, "fork", fs, line=line, source=None, leaving=[], to=None, job=job)
         cd.lineage = Lineage(line, None, job)
         cd.write_latest(None)
@@ -107,7 +107,9 @@ def _fork(cd: CheckpointDir, view: View, found: Found, on_rollback: str, job: st
     return said
 
 
-def _continue(cd: CheckpointDir, view: View, found: Found, skipped: list[Entry], job: str | None) -> list[str]:
+def _continue(
+    cd: CheckpointDir, view: View, found: Found, skipped: list[Entry], job: str | None
+) -> list[str]:
     fs, root = cd.fs, cd.root
     said = []
     damaged = [e for e in skipped if fs.exists(e.path) and e.path.parent == root]
@@ -126,7 +128,7 @@ def _continue(cd: CheckpointDir, view: View, found: Found, skipped: list[Entry],
         where = set_aside(cd, stray, ABANDONED, "no part of the line being resumed", to=to)
         said.append(f"checkpoint(s) {', '.join(e.tag for e in stray)} are no part of the line resumed "
                     f"({found.tag}'s): moved to {where}")  # fmt: skip
-    if view.records:
+    if view.journaled:
         line = view.current()[0]
     else:  # a directory from before journals: its line as the old rules read it, recorded
         line = new_line()

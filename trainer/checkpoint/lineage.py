@@ -73,6 +73,12 @@ class View:
     def records(self) -> list[journal.Record]:
         return self.log.records
 
+    @property
+    def journaled(self) -> bool:
+        """The directory keeps a journal: whole records, or a journal damaged or cut short to none (which
+        is never read as a directory from before journals: the line it held is unknown, not the old rules')."""
+        return bool(self.records or self.log.damaged or journal.cut_short(self.log))
+
     def events(self, *kinds: str) -> list[journal.Record]:
         return [r for r in self.records if r.event in kinds]
 
@@ -142,7 +148,11 @@ class View:
             return self.index["import_prev"][ident]
         if located is not None and located.state is not None and located.path.parent == self.root:
             # a checkpoint from before lineages: the line as the old rules read it (the next older one)
-            older = [e for e in self.disk if e.state is not None and e.lineage("line") is None and e.step < located.step]
+            older = [
+                e
+                for e in self.disk
+                if e.state is not None and e.lineage("line") is None and e.step < located.step
+            ]
             return older[-1].id if older else None
         return None
 
@@ -217,13 +227,16 @@ def _said(e: Entry, why: list[str] | str) -> str:
 def plain(view: View) -> Decision:
     """`--resume` (and a restart, and checkpoint.resume: auto): the newest intact checkpoint of the
     current line. Raises UserError where journal damage could hide which line is current."""
-    if not view.records:  # no journal (or none of it whole): the rules from before journals
+    if not view.journaled:  # no journal (or only a torn first append): the rules from before journals
         return legacy_latest(view)
     line, head, damaged = view.current()
     if damaged or journal.cut_short(view.log):
-        what = (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are") + (
-            " damaged (not as written) after the record that says which line of checkpoints is current"
-        ) if damaged else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
+        what = (
+            (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
+            + (" damaged (not as written) after the record that says which line of checkpoints is current")
+            if damaged
+            else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
+        )
         raise UserError(
             f"{view.root / journal.JOURNAL}: {what}, so a plain resume cannot tell which line to continue. Name "
             "the checkpoint to continue with --resume PATH (a step_* directory; that starts a new line in the "
@@ -244,7 +257,10 @@ def plain(view: View) -> Decision:
 
 
 def verified(
-    found: Found, fallbacks: list[Found], explicit: bool, digest_problems: Callable[[Found], list[str]],
+    found: Found,
+    fallbacks: list[Found],
+    explicit: bool,
+    digest_problems: Callable[[Found], list[str]],
     fs: LocalFS = LOCAL,
 ) -> tuple[Found, list[Found], list[Entry], list[str]]:
     """The first of `found` and its line below it whose every file's bytes match their digests
@@ -253,7 +269,9 @@ def verified(
     skipped, said = [], []
     line = [found, *fallbacks]
     for n, f in enumerate(line):
-        bad = digest_problems(f) if n == 0 or not verify(f.path, f.state, fs) else ["its manifest check failed"]
+        bad = (
+            digest_problems(f) if n == 0 or not verify(f.path, f.state, fs) else ["its manifest check failed"]
+        )
         if not bad:
             return f, line[n + 1 :], skipped, said
         if explicit:
@@ -318,7 +336,7 @@ def explicit(path: Path, fs: LocalFS = LOCAL) -> Found:
 
 def is_head(view: View, found: Found) -> bool:
     """`found` is what a plain resume of `view` continues (no rollback)."""
-    if not view.records:
+    if not view.journaled:
         legacy = legacy_latest(view).found
         return legacy is not None and legacy.path.resolve() == found.path.resolve()
     _, head, _ = view.current()
@@ -329,7 +347,7 @@ def refuse_fresh(view: View) -> None:
     """A fresh start in a directory holding checkpoints, readable or not, or whose journal's line goes on
     from one elsewhere (a rollback into abandoned/ not yet saved), would mix two runs."""
     elsewhere = None
-    if not view.disk and view.records:
+    if not view.disk and view.journaled:
         with contextlib.suppress(UserError):
             elsewhere = plain(view).found
     if elsewhere is not None:
@@ -424,7 +442,7 @@ def prune_plan(view: View, keep_last: int) -> list[Entry]:
     if keep_last <= 0:
         return []
     _, head, damaged = view.current()
-    if damaged:
+    if damaged or journal.cut_short(view.log):
         return []  # the line is uncertain: remove nothing
     pruned = view.pruned()
     line = [
