@@ -64,7 +64,9 @@ def evict(cd: CheckpointDir, protect: list[Path] = ()) -> list[str]:
     out = []
     for kind, keep in ((ABANDONED, cd.keep_abandoned), (DAMAGED, cd.keep_damaged)):
         guarded = {Path(p).resolve() for p in protect}
-        names = [n for n in held(cd, kind) if not any((cd.root / kind / n).resolve() in q.parents for q in guarded)]
+        names = [
+            n for n in held(cd, kind) if not any((cd.root / kind / n).resolve() in q.parents for q in guarded)
+        ]
         for name in names[: max(0, len(names) - keep)]:
             journal.append(cd.root, "drop", cd.fs, dir=f"{kind}/{name}")
             cd.fs.rmtree(cd.root / kind / name)
@@ -86,7 +88,10 @@ def held(cd: CheckpointDir, kind: str) -> list[str]:
 def describe(cd: CheckpointDir) -> str | None:
     """What abandoned/ and damaged/ hold, for the banner (None: nothing)."""
     parts = []
-    for kind, keep, what in ((ABANDONED, cd.keep_abandoned, "line"), (DAMAGED, cd.keep_damaged, "checkpoint")):
+    for kind, keep, what in (
+        (ABANDONED, cd.keep_abandoned, "line"),
+        (DAMAGED, cd.keep_damaged, "checkpoint"),
+    ):
         names = held(cd, kind)
         if names:
             parts.append(f"{cd.root / kind} holds {len(names)} {what}{'s' if len(names) != 1 else ''} "

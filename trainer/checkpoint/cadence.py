@@ -197,7 +197,9 @@ class Checkpointer:
             log.warning(f"warning: the background save of step {pending.step} could not be committed: {e}")
             return
         if path is not None:
-            log.info(f"checkpoint {path} committed on the way out (written in the background before the step failed)")
+            log.info(
+                f"checkpoint {path} committed on the way out (written in the background before the step failed)"
+            )
 
     def load(self, found: Found, state: Any) -> None:
         restore.load(self.store, found, state, wait_s=self.section.convert_timeout_minutes * 60)

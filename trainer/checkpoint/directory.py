@@ -260,4 +260,13 @@ def reports(stage_dir: Path, world: int, fs: LocalFS = LOCAL) -> list[dict[str, 
     return out
 
 
-__all__ = ["CheckpointDir", "Lineage", "is_head", "manifest", "new_line", "reports", "salvage", "write_report"]
+__all__ = [
+    "CheckpointDir",
+    "Lineage",
+    "is_head",
+    "manifest",
+    "new_line",
+    "reports",
+    "salvage",
+    "write_report",
+]

@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from trainer.checkpoint.lineage import export_source
 
-        found, warnings = export_source(args.checkpoint)  # every file's bytes verified (or the error names it)
+        found, warnings = export_source(
+            args.checkpoint
+        )  # every file's bytes verified (or the error names it)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
         out = export(found.path, Path(args.out_dir), args.dtype, adapter=args.adapter)

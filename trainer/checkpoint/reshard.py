@@ -191,9 +191,13 @@ def converted(
         if not bad:
             return
         if again:
-            raise ResumeError(f"{what}: made again from the checkpoint, and still damaged: {'; '.join(bad[:3])}")
+            raise ResumeError(
+                f"{what}: made again from the checkpoint, and still damaged: {'; '.join(bad[:3])}"
+            )
         if rank == 0:
-            log.warning(f"warning: {ckpt / tag} is damaged ({'; '.join(bad[:3])}); making it again from {ckpt}")
+            log.warning(
+                f"warning: {ckpt / tag} is damaged ({'; '.join(bad[:3])}); making it again from {ckpt}"
+            )
             shutil.rmtree(ckpt / tag, ignore_errors=True)
         if world > 1:
             dist.barrier(group=group)  # the damaged one is gone before any rank waits for the new one
@@ -342,9 +346,15 @@ def convert(ckpt: Path, spec: dict[str, Any]) -> None:
             _build(uni, make_universal, force=rebuild)
             return
         final = ckpt / spec["tag"]
-        if rebuild or seal.marker(final)[0] is None:  # the stage-0 one is made from universal/: verified first
+        if (
+            rebuild or seal.marker(final)[0] is None
+        ):  # the stage-0 one is made from universal/: verified first
             _build(uni, make_universal, force=bool(seal.problems(uni)))
-        _build(final, lambda out: universal.universal_to_stage0(uni, out, names, aliases, target, workers), force=rebuild)
+        _build(
+            final,
+            lambda out: universal.universal_to_stage0(uni, out, names, aliases, target, workers),
+            force=rebuild,
+        )
 
 
 def _build(final: Path, make: Callable[[Path], None], force: bool = False) -> None:

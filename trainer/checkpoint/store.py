@@ -103,7 +103,9 @@ class Store:
     copier: Any = None  # writer.HostCopier: the host copies of background saves (pinned buffers reused)
     omit_frozen: bool = False  # model.lora from model.pretrained: the frozen base stays out (frozen.py)
     frozen_digest: str | None = None  # model.lora: of the frozen weights (guard_frozen, or a resume's load)
-    disk: CheckpointDir | None = None  # `root` on disk: the manifest, the commit, pruning (its line: build's start)
+    disk: CheckpointDir | None = (
+        None  # `root` on disk: the manifest, the commit, pruning (its line: build's start)
+    )
 
     def __post_init__(self) -> None:
         from trainer.checkpoint.writer import HostCopier
