@@ -75,10 +75,13 @@ class CheckpointDir:
         return stage
 
     def ensure(self) -> None:
-        """The directory exists, and durably so (its entry in the run directory fsynced)."""
+        """The directory exists, and durably so: its entry in the run directory fsynced once by each process,
+        made or found (a process killed between the mkdir and the fsync leaves it there, not yet durable)."""
         if not self.fs.is_dir(self.root):
             self.fs.mkdir(self.root)
+        if not getattr(self, "_entry_durable", False):
             self.fs.fsync_dir(self.root.parent)
+            self._entry_durable = True
 
     def clean_leftovers(self, keep: str) -> None:
         """Remove staging and trash directories left by crashed saves or prunes (`keep`: a staging

@@ -34,6 +34,7 @@ from typing import Any
 
 from trainer.checkpoint import journal
 from trainer.checkpoint.disk import (
+    DAMAGED,
     LATEST,
     STATE,
     STEP_DIR,
@@ -127,6 +128,13 @@ class View:
             elif r.event == "import":
                 chain = r.get("chain") or []
                 line, head, at = r.get("line"), chain[-1]["id"] if chain else None, r.n
+        passed = {
+            i.get("id") for r in self.events("aside") if r.get("kind") == DAMAGED for i in r.get("items", [])
+        }
+        while (
+            head is not None and head in passed
+        ):  # set aside as damaged by a resume: the line goes on below it
+            head = self.parent_of(head, self.locate(head))
         recorded = set(self.index["commit"])
         while line is not None:  # committed here, its journal record lost to a crash: adopted
             kids = [e for e in self.disk if e.id not in recorded and e.id is not None
