@@ -79,8 +79,9 @@ class CheckpointDir:
         made or found (a process killed between the mkdir and the fsync leaves it there, not yet durable)."""
         if not self.fs.is_dir(self.root):
             self.fs.mkdir(self.root)
-        if not getattr(self, "_entry_durable", False):
+        if not getattr(self, "_entry_durable", False):  # and the run directory's, made by `mkdir -p` at start
             self.fs.fsync_dir(self.root.parent)
+            self.fs.fsync_dir(self.root.parent.parent)
             self._entry_durable = True
 
     def clean_leftovers(self, keep: str) -> None:

@@ -4,6 +4,7 @@ decorated with `@contradiction` that returns (key, message) pairs."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -239,6 +240,17 @@ def warnings(exp: Experiment) -> list[str]:
     return out + rl_warnings(exp)
 
 
+def _template_stage(path: str | None) -> Any:
+    """zero_optimization.stage of the DeepSpeed template at `path` (None: none, or unreadable: the template's own
+    checks say why when it is loaded)."""
+    try:
+        zero = json.loads(Path(path).read_text()).get("zero_optimization") if path else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
+
+
 @contradiction
 def _strategy(exp: Experiment) -> list[tuple[str, str]]:
     s = exp.strategy
@@ -265,6 +277,10 @@ def _strategy(exp: Experiment) -> list[tuple[str, str]]:
         elif s.offload == "nvme" and s.offload_params is False:
             out.append(("strategy.offload_params", "false with offload nvme: NVMe offload here moves the "
                         "parameters too; set offload_params: auto or true, or offload: cpu"))  # fmt: skip
+        elif (stage := _template_stage(s.deepspeed)) in (0, 1, 2):
+            out.append(("strategy.offload_params", f"{where} applies to ZeRO stage 3 with offload, but "
+                        f"strategy.deepspeed ({s.deepspeed}) sets zero_optimization.stage {stage}; set "
+                        "strategy.offload_params: auto, or name a stage 3 template"))  # fmt: skip
     if s.offload == "nvme":
         if s.zero_stage in (0, 1, 2):
             out.append(("strategy.offload", "nvme offload needs zero_stage 3 (or auto)"))

@@ -13,7 +13,8 @@ pins), states.py (parameters, gradients, optimizer state; precision), step.py (t
 own memory), activations.py (what backward keeps, and the levers that shrink it), buffers.py (the
 CUDA context, ZeRO's buckets and the DeepSpeed sizes behind them), host.py (host memory per node),
 estimate.py (all of these per candidate); speed.py and hardware.py (a step's time); search.py (the
-choice), ladder.py (the Plan and its table).
+choice), pins.py (what the experiment pins and what only narrows the rungs), ladder.py (the Plan and
+its table).
 
 Nothing here imports torch or deepspeed: planning runs anywhere, in well under a second.
 """

@@ -13,6 +13,7 @@ from typing import Any
 from trainer.config import Experiment, chunked_loss_problem, format_size
 from trainer.errors import UserError
 from trainer.strategy.batch import accumulation
+from trainer.strategy.planning import pins
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all, with_activations
@@ -175,11 +176,38 @@ def plan(
     kw = dict(world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type, device_memory=device_memory,
               host_memory=host_memory, precision=precision, template=template, force=force,
               device_name=device_name)  # fmt: skip
+    narrowing = pins.constraints(
+        exp, template
+    )  # offload none, offload_params: no pin, only fewer rungs (pins.py)
+    try:
+        p = _planned(exp, info, kw)
+    except pins.Blocked as err:
+        free = _free(exp, info, kw)
+        raise err if free is None else pins.blocks(narrowing, err, free) from None
+    if narrowing:
+        free = _free(exp, info, kw)
+        why = pins.needs_justification(narrowing, p, free, exp)
+        p = dataclasses.replace(
+            p, reason="; ".join(filter(None, [p.reason, pins.note(narrowing, p, free), why]))
+        )
+    return p
+
+
+def _planned(exp: Experiment, info: ModelInfo, kw: dict[str, Any]) -> Plan:
     if exp.train.micro_batch_size == "auto":  # decided first (strategy/batch.py), then planned as given
         from trainer.strategy.batch import resolve
 
-        exp = resolve(exp, world_size, lambda e: plan(e, info, **kw))[0]
+        exp = resolve(exp, kw["world_size"], lambda e: _plan(e, info, **kw))[0]
     return _plan(exp, info, **kw)
+
+
+def _free(exp: Experiment, info: ModelInfo, kw: dict[str, Any]) -> Plan | None:
+    """The plan without the experiment's constraints (None: nothing fits then either)."""
+    exp, template = pins.lifted(exp, kw["template"])
+    try:
+        return _planned(exp, info, {**kw, "template": template})
+    except UserError:
+        return None
 
 
 def _plan(
@@ -200,7 +228,7 @@ def _plan(
     lp = low_precision_bytes(precision)
     budget = int(device_memory * s.headroom)
     pinned = pinned_choice(exp, template)
-    is_pinned = any(x is not None for x in pinned)
+    is_pinned = pins.is_pin(pinned)  # a stage or an offload to the host; the rest only narrows (pins.py)
     hardware, hardware_why = machine(device_type, s.hardware, device_name)
 
     estimates_for = _estimator(exp, info, pinned, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
@@ -231,8 +259,9 @@ def _plan(
     if chosen is None:
         pinned_options = [c for c, _ in _pinned_order(found, levers)] if is_pinned else []
         if not (is_pinned and force and pinned_options):
-            raise _no_fit(exp, by, pinned_options, auto_choice, hint, budget, device_memory, world_size, found,
+            err = _no_fit(exp, by, pinned_options, auto_choice, hint, budget, device_memory, world_size, found,
                           host_memory, len(settings))  # fmt: skip
+            raise pins.Blocked(str(err)) if any(x is not None for x in pinned) and not is_pinned else err
         chosen = pinned_options[0]
     reason = (
         _reason(exp, by, chosen, auto_choice, auto, budget)

@@ -106,7 +106,8 @@ def rung_reason(found: Search, by: dict[Candidate, Estimate], hint: str, budget:
     e = by[c]
     use = f"{format_size(e.total)} of {format_size(budget)} per rank"
     slower, needs = [], []
-    for r in LADDER[: LADDER.index(c)]:
+    allowed = {r for _, r in found.order}  # (offload none and offload_params leave some out: pins.py says so)
+    for r in (r for r in LADDER[: LADDER.index(c)] if r in allowed):
         other = found.best_on(r)
         if other is not None:
             slower.append(f"{r.name} fits ({other.levers.describe()}) but is slower by the model: "
@@ -136,7 +137,8 @@ def blocker(found: Search, budget: int, host_memory: int | None, nvme_path: bool
     """When nothing fits: (what blocks it, the advice for that resource). Host memory when some setting fits
     the devices but not the host; an NVMe rung that would fit without a path; else device memory, with the
     setting that comes closest."""
-    every = [e for es in found.estimates.values() for e in es]
+    allowed = set(found.order)  # the rungs the experiment allows (offload none, offload_params narrow them)
+    every = [e for lv, es in found.estimates.items() for e in es if (lv, e.candidate) in allowed]
     on_device = [e for e in every if e.total <= budget and not e.refused]
     host_short = [e for e in on_device if not e.fits_host]
     if host_short and host_memory is not None:
