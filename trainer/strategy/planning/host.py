@@ -14,7 +14,8 @@ def host_needs(
     quantized: Quantized | None = None,
 ) -> int:  # fmt: skip
     """Host bytes per node, DeepSpeed's estimator formulas (zero_init for stage 3); with offload the
-    optimizer's part counts the `trainable` parameters only. `quantized` (ModelInfo.quantized): those
+    optimizer's part counts the `trainable` parameters only, and at stages 0-2 the load of every weight (the
+    frozen base of a LoRA too) all the same: ZeRO-Offload cannot fix a host that cannot load the model. `quantized` (ModelInfo.quantized): those
     elements are loaded quantized, tensor by tensor onto the device, and offloaded packed: they count
     their packed bytes where the formulas count 2 (offloaded) or 4 (loading) bytes an element."""
     t = p if trainable is None else trainable
@@ -27,9 +28,11 @@ def host_needs(
         if c.offload == "nvme":  # states live on NVMe; the host keeps pinned swap buffers
             return int(largest * 4 * gpus_per_node * f + 2 * GiB)
         return int((16 * t + (2 * (p - q) + packed * q if c.offload_params else 0)) / nodes * f)
-    if c.offload != "none":
-        return int(t * max(4 * n, 16) * f / nodes)
-    return int((4 * (p - q) + packed * q) * gpus_per_node * f)
+    # stages 0-2 load every weight on each rank's host first (no zero.Init), the frozen ones too
+    load = (4 * (p - q) + packed * q) * gpus_per_node
+    if c.offload != "none":  # DeepSpeed's max(4 x GPUs, 16) a parameter: the load, or the optimizer's states
+        return int(max(load, 16 * t / nodes) * f)
+    return int(load * f)
 
 
 def snapshot_bytes(

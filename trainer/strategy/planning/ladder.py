@@ -20,7 +20,7 @@ from trainer.strategy.planning.estimate import Estimate, estimate_all, with_acti
 from trainer.strategy.planning.generation import generation_bytes, host_bytes, row_length
 from trainer.strategy.planning.hardware import machine
 from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
-from trainer.strategy.planning.search import Search, blocker, rung_reason, search
+from trainer.strategy.planning.search import Search, rung_reason, search
 from trainer.strategy.planning.speed import StepTime, Timer
 from trainer.strategy.planning.states import low_precision_bytes
 
@@ -259,8 +259,9 @@ def _plan(
     if chosen is None:
         pinned_options = [c for c, _ in _pinned_order(found, levers)] if is_pinned else []
         if not (is_pinned and force and pinned_options):
-            err = _no_fit(exp, by, pinned_options, auto_choice, hint, budget, device_memory, world_size, found,
-                          host_memory, len(settings))  # fmt: skip
+            table = _table_for(by, budget, device_memory, s.headroom, world_size)
+            err = pins.no_fit(exp, by, pinned_options, auto_choice, hint, budget, device_memory, world_size, found,
+                              host_memory, len(settings), table)  # fmt: skip
             raise pins.Blocked(str(err)) if any(x is not None for x in pinned) and not is_pinned else err
         chosen = pinned_options[0]
     reason = (
@@ -353,54 +354,6 @@ def _levers_reason(levers: Levers, settings: list[Levers], found: Search, budget
         + f"; without levers the smallest candidate ({best.candidate.name}) "
         f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
         f"{format_size(budget)}"
-    )
-
-
-def _no_fit(
-    exp: Experiment,
-    by: dict[Candidate, Estimate],
-    pinned_options: list[Candidate],
-    auto_choice: Candidate | None,
-    hint: str,
-    budget: int,
-    device_memory: int,
-    world_size: int,
-    found: Search,
-    host_memory: int | None,
-    settings: int = 1,
-) -> UserError:
-    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit, naming
-    what blocks it (device or host memory, NVMe's path); the table under the setting of the levers that
-    comes closest (`by`), of the `settings` tried."""
-    headroom = exp.strategy.headroom
-    if pinned_options:
-        c, e = pinned_options[0], by[pinned_options[0]]
-        msg = (
-            f"strategy: the pinned {c.name} is predicted not to fit: {format_size(e.total)} per rank "
-            f"(host {format_size(e.host)}) against {format_size(budget)} usable of {format_size(device_memory)}. "
-            + (
-                f"The rules would pick {auto_choice.name}; set strategy.zero_stage/offload: auto. "
-                if auto_choice
-                else ""
-            )
-            + "Pass --force to run anyway."
-        )
-    else:
-        tried = (
-            f" under any of the {settings} settings of the activation levers the experiment allows"
-            if settings > 1
-            else ""
-        )
-        what, fix = blocker(found, budget, host_memory, bool(exp.strategy.nvme_path))
-        msg = (
-            f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
-            f"{headroom}) on {world_size} rank(s){tried}: {what}. To fit: {fix}."
-        )
-    return UserError(
-        msg
-        + (f" Or {hint}." if hint else "")
-        + "\n\n"
-        + _table_for(by, budget, device_memory, headroom, world_size)
     )
 
 

@@ -7,6 +7,8 @@ on the device) only narrow the rungs the rules choose from: the plan is compared
 them (`free`: the same job with them lifted, its micro batch chosen again), and says when they change nothing;
 one that moves the choice to a costlier rung needs the justification a pin would; and when one is what blocks the
 job, the error names it, the rung that would fit without it and the fix (`--force` forces nothing for it).
+`no_fit` is the error when nothing fits, pinned or not, naming the resource that blocks it (search.py's
+`blocker`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Any
 from trainer.config import Experiment, format_size
 from trainer.errors import UserError
 from trainer.strategy.batch import TIE
-from trainer.strategy.planning.candidates import pinned_choice
+from trainer.strategy.planning.candidates import Candidate, pinned_choice
+from trainer.strategy.planning.estimate import Estimate
+from trainer.strategy.planning.search import Search, blocker
 
 
 @dataclass(frozen=True)
@@ -138,3 +142,55 @@ def blocks(cs: list[Constraint], err: Blocked, free: Any) -> UserError:
         f"of {format_size(free.budget)} per rank); with it, {closest}. To fit: {'; '.join(k.fix for k in cs)} "
         f"(--force runs no rung predicted not to fit for a constraint)." + (f"\n\n{rest}" if rest else "")
     )
+
+
+def no_fit(
+    exp: Experiment,
+    by: dict[Candidate, Estimate],
+    pinned_options: list[Candidate],
+    auto_choice: Candidate | None,
+    hint: str,
+    budget: int,
+    device_memory: int,
+    world_size: int,
+    found: Search,
+    host_memory: int | None,
+    settings: int,
+    table: str,
+) -> UserError:
+    """The error when the pinned candidate (`pinned_options[0]`), or anything at all, does not fit, naming
+    what blocks it (device or host memory, NVMe's path); the table under the setting of the levers that
+    comes closest (`by`), of the `settings` tried."""
+    headroom = exp.strategy.headroom
+    if pinned_options:
+        c, e = pinned_options[0], by[pinned_options[0]]
+        host = e.host if exp.checkpoint.async_ is True else e.host - e.snapshot  # as the fit was judged
+        msg = (
+            f"strategy: the pinned {c.name} is predicted not to fit: "
+            + (
+                f"{format_size(e.total)} per rank against {format_size(budget)} usable of {format_size(device_memory)}"
+                if e.total > budget or e.fits_host
+                else f"it needs {format_size(host)} of host memory a node, {format_size(host_memory or 0)} here"
+            )
+            + ". "
+            + (
+                f"The rules would pick {auto_choice.name}; set strategy.zero_stage/offload: auto. "
+                if auto_choice
+                else ""
+            )
+            + "Pass --force to run anyway."
+        )
+    else:
+        tried = (
+            f" under any of the {settings} settings of the activation levers the experiment allows"
+            if settings > 1
+            else ""
+        )
+        what, fix = blocker(
+            found, budget, host_memory, bool(exp.strategy.nvme_path), exp.checkpoint.async_ is True
+        )
+        msg = (
+            f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
+            f"{headroom}) on {world_size} rank(s){tried}: {what}. To fit: {fix}."
+        )
+    return UserError(msg + (f" Or {hint}." if hint else "") + "\n\n" + table)

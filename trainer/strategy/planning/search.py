@@ -133,40 +133,60 @@ def _us(t: StepTime) -> str:
     return f"{t.per_token * 1e6:,.1f}"
 
 
-def blocker(found: Search, budget: int, host_memory: int | None, nvme_path: bool) -> tuple[str, str]:
+def blocker(
+    found: Search, budget: int, host_memory: int | None, nvme_path: bool, copy: bool = False
+) -> tuple[str, str]:
     """When nothing fits: (what blocks it, the advice for that resource). Host memory when some setting fits
     the devices but not the host; an NVMe rung that would fit without a path; else device memory, with the
-    setting that comes closest."""
+    setting that comes closest (and the host's advice too where that setting misses the host as well). The host
+    figures are those the fit was judged by: the copy an asynchronous save takes only with `copy`
+    (checkpoint.async: true; auto saves synchronously where it does not fit)."""
     allowed = set(found.order)  # the rungs the experiment allows (offload none, offload_params narrow them)
-    every = [e for lv, es in found.estimates.items() for e in es if (lv, e.candidate) in allowed]
-    on_device = [e for e in every if e.total <= budget and not e.refused]
+    every = [
+        e for lv, es in found.estimates.items() for e in es if (lv, e.candidate) in allowed and not e.refused
+    ]
+
+    def host(e: Estimate) -> int:
+        return e.host if copy else e.host - e.snapshot
+
+    on_device = [e for e in every if e.total <= budget]
+    # NVMe helps where its rung fits the device and its swap buffers the host, and only a path is missing
+    nvme = not nvme_path and any(
+        e.candidate.offload == "nvme" and (host_memory is None or host(e) <= host_memory) for e in on_device
+    )
+    host_fix = (
+        "give the nodes more host memory (strategy.host_memory when planning for another machine) or spread the "
+        "job over more nodes"
+        + (", give strategy.nvme_path for NVMe offload" if nvme else "")
+        + (", or set checkpoint.async: auto or false (true counts the copy a save takes)" if copy else "")
+    )
+    copied = " (with the copy a save takes: checkpoint.async: true)" if copy else ""
     host_short = [e for e in on_device if not e.fits_host]
     if host_short and host_memory is not None:
-        e = min(host_short, key=lambda e: e.host)
+        e = min(host_short, key=host)
         return (
             f"host memory blocks it: {e.candidate.name} fits the device ({format_size(e.total)} of "
-            f"{format_size(budget)} per rank) but needs {format_size(e.host)} of host memory a node, "
+            f"{format_size(budget)} per rank) but needs {format_size(host(e))} of host memory a node{copied}, "
             f"{format_size(host_memory)} here",
-            "give the nodes more host memory (strategy.host_memory when planning for another machine) or spread "
-            "the job over more nodes, give strategy.nvme_path for NVMe offload, or set checkpoint.async: false "
-            "(host/node counts its copy)",
+            host_fix,
         )
-    if on_device and not nvme_path:
+    if nvme:
         return (
             f"only NVMe offload fits the device ({format_size(min(e.total for e in on_device))} per rank)",
             "give strategy.nvme_path, a directory on a fast local disk",
         )
-    e = min(every, key=lambda e: e.total)
+    e = min(every or [e for es in found.estimates.values() for e in es], key=lambda e: e.total)
     levers = next(lv for lv, es in found.estimates.items() if e in es)
-    host = (
-        f", and host memory too: it needs {format_size(e.host)} a node, {format_size(host_memory)} here"
-        if host_memory is not None and not e.fits_host
+    host_too = host_memory is not None and not e.fits_host
+    what = (
+        f", and host memory too: it needs {format_size(host(e))} a node{copied}, {format_size(host_memory)} here"
+        if host_too
         else ""
     )
     return (
         f"device memory blocks it: the smallest setting, {e.candidate.name} with {levers.describe()}, needs "
-        f"{format_size(e.total)} per rank ({format_size(e.activations)} of activations){host}",
+        f"{format_size(e.total)} per rank ({format_size(e.activations)} of activations){what}",
         "lower train.micro_batch_size or data.seq_len, let the levers help (model.activation_checkpointing, "
-        "model.tiled_mlp, strategy.sequence_parallel: auto), add ranks, or give strategy.nvme_path for NVMe "
-        "offload",
+        "model.tiled_mlp, strategy.sequence_parallel: auto) or add ranks"
+        + (f"; and for the host memory, {host_fix}" if host_too else ""),
     )
