@@ -96,11 +96,17 @@ def test_the_gpu_profile_by_name_and_the_keys_over_it(job):
     [
         (
             "strategy.hardware.tflops=fast",
-            "strategy.hardware.tflops: must be auto or TFLOP/s > 0; got 'fast'",
+            "strategy.hardware.tflops: must be auto or TFLOP/s from 0.001 to 10,000; got 'fast'",
         ),
-        ("strategy.hardware.network_gbs=0", "strategy.hardware.network_gbs: must be auto or GB/s > 0; got 0"),
+        (
+            "strategy.hardware.network_gbs=0",
+            "strategy.hardware.network_gbs: must be auto or GB/s from 0.001 to 10,000; got 0",
+        ),
         ("strategy.hardware.cpu_adam=-1", "strategy.hardware.cpu_adam: must be auto or billions of"),
-        ("strategy.hardware.host_gbs=", "strategy.hardware.host_gbs: must be auto or GB/s > 0; got None"),
+        (
+            "strategy.hardware.host_gbs=",
+            "strategy.hardware.host_gbs: must be auto or GB/s from 0.001 to 10,000; got None",
+        ),
         ("strategy.hardware.gpu=v100", "strategy.hardware.gpu: must be one of: auto, h100, h200, a100, l40s"),
         ("strategy.hardware=fast", "strategy.hardware: must be a valid dictionary"),
         ("strategy.offload_params=maybe", "strategy.offload_params: must be one of: auto, true, false"),
@@ -114,6 +120,31 @@ def test_bad_hardware_and_offload_params_values_exit_2_naming_the_key(capsys, va
         text.startswith("error: configs/experiments/tiny.yaml: 1 problem found") and "Traceback" not in text
     )
     assert needle in text, text
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("tflops", ".inf"), ("peer_gbs", "-.inf"), ("network_gbs", ".nan"), ("host_gbs", "1.0e+300"),
+     ("cpu_adam", "1.0e-300"), ("nvme_gbs", "1000000"), ("tflops", "0.0000001")],
+)  # fmt: skip
+def test_hardware_figures_out_of_range_exit_2_naming_the_key_value_and_range(capsys, key, value):
+    """Review of issue 61, finding 5: an infinity (YAML's .inf) or an absurd figure had been taken, timing every
+    setting at 0 s (or forever)."""
+    assert (
+        main(["configs/experiments/tiny.yaml", "--set", f"strategy.hardware.{key}={value}", "--print-config"])
+        == 2
+    )
+    text = capsys.readouterr().err
+    assert f"strategy.hardware.{key}: must be auto or" in text and "from 0.001 to 10,000" in text, text
+    assert "got " in text and "Traceback" not in text, text
+
+
+def test_hardware_figures_within_range_are_taken():
+    from trainer import config
+
+    hw = config.load("configs/experiments/tiny.yaml", ["strategy.hardware.tflops=0.001",
+                                                       "strategy.hardware.nvme_gbs=10000"]).strategy.hardware  # fmt: skip
+    assert (hw.tflops, hw.nvme_gbs) == (0.001, 10000.0)
 
 
 @pytest.mark.parametrize(

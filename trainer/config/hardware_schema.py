@@ -8,16 +8,22 @@ from pydantic import BeforeValidator, Field
 
 from trainer.config.fields import Section, choice
 
+# the figures a key takes: from a thousandth (a 1 MB/s link, a GFLOP/s device) to 10,000 (ten times NVLink 5's 900
+# GB/s and four times a B200's dense 2,250 TFLOP/s); an infinity, NaN or a figure past these would time a setting at
+# 0 s or forever
+LOW, HIGH = 0.001, 10_000
+
 
 def auto_or_positive(what: str) -> Any:
-    """A field that takes "auto" or a number > 0 (an int taken as a float); `what` names it in the error."""
+    """A field that takes "auto" or a number > 0 from LOW to HIGH (an int taken as a float); `what` names it in the
+    error, which gives the range."""
 
     def check(value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and value == value:
+        if isinstance(value, int | float) and not isinstance(value, bool) and LOW <= value <= HIGH:
             return float(value)
-        raise ValueError(f"must be auto or {what} > 0")
+        raise ValueError(f"must be auto or {what} from {LOW:g} to {HIGH:,}")
 
     check.allowed = "auto|float"  # type: ignore[attr-defined]  (for the reference)
     return Annotated[Any, BeforeValidator(check)]
