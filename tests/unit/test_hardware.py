@@ -74,6 +74,33 @@ def test_cpu_adam_is_a_node_s_shared_by_its_ranks(job):
     assert t(job, Levers(), c, 16, node=1).optimizer == pytest.approx(eight / 8)
 
 
+@pytest.mark.parametrize(
+    "name, profile",
+    [("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA A100-PCIE-40GB", "a100-pcie"),
+     ("NVIDIA A100 80GB PCIe", "a100-pcie"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA H100 80GB HBM3", "h100"),
+     ("NVIDIA A100-SXM4-40GB", "a100"), ("NVIDIA H200", "h200")],
+)  # fmt: skip
+def test_pcie_and_nvl_cards_have_their_own_profiles(name, profile):
+    """Review of issue 61, finding 6: "H100 PCIe", "H100 NVL" and "A100-PCIE-40GB" had been matched to the SXM
+    profiles (989 TFLOP/s and NVLink's 450 GB/s each way for an H100 PCIe: 756 and PCIe's 64)."""
+    m, why = machine("cuda", None, name)
+    assert m.name == profile and name in why, why
+
+
+def test_the_pcie_profiles_figures_are_the_datasheets():
+    mfu = 0.45
+    for name, tflops, peers, host in (("h100-pcie", 756, 64, 64), ("h100-nvl", 835, 64, 64),
+                                      ("h200-nvl", 835, 64, 64), ("a100-pcie", 312, 32, 32)):  # fmt: skip
+        m = PROFILES[name]
+        assert (m.flops, m.peers, m.host_link) == (mfu * tflops * 1e12, peers * 1e9, host * 1e9), name
+
+
+def test_an_unknown_pcie_card_is_matched_to_no_profile_and_says_so():
+    """A PCIe or NVL card without a profile of its own is never timed as its SXM sibling."""
+    m, why = machine("cuda", None, "NVIDIA H800 PCIe")
+    assert m.name == "h100" and "has no profile" in why and "H800 PCIe" in why, why
+
+
 def test_the_gpu_profile_by_name_and_the_keys_over_it(job):
     assert machine("cuda", None, "NVIDIA H200")[0].name == "h200"
     assert machine("cuda", None, "NVIDIA A100-SXM4-80GB")[0].name == "a100"

@@ -32,7 +32,9 @@ def auto_or_positive(what: str) -> Any:
 class HardwareSection(Section):
     """Each auto takes the GPU profile's figure (trainer/strategy/planning/hardware.py cites them)."""
 
-    gpu: choice("auto", "h100", "h200", "a100", "l40s", "rtx4090") = Field(
+    gpu: choice(
+        "auto", "h100", "h200", "a100", "l40s", "rtx4090", "h100-pcie", "h100-nvl", "h200-nvl", "a100-pcie"
+    ) = Field(
         "auto",
         description="the GPU profile the plan times settings on; auto = this machine's GPU by its name, the H100 "
         "when planning for another machine (a CPU run: the CPU's)",

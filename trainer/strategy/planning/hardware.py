@@ -10,11 +10,15 @@ The published figures behind each profile (dense bf16 tensor peak; per direction
 - A100 SXM4: 312 TFLOP/s (A100 datasheet: 624 with sparsity); NVLink 3, 600 GB/s both ways (300 each); PCIe
   Gen4 x16 (32 GB/s); DGX A100: one 200 Gb/s HDR port per GPU (25 GB/s).
 - L40S: 362 TFLOP/s (L40S datasheet: 733 with sparsity); no NVLink: peers over PCIe Gen4 x16 (32 GB/s).
+- The PCIe cards: H100 PCIe 756 TFLOP/s (H100 datasheet: 1,513 with sparsity), H100 NVL and H200 NVL 835 (H100
+  and H200 NVL datasheets: 1,671 with sparsity), A100 PCIe 312 (A100 datasheet, as the SXM4's); PCIe Gen5 x16 (64
+  GB/s each way; Gen4's 32 for the A100). Their NVLink bridges join pairs (the H200 NVL's up to four), so a node's
+  collectives run at PCIe's rate: peers 64 GB/s (32 for the A100 PCIe), `peer_gbs` for a job inside a bridge.
 - GeForce RTX 4090: 165 TFLOP/s with fp32 accumulation (NVIDIA Ada Lovelace architecture whitepaper,
   appendix table: 330 with sparsity); no NVLink and no peer-to-peer: peers through host memory over PCIe
   Gen4 (32 GB/s at best).
-  Neither of the last two has a reference multi-node design: 100 Gb/s (12.5 GB/s) a GPU between nodes is an
-  assumption (`strategy.hardware.network_gbs`).
+  Neither the last two nor the PCIe cards has a reference multi-node design: 100 Gb/s (12.5 GB/s) a GPU between
+  nodes is an assumption (`strategy.hardware.network_gbs`).
 
 A device achieves `MFU` (45%) of its peak on a model's matmuls by default, and a link its published rate (an
 optimistic bound: NCCL's all-reduce reaches 70-85% of NVLink's). DeepSpeed's CPU Adam is the host's: a node's
@@ -58,6 +62,10 @@ PROFILES = {
     "h100": _gpu("h100", 989, 450, 50, 64),
     "h200": _gpu("h200", 989, 450, 50, 64),
     "a100": _gpu("a100", 312, 300, 25, 32),
+    "h100-pcie": _gpu("h100-pcie", 756, 64, 12.5, 64),
+    "h100-nvl": _gpu("h100-nvl", 835, 64, 12.5, 64),
+    "h200-nvl": _gpu("h200-nvl", 835, 64, 12.5, 64),
+    "a100-pcie": _gpu("a100-pcie", 312, 32, 12.5, 32),
     "l40s": _gpu("l40s", 362, 32, 12.5, 32),
     "rtx4090": _gpu("rtx4090", 165, 32, 12.5, 32),
     # two cores; gloo between processes; "offload" copies within host memory. Round figures, to be checked
@@ -75,8 +83,14 @@ PROFILES = {
     ),
 }
 
-# torch.cuda.get_device_name()'s words -> the profile (first match wins); anything else: h100
-NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("L40S", "l40s"), ("4090", "rtx4090"))
+# torch.cuda.get_device_name()'s words (upper case) -> the profile: the first whose words are all in the name. A PCIe
+# or NVL card matches its own profile or none (never its SXM sibling's); anything else: the H100's, said so
+NAMES = (
+    (("H200", "NVL"), "h200-nvl"), (("H100", "NVL"), "h100-nvl"), (("H100", "PCIE"), "h100-pcie"),
+    (("A100", "PCIE"), "a100-pcie"), (("H200",), "h200"), (("H100",), "h100"), (("A100",), "a100"),
+    (("L40S",), "l40s"), (("4090",), "rtx4090"),
+)  # fmt: skip
+CARDS, SXM = ("PCIE", "NVL"), ("h100", "h200", "a100")  # a card's words; the SXM modules' profiles
 
 # strategy.hardware's keys -> (the Machine field, the factor from the key's unit)
 KEYS = {"tflops": ("flops", 1e12), "peer_gbs": ("peers", GB), "network_gbs": ("network", GB),
@@ -91,8 +105,9 @@ def profile_for(device_type: str, gpu: str = "auto", device_name: str | None = N
     if gpu != "auto":
         return gpu, "strategy.hardware.gpu"
     if device_name:
-        found = next((p for key, p in NAMES if key in device_name), None)
-        if found:
+        words = device_name.upper()
+        found = next((p for keys, p in NAMES if all(k in words for k in keys)), None)
+        if found and not (found in SXM and any(k in words for k in CARDS)):
             return found, f"this machine's {device_name}"
         return "h100", f"{device_name} has no profile: the H100's figures (set strategy.hardware)"
     return "h100", "planning for another machine (set strategy.hardware.gpu)"
