@@ -65,6 +65,17 @@ def test_sequence_parallel_groups_sit_inside_a_node(job):
     assert across == pytest.approx(inside / 2 * (15 / 16) / (7 / 8) * 450 / 50, rel=1e-6)
 
 
+def test_a_sequence_parallel_group_that_straddles_two_nodes_crosses_the_network(job):
+    """Review of issue 61, finding 7: with 6 GPUs a node, Ulysses' groups of 4 consecutive ranks are 0-3, 4-7
+    (4-5 on the first node, 6-7 on the second), 8-11: two of three cross the network, and the all-to-all runs at
+    the rate of its slowest link. It had been priced at NVLink's rate because 4 <= 6."""
+    inside = t(job, Levers(sp=4), Candidate(0), 8).transfers
+    assert t(job, Levers(sp=4), Candidate(0), 12, node=6).transfers == pytest.approx(inside * 450 / 50)
+    assert t(job, Levers(sp=2), Candidate(0), 12, node=6).transfers == pytest.approx(
+        t(job, Levers(sp=2), Candidate(0), 8).transfers
+    )  # groups of 2 tile a node of 6
+
+
 def test_cpu_adam_is_a_node_s_shared_by_its_ranks(job):
     """Each of 16 ranks updates 1/16 of the parameters on the host, but the 8 ranks of a node share its CPU:
     the node updates half of them, at the node's rate (hardware.cpu_adam)."""

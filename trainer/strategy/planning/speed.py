@@ -26,8 +26,9 @@ hide part of it on GPUs: the higher rungs' estimates are upper bounds). Per micr
   well"), with the optimizer offloaded each rank's partition then goes to the host (where it accumulates
   in fp32); ZeRO-0 and 1 reduce once a step, at the boundary (below);
 - sequence parallelism: a layer's all-to-alls of queries, keys, values (fewer with grouped key/value
-  heads) and outputs in each pass, inside a node (DeepSpeed's Ulysses groups are consecutive ranks) unless
-  the degree is larger than a node;
+  heads) and outputs in each pass, inside a node (DeepSpeed's Ulysses groups are consecutive ranks) where the
+  groups tile a node (the degree divides the node's GPUs), over the network otherwise (a group of 4 on nodes of 6
+  straddles two);
 - activations offloaded: each checkpointed layer input to the host and back.
 
 Per optimizer step: ZeRO-0 all-reduces the gradients and ZeRO-1 reduce-scatters them and all-gathers the
@@ -170,7 +171,8 @@ class Timer:
             transfers += grads / world / m.host_link if c.offload != "none" else 0.0
         if sp > 1:  # Ulysses: queries, keys, values and outputs exchanged a layer and pass, inside a node
             volume = (2 + 2 * self.kv) * tokens * (info.hidden or 0) * lp * (info.layers or 0) * passes
-            transfers += volume * (sp - 1) / sp / (m.peers if sp <= node else m.network)
+            inside = sp <= node and node % sp == 0  # groups of consecutive ranks that tile a node
+            transfers += volume * (sp - 1) / sp / (m.peers if inside else m.network)
         if levers.offload:
             transfers += 2 * (info.layers or 0) * tokens * (info.hidden or 0) * lp / m.host_link
         micro_s = max(device, host) + transfers + reductions
