@@ -112,6 +112,28 @@ def test_an_unknown_pcie_card_is_matched_to_no_profile_and_says_so():
     assert m.name == "h100" and "has no profile" in why and "H800 PCIe" in why, why
 
 
+def test_a_gpu_profile_on_a_cpu_run_exits_2_naming_the_key(job):
+    """Review of issue 61, finding 10: strategy.hardware.gpu on a CPU run (no GPU here, no strategy.device_memory)
+    had been dropped without a word: the plan timed the CPU's profile."""
+    from trainer import strategy
+    from trainer.errors import UserError
+
+    exp = config.load("configs/experiments/tiny.yaml", ["strategy.hardware.gpu=h100"])
+    with pytest.raises(UserError) as e:
+        machine("cpu", exp.strategy.hardware)
+    text = str(e.value)
+    assert (
+        text.startswith("strategy.hardware.gpu: h100") and "CPU" in text and "strategy.device_memory" in text
+    ), text
+    info = model.info(exp.model, 257, 256)
+    with pytest.raises(UserError, match="strategy.hardware.gpu: h100"):
+        strategy.plan(exp, info, world_size=1, gpus_per_node=1, device_type="cpu", device_memory=8 * 2**30,
+                      host_memory=8 * 2**30, precision="fp32")  # fmt: skip
+    # the figures over the CPU's profile are taken (they are no GPU's): network_gbs on a CPU run
+    cpu = config.load("configs/experiments/tiny.yaml", ["strategy.hardware.network_gbs=3"]).strategy.hardware
+    assert machine("cpu", cpu)[0].network == 3e9
+
+
 def test_the_gpu_profile_by_name_and_the_keys_over_it(job):
     assert machine("cuda", None, "NVIDIA H200")[0].name == "h200"
     assert machine("cuda", None, "NVIDIA A100-SXM4-80GB")[0].name == "a100"

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from trainer.errors import UserError
+
 GB = 1e9  # the links' unit (decimal, as datasheets give them)
 MFU = 0.45  # the share of the dense peak a device achieves on the model's matmuls
 
@@ -98,9 +100,15 @@ KEYS = {"tflops": ("flops", 1e12), "peer_gbs": ("peers", GB), "network_gbs": ("n
 
 
 def profile_for(device_type: str, gpu: str = "auto", device_name: str | None = None) -> tuple[str, str]:
-    """(profile name, why): the CPU's on a CPU run; else strategy.hardware.gpu, else the device's name, else
-    the H100 (planning for another machine)."""
+    """(profile name, why): the CPU's on a CPU run (where strategy.hardware.gpu is refused: no GPU to time); else
+    strategy.hardware.gpu, else the device's name, else the H100 (planning for another machine)."""
     if device_type != "cuda":
+        if gpu != "auto":  # nothing the user gave is dropped in silence
+            raise UserError(
+                f"strategy.hardware.gpu: {gpu} times the plan on that GPU, and this is a CPU run (no GPU here and "
+                "no strategy.device_memory); to plan for a machine of those GPUs give strategy.device_memory (e.g. "
+                "80GB), else set strategy.hardware.gpu: auto"
+            )
         return "cpu", "a CPU run"
     if gpu != "auto":
         return gpu, "strategy.hardware.gpu"
