@@ -539,3 +539,19 @@ def test_the_plan_of_a_70b_qlora_on_two_24gb_gpus():
         by["zero3+cpu"].host / GiB,
         by_bf16["zero3+cpu"].host / GiB,
     )
+
+
+def test_zero_offload_counts_its_gradient_buffer_on_the_device():
+    """Review of issue 61 (a suspicion, confirmed): ZeRO-Offload (stage 2 with the optimizer on the host) allocates
+    a buffer of the largest trainable tensor in the training precision on the device, through which each gradient
+    goes to the host (deepspeed/runtime/zero/stage_1_and_2.py: temp_grad_buffer_for_gpu_offload); the plan had not
+    counted it: 1.05 GB for Llama-3-8B's embedding in bf16."""
+    info = strategy.ModelInfo(params=8_030_261_248, largest_layer=525_336_576,
+                              param_sizes=(4096, 16_777_216, 58_720_256, 525_336_576))  # fmt: skip
+    plain = strategy.buffers(_c(2), info, 2, True, None)
+    assert strategy.buffers(_c(2, "cpu"), info, 2, True, None) == plain + 2 * 525_336_576
+    # LoRA: the largest trainable tensor is no larger than the trainable parameters (an upper bound)
+    lora = strategy.ModelInfo(params=8_030_261_248, largest_layer=525_336_576, trainable=41_943_040,
+                              param_sizes=info.param_sizes)  # fmt: skip
+    lora_plain = strategy.buffers(_c(2), lora, 2, True, None)
+    assert strategy.buffers(_c(2, "cpu"), lora, 2, True, None) == lora_plain + 2 * 41_943_040

@@ -15,12 +15,18 @@ CUDA_CONTEXT = 1 * GiB  # CUDA context, NCCL and allocator slack on a GPU (not c
 
 
 def buffers(c: Candidate, info: ModelInfo, lp: int, on_gpu: bool, template: Mapping[str, Any] | None) -> int:
-    """Fixed per-rank buffers: CUDA context on a GPU plus ZeRO's communication buckets."""
+    """Fixed per-rank buffers: CUDA context on a GPU plus ZeRO's communication buckets; with ZeRO-Offload (stage
+    1/2 with the optimizer on the host) the buffer of the largest trainable tensor each gradient goes to the host
+    through (stage_1_and_2.py: temp_grad_buffer_for_gpu_offload; under LoRA bounded by the trainable
+    parameters, whose largest tensor is not known here)."""
     zero = zero_section(template)
     sizes = zero_sizes(info, zero)
     out = CUDA_CONTEXT if on_gpu else 0
     if c.stage in (1, 2):  # the reduce bucket, double-buffered with overlap_comm
         out += int((2 if overlap_comm(zero, on_gpu) else 1) * sizes["reduce_bucket_size"] * lp)
+        if c.offload != "none":
+            largest = max(info.param_sizes, default=info.largest_layer)
+            out += lp * (largest if info.trainable is None else min(largest, info.trainable))
     elif c.stage == 3:
         out += int((sizes["reduce_bucket_size"] + sizes["stage3_prefetch_bucket_size"]) * lp)
     return out
