@@ -218,7 +218,7 @@ class Supervisor:
 
     def run(self) -> int:
         from trainer.checkpoint import checkpoints_dir, latest
-        from trainer.checkpoint.lineage import restart_resume
+        from trainer.checkpoint.restart import restart_resume
 
         # a missing, malformed or unresolvable hostfile: an error before anything starts
         check_resolves(self.hosts(), self.hostfile)

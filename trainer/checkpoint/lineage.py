@@ -169,14 +169,14 @@ class View:
         here = self.index["by_id"].get(ident)
         if here is not None:
             return here
-        tag = self.index["tag"].get(ident)
-        if tag is not None and tag in self.index["unreadable"]:  # its manifest damaged: known by its tag
-            return self.index["unreadable"][tag]
         path = self.index["source"].get(ident)  # a fork's source: here (relative) or elsewhere (absolute)
         if path is not None:
             e = entry(self.root / path, self.fs)  # an absolute path stays what it is
             if e is not None and e.id in (ident, None):
                 return e
+        tag = self.index["tag"].get(ident)  # its manifest damaged: known by its tag, where it was committed
+        if tag is not None and tag in self.index["unreadable"] and path in (None, tag):
+            return self.index["unreadable"][tag]
         return None  # never guessed from abandoned/: only a fork's record makes one of those current
 
     def chain(self, head: str | None, first: Entry | None = None) -> list[tuple[str, Entry | None]]:
@@ -347,7 +347,9 @@ def is_head(view: View, found: Found) -> bool:
     if not view.journaled:
         legacy = legacy_latest(view).found
         return legacy is not None and legacy.path.resolve() == found.path.resolve()
-    _, head, _ = view.current()
+    _, head, damaged = view.current()
+    if damaged or journal.cut_short(view.log):  # the line is unknown: a checkpoint named starts a new one
+        return False
     return head == found.id
 
 
@@ -426,24 +428,6 @@ def latest(root: Path, fs: LocalFS = LOCAL) -> tuple[Found | None, list[str]]:
     return d.found, d.warnings
 
 
-def restart_resume(
-    run_dir: Path, started_with: str | None, job: str | None, fs: LocalFS = LOCAL
-) -> str | None:
-    """What a supervisor's restart resumes: the `--resume PATH` the job was started with until this job
-    committed a checkpoint of its own (a rollback killed before it forked, or before its first save, is
-    done again), then the line's newest (`latest`); nothing resumable: as started."""
-    view = View.read(checkpoints_dir(run_dir), fs)
-    mine = any(r.get("job") == job for r in view.events("commit")) or any(
-        e.lineage("job") == job for e in view.disk
-    )
-    if started_with not in (None, "latest") and not (job and mine):
-        return started_with
-    with contextlib.suppress(UserError):
-        if plain(view).found is not None:
-            return "latest"
-    return started_with
-
-
 def prune_plan(view: View, keep_last: int) -> list[Entry]:
     """The checkpoints `keep_last` removes: those of the current line older than its newest
     `keep_last` intact ones (the files the manifest lists, with their sizes). Never another line's."""
@@ -494,4 +478,4 @@ def export_source(arg: str, fs: LocalFS = LOCAL) -> tuple[Found, list[str]]:
 
 
 __all__ = ["Decision", "View", "explicit", "latest", "plain", "prune_plan", "resolve", "resolve_resume",
-           "restart_resume", "state_problem", "tag_for"]  # fmt: skip
+           "state_problem", "tag_for"]  # fmt: skip
