@@ -156,8 +156,10 @@ class Lineage(RuleBasedStateMachine):
                    for rel, data in self.truth[ident]["files"].items())  # fmt: skip
 
     def expected(self) -> str | None:
-        """The newest intact checkpoint of the current line."""
-        return next((i for i in self.ancestors(self.head) if i not in self.pruned and self.intact(i)), None)
+        """The newest intact checkpoint of the current line, but for one set aside in damaged/ (never resumed
+        but by path, though the model may undo its damage since: a second flip of the same byte)."""
+        return next((i for i in self.ancestors(self.head) if i not in self.pruned and self.intact(i)
+                     and ROOT / DAMAGED not in self.where(i).parents), None)  # fmt: skip
 
     def describe(self) -> str:
         return "; ".join(f"{self.truth[i]['tag']} ({i[:6]}{', damaged' if i in self.damaged else ''}"
