@@ -58,6 +58,7 @@ class CheckpointDir:
     background_deletes: bool = True  # pruned directories deleted on a thread (the crash test: inline)
     faults: Any = None  # tests: trainer/faults.py's kill points of a start (killfork)
     _deleting: Any = field(default=None, repr=False)
+    _entry_durable: bool = field(default=False, repr=False)  # checkpoints/' and run_dir's entries fsynced
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -79,7 +80,7 @@ class CheckpointDir:
         made or found (a process killed between the mkdir and the fsync leaves it there, not yet durable)."""
         if not self.fs.is_dir(self.root):
             self.fs.mkdir(self.root)
-        if not getattr(self, "_entry_durable", False):  # and the run directory's, made by `mkdir -p` at start
+        if not self._entry_durable:  # and the run directory's, made by `mkdir -p` at start
             self.fs.fsync_dir(self.root.parent)
             self.fs.fsync_dir(self.root.parent.parent)
             self._entry_durable = True

@@ -80,6 +80,11 @@ class View:
         is never read as a directory from before journals: the line it held is unknown, not the old rules')."""
         return bool(self.records or self.log.damaged or journal.cut_short(self.log))
 
+    def unsure(self, damaged: list[int]) -> bool:
+        """Journal damage could hide the current line: a record damaged after the one naming it (`current`'s
+        third value), or the journal cut short."""
+        return bool(damaged) or journal.cut_short(self.log)
+
     def events(self, *kinds: str) -> list[journal.Record]:
         return [r for r in self.records if r.event in kinds]
 
@@ -128,12 +133,11 @@ class View:
             elif r.event == "import":
                 chain = r.get("chain") or []
                 line, head, at = r.get("line"), chain[-1]["id"] if chain else None, r.n
+        # a head set aside as damaged by a resume: the line goes on below it
         passed = {
             i.get("id") for r in self.events("aside") if r.get("kind") == DAMAGED for i in r.get("items", [])
         }
-        while (
-            head is not None and head in passed
-        ):  # set aside as damaged by a resume: the line goes on below it
+        while head is not None and head in passed:
             head = self.parent_of(head, self.locate(head))
         recorded = set(self.index["commit"])
         while line is not None:  # committed here, its journal record lost to a crash: adopted
@@ -238,7 +242,7 @@ def plain(view: View) -> Decision:
     if not view.journaled:  # no journal (or only a torn first append): the rules from before journals
         return legacy_latest(view)
     line, head, damaged = view.current()
-    if damaged or journal.cut_short(view.log):
+    if view.unsure(damaged):
         what = (
             (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
             + (" damaged (not as written) after the record that says which line of checkpoints is current")
@@ -348,7 +352,7 @@ def is_head(view: View, found: Found) -> bool:
         legacy = legacy_latest(view).found
         return legacy is not None and legacy.path.resolve() == found.path.resolve()
     _, head, damaged = view.current()
-    if damaged or journal.cut_short(view.log):  # the line is unknown: a checkpoint named starts a new one
+    if view.unsure(damaged):  # the line is unknown: a checkpoint named starts a new one
         return False
     return head == found.id
 
@@ -434,7 +438,7 @@ def prune_plan(view: View, keep_last: int) -> list[Entry]:
     if keep_last <= 0:
         return []
     _, head, damaged = view.current()
-    if damaged or journal.cut_short(view.log):
+    if view.unsure(damaged):
         return []  # the line is uncertain: remove nothing
     pruned = view.pruned()
     line = [
