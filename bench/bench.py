@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     a = parser().parse_args()
     if getattr(a, "cpu", False):  # both sides on CPU on a GPU machine too (torch, DeepSpeed, bin/train)
-        from trainer.dist import ENV_CPU, hide_gpus_if_asked
+        from trainer.cluster.devices import ENV_CPU, hide_gpus_if_asked
 
         os.environ[ENV_CPU] = "1"  # for the ranks too, whose CUDA_VISIBLE_DEVICES the launcher resets
         hide_gpus_if_asked()

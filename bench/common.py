@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from trainer.dist import free_port  # a rendezvous port outside the ephemeral range
+from trainer.cluster.dist import free_port  # a rendezvous port outside the ephemeral range
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "bin" / "train"
@@ -149,9 +149,9 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
     prints for this world size, the model config with the tokenizer's vocabulary, the packed data."""
 
     from trainer import config, data, model
+    from trainer.cluster.devices import gpu_present
     from trainer.config import thaw
     from trainer.data.stream import resolve_workers
-    from trainer.dist import gpu_present
     from trainer.metrics import flops_per_token
 
     p = subprocess.run(
@@ -182,7 +182,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
     fields.setdefault("vocab_size", built.vocab_size)
     for key in ("bos_token_id", "eos_token_id"):
         fields.setdefault(key, built.eos_id)
-    gpu = gpu_present()  # what bin/train plans with (trainer/cli.py), CUDA_VISIBLE_DEVICES included
+    gpu = gpu_present()  # what bin/train plans with (trainer/run/cli.py), CUDA_VISIBLE_DEVICES included
     precision = (
         "bf16"
         if ds_config.get("bf16", {}).get("enabled")

@@ -26,14 +26,15 @@ from bench.common import (
     run_sets,
     spec_for,
 )
-from trainer.dist import gpu_present, malloc_env
+from trainer.cluster.devices import gpu_present
+from trainer.cluster.dist import malloc_env
 
 
 def raw(spec: dict[str, Any], nproc: int, work: Path) -> dict[str, Any]:
     out = work / "raw.json"
     spec_file = work / "spec.json"
     spec_file.write_text(json.dumps({**spec, "out": str(out)}))
-    # the raw loop gets bin/train's malloc settings too (trainer.dist.keep_freed_memory, CPU), as the
+    # the raw loop gets bin/train's malloc settings too (trainer.cluster.dist.keep_freed_memory, CPU), as the
     # environment variables that mean the same: the comparison is of the loops
     malloc = {} if gpu_present() else malloc_env()
     launch([str(ROOT / "bench" / "raw_loop.py"), "--spec", str(spec_file)], nproc, env_for(nproc, malloc))

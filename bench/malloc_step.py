@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One process, one thread: training steps of a 4-layer 256-wide GPT-2 (or the peer benchmark's Llama
 with grouped-query attention: `llama`; micro 8 x 128 tokens, fused AdamW, clipping) with glibc's
-malloc defaults or with what bin/train sets on CPU (trainer.dist.keep_freed_memory): median step
+malloc defaults or with what bin/train sets on CPU (trainer.cluster.dist.keep_freed_memory): median step
 time, page faults and kernel time per step. Run it in fresh processes, interleaved (BENCHMARKS.md):
 
     for i in 1 2 3 4 5 6; do bench/malloc_step.py glibc; bench/malloc_step.py kept; done
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.peer import step_config  # noqa: E402  (bench/peer.py, beside this script)
-from trainer.dist import keep_freed_memory  # noqa: E402
+from trainer.cluster.dist import keep_freed_memory  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "kept"
 shape = sys.argv[2] if len(sys.argv) > 2 else "gpt2"

@@ -113,7 +113,7 @@ def experiment(m: str, method: str, seq: int, gpu: str) -> object:
 
 def row(m: str, method: str, ranks: int, gb: int, seq: int, info: object) -> list[str]:
     from trainer import strategy
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
     from trainer.strategy.batch import resolve
 
     exp = experiment(m, method, seq, MEMORY[gb])

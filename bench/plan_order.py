@@ -103,7 +103,7 @@ def planned(name: str, rung: str, levers: str) -> dict[str, Any]:
     """The planner's estimate of one setting, as bin/train plans it on this CPU with 2 ranks."""
     from bench.common import TINY, overrides
     from trainer import config
-    from trainer.build import make_plan, vocab_for_planning
+    from trainer.run.plan import make_plan, vocab_for_planning
 
     sets = {**job_sets(name), **setting_sets(name, rung, levers)}
     args = overrides(sets)

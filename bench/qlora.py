@@ -85,7 +85,7 @@ def memory(quantization: str, stage: int, threads: int) -> None:
     import torch
 
     from bench.step_memory import Peak, live
-    from trainer.deepspeed_patches import (
+    from trainer.common.deepspeed_patches import (
         build_ops_without_debug_info,
         import_muon_lazily,
         skip_inference_shm_op,

@@ -41,7 +41,7 @@ def seed_all(seed: int) -> None:
 
 def digest(module: torch.nn.Module) -> str:
     """sha256 of every parameter (gathered under ZeRO-3), in name order: the digest bin/train's test
-    reports carry (trainer/consistency.py), written out here so that the reference imports nothing of ours."""
+    reports carry (trainer/run/consistency.py), written out here so that the reference imports nothing of ours."""
     params = list(module.named_parameters())
     ctx = contextlib.nullcontext()
     if params and hasattr(params[0][1], "ds_id"):

@@ -17,7 +17,7 @@ from bench.common import TRAIN, cache_dir, env_for, job, launch, overrides, run_
 def scaling(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from trainer.report import compare_main
+    from trainer.report.compare import compare_main
 
     gpu = torch.cuda.is_available() and not a.cpu
     ranks = sorted(set(a.ranks or [1, torch.cuda.device_count() if gpu else 2]))

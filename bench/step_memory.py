@@ -156,13 +156,13 @@ def main() -> None:
         os.environ.update(TRAINER_CPU="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     import torch
 
-    from trainer.deepspeed_patches import (
+    from trainer.common.deepspeed_patches import (
         build_ops_without_debug_info,
         import_muon_lazily,
         skip_inference_shm_op,
     )
 
-    # DeepSpeed as bin/train starts it (trainer/dist.py): on CPU without the inference-only shared-
+    # DeepSpeed as bin/train starts it (trainer/cluster/dist.py): on CPU without the inference-only shared-
     # memory op, which it would otherwise JIT-compile here (50 s of CPU on a fresh machine: CI's).
     if device == "cpu":
         skip_inference_shm_op()

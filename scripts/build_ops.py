@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run before the package is installed
-from trainer.dist import build_ops_without_debug_info, prefer_interpreter_tools  # noqa: E402
+from trainer.cluster.dist import build_ops_without_debug_info, prefer_interpreter_tools  # noqa: E402
 
 
 def main() -> int:
@@ -22,7 +22,7 @@ def main() -> int:
     # The venv's ninja, as in every run: a build by another ninja looks changed to it and is redone.
     prefer_interpreter_tools()
     try:
-        build_ops_without_debug_info()  # the flags every run builds with (trainer.dist.setup)
+        build_ops_without_debug_info()  # the flags every run builds with (trainer.cluster.dist.setup)
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
         builder = CPUAdamBuilder()

@@ -42,7 +42,7 @@ def config_tables() -> list[str]:
 
 
 def cli_table() -> list[str]:
-    from trainer.cli import parser
+    from trainer.run.cli import parser
 
     out = ["## `bin/train` options", "", "| option | meaning |", "|---|---|"]
     for action in parser()._actions:

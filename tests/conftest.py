@@ -89,7 +89,7 @@ def pytest_configure(config):
     # of the range (TRAINER_PORTS), so that jobs of two workers never pick the same port.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        from trainer.dist import ENV_PORTS, port_range
+        from trainer.cluster.dist import ENV_PORTS, port_range
 
         lo, hi = port_range()
         n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)

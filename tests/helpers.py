@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 # Rendezvous ports outside the ephemeral range, from this pytest-xdist worker's share (conftest).
-from trainer.dist import free_port  # noqa: F401
+from trainer.cluster.dist import free_port  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "bin" / "train"
@@ -643,7 +643,7 @@ def qlora_base(shared_dir: Path, small: bool = False) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.files import file_lock
+    from trainer.common.files import file_lock
 
     out = shared_dir / ("qlora-base-256" if small else "qlora-base-512")
     shape = (256, 768, 2, 4, 2) if small else (512, 1536, 4, 8, 4)

@@ -225,7 +225,9 @@ class SimFS:
     def crash(self) -> None:
         """Keep only what was durable (module docstring)."""
         self.version += 1
-        best: dict[int, tuple[int, int, str]] = {}  # node -> (when placed, parent id, name) of its newest durable place
+        best: dict[
+            int, tuple[int, int, str]
+        ] = {}  # node -> (when placed, parent id, name) of its newest durable place
 
         def collect(node: Node) -> None:
             for name, child in node.durable.items():
@@ -238,7 +240,9 @@ class SimFS:
         collect(self.root)
 
         def rebuild(node: Node) -> None:
-            kept = {n: c for n, c in node.durable.items() if best.get(c.ident, (0, -1, ""))[1:] == (node.ident, n)}
+            kept = {
+                n: c for n, c in node.durable.items() if best.get(c.ident, (0, -1, ""))[1:] == (node.ident, n)
+            }
             node.entries = dict(kept)
             node.durable = dict(kept)
             for child in kept.values():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import CASE_SETS, CASES, PRECISIONS, ROOT, Result, resume_sets, train
 
-from trainer.files import file_lock
+from trainer.common.files import file_lock
 
 
 @pytest.fixture(scope="session")

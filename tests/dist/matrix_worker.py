@@ -91,7 +91,7 @@ def zero3(model_type: str, rows: torch.Tensor, targets: float, ref: tuple, rank:
 
 
 def main() -> None:
-    from trainer import dist as trainer_dist
+    from trainer.cluster import dist as trainer_dist
 
     trainer_dist.setup(600.0)  # as bin/train starts a rank (gloo; no JIT build of DeepSpeed's shm op)
     torch.set_num_threads(1)

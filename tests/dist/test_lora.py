@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import NODROP, K, Result, assert_same_continuation, check_memory, falling, resume_sets, train
 
-from trainer.files import file_lock
+from trainer.common.files import file_lock
 
 pytestmark = pytest.mark.dist
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import QLORA, chat_data, qlora_base, split_losses, train
 
-from trainer.files import file_lock
+from trainer.common.files import file_lock
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("bitsandbytes")

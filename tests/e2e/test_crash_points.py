@@ -27,6 +27,8 @@ POINTS = {
     "after the rng file": ("killfile@6:n=1", 4),
     "during pruning": ("killprune@6", 6),
 }
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("crash") / "base"
@@ -89,7 +91,7 @@ def test_legacy_serialization_is_digested_and_resumes(tmp_path):
 def test_a_checkpoint_engine_the_project_would_replace_is_refused(tmp_path, key):
     import json
 
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
     from trainer.strategy.ds_config import load_template
 
     data = {
@@ -115,7 +117,9 @@ def test_two_kills_between_the_rename_and_its_record_lose_nothing(trained, tmp_p
     root = run_dir / "checkpoints"
     sets = {**SMALL, "run_dir": run_dir, "checkpoint.async": False, "checkpoint.keep_last": 0}
     for step in (6, 8):
-        code, out = cli({**sets, "train.max_steps": step}, "--resume", env={"TRAINER_FAULT": f"killrename@{step}"})
+        code, out = cli(
+            {**sets, "train.max_steps": step}, "--resume", env={"TRAINER_FAULT": f"killrename@{step}"}
+        )
         assert code != 0 and "injected killrename" in out, out[-3000:]
         assert (root / f"step_{step:08d}").is_dir()
     (root / "latest").write_text("step_00000002\n")  # what case 1's variant flipped it to

@@ -72,7 +72,7 @@ def damage(path, how):
 def test_each_damaged_file_is_named_and_the_newest_intact_checkpoint_resumed(trained, tmp_path):
     from trainer.checkpoint import resolve_resume
     from trainer.checkpoint.disk import verify_digests
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
 
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
@@ -86,7 +86,7 @@ def test_each_damaged_file_is_named_and_the_newest_intact_checkpoint_resumed(tra
             found, _ = resolve_resume(str(ckpt), "never", run_dir)  # the manifest, sizes, metadata digests
             problems = verify_digests(
                 found
-            )  # then every file's digest (trainer/build.py, every rank a share)
+            )  # then every file's digest (trainer/run/build.py, every rank a share)
         except UserError as e:
             problems = [str(e)]
         assert any(str(ckpt / name) in p for p in problems), (name, problems)
@@ -113,5 +113,7 @@ def test_a_damaged_latest_is_named_and_not_needed(trained, tmp_path, how):
     damage(run_dir / "checkpoints" / "latest", how)
     code, out = cli({**SMALL, "run_dir": run_dir, "train.max_steps": STEPS + 1}, "--resume")
     assert code == 0, out[-3000:]
-    assert f"resumed from {run_dir / 'checkpoints' / tag(STEPS)}" in out and "rollback" not in out, out[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / tag(STEPS)}" in out and "rollback" not in out, out[
+        -3000:
+    ]
     assert (run_dir / "checkpoints" / "latest").read_text() == tag(STEPS + 1) + "\n"

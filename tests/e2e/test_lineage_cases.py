@@ -41,7 +41,7 @@ def copy(trained, tmp_path):
 
 def head(root):
     """The journal's newest commit or fork source: the checkpoint a plain resume continues."""
-    from trainer.checkpoint.lineage import latest
+    from trainer.checkpoint.resolve import latest
 
     found, _ = latest(root)
     return found.tag if found is not None else None
@@ -223,7 +223,9 @@ def test_a_read_only_run_dir_is_an_input_error_never_retried(trained, tmp_path):
     try:
         sets = {**SMALL, "run_dir": run_dir, "train.max_steps": 8}
         code, out = cli(sets, "--resume")  # a rank: its lock file
-        code_sup, out_sup = cli(sets, "--resume", "--launcher", "none", "--max-restarts", 2)  # the supervisor's check
+        code_sup, out_sup = cli(
+            sets, "--resume", "--launcher", "none", "--max-restarts", 2
+        )  # the supervisor's check
     finally:
         subprocess.run(["chattr", "-R", "-i", str(run_dir)], check=True)
     for c, o in ((code, out), (code_sup, out_sup)):
@@ -286,4 +288,6 @@ def test_converting_a_read_only_checkpoint_fails_at_once(trained, tmp_path):
                          "strategy.justification": "the test converts"}, "--resume", root / tag(6), timeout=120)  # fmt: skip
     finally:
         subprocess.run(["chattr", "-R", "-i", str(root / tag(6))], check=True)
-    assert code == 2 and "copy the checkpoint somewhere writable" in out and "Traceback" not in out, out[-3000:]
+    assert code == 2 and "copy the checkpoint somewhere writable" in out and "Traceback" not in out, out[
+        -3000:
+    ]

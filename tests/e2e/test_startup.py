@@ -1,5 +1,5 @@
 """A rank's start: the garbage collector's full passes do not walk the libraries it imports
-(trainer/startup.py), and the first logged step counts the step, not the set-up before it."""
+(trainer/common/startup.py), and the first logged step counts the step, not the set-up before it."""
 
 import re
 import subprocess
@@ -28,7 +28,7 @@ finally:
 def test_a_rank_start_runs_the_loops_full_collection_not_one_per_quarter_of_growth(tmp_path):
     """A one-step tiny run: the full pass when the loop starts, over what the run built (torch's and
     transformers' objects are frozen), and at most one more (DeepSpeed's import). Without
-    trainer/startup.py it ran 7 (the loop's among them), each over everything imported so far:
+    trainer/common/startup.py it ran 7 (the loop's among them), each over everything imported so far:
     0.85 s of a rank's ~5 s of CPU."""
     args = [TINY, "--set", f"run_dir={tmp_path / 'run'}", "--set", f"data.cache_dir={data_cache()}",
             "--set", "train.max_steps=1", "--set", "train.eval_every=0", "--set", "checkpoint.save_final=false"]  # fmt: skip

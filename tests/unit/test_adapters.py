@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trainer import config, model
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 from trainer.model import adapters
 
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64, "vocab_size": 64}

@@ -4,10 +4,10 @@ contents plus their end-of-turn tokens."""
 
 import pytest
 
+from trainer.common.errors import UserError
 from trainer.data.chat import Example, check_conversation, render_chat, render_prompt_completion
 from trainer.data.templates import BYTE_TEMPLATE, template_for
 from trainer.data.tokenizer import byte_tokenizer
-from trainer.errors import UserError
 
 SPECIAL = [
     "<|im_start|>",

@@ -8,7 +8,7 @@ from helpers import TINY
 
 from trainer import checkpoint as ck
 from trainer import config
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 
 def make(root, step, files=None, latest=True, complete=True):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.checkpoint.writer import DONE, FAILED, WRITING, HostCopier, Writer
-from trainer.faults import Faults
+from trainer.common.faults import Faults
 
 
 def state():

@@ -7,7 +7,7 @@ from helpers import TINY
 from pydantic import ValidationError
 
 from trainer import config
-from trainer.errors import ConfigError, UserError
+from trainer.common.errors import ConfigError, UserError
 
 
 def write(tmp_path, text, name="exp.yaml"):

@@ -12,7 +12,7 @@ LATE_SIGTERM = textwrap.dedent(
     """
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    from trainer.control import ignore_sigterm_after_save
+    from trainer.cluster.control import ignore_sigterm_after_save
     ignore_sigterm_after_save()
 
     class Late:  # torn down while the interpreter finalizes, after it has restored default signal actions

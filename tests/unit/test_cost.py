@@ -4,7 +4,7 @@ warning (the console), from records and readings made up here."""
 import json
 
 from trainer.metrics.measure import UtilisationWatch
-from trainer.report import cost_rows
+from trainer.report.runs import cost_rows
 
 
 def test_device_hours_per_attempt_and_tokens_per_device_hour(tmp_path):

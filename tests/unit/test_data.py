@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from trainer import config
+from trainer.common.errors import UserError
 from trainer.data import RankSampler, build, byte_tokenizer
 from trainer.data.pack import IGNORE
 from trainer.data.stream import _collate
-from trainer.errors import UserError
 
 
 def test_byte_tokenizer_ids_are_utf8_bytes(tmp_path):

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from trainer import dist
-from trainer.errors import UserError
+from trainer.cluster import devices, dist
+from trainer.common.errors import UserError
 
 
 def test_no_launcher_is_one_rank():
@@ -82,7 +82,7 @@ def test_deepspeeds_muon_module_is_imported_without_importing_inductor():
     import subprocess
 
     code = (
-        "import sys, deepspeed, deepspeed.runtime.compiler as c; from trainer import dist; "
+        "import sys, deepspeed, deepspeed.runtime.compiler as c; from trainer.cluster import dist; "
         "before = c.compile; dist.import_muon_lazily(); "
         "from deepspeed.runtime.zero.muon.original_muon import muon_update; "
         "print('deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules, "
@@ -100,7 +100,7 @@ def test_deepspeed_builds_its_ops_without_debug_information():
     import subprocess
 
     code = (
-        "import torch.utils.cpp_extension as ext; from trainer import dist; "
+        "import torch.utils.cpp_extension as ext; from trainer.cluster import dist; "
         "from deepspeed.ops.op_builder import CPUAdamBuilder; seen = []; "
         "ext.load = lambda **kw: seen.append(kw['extra_cflags']) or 'module'; "
         "dist.build_ops_without_debug_info(); dist.build_ops_without_debug_info(); b = CPUAdamBuilder(); "
@@ -152,7 +152,7 @@ def test_a_malformed_port_range_is_an_error_naming_the_variable(spec):
 
 
 # A few steps of a small MLP in a fresh process: page faults per step with glibc's defaults or with
-# trainer.dist.keep_freed_memory() (CPU training's malloc settings). Fresh processes because mallopt
+# trainer.cluster.dist.keep_freed_memory() (CPU training's malloc settings). Fresh processes because mallopt
 # changes the allocator for the rest of the process. Transparent huge pages off (PR_SET_THP_DISABLE):
 # with them a fault maps 2 MiB or 4 KiB depending on the machine's free huge pages at the time, and
 # glibc's defaults measured 451-1,792 faults a step under CI's load instead of 1,700-3,400.
@@ -161,7 +161,7 @@ import ctypes, resource, sys
 ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: count 4 KiB pages
 import torch
 torch.set_num_threads(1)
-from trainer.dist import keep_freed_memory
+from trainer.cluster.dist import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "1" else None
 m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
                           for _ in range(4)])
@@ -221,12 +221,12 @@ def test_hidden_gpus_make_a_cpu_run_on_a_gpu_machine(monkeypatch, tmp_path, visi
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     if cpu is None:
-        monkeypatch.delenv(dist.ENV_CPU, raising=False)
+        monkeypatch.delenv(devices.ENV_CPU, raising=False)
     else:
-        monkeypatch.setenv(dist.ENV_CPU, cpu)
-    assert dist.device_memory() == (81559 * 2**20 if found else None)
-    assert dist.gpu_present() is found
-    dist.hide_gpus_if_asked()  # set-up: under TRAINER_CPU=1 torch must find none either
+        monkeypatch.setenv(devices.ENV_CPU, cpu)
+    assert devices.device_memory() == (81559 * 2**20 if found else None)
+    assert devices.gpu_present() is found
+    devices.hide_gpus_if_asked()  # set-up: under TRAINER_CPU=1 torch must find none either
     if cpu == "1":
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
@@ -240,7 +240,7 @@ def test_deepspeed_asks_py_cpuinfo_once_per_process():
     import subprocess
 
     code = (
-        "import subprocess, sys, cpuinfo; from trainer import dist; n = []; real = subprocess.Popen.__init__\n"
+        "import subprocess, sys, cpuinfo; from trainer.cluster import dist; n = []; real = subprocess.Popen.__init__\n"
         "def counted(self, args, *a, **k):\n"
         "    n.extend(['spawn'] if '--json' in list(args) else [])\n"
         "    return real(self, args, *a, **k)\n"

@@ -68,7 +68,7 @@ def run(args: list[str], tmp: Path, capsys: pytest.CaptureFixture) -> tuple[int,
     """bin/train in this process (no interpreter start per example), in a scratch run dir and data
     cache, planned for 80 GB GPUs with 1 TB hosts unless the example says; a model that `make tiny`
     would export is a small one of the same shape here."""
-    from trainer.cli import main
+    from trainer.run.cli import main
 
     sets = ["--set", f"run_dir={tmp / 'run'}", "--set", f"data.cache_dir={tmp / 'cache'}"]
     for key, value in (("strategy.device_memory", "80GB"), ("strategy.host_memory", "1TB")):
@@ -110,7 +110,7 @@ def test_a_broken_example_fails():
     """What the test above catches: a key that does not exist, a config that is not there."""
     text = "```\nbin/train configs/experiments/tiny.yaml --set train.max_stepz=1\n```\n"
     (args,) = commands(text)
-    from trainer.cli import main
+    from trainer.run.cli import main
 
     assert main(cheap(args)) == 2
     assert (

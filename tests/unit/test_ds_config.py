@@ -6,7 +6,7 @@ import pytest
 from helpers import TINY
 
 from trainer import config, strategy
-from trainer.errors import ConfigError, UserError
+from trainer.common.errors import ConfigError, UserError
 from trainer.strategy.planning.buffers import CUDA_CONTEXT, buffers, measured_sizes, overlap_comm
 
 INFO = strategy.ModelInfo(params=1_000_000, largest_layer=40_000, hidden=128, layers=4, heads=4, vocab=257)

@@ -16,9 +16,9 @@ import torch
 from helpers import MATRIX, matrix_config, matrix_rows
 from transformers import AutoModelForCausalLM
 
+from trainer.common.errors import UserError
 from trainer.config import chunked_loss_problem
 from trainer.engine import plain_loss
-from trainer.errors import UserError
 from trainer.model import loss, packing
 
 # what the families cannot do here, with the reason measured (None: they can)

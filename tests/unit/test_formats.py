@@ -7,12 +7,12 @@ import json
 import pytest
 
 from trainer import config
+from trainer.common.errors import UserError
 from trainer.data import build
 from trainer.data.chat import check_conversation
 from trainer.data.formats import conversation
 from trainer.data.preview import examples_of
 from trainer.data.sources import locator
-from trainer.errors import UserError
 
 TINY = "configs/experiments/tiny.yaml"
 

@@ -46,7 +46,7 @@ BAD = {
 
 
 def run(sets, tmp_path, capsys):
-    from trainer.cli import main
+    from trainer.run.cli import main
 
     args = [str(EXP), "--print-config", "--set", f"run_dir={tmp_path / 'run'}"]
     for s in sets:

@@ -203,7 +203,7 @@ def test_no_reference_model_is_planned(sets):
 
 
 def test_plan_shows_the_generation_column_and_line(capsys):
-    from trainer.cli import main
+    from trainer.run.cli import main
 
     assert main([EXP, "--plan"]) == 0
     out = capsys.readouterr().out

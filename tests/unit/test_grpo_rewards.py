@@ -20,7 +20,7 @@ import torch
 trl = pytest.importorskip("trl")
 import trl_ref  # noqa: E402
 
-from trainer.errors import UserError  # noqa: E402
+from trainer.common.errors import UserError  # noqa: E402
 from trainer.rl import rewards as R  # noqa: E402
 
 CHAT = [[{"role": "user", "content": "What is 1/3 of 1?"}], [{"role": "user", "content": "And 2 + 2?"}]]
@@ -216,7 +216,7 @@ def test_a_factory_is_called_with_its_options_and_its_errors_are_named():
 
 
 def test_the_user_s_module_imports_from_the_directories_bin_train_adds(tmp_path):
-    from trainer import dotted
+    from trainer.common import dotted
 
     (tmp_path / "beside_yaml_rewards.py").write_text(
         "def short(completions, **kw):\n    return [0.0] * len(completions)\n"
@@ -245,7 +245,7 @@ def test_a_module_that_fails_at_import_is_a_user_error_naming_the_key_the_module
 ):
     """The finding: only ImportError was caught; a module raising at import (an API key missing) or with a
     syntax error gave exit 1 and a traceback. The reward's loader and model.factory's are the same."""
-    from trainer import dotted
+    from trainer.common import dotted
 
     source, cause = BROKEN_MODULES[case]
     name = f"broken_{case.replace(' ', '_')}_{key[0]}"
@@ -404,7 +404,7 @@ def test_the_plan_holds_the_reward_model_s_weights_on_every_rank(reward_model_di
     from transformers import AutoModelForSequenceClassification
 
     from trainer import config
-    from trainer.cli import main
+    from trainer.run.cli import main
     from trainer.strategy.planning.generation import reward_model_bytes
 
     params = sum(

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from trainer import config, model
-from trainer.cli import main
+from trainer.run.cli import main
 from trainer.strategy.planning.candidates import Candidate
 from trainer.strategy.planning.hardware import PROFILES, machine
 from trainer.strategy.planning.levers import Levers
@@ -116,7 +116,7 @@ def test_a_gpu_profile_on_a_cpu_run_exits_2_naming_the_key(job):
     """Review of issue 61, finding 10: strategy.hardware.gpu on a CPU run (no GPU here, no strategy.device_memory)
     had been dropped without a word: the plan timed the CPU's profile."""
     from trainer import strategy
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
 
     exp = config.load("configs/experiments/tiny.yaml", ["strategy.hardware.gpu=h100"])
     with pytest.raises(UserError) as e:

@@ -1,11 +1,11 @@
-"""trainer/startup.py's context: the collector off while a rank imports, then what exists frozen
+"""trainer/common/startup.py's context: the collector off while a rank imports, then what exists frozen
 (the e2e side, tests/e2e/test_startup.py, counts a real rank's full passes)."""
 
 import gc
 
 import pytest
 
-from trainer import startup
+from trainer.common import startup
 
 
 def test_importing_turns_the_collector_off_then_freezes_and_turns_it_on_again_even_on_error():

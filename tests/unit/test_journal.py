@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import journal, lineage
+from trainer.checkpoint import journal, lineage, resolve
 from trainer.checkpoint.aside import aside_dir
 from trainer.checkpoint.directory import CheckpointDir
 from trainer.checkpoint.disk import ABANDONED, STATE, Found
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 
 def commit(root: Path, step: int, cd: CheckpointDir) -> Found:
@@ -32,7 +32,7 @@ def test_a_torn_last_record_is_ignored_and_cut_before_the_next(tmp_path):
         f.write(b'{"event":"commit","id":"abc')
     parsed = journal.read(root)
     assert parsed.torn and not parsed.damaged and [r.event for r in parsed.records] == ["commit"]
-    assert lineage.latest(root)[0].step == 2
+    assert resolve.latest(root)[0].step == 2
     commit(root, 4, cd)
     assert path.read_bytes().count(b"\n") == 2 and not journal.read(root).torn
 
@@ -49,11 +49,11 @@ def test_damage_before_the_current_line_is_read_around_after_it_refused(tmp_path
     lines = path.read_bytes().split(b"\n")
     lines[0] = lines[0].replace(b'"step":2', b'"step":3')  # the first commit's record, damaged
     path.write_bytes(b"\n".join(lines))
-    assert journal.read(root).damaged == [1] and lineage.latest(root)[0].step == 6
+    assert journal.read(root).damaged == [1] and resolve.latest(root)[0].step == 6
     lines[2] = lines[2].replace(b'"step":6', b'"step":7')  # the last commit's, and a whole record after it
     path.write_bytes(b"\n".join(lines) + journal.encode("prune", {"items": []}))
     with pytest.raises(UserError, match=r"journal.jsonl: line 3 is damaged.*--resume PATH"):
-        lineage.latest(root)
+        resolve.latest(root)
 
 
 def test_a_directory_from_before_journals_is_read_as_then_and_gets_one(tmp_path):
@@ -65,13 +65,13 @@ def test_a_directory_from_before_journals_is_read_as_then_and_gets_one(tmp_path)
         d.mkdir(parents=True)
         (d / STATE).write_text(json.dumps({"step": step, "files": {}}))
     (root / "latest").write_text("step_00000004\n")
-    found, warnings = lineage.latest(root)
+    found, warnings = resolve.latest(root)
     assert found.step == 4 and "older than step_00000006" in warnings[0]
     CheckpointDir(root).start(found, explicit=False)
     rec = next(r for r in journal.read(root).records if r.event == "import")
     assert [c["tag"] for c in rec.get("chain")] == ["step_00000002", "step_00000004"]
     assert [p.name for p in root.glob(f"{ABANDONED}/*/*")] == ["step_00000006"]  # another line: set aside
-    assert lineage.latest(root)[0].step == 4
+    assert resolve.latest(root)[0].step == 4
 
 
 def test_a_full_disk_names_the_file_the_error_and_the_bytes():
@@ -111,7 +111,7 @@ def test_a_damaged_last_record_never_undoes_a_rollback(tmp_path, how):
     commit(root, 4, cd)
     commit(root, 6, cd)
     CheckpointDir(root).start(two, explicit=True)  # a rollback: 4 and 6 moved to abandoned/
-    assert lineage.latest(root)[0].path == two.path
+    assert resolve.latest(root)[0].path == two.path
     path = root / journal.JOURNAL
     raw = bytearray(path.read_bytes())
     if how == "cut":
@@ -121,7 +121,7 @@ def test_a_damaged_last_record_never_undoes_a_rollback(tmp_path, how):
         raw[i] = ord("0") if raw[i] != ord("0") else ord("1")
     path.write_bytes(bytes(raw))
     try:
-        found, _ = lineage.latest(root)
+        found, _ = resolve.latest(root)
     except UserError as e:
         assert "journal.jsonl" in str(e) and "--resume PATH" in str(e)
         return
@@ -143,7 +143,7 @@ def test_a_copy_of_a_run_directory_reads_its_own_checkpoints(tmp_path):
     state = json.loads((away / STATE).read_text())
     CheckpointDir(root).start(Found(away, state), explicit=True)  # back to the abandoned 4
     shutil.copytree(tmp_path / "run", tmp_path / "copy")
-    found, _ = lineage.latest(tmp_path / "copy" / "checkpoints")
+    found, _ = resolve.latest(tmp_path / "copy" / "checkpoints")
     assert found.path == tmp_path / "copy" / "checkpoints" / away.relative_to(root)
 
 
@@ -167,7 +167,7 @@ def test_a_journal_cut_to_no_whole_record_is_never_read_as_one_from_before_journ
     view = lineage.View.read(root)
     assert not view.records and view.journaled
     with pytest.raises(UserError, match=r"journal.jsonl: .*--resume PATH"):
-        lineage.latest(root)
+        resolve.latest(root)
     assert lineage.prune_plan(view, 1) == []
     assert not lineage.is_head(
         view, Found(root / "step_00000006", json.loads((root / "step_00000006" / STATE).read_text()))

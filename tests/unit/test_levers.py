@@ -8,7 +8,7 @@ import pytest
 from helpers import TINY
 
 from trainer import config, strategy
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 from trainer.strategy.planning.levers import Levers, lever_sets, sp_problem
 from trainer.strategy.planning.longest import longest_sequence
 

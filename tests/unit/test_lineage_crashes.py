@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from simfs import Crash, SimFS
 
-from trainer.checkpoint import directory, journal, lineage, restart, seal
+from trainer.checkpoint import directory, journal, lineage, resolve, restart, seal
 from trainer.checkpoint.directory import CheckpointDir, write_report
 from trainer.checkpoint.disk import (
     ABANDONED,
@@ -52,7 +52,7 @@ from trainer.checkpoint.disk import (
     tag_for,
     verify_digests,
 )
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 RUN = Path("/run")
 ROOT = RUN / "checkpoints"
@@ -276,7 +276,7 @@ class Lineage(RuleBasedStateMachine):
         fs = self.fs
         self.starting = (len(durable_records(fs)), None)
         try:
-            decision, explicit = lineage.resolve(arg, mode, RUN, fs)
+            decision, explicit = resolve.resolve(arg, mode, RUN, fs)
             found = decision.found
             skipped = []
             if found is not None:

@@ -7,7 +7,7 @@ from helpers import TINY
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer import config, strategy
-from trainer.errors import ConfigError, UserError
+from trainer.common.errors import ConfigError, UserError
 from trainer.model import loss
 
 GiB = 2**30

@@ -31,7 +31,7 @@ def test_liger_kernels_are_refused_without_cuda_and_for_factories(tmp_path):
     import torch
 
     from trainer import config
-    from trainer.errors import ConfigError, UserError
+    from trainer.common.errors import ConfigError, UserError
     from trainer.model import kernels
 
     if not torch.cuda.is_available():
@@ -47,7 +47,7 @@ def test_auto_attention_is_eager_on_cpu_in_bf16_at_short_sequences_only(tmp_path
     faster (CPU, bf16, data.seq_len <= 256), else the model's default; a named kernel and null are
     kept. make_plan's model section and its count follow (the planner then counts eager's attention
     scores), and the model built from it runs eager."""
-    from trainer.build import make_plan
+    from trainer.run.plan import make_plan
 
     cfg = {
         "model_type": "gpt2",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.modes import OTHER, kind_of
+from trainer.run.profile import OTHER, kind_of
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def test_time_by_kind_counts_kernels_not_the_ranges_over_them():
 
     from torch.autograd import DeviceType
 
-    from trainer.modes import time_by_kind
+    from trainer.run.profile import time_by_kind
 
     def ev(key, us):
         return SimpleNamespace(

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from trainer import config
+from trainer.common.errors import UserError
 from trainer.data import byte_tokenizer
 from trainer.data.stream import _collate
-from trainer.errors import UserError
 from trainer.objectives import make
 from trainer.objectives.pairs import response_logps
 

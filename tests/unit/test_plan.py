@@ -9,11 +9,11 @@ import pytest
 from helpers import TINY
 
 from trainer import config, model, strategy
-from trainer.errors import UserError
+from trainer.common.errors import UserError
+from trainer.common.units import format_size
 from trainer.model import create
 from trainer.strategy.planning.buffers import CUDA_CONTEXT
 from trainer.strategy.planning.candidates import _c
-from trainer.units import format_size
 
 GiB = 2**30
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from trainer import config, model, strategy
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 GiB = 2**30
 QLORA = "configs/experiments/llama3-8b-qlora.yaml"

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from trainer import config, model, strategy
-from trainer.cli import main
-from trainer.errors import UserError
+from trainer.common.errors import UserError
+from trainer.run.cli import main
 
 GiB = 2**30
 QLORA = "configs/experiments/llama3-8b-qlora.yaml"

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from trainer import config, model, strategy
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 from trainer.strategy.batch import divisors, resolve
 from trainer.strategy.planning.candidates import Candidate
 from trainer.strategy.planning.levers import Levers

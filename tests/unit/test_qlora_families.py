@@ -11,8 +11,8 @@ import torch
 from helpers import MATRIX, matrix_config, matrix_rows
 
 from trainer import config, model
-from trainer.consistency import quantization_state
 from trainer.model.quantized import quantized_layers
+from trainer.run.consistency import quantization_state
 
 pytest.importorskip("bitsandbytes")
 ATTENTION = {"gpt_oss": "eager"}
@@ -66,7 +66,7 @@ def test_quantization_without_a_pretrained_model_or_bitsandbytes_is_refused_with
 
     from helpers import TINY
 
-    from trainer.errors import ConfigError, UserError
+    from trainer.common.errors import ConfigError, UserError
     from trainer.model.quantized import quantization
 
     with pytest.raises(ConfigError, match="give model.pretrained"):
@@ -95,7 +95,7 @@ def test_a_checkpoint_stored_quantized_is_refused_unless_the_experiment_says_so(
     from helpers import matrix_config
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(matrix_config("llama")).save_pretrained(tmp_path / "fp32")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from trainer import report
+from trainer.report import cli, compare
 
 
 def write_run(
@@ -31,10 +31,10 @@ def test_strong_and_weak_scaling_efficiency(tmp_path, capsys):
     one_accum = write_run(tmp_path / "one-accum", 1, 2048, 0.200, losses=(5.0, 4.0, 3.0, 2.5))
     two = write_run(tmp_path / "two", 2, 2048, 0.125, losses=(5.0, 4.001, 3.0, 2.5))
     other = write_run(tmp_path / "z3", 2, 2048, 0.3, strategy="zero3")
-    runs = [report.facts(d) for d in (one, one_accum, two, other)]
+    runs = [compare.facts(d) for d in (one, one_accum, two, other)]
     assert [r.world for r in runs] == [1, 1, 2, 2]
     assert runs[0].step_s == pytest.approx(0.1)  # the first (warm-up) interval is left out
-    found = {(s.kind, s.base.run_dir.name, s.run.run_dir.name): s for s in report.scaling(runs)}
+    found = {(s.kind, s.base.run_dir.name, s.run.run_dir.name): s for s in compare.scaling(runs)}
     assert set(found) == {("strong", "one-accum", "two"), ("weak", "one", "two")}  # zero3 has no 1-rank run
     strong, weak = found["strong", "one-accum", "two"], found["weak", "one", "two"]
     assert strong.speedup == pytest.approx(1.6) and strong.efficiency == pytest.approx(0.8)
@@ -42,7 +42,7 @@ def test_strong_and_weak_scaling_efficiency(tmp_path, capsys):
     gap, n = strong.loss_gap()
     assert gap == pytest.approx(0.001) and n == 4
 
-    assert report.main([str(d) for d in (one, one_accum, two, other)]) == 0
+    assert cli.main([str(d) for d in (one, one_accum, two, other)]) == 0
     out = capsys.readouterr().out
     assert "zero2 strong scaling efficiency 80.0% (global batch kept, 2,048 tokens): 1 -> 2 ranks" in out
     assert "zero2 weak scaling efficiency 80.0% (batch per rank kept, 1,024 tokens): 1 -> 2 ranks" in out
@@ -52,15 +52,15 @@ def test_strong_and_weak_scaling_efficiency(tmp_path, capsys):
 
 def test_runs_logged_before_the_run_facts_were_recorded(tmp_path):
     """Older metrics.jsonl files: the world size from the per-rank list, tokens per step from the rate."""
-    a = report.facts(write_run(tmp_path / "a", 1, 1024, 0.1, legacy=True))
-    b = report.facts(write_run(tmp_path / "b", 2, 2048, 0.1, legacy=True))
+    a = compare.facts(write_run(tmp_path / "a", 1, 1024, 0.1, legacy=True))
+    b = compare.facts(write_run(tmp_path / "b", 2, 2048, 0.1, legacy=True))
     assert (a.world, a.tokens_per_step, b.world, b.tokens_per_step, a.strategy) == (1, 1024, 2, 2048, "?")
-    (weak,) = report.scaling([a, b])
+    (weak,) = compare.scaling([a, b])
     assert weak.kind == "weak" and weak.efficiency == pytest.approx(1.0)
 
 
 def test_a_directory_without_metrics_is_a_clear_error(tmp_path, capsys):
     write_run(tmp_path / "a", 1, 1024, 0.1)
     (tmp_path / "empty").mkdir()
-    assert report.main([str(tmp_path / "a"), str(tmp_path / "empty")]) == 2
+    assert cli.main([str(tmp_path / "a"), str(tmp_path / "empty")]) == 2
     assert "no metrics.jsonl here" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 from trainer.model import sequence
 
 activations = importlib.import_module(

@@ -26,7 +26,7 @@ def one_rank_group():
     import deepspeed
     import torch.distributed as tdist
 
-    from trainer.dist import free_port, skip_inference_shm_op
+    from trainer.cluster.dist import free_port, skip_inference_shm_op
 
     saved = dict(os.environ)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

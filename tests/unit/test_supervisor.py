@@ -2,8 +2,8 @@
 
 import pytest
 
-from trainer.errors import UserError
-from trainer.supervisor import Supervisor, read_hostfile
+from trainer.common.errors import UserError
+from trainer.run.supervisor import Supervisor, read_hostfile
 
 
 def test_a_good_hostfile(tmp_path):
@@ -49,7 +49,7 @@ def test_the_launcher_is_found_beside_the_interpreter_or_run_as_a_module(tmp_pat
     import importlib.util
     import sys
 
-    from trainer.supervisor import launcher_program
+    from trainer.run.supervisor import launcher_program
 
     bindir = tmp_path / "bin"
     bindir.mkdir()

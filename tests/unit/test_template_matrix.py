@@ -12,9 +12,9 @@ import pytest
 from helpers import tokenizer_dir
 from test_chat import CHATML, LLAMA3, LLAMA3_0, REWRITING, SPECIAL
 
+from trainer.common.errors import UserError
 from trainer.data.chat import render_chat
 from trainer.data.tokenizer import byte_tokenizer
-from trainer.errors import UserError
 
 # The system prompt in the last user turn only (Mistral's published templates do so), EOS after answers.
 SYSTEM_LAST = (

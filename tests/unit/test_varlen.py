@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer import config
-from trainer.errors import UserError
-from trainer.model import create, varlen
+from trainer.common.errors import UserError
+from trainer.model import create, spec, varlen
 from trainer.model.varlen import lengths_from_positions
 
 FAMILIES = {
@@ -110,9 +110,9 @@ def test_auto_picks_varlen_on_cuda_in_16_bits_for_its_families(device, precision
             'model.config={"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}'
         ],
     )
-    assert create.attention(llama.model, seq_len=128, precision=precision, device_type=device) == expected
+    assert spec.attention(llama.model, seq_len=128, precision=precision, device_type=device) == expected
     gpt2 = config.load("configs/experiments/tiny.yaml")
-    assert create.attention(gpt2.model, seq_len=1024, precision="bf16", device_type="cuda") is None
+    assert spec.attention(gpt2.model, seq_len=1024, precision="bf16", device_type="cuda") is None
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

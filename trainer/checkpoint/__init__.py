@@ -31,8 +31,8 @@ from trainer.checkpoint.disk import (
     tag_for,
     verify,
 )
-from trainer.checkpoint.lineage import latest, resolve_resume
 from trainer.checkpoint.policy import HARMLESS, Resume, check_compatible, differences
+from trainer.checkpoint.resolve import latest, resolve_resume
 from trainer.checkpoint.store import Store
 
 __all__ = [

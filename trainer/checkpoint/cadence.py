@@ -23,9 +23,9 @@ from trainer.checkpoint import restore
 from trainer.checkpoint.disk import Found, tag_for
 from trainer.checkpoint.interval import AutoInterval
 from trainer.checkpoint.store import Pending, Store
+from trainer.cluster.control import Agreed
+from trainer.common.units import format_size
 from trainer.config import CheckpointSection
-from trainer.control import Agreed
-from trainer.units import format_size
 
 log = logging.getLogger("trainer")
 

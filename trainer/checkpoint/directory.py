@@ -56,7 +56,7 @@ class CheckpointDir:
     keep_abandoned: int = 2
     keep_damaged: int = 2
     background_deletes: bool = True  # pruned directories deleted on a thread (the crash test: inline)
-    faults: Any = None  # tests: trainer/faults.py's kill points of a start (killfork)
+    faults: Any = None  # tests: trainer/common/faults.py's kill points of a start (killfork)
     _deleting: Any = field(default=None, repr=False)
     _entry_durable: bool = field(default=False, repr=False)  # checkpoints/' and run_dir's entries fsynced
 

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import EXIT_USER_ERROR, UserError
+from trainer.common.errors import EXIT_USER_ERROR, UserError
 
 
 def saved_experiment(ckpt: Path) -> Any:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_bitsandbytes()  # as bin/train does
     try:
-        from trainer.checkpoint.lineage import export_source
+        from trainer.checkpoint.resolve import export_source
 
         found, warnings = export_source(
             args.checkpoint

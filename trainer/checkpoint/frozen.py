@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 KEY = "frozen_weights"  # in trainer_state.json: {"omitted": ..., "pretrained": ..., "digest": ...}
 CHUNK = 1 << 22  # elements per step of the digest (bounds its temporary copies to ~100 MB)

@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from trainer.checkpoint.disk import Entry, Found
+from trainer.common.errors import Problem, UserError
 from trainer.config import Experiment, validate
-from trainer.errors import Problem, UserError
 
 # Changing these between save and resume is fine: they do not change what was learned.
 HARMLESS = (
@@ -108,7 +108,7 @@ class Resume:
         default_factory=list
     )  # newer on the line, passed over as damaged (set aside)
     fallbacks: list[Found] = field(default_factory=list)  # the line below `found`, newest first (lineage.py)
-    verified: bool = False  # every file's bytes checked against its digest (build.undamaged)
+    verified: bool = False  # every file's bytes checked against its digest (policy.undamaged)
 
     def done(self, exp: Experiment, rank: int) -> bool:
         """The checkpoint is at train.max_steps already (said by rank 0)."""
@@ -160,10 +160,10 @@ class Resume:
 
 
 def decide(arg: str | None, exp: Experiment, faults: Any) -> Resume | None:
-    """The resume this run starts from (lineage.resolve: `--resume`, `--resume PATH`, checkpoint.resume),
+    """The resume this run starts from (resolve.resolve: `--resume`, `--resume PATH`, checkpoint.resume),
     checked against the experiment (`check_compatible`); None: a fresh start."""
     from trainer.checkpoint.disk import before
-    from trainer.checkpoint.lineage import resolve
+    from trainer.checkpoint.resolve import resolve
 
     decision, explicit = resolve(arg, exp.checkpoint.resume, exp.run_dir)
     found = decision.found
@@ -173,3 +173,28 @@ def decide(arg: str | None, exp: Experiment, faults: Any) -> Resume | None:
         return None
     return Resume(found, decision.warnings, check_compatible(found, exp), explicit=explicit,
                   skipped=decision.skipped, fallbacks=decision.fallbacks)  # fmt: skip
+
+
+def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
+    """The checkpoint to resume from, its files' bytes checked against their writers' digests before
+    anything loads (every rank a share; disk.verify_digests): a damaged one stops a `--resume PATH` run
+    naming the file, and otherwise every rank falls back down the line (lineage.verified) to the newest
+    checkpoint that passes, saying so once (a file zeroed in place kept its size, and torch's zip CRC
+    failed only while loading, which ended the run)."""
+    from trainer.checkpoint.disk import verify_digests
+    from trainer.checkpoint.lineage import verified
+    from trainer.cluster.dist import all_gather
+
+    if resume is None or resume.verified:
+        return resume
+
+    def digest_problems(found: Any) -> list[str]:
+        shares = all_gather(verify_digests(found, env.rank, env.world_size), env.world_size)
+        return sum(shares, [])
+
+    found, below, skipped, said = verified(resume.found, resume.fallbacks, resume.explicit, digest_problems)
+    if found is not resume.found:
+        resume = Resume(found, [*resume.warnings, *said], check_compatible(found, exp), skipped=[*resume.skipped, *skipped],
+                        fallbacks=below)  # fmt: skip
+    resume.verified = True
+    return resume

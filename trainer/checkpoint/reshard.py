@@ -21,7 +21,7 @@ failure report) for up to `checkpoint.convert_timeout_minutes`. An interrupted c
 directory, which the next one removes before starting again. Needs a filesystem that every rank sees.
 A converted directory is sealed (seal.py: every file fsynced and digested before its `CONVERTED` marker)
 and checked by every rank (a share of its files each) before it loads; a damaged one is rebuilt once from
-the checkpoint, whose bytes were verified before (build.undamaged), and the conversion is recorded in the
+the checkpoint, whose bytes were verified before (policy.undamaged), and the conversion is recorded in the
 run's journal.
 """
 
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import seal, stage0, universal
-from trainer.errors import UserError
-from trainer.faults import Faults
+from trainer.common.errors import UserError
+from trainer.common.faults import Faults
 
 log = logging.getLogger("trainer")
 
@@ -233,7 +233,7 @@ def convert_in_subprocess(
     """Rank 0: run the conversion in its own process (dying with this one), log the outcome, and on
     failure leave the report the other ranks wait for. Returns whether it converted (`rebuild`: the
     directory there was damaged)."""
-    from trainer.dist import cpu_cores
+    from trainer.cluster.dist import cpu_cores
 
     if not rebuild and seal.marker(ckpt / tag)[0] is not None:
         return False  # made before: its files are checked against the marker by every rank
@@ -325,7 +325,7 @@ def convert(ckpt: Path, spec: dict[str, Any]) -> None:
     """Make (once) `<ckpt>/universal/` and, for a stage-0 target, `<ckpt>/<tag>/`. Each is built in a
     hidden directory and renamed into place with its completion marker inside; leftovers of an
     interrupted conversion are removed first. One conversion at a time per checkpoint (a lock)."""
-    from trainer.files import file_lock
+    from trainer.common.files import file_lock
 
     names, aliases, target, workers = spec["names"], spec["aliases"], spec["target"], int(spec["workers"])
     with file_lock(ckpt / LOCK):

@@ -1,4 +1,4 @@
-"""What a supervisor's restart resumes (trainer/supervisor.py), from the lineage's journal and the manifests'
+"""What a supervisor's restart resumes (trainer/run/supervisor.py), from the lineage's journal and the manifests'
 job ids: the `--resume PATH` the job was started with until the job commits a checkpoint of its own, then the
 line's newest; where the journal is damaged, the job's own newest checkpoint by path (a new line)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from trainer.checkpoint.disk import checkpoints_dir
 from trainer.checkpoint.fs import LOCAL, LocalFS
 from trainer.checkpoint.lineage import View, plain
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 
 def restart_resume(

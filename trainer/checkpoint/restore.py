@@ -13,7 +13,7 @@ from typing import Any
 from trainer.checkpoint import frozen
 from trainer.checkpoint.disk import Found
 from trainer.checkpoint.store import Store
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 log = logging.getLogger("trainer")
 
@@ -66,7 +66,7 @@ def load(store: Store, found: Found, state: Any, wait_s: float = 7200.0) -> None
     if same_world and rng.exists():
         set_rng_state(torch.load(rng, weights_only=False))
     else:  # another world size: a fresh, still deterministic, per-rank stream
-        from trainer.dist import seed_all
+        from trainer.cluster.dist import seed_all
 
         seed_all(store.exp.seed + 1 + store.rank + 1_000_003 * state.step)
 

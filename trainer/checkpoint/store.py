@@ -26,8 +26,8 @@ from typing import Any
 from trainer.checkpoint import frozen
 from trainer.checkpoint.directory import CheckpointDir
 from trainer.checkpoint.disk import tag_for
+from trainer.common.faults import Faults
 from trainer.config import Experiment
-from trainer.faults import Faults
 
 FORMAT_VERSION = 1
 
@@ -94,7 +94,7 @@ class Store:
     world_size: int
     plan: dict[str, Any] = field(default_factory=dict)
     layout: tuple[list[list[str]], dict[str, str]] = ([], {})  # parameter names per group, tied aliases
-    faults: Faults = field(default_factory=Faults)  # tests: kills during a save (trainer/faults.py)
+    faults: Faults = field(default_factory=Faults)  # tests: kills during a save (trainer/common/faults.py)
     data_fingerprint: dict[str, Any] = field(default_factory=dict)  # Data.fingerprint, compared on resume
     recent: Callable[[], dict[str, Any]] | None = None  # what trainer_state.json shows of the run so far
     on_save: Callable[[int], None] | None = None  # tests: called on every rank with the step after each save
@@ -141,7 +141,7 @@ class Store:
 
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (a few ints), on every rank (on the checkpoint's CPU group)."""
-        from trainer.dist import gather_ints
+        from trainer.cluster.dist import gather_ints
 
         return gather_ints(values, self.world_size, self._group)
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.files import fsync_dir
+from trainer.common.files import fsync_dir
 
 log = logging.getLogger("trainer")
 

@@ -10,6 +10,7 @@
 Precedence is defaults < YAML < `--set section.key=value`.
 """
 
+from trainer.common.units import format_size, parse_size
 from trainer.config.data_schema import MAP_KEYS, PRESETS, ROLES
 from trainer.config.describe import describe, describe_table
 from trainer.config.fields import thaw
@@ -34,7 +35,6 @@ from trainer.config.schema import (
     chunked_loss_problem,
     loss_chunk_rows,
 )
-from trainer.units import format_size, parse_size
 
 __all__ = [
     "CHUNKED_LOSS_TYPES",

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
-from trainer.units import parse_size
+from trainer.common.units import parse_size
 
 
 def choice(*allowed: Any) -> Any:

@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer.common.errors import ConfigError, Problem, UserError, did_you_mean
 from trainer.config.fields import _is_mapping, _is_str, _model_of, keys
 from trainer.config.rules import contradictions, line_for
 from trainer.config.schema import Experiment
-from trainer.errors import ConfigError, Problem, UserError, did_you_mean
 
 
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Experiment:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainer.common.errors import Problem
 from trainer.config.data_schema import MAP_KEYS, ROLES
 from trainer.config.schema import TEMPLATES_DIR, Experiment, chunked_loss_problem
-from trainer.errors import Problem
 
 
 def _positions(config: Mapping[str, Any]) -> tuple[str, int] | None:

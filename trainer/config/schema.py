@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import Field
 
+from trainer.common.optimizers import OPTIMIZERS
 from trainer.config.checkpoint_schema import FLEET_MTBF_NODE_HOURS, CheckpointSection  # noqa: F401 (re-exported)
 from trainer.config.data_schema import DataSection, DataSource  # noqa: F401 (DataSource: re-exported)
 from trainer.config.fields import (
@@ -25,7 +26,6 @@ from trainer.config.fields import (
 )
 from trainer.config.hardware_schema import HardwareSection
 from trainer.config.rl_schema import RLSection
-from trainer.optimizers import OPTIMIZERS
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "deepspeed"
 
@@ -283,7 +283,7 @@ class TrainSection(Section):
 class OptimSection(Section):
     """Optimizer and learning-rate schedule (passed to DeepSpeed, which owns the update)."""
 
-    name: choice(*OPTIMIZERS) = Field("adamw", description="optimizer (trainer/optimizers.py)")
+    name: choice(*OPTIMIZERS) = Field("adamw", description="optimizer (trainer/common/optimizers.py)")
     implementation: choice("auto", "deepspeed", "torch") = Field(
         "auto",
         description="auto = DeepSpeed's fused Adam on GPU / CPUAdam with offload, torch AdamW on CPU (bitwise resume)",
@@ -317,7 +317,8 @@ class StrategySection(Section):
     """How the model is spread over ranks: the ZeRO stage and offload (see docs/strategies.md)."""
 
     zero_stage: choice("auto", 0, 1, 2, 3) = Field(
-        "auto", description="auto = the fastest setting that fits by the plan's step time (docs/strategies.md)"
+        "auto",
+        description="auto = the fastest setting that fits by the plan's step time (docs/strategies.md)",
     )
     offload: choice("auto", "none", "cpu", "nvme") = Field(
         "auto", description="auto = none unless nothing fits on the device, then cpu, then nvme"

@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from trainer.common.errors import UserError
+from trainer.common.files import file_lock, write_atomic
 from trainer.config import DataSection
 from trainer.data.keys import cache_key, rebuilt_why
 from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
 from trainer.data.prompts import read_columns
 from trainer.data.sources import _where, load_raw
 from trainer.data.tokenizer import load_tokenizer
-from trainer.errors import UserError
-from trainer.files import file_lock, write_atomic
 
 
 @dataclass
@@ -210,7 +210,7 @@ def _build_cache(
 ) -> None:
     import datasets
 
-    from trainer.dist import cpu_cores
+    from trainer.cluster.dist import cpu_cores
 
     if quiet:
         datasets.disable_progress_bars()

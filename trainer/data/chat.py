@@ -41,10 +41,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import ROLES
 from trainer.data.templates import Profile, profile
 from trainer.data.tokenizer import special_edges
-from trainer.errors import UserError
 
 TRAINING = "training"  # a message's own flag: false keeps an assistant turn out of the targets
 # Keys of what the model itself says: refused when the template never renders them (the turn would be

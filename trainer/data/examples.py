@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.common.errors import UserError
 from trainer.config import DataSection, DataSource
 from trainer.data import formats
 from trainer.data.chat import (
@@ -24,7 +25,6 @@ from trainer.data.chat import (
 from trainer.data.pack import pack_examples, tokenize_documents
 from trainer.data.sources import locator
 from trainer.data.templates import Profile, load_template, profile, template_for
-from trainer.errors import UserError
 
 
 def chat_profile(section: DataSection, tok: Any, required: bool = True) -> Profile | None:

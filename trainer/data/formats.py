@@ -20,8 +20,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import MAP_KEYS, DataSource
-from trainer.errors import UserError
 
 
 def preset(src: DataSource) -> str | None:

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from trainer.common.errors import UserError
 from trainer.config import DataSection, DataSource
 from trainer.data.chat import Example
 from trainer.data.pack import pack_examples
 from trainer.data.sources import locator
-from trainer.errors import UserError
 
 
 def _empty(response: Any) -> bool:

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from trainer.common.errors import UserError
 from trainer.config import DataSection
 from trainer.data.pack import IGNORE
 from trainer.data.sources import locator
 from trainer.data.tokenizer import special_edges
-from trainer.errors import UserError
 
 COLUMNS = "columns.json"
 PROMPT = (

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import DataSource, thaw
 from trainer.data.formats import required_columns
-from trainer.errors import UserError
 
 FORMATS = {
     ".txt": "text",

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from trainer.common.errors import UserError
 from trainer.config import DataSection
 from trainer.data.cache import Data
 from trainer.data.pack import IGNORE, as_rows
-from trainer.errors import UserError
 
 
 class RankSampler:
@@ -242,7 +242,7 @@ def resolve_workers(setting: int | str, device_type: str) -> int:
     """data.num_workers as set, or for auto from this node's cores per rank."""
     if setting != "auto":
         return int(setting)
-    from trainer.dist import cpu_cores, detect
+    from trainer.cluster.dist import cpu_cores, detect
 
     return auto_workers(max(1, cpu_cores() // max(1, detect().local_world_size)), device_type)
 

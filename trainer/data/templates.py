@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 STRATEGIES = ("all", "each", "last")
 

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
-from trainer.files import write_atomic
+from trainer.common.errors import UserError
+from trainer.common.files import write_atomic
 
 EOS = "<|endoftext|>"
 BYTE_VOCAB, BYTE_EOS_ID = 257, 256  # the built-in byte tokenizer: 256 bytes + EOS

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.common.units import format_size
 from trainer.metrics.measure import duration
-from trainer.units import format_size
 
 log = logging.getLogger("trainer")
 

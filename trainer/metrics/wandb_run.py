@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import WandbSection
-from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 
@@ -74,7 +74,7 @@ class WandbRun:
         prefix = "eval/" if any(k.startswith("eval_") for k in record) else "train/"
         if "checkpoint" in record:
             prefix = "checkpoint/"
-        if record.get("event") == "attempt":  # an attempt's device-hours (modes.attempt_cost)
+        if record.get("event") == "attempt":  # an attempt's device-hours (run/attempt.attempt_cost)
             prefix = "cost/"
         data = {
             prefix + k.removeprefix("eval_"): v

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 ADAPTER_DIR = "adapter"
 

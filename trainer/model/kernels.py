@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 
 def apply(model: Any, *, fused_loss: bool, zero3: bool) -> Any:

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.common.errors import UserError
 from trainer.config import chunked_loss_problem, loss_chunk_rows
 from trainer.data.pack import IGNORE  # transformers' ignore_index, defined once
-from trainer.errors import UserError
 
 
 @functools.cache

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.files import write_atomic
+from trainer.common.files import write_atomic
 
 VOCAB = 96
 MAX_LAYERS = 8

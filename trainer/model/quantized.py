@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import ModelSection
-from trainer.errors import UserError
 from trainer.strategy.planning.candidates import Quantized
 
 

@@ -124,7 +124,7 @@ def register_ulysses(model: Any, sp: int, micro_batch: int, seq_len: int) -> Any
 
     kernel = model.config._attn_implementation
     if kernel not in ("sdpa", "flash_attention_2", "flash_attention_3"):
-        from trainer.errors import UserError
+        from trainer.common.errors import UserError
 
         raise UserError(
             f"strategy.sequence_parallel: {sp} needs sdpa or flash attention; the model runs '{kernel}': set "
@@ -206,7 +206,7 @@ def tile_mlps(model: Any, tokens: int) -> int:
         module.forward = tiled
         wrapped += 1
     if not wrapped:
-        from trainer.errors import UserError
+        from trainer.common.errors import UserError
 
         raise UserError(
             f"model.tiled_mlp: {type(model).__name__} has no decoder layers with an `mlp` module to tile; set it "
@@ -239,7 +239,7 @@ def ulysses_verdict(config: Any, kernel: str, cache_dir: Any = None) -> str | No
 
     import transformers
 
-    from trainer.files import write_atomic
+    from trainer.common.files import write_atomic
 
     fields = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
     key = json.dumps(["ulysses-2", kernel, transformers.__version__, fields], sort_keys=True, default=str)

@@ -31,7 +31,7 @@ def content_digests(root: Path, cache_dir: str | Path) -> list[tuple[str, str]]:
     `cache_dir/digests/` by the file's path, size and modification time: a copy of the directory
     elsewhere (another path and time) has the same digests, an edit in place another."""
     from trainer.checkpoint.writer import file_digest
-    from trainer.files import write_atomic
+    from trainer.common.files import write_atomic
 
     out = []
     memo_dir = Path(cache_dir).expanduser() / "digests"

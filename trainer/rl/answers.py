@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 # a number: a sign (ASCII's or Unicode's minus), thousands groups of three after a comma ("1,234,567") or plain
 # digits, a decimal part (".5": a leading dot), a fraction's denominator ("1/2": one number, not two)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 from trainer.rl.answers import answer, text_of
 
 # what TRL gives every reward function beside the columns
@@ -330,6 +330,6 @@ def import_function(path: str, key: str) -> Callable[..., Any]:
         raise UserError(
             f"{key}: '{path}' is neither a built-in ({', '.join([*BUILTINS, 'model'])}) nor package.module:function"
         )
-    from trainer.dotted import load_callable
+    from trainer.common.dotted import load_callable
 
     return load_callable(path, key)

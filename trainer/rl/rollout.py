@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from trainer.common.errors import UserError
 from trainer.data.pack import IGNORE
 from trainer.data.prompts import PROMPT, lengths
 from trainer.data.stream import Position, RankSampler
-from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 MAX_MICRO = 512  # the largest micro batch auto tries
 TIE = 1e-9  # relative: estimated times closer than this are equal (float noise, not a faster setting)
@@ -132,7 +132,10 @@ def resolve(exp: Any, world_size: int, plan_for: Any) -> tuple[Any, Batch | None
             continue
         if target // (m * p.dp_world) != e.train.grad_accum:  # the accumulation of the degree it chose
             e = with_batch(exp, m, target // (m * p.dp_world))
-            dp, p = p.dp_world, plan_for(e)  # the same choice: the plan counts each degree at its accumulation
+            dp, p = (
+                p.dp_world,
+                plan_for(e),
+            )  # the same choice: the plan counts each degree at its accumulation
             if p.dp_world != dp:
                 continue
         tried.append((p.speed.per_token if p.speed is not None else 0.0, -m, e, p))

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.common.errors import Problem, UserError, did_you_mean
+from trainer.common.optimizers import OPTIMIZERS
 from trainer.config import TEMPLATES_DIR, Experiment
-from trainer.errors import Problem, UserError, did_you_mean
-from trainer.optimizers import OPTIMIZERS
 from trainer.strategy.planning import (
     DEEPSPEED_DEFAULTS,
     Candidate,

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.common.optimizers import OPTIMIZERS
 from trainer.config import Experiment
-from trainer.optimizers import OPTIMIZERS
 from trainer.strategy.planning.buffers import _number, buffers, zero_section, zero_sizes
 from trainer.strategy.planning.candidates import TABLE, Candidate, ModelInfo
 from trainer.strategy.planning.generation import reward_model_bytes

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 GB = 1e9  # the links' unit (decimal, as datasheets give them)
 MFU = 0.45  # the share of the dense peak a device achieves on the model's matmuls

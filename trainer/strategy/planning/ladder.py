@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import Experiment, chunked_loss_problem, format_size
-from trainer.errors import UserError
 from trainer.strategy.batch import accumulation
 from trainer.strategy.planning import pins
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import Experiment, chunked_loss_problem
-from trainer.errors import UserError
 from trainer.strategy.batch import SP_DEGREES, keeps, sp_degrees
 from trainer.strategy.planning.candidates import ModelInfo
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import Experiment
-from trainer.errors import UserError
 from trainer.strategy.planning.candidates import ModelInfo
 from trainer.strategy.planning.ladder import Plan, plan
 from trainer.strategy.planning.levers import SP_DEGREES, sp_problem

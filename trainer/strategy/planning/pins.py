@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import Experiment, format_size
-from trainer.errors import UserError
 from trainer.strategy.batch import TIE
 from trainer.strategy.planning.candidates import Candidate, pinned_choice
 from trainer.strategy.planning.estimate import Estimate

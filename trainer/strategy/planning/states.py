@@ -6,7 +6,7 @@ the backward pass (`model_states`), and what they are counted in: the training p
 
 from __future__ import annotations
 
-from trainer.errors import ConfigError, Problem
+from trainer.common.errors import ConfigError, Problem
 from trainer.strategy.planning.candidates import Candidate, Quantized
 
 
@@ -28,7 +28,7 @@ def model_states(
 
     p parameters, n data-parallel ranks, lp bytes per low-precision value (2 for bf16/fp16, 4 for
     fp32). Mixed precision keeps an fp32 master copy (4), the optimizer its state (`state_bytes`: Adam's
-    two fp32 moments, 8; see trainer/optimizers.py) and the gradients in the training precision. With
+    two fp32 moments, 8; see trainer/common/optimizers.py) and the gradients in the training precision. With
     lp=2: stage 0: 16P, stage 2: 2P + 14P/N, stage 3: 16P/N + 4 x largest layer (a gathered layer,
     counted with the parameters as DeepSpeed does); DeepSpeed's estimators count an fp32 gradient
     partition beside these (4P/N more at stages 2 and 3), which exists only during the step.

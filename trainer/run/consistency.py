@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer.cluster.dist import all_gather
+
 
 def param_digest(module: Any) -> str:
     """sha256 of every parameter's full value (gathered under ZeRO-3), in name order."""
@@ -34,17 +36,6 @@ def param_digest(module: Any) -> str:
     return h.hexdigest()
 
 
-def all_gather(obj: Any, world_size: int) -> list[Any]:
-    """Every rank's `obj`, on every rank."""
-    if world_size == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def agree_at_start(
     world_size: int,
     *,
@@ -58,7 +49,7 @@ def agree_at_start(
     directory (`lock`: None, or who holds it), every rank resumes from the same checkpoint
     (`resume`: its tag and save time, as this rank found it) and sees the same training data. A
     disagreement is an error on every rank, naming the ranks. Returns every rank's host."""
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
 
     facts = all_gather({"host": host, "lock": lock, "resume": resume, "data": data_digest}, world_size)
     holder = facts[0]["lock"]
@@ -310,7 +301,7 @@ class SavedActivations:
         self.done = True
         out = {k: sum(n for w, n in seen.values() if w == k) for k in ("layers", "other")}
         out["count"] = len(self.layers)
-        from trainer.files import write_atomic
+        from trainer.common.files import write_atomic
 
         Path(self.directory).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(self.directory) / f"activations_rank{self.rank}.json", json.dumps(out))

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 PROBE_TIMEOUT_S = 10
 

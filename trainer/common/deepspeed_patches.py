@@ -1,7 +1,7 @@
 """What bin/train changes in DeepSpeed's start-up, each a measured cost of every rank at every start
 (BENCHMARKS.md): no debug information in its JIT-built ops, no shared-memory all-reduce op built for
 inference, its Muon module imported without TorchInductor, the CPU's description read once. Each
-falls back to DeepSpeed's own behaviour when DeepSpeed renames what it changes. trainer/dist.py
+falls back to DeepSpeed's own behaviour when DeepSpeed renames what it changes. trainer/cluster/dist.py
 calls them in `setup`."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 SEARCHED: list[str] = []  # the directories `search` added
 

@@ -1,13 +1,10 @@
-"""Everything built before the loop.
-
-- `make_plan`: before the process group exists: model facts (meta device), the memory plan, the
-  exact DeepSpeed JSON (`Planned`); also what `--plan` prints.
-- `build`: (experiment, plan, environment, resume) -> one `Run` the modes share
-  (trainer/modes.py), in this order: the run directory claimed (rank 0), the data, one agreement
-  across ranks (the run directory is ours, every rank resumes from the same checkpoint and reads
-  the same data), the model and the engine, the data stream and the evaluator, metrics, run
-  control, the checkpointer (and the resume loaded). Each component receives only its own section
-  of the experiment. Nothing here trains.
+"""Everything built before the loop, once the plan is made (trainer/run/plan.py): (experiment, plan,
+environment, resume) -> one `Run` the modes share (trainer/run/modes.py), in this order: the run
+directory claimed (rank 0), the data, one agreement across ranks (the run directory is ours, every rank
+resumes from the same checkpoint and reads the same data), the model and the engine
+(trainer/run/build_model.py), the data stream and the evaluator, metrics, run control, the checkpointer
+(and the resume loaded). Each component receives only its own section of the experiment. Nothing here
+trains.
 """
 
 from __future__ import annotations
@@ -19,105 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import Experiment
+from trainer.run.plan import Planned
 
 log = logging.getLogger("trainer")
-
-
-@dataclass
-class Planned:
-    """The decision made before the process group exists: plan, DeepSpeed JSON, model facts."""
-
-    plan: Any  # strategy.Plan
-    ds_config: dict[str, Any]
-    info: Any  # strategy.ModelInfo
-    template_path: str
-    schedule: Any = None  # strategy.Schedule: its notes say how a resume changed the LR schedule
-    model: Any = None  # config.ModelSection with model.attn_implementation's auto decided for this run
-    exp: Any = None  # the experiment with train.micro_batch_size and grad_accum decided (strategy/batch.py)
-    batch: Any = None  # strategy.batch.Batch: how the global batch is split and why (None: as written)
-
-
-def make_plan(
-    exp: Experiment,
-    *,
-    world_size: int,
-    gpus_per_node: int,
-    device_type: str,
-    device_memory: int | None,
-    vocab_size: int | None,
-    eos_id: int | None,
-    force: bool,
-    this_machine: bool = True,
-    source: str | None = None,
-    saved_ds_config: dict[str, Any] | None = None,
-) -> Planned:
-    """Model facts (meta device) -> plan -> DeepSpeed JSON. No process group, no GPU needed.
-    `saved_ds_config`: the JSON of the checkpoint a resume starts from (its LR schedule continues)."""
-    from trainer import dist, model, strategy
-
-    precision = strategy.resolve_precision(exp.train.precision, device_type, source=source)
-    section = model.resolved(
-        exp.model, seq_len=exp.data.seq_len, precision=precision, device_type=device_type
-    )
-    info = model.info(section, vocab_size, eos_id, cache_dir=exp.data.cache_dir)
-    mem = exp.strategy.device_memory or device_memory
-    host = exp.strategy.host_memory or (dist.host_memory() if this_machine else None)
-    if mem is None:  # CPU training: the ranks of a node share its memory
-        mem = dist.host_memory() // max(1, gpus_per_node)
-    template_path, template = strategy.template_for(exp)
-    gpu = dist.device_name() if this_machine and device_type == "cuda" else None  # hardware.gpu: auto
-
-    def plan_for(e: Experiment) -> Any:
-        return strategy.plan(
-            e, info, world_size=world_size, gpus_per_node=gpus_per_node, device_type=device_type,
-            device_memory=mem, host_memory=host, precision=precision, template=template or None, force=force,
-            device_name=gpu,
-        )  # fmt: skip
-
-    from trainer.strategy.batch import resolve
-
-    exp, batch = resolve(exp, world_size, plan_for)  # train.global_batch_size, micro_batch_size: auto
-    plan = plan_for(exp)
-    if not template:
-        template_path, template = strategy.template_for(exp, plan.candidate)
-    sched = strategy.schedule(exp, plan.dp_world, saved_ds_config)
-    ds = strategy.ds_config(exp, plan, info, template, template_path, sched)
-    return Planned(
-        plan=plan, ds_config=ds, info=info, template_path=template_path, schedule=sched,
-        model=with_levers(section, plan.levers), exp=exp, batch=batch,
-    )  # fmt: skip
-
-
-def with_levers(section: Any, levers: Any) -> Any:
-    """The model section as this run builds it: the activation levers the plan chose (auto decided),
-    and sdpa where sequence parallelism needs it and auto would have picked eager or varlen (Ulysses
-    calls its own attention over the gathered heads)."""
-    update = {"activation_checkpointing": levers.checkpointing, "tiled_mlp": levers.tiled_mlp,
-              "offload_activations": levers.offload, "chunked_loss": levers.chunked_loss}  # fmt: skip
-    if levers.sp > 1 and section.attn_implementation in ("eager", "varlen"):
-        update["attn_implementation"] = "sdpa"
-    return section.model_copy(update=update)
-
-
-def resolved_experiment(exp: Experiment, planned: Planned) -> Experiment:
-    """The experiment with `auto` decided where the plan decides it: the activation levers as this run
-    builds them and the sequence-parallel degree (the ZeRO stage and offload: in the DeepSpeed JSON)."""
-    levers = ("activation_checkpointing", "tiled_mlp", "offload_activations", "chunked_loss")
-    return exp.model_copy(update={
-        "model": exp.model.model_copy(update={k: getattr(planned.model, k) for k in levers}),
-        "strategy": exp.strategy.model_copy(update={"sequence_parallel": planned.plan.sp}),
-    })  # fmt: skip
-
-
-def vocab_for_planning(exp: Experiment) -> tuple[int | None, int | None]:
-    """The vocabulary size the model will get: given in model.config, else the tokenizer's."""
-    if exp.model.config is not None and isinstance(exp.model.config.get("vocab_size"), int):
-        return exp.model.config["vocab_size"], None
-    if exp.model.config is None:
-        return None, None
-    from trainer.data import tokenizer_shape
-
-    return tokenizer_shape(exp.data.tokenizer, exp.data.cache_dir)
 
 
 @dataclass
@@ -173,11 +74,12 @@ def build(
     """The Run, or None when a resume finds the checkpoint already at train.max_steps. `one_off`:
     --overfit-batch and --profile (no eval); `max_steps`: the steps the metrics count to; `training`: the
     default mode (the others leave the checkpoints directory as it is: no rollback, nothing moved)."""
-    from trainer import dist, metrics
+    from trainer import metrics
     from trainer.checkpoint import Checkpointer, Store, checkpoints_dir
-    from trainer.control import Control
-    from trainer.faults import Faults
-    from trainer.loop import TrainState
+    from trainer.cluster import dist
+    from trainer.cluster.control import Control
+    from trainer.common.faults import Faults
+    from trainer.run.loop import TrainState
 
     env = runtime.env
     metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
@@ -187,7 +89,7 @@ def build(
     if agreed is None:
         return None
     data, hosts, notes, resume, disk = agreed
-    from trainer.build_model import model_and_engine
+    from trainer.run.build_model import model_and_engine
 
     engine, layout = model_and_engine(exp, env, planned, data)
     stream, evaluator = data_for_rank(exp, runtime, data, one_off, planned)
@@ -270,10 +172,12 @@ def claim_and_agree(
     the run directory is ours, every rank resumes from the same checkpoint and reads the same data.
     Returns (data, every rank's host, notes on changed data and the lineage, the resume as checked, the
     checkpoints directory as rank 0 left it: None elsewhere), or None: nothing left to train."""
-    from trainer import consistency, dist, rundir
     from trainer import data as data_mod
-    from trainer.errors import UserError
-    from trainer.faults import Faults
+    from trainer.checkpoint.policy import undamaged
+    from trainer.cluster import dist
+    from trainer.common.errors import UserError
+    from trainer.common.faults import Faults
+    from trainer.run import consistency, rundir
 
     env = runtime.env
     lock = rundir.acquire(exp.run_dir) if runtime.is_main else None  # before anything touches run_dir
@@ -314,7 +218,9 @@ def claim_and_agree(
         return None
     notes = resume.check_data(data.fingerprint, exp.checkpoint.on_data_change) if resume else []
     disk = None
-    if runtime.is_main and training:  # the lineage: a rollback's fork, damaged ones set aside (checkpoint/begin.py)
+    if (
+        runtime.is_main and training
+    ):  # the lineage: a rollback's fork, damaged ones set aside (checkpoint/begin.py)
         from trainer.checkpoint.directory import CheckpointDir
         from trainer.checkpoint.disk import checkpoints_dir
 
@@ -331,34 +237,10 @@ def claim_and_agree(
         except OSError as e:  # a read-only or full checkpoints directory: a restart would fail the same way
             from trainer.checkpoint.fs import describe
 
-            raise UserError("checkpoints: " + describe(e, e.filename or disk.root, "preparing the run's checkpoints")) from None
+            raise UserError(
+                "checkpoints: " + describe(e, e.filename or disk.root, "preparing the run's checkpoints")
+            ) from None
     return data, hosts, notes, resume, disk
-
-
-def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
-    """The checkpoint to resume from, its files' bytes checked against their writers' digests before
-    anything loads (every rank a share; disk.verify_digests): a damaged one stops a `--resume PATH` run
-    naming the file, and otherwise every rank falls back down the line (lineage.verified) to the newest
-    checkpoint that passes, saying so once (a file zeroed in place kept its size, and torch's zip CRC
-    failed only while loading, which ended the run)."""
-    from trainer import consistency
-    from trainer.checkpoint import Resume, check_compatible
-    from trainer.checkpoint.disk import verify_digests
-    from trainer.checkpoint.lineage import verified
-
-    if resume is None or resume.verified:
-        return resume
-
-    def digest_problems(found: Any) -> list[str]:
-        shares = consistency.all_gather(verify_digests(found, env.rank, env.world_size), env.world_size)
-        return sum(shares, [])
-
-    found, below, skipped, said = verified(resume.found, resume.fallbacks, resume.explicit, digest_problems)
-    if found is not resume.found:
-        resume = Resume(found, [*resume.warnings, *said], check_compatible(found, exp), skipped=[*resume.skipped, *skipped],
-                        fallbacks=below)  # fmt: skip
-    resume.verified = True
-    return resume
 
 
 def eval_prompts(exp: Experiment, data: Any) -> list[str]:
@@ -385,7 +267,7 @@ def data_for_rank(
     parallelism the ranks of a sequence group read the same rows (each takes its shard of them: the
     engine), so the data is split over the data-parallel ranks, world / sequence parallel."""
     from trainer import data as data_mod
-    from trainer.loop import Evaluator
+    from trainer.run.loop import Evaluator
 
     env, t, sp = runtime.env, exp.train, planned.plan.sp
     fixed = sp > 1 or (planned.model or exp.model).tiled_mlp is True  # every rank's rows as long: seq_len
@@ -455,7 +337,7 @@ def attach_debug(run: Run, directory: str | None) -> None:
     state after a resume and at every save (compared across runs)."""
     if not directory:
         return
-    from trainer import consistency
+    from trainer.run import consistency
 
     def dump(name: str) -> None:
         consistency.save_optimizer_state(directory, name, run.engine, run.layout[0], run.env.rank)
@@ -466,7 +348,7 @@ def attach_debug(run: Run, directory: str | None) -> None:
     run.stream.record = []
     run.debug.memory = consistency.MemoryCensus()
     hooks = [run.debug.memory]
-    from trainer.dist import debug_grads_step
+    from trainer.cluster.dist import debug_grads_step
 
     if debug_grads_step():
         hooks.append(consistency.GradDump(directory, debug_grads_step(), run.env.rank))

@@ -32,13 +32,15 @@ def acquire(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / LOCK
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.with_name(f".write-check-{os.getpid()}")  # the lock may exist: a new file must be possible
+        probe = path.with_name(
+            f".write-check-{os.getpid()}"
+        )  # the lock may exist: a new file must be possible
         probe.write_text("")
         probe.unlink()
         f = open(path, "a+")  # noqa: SIM115  (held open until the process ends)
     except OSError as e:  # read-only, no permission, a full disk: nothing could be saved there
         from trainer.checkpoint.fs import describe
-        from trainer.errors import UserError
+        from trainer.common.errors import UserError
 
         raise UserError(
             f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
@@ -80,7 +82,7 @@ def shared_everywhere(
     import secrets
     import time
 
-    from trainer.consistency import all_gather
+    from trainer.cluster.dist import all_gather
 
     if nodes <= 1 or world_size <= 1:
         return []

@@ -1,4 +1,4 @@
-"""The model and the engine around it (trainer/build.py's `build` calls `model_and_engine`): the
+"""The model and the engine around it (trainer/run/build.py's `build` calls `model_and_engine`): the
 packing check for the model family, the model with the plan's activation levers put in (Ulysses
 attention, tiled MLPs: trainer/model/sequence.py), then DeepSpeed's engine."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from trainer.common.errors import UserError
 from trainer.config import Experiment
-from trainer.errors import UserError
 
 log = logging.getLogger("trainer")
 
@@ -16,8 +16,9 @@ log = logging.getLogger("trainer")
 def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tuple[Any, Any]:
     """The model (identical initial weights on every rank; at ZeRO-3 never whole on one) and the
     DeepSpeed engine around it; then the RNG per rank (dropout differs between ranks)."""
-    from trainer import dist, model, objectives
+    from trainer import model, objectives
     from trainer.checkpoint.reshard import names_and_aliases
+    from trainer.cluster import dist
     from trainer.engine import Engine
 
     if data.supervised and exp.data.packing and not data.pairs:
@@ -63,7 +64,7 @@ def sequence_levers(exp: Experiment, env: Any, planned: Any, module: Any, one_ro
     """The activation levers the plan chose, put into the model (trainer/model/sequence.py) before
     DeepSpeed wraps it: Ulysses attention for sequence parallelism (its mpu for deepspeed.initialize),
     tiled MLPs; and what the engine needs: this rank's place in its sequence group, the host copies."""
-    from trainer.dist import gpu_present
+    from trainer.cluster.devices import gpu_present
     from trainer.model import sequence
 
     sp, section, micro, seq = (

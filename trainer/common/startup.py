@@ -9,9 +9,9 @@ the collector off and then freezes what exists (`gc.freeze`: later passes skip i
 importing leaves in cycles is kept with it: ~9,400 cycles, ~200,000 objects, ~6 MiB a process, for
 0.7 s of CPU at every start (a pass to free it first would cost 0.18 s: with the collector off,
 everything is in the youngest generation). Under torchrun, bin/train's main() imports torch this way
-too (trainer/cli.py). Planning, the process group, the data, the model and the engine
+too (trainer/run/cli.py). Planning, the process group, the data, the model and the engine
 are built with the collector on; the training loop collects and freezes once more when everything
-is built, a pass over only what the run built (trainer/loop.py).
+is built, a pass over only what the run built (trainer/run/loop.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def import_libraries(section: Any) -> None:
     """What a rank imports anyway, now, inside `importing`: torch and, for a model of transformers
     (not a `model.factory`'s), the modeling code every family's module imports (DTensor through the
     weight loading, torch._dynamo through the attention masks). DeepSpeed is imported by
-    trainer/dist.py's `setup`, after the accelerator is chosen."""
+    trainer/cluster/dist.py's `setup`, after the accelerator is chosen."""
     import torch  # noqa: F401
 
     if section.factory is None:

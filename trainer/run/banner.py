@@ -89,7 +89,7 @@ def announce(run: Run) -> None:
         return
     from trainer import strategy
     from trainer.checkpoint import checkpoints_dir
-    from trainer.units import format_size
+    from trainer.common.units import format_size
 
     exp, runtime, planned, resume = run.exp, run.runtime, run.planned, run.resume
     env, t, plan = runtime.env, exp.train, planned.plan

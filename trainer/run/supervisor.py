@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import EXIT_NONFINITE, EXIT_USER_ERROR, UserError
-from trainer.files import write_atomic
+from trainer.common.errors import EXIT_NONFINITE, EXIT_USER_ERROR, UserError
+from trainer.common.files import write_atomic
 from trainer.strategy.planning import next_rung
 
 log = logging.getLogger("trainer")
@@ -43,7 +43,7 @@ FINAL_EXITS = {
     EXIT_USER_ERROR: "a configuration or input error",
     EXIT_NONFINITE: "a non-finite loss (the same weights and data would reach it again)",
 }
-TRAIN = Path(__file__).resolve().parent.parent / "bin" / "train"
+TRAIN = Path(__file__).resolve().parents[2] / "bin" / "train"
 
 
 def unresolvable(host: str) -> str | None:
@@ -122,8 +122,10 @@ def writable(run_dir: Path) -> None:
     except OSError as e:
         from trainer.checkpoint.fs import describe
 
-        raise UserError(f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
-                        + describe(e, e.filename or probe, "writing a file in it")) from None
+        raise UserError(
+            f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
+            + describe(e, e.filename or probe, "writing a file in it")
+        ) from None
 
 
 def record_oom(
@@ -208,7 +210,7 @@ class Supervisor:
     kept_accum: str | None = field(default=None, init=False)
     _child: subprocess.Popen | None = None
     _stopping: int | None = None  # the signal that asked us to stop
-    job: str = field(default_factory=lambda: __import__("uuid").uuid4().hex[:12])  # recorded with every commit
+    job: str = field(default_factory=lambda: __import__("uuid").uuid4().hex[:12])  # recorded with every commit  # fmt: skip
 
     def hosts(self) -> list[tuple[str, int]]:
         return read_hostfile(self.hostfile) if self.hostfile else []
@@ -268,7 +270,7 @@ class Supervisor:
     ) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None]:
         """Run one attempt to its end: (exit status, the out-of-memory record it left, the failure a
         rank recorded). Recorded in attempts.jsonl."""
-        from trainer.dist import free_port
+        from trainer.cluster.dist import free_port
 
         escalation_before = self._escalation_mtime()
         cmd = self.command(overrides, resume, free_port())
@@ -287,7 +289,7 @@ class Supervisor:
 
     def _elastic(self, attempt: int, overrides: list[str]) -> list[str] | None:
         """--min-nodes: this attempt's overrides on the nodes that answer (elastic.py; None: stop)."""
-        from trainer.elastic import on_survivors
+        from trainer.cluster.elastic import on_survivors
 
         return on_survivors(self, attempt, overrides)
 
@@ -366,11 +368,17 @@ def launch_command(sup: Supervisor, overrides: list[str], resume: str | None, po
 
 
 def attempt_env(
-    attempt: int, failure_file: Path, launcher: str, hostfile: str | None, run_dir: Path, job: str | None = None
+    attempt: int,
+    failure_file: Path,
+    launcher: str,
+    hostfile: str | None,
+    run_dir: Path,
+    job: str | None = None,
 ) -> dict[str, str]:
     """The environment of one attempt: its number, the job's id, where a rank records a failure, and what
     the launchers need passed on."""
-    from trainer.dist import ENV_CPU, gpus_hidden, remote_env
+    from trainer.cluster.devices import ENV_CPU, gpus_hidden
+    from trainer.cluster.dist import remote_env
 
     env = dict(os.environ, TRAINER_ATTEMPT=str(attempt), **{ENV_FAILURE_FILE: str(failure_file.resolve())})
     if job:

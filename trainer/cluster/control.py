@@ -10,7 +10,7 @@
 - Watchdog: a rank that makes no progress (no step, eval or save) for `dist.watchdog_s` dumps
   every thread's stack and exits; faulthandler runs it from a C thread, so it fires even when
   Python is stuck in a collective or in I/O. The launcher then ends the other ranks.
-- Faults injected by the tests (trainer/faults.py) at the start of each step.
+- Faults injected by the tests (trainer/common/faults.py) at the start of each step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.faults import Faults
+from trainer.common.faults import Faults
 
 log = logging.getLogger("trainer")
 
@@ -143,7 +143,7 @@ class Control:
         (`finite`: the flag from `finite()`, read here once). One tiny all-gather per step on a CPU
         group, after the step's backward and before its optimizer update."""
         bad = 0 if finite is None else int(not bool(finite))
-        from trainer.dist import gather_ints
+        from trainer.cluster.dist import gather_ints
 
         mine = [int(self._signalled is not None), int(time_due), bad, int(write[0]), int(write[1] * 1000)]
         flags = gather_ints(mine, self.world_size, self._group)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from trainer.deepspeed_patches import (  # noqa: F401 (re-exported: scripts/build_ops.py, tests)
+from trainer.cluster.devices import gpu_present, hide_gpus_if_asked
+from trainer.common.deepspeed_patches import (  # noqa: F401 (re-exported: scripts/build_ops.py, tests)
     build_ops_without_debug_info,
     import_muon_lazily,
     read_cpu_info_once,
@@ -133,7 +134,7 @@ def port_range(env: dict[str, str] | None = None) -> tuple[int, int]:
     if not spec:
         lo_eph, hi_eph = ephemeral_ports()
         return max([(10000, lo_eph), (hi_eph + 1, 65536)], key=lambda r: r[1] - r[0])
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
 
     lo_s, sep, hi_s = spec.partition("-")
     if not (sep and lo_s.strip().isdigit() and hi_s.strip().isdigit()):
@@ -165,7 +166,7 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
-    from trainer.errors import UserError
+    from trainer.common.errors import UserError
 
     raise UserError(f"no free TCP port in {lo}-{hi - 1} ({ENV_PORTS}): widen the range or free a port")
 
@@ -328,6 +329,17 @@ def gather_ints(values: list[int], world_size: int, group: Any = None) -> list[l
     return out.view(world_size, n).tolist()
 
 
+def all_gather(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's `obj`, on every rank."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as tdist
+
+    out: list[Any] = [None] * world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
 def seed_all(seed: int) -> None:
     """Same seed everywhere: python, numpy, torch (CPU and every GPU)."""
     import numpy as np
@@ -336,74 +348,6 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-ENV_CPU = "TRAINER_CPU"  # 1: a CPU run on a GPU machine (the deepspeed launcher resets CUDA_VISIBLE_DEVICES)
-
-
-def gpus_hidden() -> bool:
-    """A CPU run on a GPU machine: TRAINER_CPU=1, or CUDA_VISIBLE_DEVICES hides every GPU ("" or a list
-    starting at -1). The deepspeed launcher sets CUDA_VISIBLE_DEVICES=0,1,... in every rank even when
-    the user hid them, so the supervisor and bench/bench.py --cpu pass TRAINER_CPU=1 as well."""
-    if os.environ.get(ENV_CPU) == "1":
-        return True
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible is not None and visible.split(",")[0].strip() in ("", "-1")
-
-
-def hide_gpus_if_asked() -> None:
-    """Under TRAINER_CPU=1, hide the GPUs from torch too (before CUDA's first use)."""
-    if os.environ.get(ENV_CPU) == "1":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-
-def device_memory(runtime: Runtime | None = None) -> int | None:
-    """Memory of this rank's GPU, without initialising CUDA when there is no process group yet; None
-    without one (none here, or CUDA_VISIBLE_DEVICES hides them all, as torch would find none)."""
-    if runtime is not None and runtime.device_type == "cuda":
-        import torch
-
-        return torch.cuda.get_device_properties(runtime.device).total_memory
-    if runtime is not None or gpus_hidden():
-        return None
-    try:  # nvidia-smi keeps `--plan` free of CUDA initialisation
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            return int(out.stdout.split()[0]) * 2**20
-    except (OSError, subprocess.TimeoutExpired, ValueError):
-        pass
-    return None
-
-
-def device_name() -> str | None:
-    """This machine's first GPU's name (nvidia-smi, no CUDA initialisation), for the plan's hardware
-    profile (strategy.hardware.gpu: auto); None without one."""
-    if gpus_hidden():
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10)  # fmt: skip
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.splitlines()[0].strip()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return None
-
-
-def host_memory() -> int:
-    import psutil
-
-    return psutil.virtual_memory().total
-
-
-def gpu_present() -> bool:
-    """A GPU on this machine, found without initialising CUDA."""
-    return device_memory() is not None
 
 
 def debug_dir() -> str | None:

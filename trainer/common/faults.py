@@ -3,7 +3,7 @@
 Production code calls a `Faults` object (bound to this rank and attempt) at named points; with
 `TRAINER_FAULT` unset every call does nothing. The points and what the kinds do there:
 
-- `before_step(step)`, at the start of each step (trainer/loop.py, through Control): oom (raise
+- `before_step(step)`, at the start of each step (trainer/run/loop.py, through Control): oom (raise
   torch.OutOfMemoryError), raise (RuntimeError), kill (SIGKILL self), exit (os._exit(1)), sleep
   (hang), term (SIGTERM self);
 - `loss(loss, step)`, on each micro batch's loss: nan (a NaN loss), slow (M ms more per step from

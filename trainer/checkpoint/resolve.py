@@ -1,0 +1,141 @@
+"""What a resume starts from, by what the user named: `--resume` / `checkpoint.resume` (`resolve`, on the
+lineage's decision: the current line's newest intact checkpoint, or a named one, which forks a new line
+unless it is the head), the newest intact checkpoint of a directory (`latest`), and the checkpoint
+`bin/export` reads (`export_source`). Pure functions of the journal and a scan, as trainer/checkpoint/lineage.py."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from trainer.checkpoint import journal
+from trainer.checkpoint.disk import (
+    LATEST,
+    STATE,
+    STEP_DIR,
+    Found,
+    checkpoints_dir,
+    load_state,
+    scan,
+    verify,
+)
+from trainer.checkpoint.fs import LOCAL, LocalFS
+from trainer.checkpoint.lineage import Decision, View, plain
+from trainer.common.errors import UserError
+
+log = logging.getLogger("trainer")
+
+
+def explicit(path: Path, fs: LocalFS = LOCAL) -> Found:
+    """`--resume PATH` of a step directory: the checkpoint, or a UserError naming what is damaged."""
+    state, why = load_state(path, fs)
+    if why is not None:
+        raise UserError(f"--resume {path}: the checkpoint is damaged: {why}")
+    problems = verify(path, state, fs)
+    if problems:
+        raise UserError(f"--resume {path}: the checkpoint is damaged: " + "; ".join(problems))
+    return Found(Path(path), state)
+
+
+def refuse_fresh(view: View) -> None:
+    """A fresh start in a directory holding checkpoints, readable or not, or whose journal's line goes on
+    from one elsewhere (a rollback into abandoned/ not yet saved), would mix two runs."""
+    elsewhere = None
+    if not view.disk and view.journaled:
+        with contextlib.suppress(UserError):
+            elsewhere = plain(view).found
+    if elsewhere is not None:
+        raise UserError(
+            f"{view.root}: the run's line continues from {elsewhere.path} (resumed, not yet saved again); starting "
+            "fresh would abandon it. Resume with --resume, or choose another run_dir (--set run_dir=...)"
+        )
+    if view.disk:
+        bad = [e.tag for e in view.disk if e.state is None]
+        said = f" ({len(bad)} of them unreadable: {', '.join(bad[:4])})" if bad else ""
+        raise UserError(
+            f"{view.root} already holds checkpoints (newest: {view.disk[-1].tag}){said}; starting fresh would mix "
+            "runs and replace them. Resume with --resume (or checkpoint.resume: auto), or name one with "
+            f"--resume PATH, or choose another run_dir (--set run_dir=...), or move {view.root} away"
+        )
+
+
+def resolve(arg: str | None, mode: str, run_dir: str | Path, fs: LocalFS = LOCAL) -> tuple[Decision, bool]:
+    """What to resume from: `--resume` (arg 'latest'), `--resume PATH`, or checkpoint.resume: auto.
+    Returns (the decision, whether the checkpoint was named explicitly)."""
+    root = checkpoints_dir(run_dir)
+    view = View.read(root, fs)
+    if arg is None and mode == "never":
+        refuse_fresh(view)
+        return Decision(None), False
+    if arg is None or arg == "latest":
+        d = plain(view)
+        if d.found is not None:
+            return d, False
+        if arg is None and not view.disk:  # auto: nothing there yet, start fresh
+            return d, False
+        if arg is None:  # auto over checkpoints none of which can be resumed: never start over them
+            raise UserError(
+                f"checkpoint.resume: auto: {root} holds checkpoints but none can be resumed ("
+                + " ".join(d.warnings)[:600]
+                + "); starting fresh there would prune and mix them. Repair them, resume one with --resume PATH, "
+                "or choose another run_dir"
+            )
+        looked = f"looked in {root.resolve()} for the journal, '{LATEST}' and step_* directories"
+        raise UserError(
+            f"--resume: nothing to resume: no complete checkpoint ({looked}). " + " ".join(d.warnings)
+        )
+    path = Path(arg)
+    if fs.exists(path / STATE) or (STEP_DIR.match(path.name) and fs.is_dir(path)):
+        return Decision(explicit(path, fs)), True  # a damaged one stops the run; a rollback if not the head
+    for guess in (path, path / "checkpoints"):  # a checkpoints dir or a run dir: its newest
+        if fs.exists(guess / journal.JOURNAL) or fs.exists(guess / LATEST) or scan(guess, fs):
+            d = plain(View.read(guess, fs))
+            if d.found is not None:
+                if guess.resolve() == root.resolve():
+                    return d, False
+                return Decision(d.found, [], d.warnings), True
+    raise UserError(
+        f"--resume {arg}: not a checkpoint (no {STATE} in it) and no complete checkpoint below it; pass a "
+        "step_XXXXXXXX directory, a checkpoints directory or a run directory"
+    )
+
+
+def resolve_resume(arg: str | None, mode: str, run_dir: str | Path) -> tuple[Found | None, list[str]]:
+    """(the checkpoint to resume from, warnings): `resolve` for callers that need no more."""
+    d, _ = resolve(arg, mode, run_dir)
+    return d.found, d.warnings
+
+
+def latest(root: Path, fs: LocalFS = LOCAL) -> tuple[Found | None, list[str]]:
+    """The checkpoint a plain resume of `root` continues, and warnings naming what was skipped."""
+    d = plain(View.read(root, fs))
+    return d.found, d.warnings
+
+
+def export_source(arg: str, fs: LocalFS = LOCAL) -> tuple[Found, list[str]]:
+    """The checkpoint bin/export reads, every file's bytes verified: a step directory must be intact
+    (else a UserError naming the file); a run or checkpoints directory gives its line's newest intact."""
+    from trainer.checkpoint.disk import problems
+
+    path = Path(arg)
+    if fs.exists(path / STATE) or (STEP_DIR.match(path.name) and fs.is_dir(path)):
+        found = explicit(path, fs)
+        bad = problems(found, fs, digests=True)
+        if bad:
+            raise UserError(
+                f"{path}: the checkpoint is damaged: " + "; ".join(bad[:5]) + "; export another one"
+            )
+        return found, []
+    for guess in (path / "checkpoints", path):
+        if not (fs.exists(guess / journal.JOURNAL) or scan(guess, fs)):
+            continue
+        d = plain(View.read(guess, fs))
+        warnings = list(d.warnings)
+        for found in [f for f in [d.found, *d.fallbacks] if f is not None]:
+            bad = problems(found, fs, digests=True)
+            if not bad:
+                return found, warnings
+            warnings.append(f"checkpoint {found.path} is damaged ({'; '.join(bad[:3])}); skipping it")
+        raise UserError(f"{arg}: no intact checkpoint to export. " + " ".join(warnings))
+    raise UserError(f"{arg}: not a checkpoint (no {STATE} in it) and no checkpoint below it")
