@@ -4,8 +4,9 @@ the memory rules say what fits, this says which of those is fastest. The machine
 links, CPU Adam) are hardware.py's profiles with strategy.hardware over them.
 
 A step is `grad_accum` micro steps and the optimizer step. A micro step takes the longer of the device's
-work and the host's (the host launches the kernels ahead of the device while it can), plus the
-communication, which is assumed not to overlap with either (DeepSpeed's overlap_comm and ZeRO-3's prefetch
+work and the host's (the host launches the kernels ahead of the device while it can; on a CPU, where the
+same cores do both, their sum: `Machine.overlap`), plus the communication, which is assumed not to overlap
+with either (DeepSpeed's overlap_comm and ZeRO-3's prefetch
 hide part of it on GPUs: the higher rungs' estimates are upper bounds). Per micro step, over its tokens
 (rows x seq_len / sp on each rank):
 
@@ -15,7 +16,8 @@ hide part of it on GPUs: the higher rungs' estimates are upper bounds). Per micr
   (2 N_mlp), at `Machine.flops`;
 - host work: the operators a layer launches (`ops_per_layer`) in each pass -- forward, the recompute,
   backward (twice a forward's) -- at `Machine.op_s` each, and at ZeRO-3 the fetch and release of every
-  parameter tensor in each pass (`Machine.zero3_tensor_s`, DeepSpeed's hooks);
+  parameter tensor in each pass (`Machine.zero3_tensor_s`, DeepSpeed's hooks), and what a micro step costs
+  whatever its size (`Machine.micro_s`: the engine's forward, backward and step calls);
 - ZeRO's collectives span every rank it shards over, the whole world (with sequence parallelism too:
   DeepSpeed partitions over the sequence-and-data-parallel group, as the memory plan counts), over the
   node's links while the world fits a node and the network past it. ZeRO-3 gathers the stored parameters
@@ -28,7 +30,7 @@ hide part of it on GPUs: the higher rungs' estimates are upper bounds). Per micr
 - sequence parallelism: a layer's all-to-alls of queries, keys, values (fewer with grouped key/value
   heads) and outputs in each pass, inside a node (DeepSpeed's Ulysses groups are consecutive ranks) where the
   groups tile a node (the degree divides the node's GPUs), over the network otherwise (a group of 4 on nodes of 6
-  straddles two);
+  straddles two), each all-to-all also paying a collective's latency (`Machine.collective_s`);
 - activations offloaded: each checkpointed layer input to the host and back.
 
 Per optimizer step: ZeRO-0 all-reduces the gradients and ZeRO-1 reduce-scatters them and all-gathers the
@@ -173,9 +175,11 @@ class Timer:
             volume = (2 + 2 * self.kv) * tokens * (info.hidden or 0) * lp * (info.layers or 0) * passes
             inside = sp <= node and node % sp == 0  # groups of consecutive ranks that tile a node
             transfers += volume * (sp - 1) / sp / (m.peers if inside else m.network)
+            transfers += 4 * (info.layers or 0) * passes * m.collective_s  # four all-to-alls a layer and pass
         if levers.offload:
             transfers += 2 * (info.layers or 0) * tokens * (info.hidden or 0) * lp / m.host_link
-        micro_s = max(device, host) + transfers + reductions
+        host += m.micro_s
+        micro_s = (max(device, host) if m.overlap else device + host) + transfers + reductions
         step_reductions = (2, 2, 1, 0)[c.stage] * grads * share / link
         optimizer, step_copies = 0.0, 0.0
         if c.offload != "none":
