@@ -86,7 +86,7 @@ def test_each_damaged_file_is_named_and_the_newest_intact_checkpoint_resumed(tra
             found, _ = resolve_resume(str(ckpt), "never", run_dir)  # the manifest, sizes, metadata digests
             problems = verify_digests(
                 found
-            )  # then every file's digest (trainer/run/build.py, every rank a share)
+            )  # then every file's digest (checkpoint/policy.undamaged, every rank a share)
         except UserError as e:
             problems = [str(e)]
         assert any(str(ckpt / name) in p for p in problems), (name, problems)

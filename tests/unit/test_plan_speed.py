@@ -240,3 +240,39 @@ def test_a_global_batch_kept_only_under_sequence_parallelism_is_planned():
         planned(QLORA, 64, 80, 2048, "train.global_batch_size=8", "strategy.sequence_parallel=4",
                 "train.micro_batch_size=1")  # fmt: skip
     assert "16 data-parallel rank(s)" in str(e.value) and "sequence_parallel 4" in str(e.value), str(e.value)
+
+
+def _tiny_times(machine, levers, candidate, world=2):
+    """The tiny experiment's estimated step on `machine` (2 ranks of a node unless said)."""
+    exp = config.load("configs/experiments/tiny.yaml", ["train.micro_batch_size=4", "train.grad_accum=2"])
+    info = model.info(exp.model, 257, 256, cache_dir=COUNTS)
+    return step_time(exp, info, levers, candidate, world_size=world, gpus_per_node=world, device_type="cpu",
+                     lp=4, hardware=machine)  # fmt: skip
+
+
+def test_the_cpu_terms_each_count_where_they_should():
+    """The terms the CPU's measured steps showed (hardware.py's "cpu"; BENCHMARKS.md, the planner's order): the
+    host's work adds to the device's where they share the cores (`overlap` False), a micro step's fixed cost is
+    paid at every micro step, and each of Ulysses' exchanges pays a latency; on a GPU profile (overlap, and
+    none of the two costs) nothing of this moves an estimate."""
+    from dataclasses import replace
+
+    from trainer.strategy.planning.hardware import PROFILES
+
+    cpu, zero0 = PROFILES["cpu"], Candidate(0)
+    assert not cpu.overlap and cpu.micro_s > 0 and cpu.collective_s > 0
+    plain = _tiny_times(cpu, Levers(), zero0)
+    overlapped = _tiny_times(replace(cpu, overlap=True), Levers(), zero0)
+    assert plain.seconds == pytest.approx(plain.device + plain.host + plain.transfers + plain.reductions)
+    assert overlapped.seconds < plain.seconds  # the longer of the two, not their sum
+    free = _tiny_times(replace(cpu, micro_s=0.0), Levers(), zero0)
+    assert plain.seconds - free.seconds == pytest.approx(2 * cpu.micro_s)  # two micro steps a step
+    sp, sp_free = (_tiny_times(m, Levers(sp=2), zero0) for m in (cpu, replace(cpu, collective_s=0.0)))
+    layers = model.info(config.load("configs/experiments/tiny.yaml").model, 257, 256, cache_dir=COUNTS).layers
+    micro_steps = round(sp.tokens / (4 * 128))  # sequence parallel 2: one data-parallel rank, twice the steps
+    assert sp.seconds - sp_free.seconds == pytest.approx(micro_steps * 4 * layers * 2 * cpu.collective_s)
+    assert _tiny_times(replace(cpu, collective_s=0.0), Levers(), zero0).seconds == pytest.approx(
+        plain.seconds
+    )
+    h100 = PROFILES["h100"]
+    assert h100.overlap and h100.micro_s == 0 and h100.collective_s == 0

@@ -3,7 +3,8 @@
 - `disk.py`: the layout on disk, reading and verifying one checkpoint (its manifest and digests);
 - `fs.py`: the file-system operations, in one object (the crash test simulates it);
 - `journal.py`: the lineage journal, one fsynced record per commit, fork, set-aside, prune, conversion;
-- `lineage.py`: which checkpoint a resume, a restart, pruning and export take (pure: journal + scan);
+- `lineage.py`: which checkpoint a resume, a restart and pruning take (pure: journal + scan);
+- `resolve.py`: what `--resume`, `checkpoint.resume` and `bin/export` name, on lineage's decision;
 - `directory.py`: what changes the directory (the manifest, the commit, pruning, setting aside), and
   `begin.py`: the start of a run there (leftovers, a rollback's fork, damaged ones set aside);
 - `store.py`: saving one atomically (`Store`: staging, the writers, the barrier, the commit);

@@ -1,5 +1,5 @@
 """The start of a run in its checkpoints directory (rank 0, before the first step), after the resume
-was decided (lineage.py) and its bytes verified (build.py):
+was decided (lineage.py) and its bytes verified (policy.undamaged):
 
 1. leftovers of crashed saves and prunes removed (staging and trash directories; checkpoints a recorded
    prune had not yet removed);

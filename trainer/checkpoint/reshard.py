@@ -55,7 +55,7 @@ UNIVERSAL = "universal"
 TMP_PREFIX = ".convert-tmp-"
 FAILED_PREFIX = ".convert-failed-"
 LOCK = ".convert.lock"
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout that holds trainer/ (for a subprocess)
 
 
 class ResumeError(UserError):

@@ -33,7 +33,7 @@ EAGER_ON_CPU_BF16_UP_TO = 256
 
 def attention(section: ModelSection, *, seq_len: int, precision: str, device_type: str) -> str | None:
     """The attention kernel a run asks transformers for: model.attn_implementation with auto resolved
-    (varlen on CUDA in bf16/fp16 for its families: trainer/model/attention.py; eager on CPU in bf16 up to
+    (varlen on CUDA in bf16/fp16 for its families: trainer/model/varlen.py; eager on CPU in bf16 up to
     EAGER_ON_CPU_BF16_UP_TO tokens; else None: the model's default; a factory's model is its own and
     keeps None)."""
     attn = section.attn_implementation

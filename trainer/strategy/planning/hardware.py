@@ -26,8 +26,8 @@ ranks share its cores, so a node updates `cpu_adam` parameters a second whatever
 ZeRO-Offload, Ren et al. 2021, reports for its CPU-Adam on a DGX-2 host; measure yours). The CPU profile is
 this project's test machines: two cores, gloo between processes, "offload" a copy within host memory, its
 figures fitted to measured steps (below). A GPU's `micro_s` and `collective_s` are 0 until a GPU lease measures
-them (issue 62): NCCL's latency (tens of microseconds) and the engine's per-micro-step host time are hidden
-behind the device's work in the jobs the GPU profiles plan.
+them (issue 62): NCCL's latency (tens of microseconds) and the engine's per-micro-step host time, assumed
+hidden behind the device's work in the jobs the GPU profiles plan.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class Machine:
     op_s: float  # host seconds per operator launched (Python, autograd, dispatch, the launch)
     zero3_tensor_s: float  # host seconds ZeRO-3's hooks spend per parameter tensor per pass
     overlap: bool = True  # the host launches ahead of the device (a GPU); False: the same cores do both (CPU)
-    micro_s: float = 0.0  # host seconds a micro step costs whatever its size (the engine's forward, backward, step)
-    collective_s: float = 0.0  # seconds a collective call costs whatever its size (its latency)
+    micro_s: float = 0.0  # host seconds a micro step costs whatever its size (the engine's calls)
+    collective_s: float = 0.0  # seconds an exchange of sequence parallelism costs whatever its size
 
 
 def _gpu(name: str, tflops: float, peers: float, network: float, host: float) -> Machine:
@@ -76,13 +76,15 @@ PROFILES = {
     "a100-pcie": _gpu("a100-pcie", 312, 32, 12.5, 32),
     "l40s": _gpu("l40s", 362, 32, 12.5, 32),
     "rtx4090": _gpu("rtx4090", 165, 32, 12.5, 32),
-    # two cores, one a rank; gloo between processes; "offload" copies within host memory. Fitted to the steps
-    # bench/plan_order.py measured here on 2026-11-28 (bench/plan_fit.py: least squares on log(measured /
-    # planned) over 48 settings; BENCHMARKS.md, "The planner's order against measured steps"), rounded. The
-    # host's work does not overlap the "device's" (the same cores do both); a micro step costs 45 ms whatever
-    # its size, a collective 1.3 ms whatever its size, ZeRO-3 0.7 ms a parameter tensor a pass (its hooks and
-    # one gloo gather each). CPU Adam's cost is within the noise of these steps (the fit drives it to zero):
-    # 2e9 a second stands for "cheap", and is no measurement.
+    # two cores, one a rank (as the tests run 2 ranks: a 1-rank run on both cores goes about twice as fast as
+    # planned); gloo between processes; "offload" copies within host memory. Figures that order the settings,
+    # fitted to the steps bench/plan_order.py measured here on 2026-11-28 (bench/plan_fit.py: least squares on
+    # log(measured / planned) over 48 settings at 2 ranks; BENCHMARKS.md, "The planner's order against measured
+    # steps"), rounded: the data do not pin each one down (FLOP/s trades against the operators' and the micro
+    # step's costs), so they are no measurement of the machine one by one. The host's work does not overlap the
+    # "device's" (the same cores do both). CPU Adam's cost is below the noise of these steps (the fit drives it
+    # to zero): 2e9 a second stands for "cheap". `network` is not fitted (2 ranks never leave the node): taken
+    # as slow as the peers.
     "cpu": Machine(
         name="cpu",
         flops=60e9,

@@ -30,7 +30,8 @@ hide part of it on GPUs: the higher rungs' estimates are upper bounds). Per micr
 - sequence parallelism: a layer's all-to-alls of queries, keys, values (fewer with grouped key/value
   heads) and outputs in each pass, inside a node (DeepSpeed's Ulysses groups are consecutive ranks) where the
   groups tile a node (the degree divides the node's GPUs), over the network otherwise (a group of 4 on nodes of 6
-  straddles two), each all-to-all also paying a collective's latency (`Machine.collective_s`);
+  straddles two), each all-to-all also paying a latency whatever its size (`Machine.collective_s`; ZeRO's
+  collectives are not charged it: few and large);
 - activations offloaded: each checkpointed layer input to the host and back.
 
 Per optimizer step: ZeRO-0 all-reduces the gradients and ZeRO-1 reduce-scatters them and all-gathers the
