@@ -37,9 +37,6 @@ START = {"flops": 60e9, "peers": 2e9, "host_link": 8e9, "cpu_adam": 0.3e9, "op_s
 def timers() -> dict[tuple[str, str], tuple[Any, Any, Any, bool]]:
     """(job, setting) -> (the Timer's arguments, the planned levers, the rung, whether it offloads), as
     bin/train plans each setting on this CPU with 2 ranks."""
-    from bench.common import TINY, overrides
-    from trainer import config
-    from trainer.run.plan import make_plan, vocab_for_planning
     from trainer.strategy.planning import ladder, speed
 
     made: list[tuple[tuple, dict]] = []
@@ -54,13 +51,7 @@ def timers() -> dict[tuple[str, str], tuple[Any, Any, Any, bool]]:
     try:
         for name in plan_order.JOBS:
             for rung, levers in plan_order.SETTINGS:
-                sets = {**plan_order.job_sets(name), **plan_order.setting_sets(name, rung, levers)}
-                args = overrides(sets)
-                exp = config.load(TINY, [args[i + 1] for i in range(0, len(args), 2)])
-                vocab, eos = vocab_for_planning(exp)
-                p = make_plan(exp, world_size=plan_order.NPROC, gpus_per_node=plan_order.NPROC, device_type="cpu",
-                              device_memory=None, vocab_size=vocab, eos_id=eos, force=False,
-                              this_machine=False).plan  # fmt: skip
+                p = plan_order.plan_of(name, rung, levers)
                 out[(name, plan_order.label(rung, levers))] = (made[-1], p.levers, p.candidate,
                                                                p.candidate.offload != "none")  # fmt: skip
     finally:

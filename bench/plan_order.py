@@ -99,8 +99,8 @@ def label(rung: str, levers: str) -> str:
     return rung if levers == "none" else f"{rung} + {levers}"
 
 
-def planned(name: str, rung: str, levers: str) -> dict[str, Any]:
-    """The planner's estimate of one setting, as bin/train plans it on this CPU with 2 ranks."""
+def plan_of(name: str, rung: str, levers: str) -> Any:
+    """The planner's plan of one setting, as bin/train plans it on this CPU with 2 ranks."""
     from bench.common import TINY, overrides
     from trainer import config
     from trainer.run.plan import make_plan, vocab_for_planning
@@ -112,6 +112,12 @@ def planned(name: str, rung: str, levers: str) -> dict[str, Any]:
     p = make_plan(exp, world_size=NPROC, gpus_per_node=NPROC, device_type="cpu", device_memory=None,
                   vocab_size=vocab, eos_id=eos, force=False, this_machine=False).plan  # fmt: skip
     assert (p.candidate.name, p.levers.describe()) == (rung, levers), (p.candidate.name, p.levers.describe())
+    return p
+
+
+def planned(name: str, rung: str, levers: str) -> dict[str, Any]:
+    """The planner's estimate of one setting (`plan_of`)."""
+    p = plan_of(name, rung, levers)
     return {
         "seconds": p.speed.seconds,
         "per_token": p.speed.per_token,
