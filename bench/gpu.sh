@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of BENCHMARKS.md in one go, for a machine with one CUDA GPU:
 #
-#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b|stepmem|longseq|longseq_max|preference|finetune|grpo]
+#   bench/gpu.sh OUT_DIR [probe|compare|compile|all|sweep|modes|profile|tests|peer|llama1b|stepmem|longseq|longseq_max|preference|finetune|unsloth|grpo]
 #
 # probe:   the environment, --plan on the GPU, and bin/train on the GPT-2 124M experiment at micro
 #          batch 32 and 64 for 40 steps each (tokens/s, MFU and peak memory from metrics.jsonl);
@@ -43,11 +43,16 @@
 #          a step: train.global_batch_size 4; ours at micro_batch_size auto, and at micro 1 as the recipe), ours
 #          (QLoRA and bf16 LoRA, chat data; QLoRA on text data, at dropout 0, and with the old attention and
 #          peft's adapters: the before of each lever) against the Hugging Face recipe (Trainer +
-#          peft + bitsandbytes, bench/finetune.py hf) on the same shape, then a profile of ours; writes
+#          peft + bitsandbytes, bench/finetune.py hf) on the same shape, at the tutorials' micro 1 x 4 and
+#          at 2 x 2 and 4 x 1 (its best micro batch), then a profile of ours; writes
 #          OUT/finetune.json (bench/finetune.py collect) after every run, so a call cut short keeps what ran.
 #          The profile runs one micro batch a step (its 5 traced steps of an 8B at micro 1 x 4 made a trace
 #          whose key_averages outran the call on 2026-11-27).
 #          FT_DEADLINE (s, default 500) skips what would not finish; FT_RUNS picks runs by name.
+# unsloth: issue 62's lease 3: Unsloth (bench/finetune.py unsloth: FastLanguageModel's 4-bit load of the same
+#          base, get_peft_model with the same adapters, its offloaded checkpointing) at micro 1 x 4, 4 x 1 and
+#          at dropout 0, beside ours on the same card, from its own site (.whl/unsloth, made by
+#          bench/carry.py unsloth); ratio_qlora_unsloth in OUT/finetune.json. FT_* as for finetune.
 # grpo:    issue 56's GPU figures: configs/experiments/tiny-grpo.yaml's job (the counting prompts, the format
 #          and answer rewards) on a Qwen3-0.6B shape with random bf16 weights (GRPO_SHAPE), the Qwen3 tokenizer
 #          where .cache/tokenizers/qwen3 was carried (else the byte tokenizer), 16 completions x 4 micro steps a
@@ -55,7 +60,8 @@
 #          group (train.rl.generation_batch 1); OUT/grpo.json: each run's median step, tokens/s and
 #          generation's share of the step (steps after the 3rd).
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
-# cannot reach a package registry) is installed into /tmp/site first, unless they import already.
+# cannot reach a package registry; `python bench/carry.py LEASE` makes it) is installed into /tmp/site
+# first, unless they import already.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?OUT_DIR}
@@ -239,32 +245,11 @@ if len(res) == 2:
 print(json.dumps(res, indent=1))
 EOF2
 fi
-if [[ $what == finetune ]]; then
-    t_start=$SECONDS
-    deadline=${FT_DEADLINE:-500}
-    base=${FT_BASE:-/tmp/llama8b}
-    steps=${FT_STEPS:-8}
-    FT_EXP=${FT_EXP:-configs/experiments/llama3-8b-qlora.yaml}
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-    $PY -c "import torch, deepspeed, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__)" | tee -a "$out/gpu.txt"
-    timeout 120 $PY bench/finetune.py check 2>&1 | tail -1 | tee "$out/check.json"
-    [[ -f $base/config.json ]] || $PY bench/finetune.py base "$base" 2>&1 | tail -2 | tee -a "$out/gpu.txt"
-    # name, then bin/train's --set overrides (ours_*) or bench/finetune.py hf's arguments (hf_*)
-    FT_DEFAULT=(
-        "ours_qlora|model.activation_checkpointing=true"
-        "ours_qlora_m1|model.activation_checkpointing=true train.micro_batch_size=1"
-        "hf_qlora|--quant 4bit"
-        "ours_lora|model.lora.quantization=none"
-        "hf_lora|--quant none"
-        "ours_qlora_before|model.activation_checkpointing=true model.attn_implementation=sdpa model.cudnn_attention=true model.lora.kernels=peft"
-        "ours_qlora_text|model.activation_checkpointing=true data.train.files=data/tiny/python_docs.jsonl data.train.kind=text"
-        "ours_qlora_d0|model.activation_checkpointing=true model.lora.dropout=0"
-        "ours_qlora_sdpa|model.activation_checkpointing=true model.attn_implementation=sdpa"
-        "ours_qlora_peft|model.activation_checkpointing=true model.lora.kernels=peft"
-        "ours_lora_ckpt|model.lora.quantization=none model.activation_checkpointing=true"
-        "hf_qlora_d0|--quant 4bit --dropout 0"
-    )
-    for spec in "${FT_DEFAULT[@]}"; do
+# The fine-tuning runs of `finetune` and `unsloth`: each spec is "name|arguments": bin/train's --set
+# overrides (ours_*), or bench/finetune.py hf's or unsloth's arguments (hf_*, unsloth_*; Unsloth from its own
+# site, UNSLOTH_SITE). Writes OUT/finetune.json (bench/finetune.py collect) after every run.
+ft_runs() {
+    for spec in "$@"; do
         name=${spec%%|*}; args=${spec#*|}
         [[ -n ${FT_RUNS:-} && " $FT_RUNS " != *" $name "* ]] && continue
         left=$((deadline - (SECONDS - t_start)))
@@ -272,6 +257,10 @@ if [[ $what == finetune ]]; then
         if [[ $name == hf_* ]]; then
             timeout $((left - 5)) $PY bench/finetune.py hf "$name" --base "$base" --steps "$steps" --json "$out/$name.json" $args > "$out/$name.log" 2>&1
             echo "$name: exit $? at $((SECONDS - t_start)) s"; tail -1 "$out/$name.log"
+        elif [[ $name == unsloth_* ]]; then
+            PYTHONPATH=$UNSLOTH_SITE timeout $((left - 5)) $PY bench/finetune.py unsloth "$name" --base "$base" --steps "$steps" \
+                --json "$out/$name.json" $args > "$out/$name.log" 2>&1
+            echo "$name: exit $? at $((SECONDS - t_start)) s"; grep -E "Unsloth|Error|error" "$out/$name.log" | head -5; tail -1 "$out/$name.log"
         else
             sets=(); for kv in $args ${FT_SETS:-}; do sets+=(--set "$kv"); done
             rm -rf /tmp/ft-run
@@ -286,6 +275,39 @@ if [[ $what == finetune ]]; then
         $PY bench/finetune.py collect "$out" > "$out/table.txt" 2>&1
     done
     cat "$out/table.txt"
+}
+if [[ $what == finetune || $what == unsloth ]]; then
+    t_start=$SECONDS
+    deadline=${FT_DEADLINE:-500}
+    base=${FT_BASE:-/tmp/llama8b}
+    steps=${FT_STEPS:-8}
+    FT_EXP=${FT_EXP:-configs/experiments/llama3-8b-qlora.yaml}
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+    $PY -c "import torch, deepspeed, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__)" | tee -a "$out/gpu.txt"
+    [[ -f $base/config.json ]] || $PY bench/finetune.py base "$base" 2>&1 | tail -2 | tee -a "$out/gpu.txt"
+fi
+if [[ $what == finetune ]]; then
+    timeout 120 $PY bench/finetune.py check 2>&1 | tail -1 | tee "$out/check.json"
+    # In the order the issue's targets need them (a call cut short keeps the first): ours at micro auto and
+    # the recipe at the tutorials' 1 x 4, ours at 1 x 4, the recipe at its other micro batches (its best),
+    # bf16 LoRA on both sides, then the levers' befores.
+    FT_DEFAULT=(
+        "ours_qlora|model.activation_checkpointing=true"
+        "hf_qlora|--quant 4bit"
+        "ours_qlora_m1|model.activation_checkpointing=true train.micro_batch_size=1"
+        "hf_qlora_m4|--quant 4bit --micro 4"
+        "hf_qlora_m2|--quant 4bit --micro 2"
+        "ours_lora|model.lora.quantization=none"
+        "hf_lora|--quant none"
+        "ours_qlora_d0|model.activation_checkpointing=true model.lora.dropout=0"
+        "hf_qlora_d0|--quant 4bit --dropout 0"
+        "ours_qlora_before|model.activation_checkpointing=true model.attn_implementation=sdpa model.cudnn_attention=true model.lora.kernels=peft"
+        "ours_qlora_text|model.activation_checkpointing=true data.train.files=data/tiny/python_docs.jsonl data.train.kind=text"
+        "ours_qlora_sdpa|model.activation_checkpointing=true model.attn_implementation=sdpa"
+        "ours_qlora_peft|model.activation_checkpointing=true model.lora.kernels=peft"
+        "ours_lora_ckpt|model.lora.quantization=none model.activation_checkpointing=true"
+    )
+    ft_runs "${FT_DEFAULT[@]}"
     left=$((deadline - (SECONDS - t_start)))
     if (( left > ${FT_PROFILE_LEFT:-60} )) && [[ -z ${FT_NO_PROFILE:-} ]]; then
         rm -rf /tmp/prof
@@ -296,6 +318,32 @@ if [[ $what == finetune ]]; then
         grep -A22 "top operators" "$out/profile.log"
         grep -E "profile: (GPU kernels|CPU operator time|no time by kind)" "$out/profile.log"
     fi
+fi
+if [[ $what == unsloth ]]; then
+    # Unsloth needs transformers <= 5.17 and trl <= 1.15 (the image's transformers; not the 5.24 that .whl
+    # carries for ours), datasets < 5: its wheels (bench/carry.py unsloth: .whl/unsloth/) go to a site of
+    # their own, without /tmp/site; FastLanguageModel loads a tokenizer with the base (Llama 3's, carried).
+    UNSLOTH_SITE=/tmp/site-unsloth
+    if [[ -d .whl/unsloth ]] && [[ ! -d $UNSLOTH_SITE ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $UNSLOTH_SITE .whl/unsloth/*.whl ||
+            echo "unsloth: its wheels did not install (.whl/unsloth: bench/carry.py unsloth); ours runs on"
+    fi
+    [[ -f $base/tokenizer.json ]] || tar -xJf .whl/llama3-tokenizer.tar.xz -C "$base" || echo "no tokenizer for the base: Unsloth's load may refuse"
+    PYTHONPATH=$UNSLOTH_SITE timeout 120 $PY -c "import unsloth, transformers, trl, peft, bitsandbytes; print('unsloth', unsloth.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__)" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+    # Unsloth at the tutorials' 1 x 4 (its offloaded checkpointing, dropout 0.05 as ours), at its other micro
+    # batches, at dropout 0 (its fast path), with plain checkpointing; ours beside it on the same card.
+    UNSLOTH_DEFAULT=(
+        "unsloth_qlora|--quant 4bit"
+        "ours_qlora|model.activation_checkpointing=true"
+        "unsloth_qlora_m4|--quant 4bit --micro 4"
+        "unsloth_qlora_d0|--quant 4bit --dropout 0"
+        "ours_qlora_d0|model.activation_checkpointing=true model.lora.dropout=0"
+        "unsloth_qlora_m2|--quant 4bit --micro 2"
+        "unsloth_qlora_ckpt|--quant 4bit --checkpointing true"
+        "unsloth_lora|--quant none"
+        "ours_lora|model.lora.quantization=none"
+    )
+    ft_runs "${UNSLOTH_DEFAULT[@]}"
 fi
 if [[ $what == compare || $what == all ]]; then
     timeout ${LIMIT:-560} $PY bench/bench.py compare --stages ${STAGES:-0 2 3} --rounds ${ROUNDS:-2} --steps 60 --warmup 20 \
