@@ -4,7 +4,7 @@
     python bench/carry.py finetune|grpo|unsloth [--dir .whl] [--cuda 130] [--python 3.12]
 
 The device machine reaches no package registry and has torch, transformers, peft, accelerate, triton
-and the hub's libraries, but not DeepSpeed (/work/.library/device/KINDS.md). bench/gpu.sh installs
+and the hub's libraries, but not DeepSpeed (the device tool's list of its image). bench/gpu.sh installs
 `.whl/*.whl` into /tmp/site with --no-deps (what the image has is used as it is), and for `unsloth`
 `.whl/unsloth/*.whl` into a site of its own (Unsloth caps transformers at 5.17 and trl at 1.15, and wants
 datasets < 5; the image's transformers serves it, ours 5.24 stays in /tmp/site).
@@ -12,7 +12,7 @@ datasets < 5; the image's transformers serves it, ours 5.24 stays in /tmp/site).
 - every lease: DeepSpeed built here as a wheel (`DS_BUILD_OPS=0`: its ops are JIT-built there), and the
   versions of transformers, datasets, pydantic, peft, bitsandbytes and their small needs that this
   checkout's .venv has (what CI tests), so a lease runs what the tests ran;
-- grpo: TRL as the venv has it (the GRPOTrainer beside ours);
+- grpo: TRL as the venv has it (the GRPOTrainer beside ours), and Qwen3's tokenizer (`qwen3-tokenizer.tar.xz`);
 - unsloth: unsloth and unsloth_zoo (2026.10.9), trl 1.15.0, datasets 4.8.5 and the small packages they
   require that the image lacks, and Llama 3's tokenizer (`llama3-tokenizer.tar.xz`, from
   .cache/tokenizers/llama3_2: FastLanguageModel loads one with the base; it has the 8B's vocabulary).
@@ -53,7 +53,8 @@ UNSLOTH = ["unsloth==2026.10.9", "unsloth_zoo==2026.10.9", "trl==1.15.0", "datas
            "cut_cross_entropy==25.1.1", "tyro==1.0.17", "docstring_parser==0.18.0", "typeguard==4.6.1",
            "msgspec==0.22.0", "json5==0.17.3", "nest_asyncio==1.6.0", "structlog==26.1.0", "hf_transfer==0.1.9", "bitsandbytes", "pydantic", "pydantic_core",
            "annotated_types", "typing_inspection", "dill", "multiprocess"]  # fmt: skip
-TOKENIZER = ROOT / ".cache" / "tokenizers" / "llama3_2"
+# the published tokenizer a lease's job reads (from .cache/tokenizers, make tokenizers), packed beside the wheels
+TOKENIZERS = {"unsloth": ("llama3_2", "llama3-tokenizer.tar.xz"), "grpo": ("qwen3", "qwen3-tokenizer.tar.xz")}
 
 
 def pinned(name: str) -> str:
@@ -156,9 +157,11 @@ def main() -> int:
     if a.lease == "unsloth":
         download([pinned(n) for n in UNSLOTH], whl / "unsloth", a.python)
         trim_all(whl / "unsloth", a.cuda)
-        with tarfile.open(whl / "llama3-tokenizer.tar.xz", "w:xz") as tar:
+    if a.lease in TOKENIZERS:
+        folder, packed = TOKENIZERS[a.lease]
+        with tarfile.open(whl / packed, "w:xz") as tar:
             for name in ("tokenizer.json", "tokenizer_config.json"):
-                tar.add(TOKENIZER / name, arcname=name)
+                tar.add(ROOT / ".cache" / "tokenizers" / folder / name, arcname=name)
     trim_all(whl, a.cuda)
     for p in sorted(whl.rglob("*")):
         if p.is_file():

@@ -56,9 +56,12 @@
 # grpo:    issue 56's GPU figures: configs/experiments/tiny-grpo.yaml's job (the counting prompts, the format
 #          and answer rewards) on a Qwen3-0.6B shape with random bf16 weights (GRPO_SHAPE), the Qwen3 tokenizer
 #          where .cache/tokenizers/qwen3 was carried (else the byte tokenizer), 16 completions x 4 micro steps a
-#          step (8 prompts x G 8), 256 new tokens, ZeRO-0: a rank's groups in one generate call, then a call a
-#          group (train.rl.generation_batch 1); OUT/grpo.json: each run's median step, tokens/s and
-#          generation's share of the step (steps after the 3rd).
+#          step (8 prompts x G 8), 256 new tokens, ZeRO-0: a rank's groups in one generate call, TRL's
+#          GRPOTrainer on the same job (bench/grpo.py --trl-side --job), ours with the static cache
+#          (train.rl.generation_cache static: the decode step compiled and graphed), then a call a group
+#          (train.rl.generation_batch 1); OUT/grpo.json (bench/grpo.py --collect): each run's median step,
+#          tokens/s and generation's share of the step (steps after the 3rd), ours/TRL, and the decode step
+#          against its floor (the weights and the KV cache read once a decode step at the GPU's bandwidth).
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry; `python bench/carry.py LEASE` makes it) is installed into /tmp/site
 # first, unless they import already.
@@ -102,6 +105,7 @@ probe() {
     grep -E "^.{9}(model|strategy|memory per rank):" "$out/$name.log"
     tail -3 "$out/$name.log"
     cp /tmp/probe/metrics.jsonl "$out/$name.jsonl" 2>/dev/null
+    pack
     $PY - "$out/$name.jsonl" <<'EOF2'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"tokens_per_s"' in l]
@@ -221,30 +225,32 @@ if [[ $what == profile ]]; then
 fi
 if [[ $what == grpo ]]; then
     EXP=configs/experiments/tiny-grpo.yaml
+    [ -f .cache/tokenizers/qwen3/tokenizer.json ] || { [ -f .whl/qwen3-tokenizer.tar.xz ] && mkdir -p .cache/tokenizers/qwen3 &&
+        tar -xJf .whl/qwen3-tokenizer.tar.xz -C .cache/tokenizers/qwen3; }
     tok=byte; [ -f .cache/tokenizers/qwen3/tokenizer.json ] && tok=.cache/tokenizers/qwen3
     shape=${GRPO_SHAPE:-'{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096, "tie_word_embeddings": true}'}
+    new_tokens=${GRPO_NEW:-256}
     common=("model.config=$shape" data.tokenizer=$tok data.seq_len=${GRPO_SEQ:-512} train.precision=${GRPO_PRECISION:-bf16}
-            train.micro_batch_size=16 train.grad_accum=4 train.rl.num_generations=8 train.rl.max_new_tokens=${GRPO_NEW:-256}
+            train.micro_batch_size=16 train.grad_accum=4 train.rl.num_generations=8 train.rl.max_new_tokens=$new_tokens
             train.log_every=1 strategy.zero_stage=0 strategy.justification=bench)
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/gpu.txt"
     PROBE_STEPS=${PROBE_STEPS:-10} probe grpo_batched "${common[@]}"
-    PROBE_STEPS=${PROBE_STEPS:-10} probe grpo_per_group "${common[@]}" train.rl.generation_batch=1
-    $PY - "$out" <<'EOF2' | tee "$out/grpo.json"
-import json, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-res = {}
-for name in ("grpo_batched", "grpo_per_group"):
-    f = out / f"{name}.jsonl"
-    rows = [json.loads(l) for l in f.read_text().splitlines() if '"generation_share"' in l] if f.exists() else []
-    rows = [r for r in rows if r["step"] > 3]
-    if rows:
-        res[name] = {k: statistics.median(r[k] for r in rows) for k in ("step_time_s", "tokens_per_s", "generation_share", "generation_s")}
-        res[name]["completion_length"] = statistics.mean(r["completion_length"] for r in rows)
-if len(res) == 2:
-    res["batched_over_per_group"] = res["grpo_per_group"]["step_time_s"] / res["grpo_batched"]["step_time_s"]
-print(json.dumps(res, indent=1))
-EOF2
+    # TRL's GRPOTrainer on the same job (the same shape, tokenizer, prompts, rewards, 8 prompts x G 8 a step
+    # in one generate call, 256 new tokens, bf16 weights; .whl carries trl: bench/carry.py grpo)
+    job=$($PY -c 'import json, sys; print(json.dumps({"shape": sys.argv[1], "tokenizer": sys.argv[2], "precision": sys.argv[3], "micro": 16, "accum": 4, "generations": 8}))' "$shape" "$tok" "${GRPO_PRECISION:-bf16}")
+    timeout ${PROBE_LIMIT:-300} $PY bench/grpo.py --trl-side "$out/trl.json" --steps ${PROBE_STEPS:-10} --max-new-tokens $new_tokens \
+        --job "$job" > "$out/trl.log" 2>&1
+    echo "trl: exit $?"; tail -c 600 "$out/trl.log"; pack
+    # the static cache: transformers compiles the decode step and replays it as a CUDA graph (its first steps compile)
+    PROBE_STEPS=${PROBE_STEPS:-10} probe grpo_static "${common[@]}" train.rl.generation_cache=static
+    # a generate call a group (8 calls of 8 rows a step: the slowest; fewer steps)
+    PROBE_STEPS=${PER_GROUP_STEPS:-6} probe grpo_per_group "${common[@]}" train.rl.generation_batch=1
+    $PY bench/grpo.py --collect "$out" --shape "$shape" --new-tokens $new_tokens --tokenizer $tok 2>&1 | tee "$out/grpo.json"
+    pack
 fi
+# PACK=FILE (the device tool returns 8 files at most): OUT packed into FILE (a .tgz) after every run, so that a
+# call cut short returns what ran: `PACK=$OUT/lease.tgz bash bench/gpu.sh /tmp/o finetune`.
+pack() { [[ -n ${PACK:-} ]] && tar -czf "$PACK.part" -C "$out" . && mv "$PACK.part" "$PACK"; return 0; }
 # The fine-tuning runs of `finetune` and `unsloth`: each spec is "name|arguments": bin/train's --set
 # overrides (ours_*), or bench/finetune.py hf's or unsloth's arguments (hf_*, unsloth_*; Unsloth from its own
 # site, UNSLOTH_SITE). Writes OUT/finetune.json (bench/finetune.py collect) after every run.
@@ -273,6 +279,7 @@ ft_runs() {
             cp /tmp/ft-run/metrics.jsonl "$out/$name.jsonl" 2>/dev/null
         fi
         $PY bench/finetune.py collect "$out" > "$out/table.txt" 2>&1
+        pack
     done
     cat "$out/table.txt"
 }
@@ -317,6 +324,7 @@ if [[ $what == finetune ]]; then
         echo "profile: exit $?"
         grep -A22 "top operators" "$out/profile.log"
         grep -E "profile: (GPU kernels|CPU operator time|no time by kind)" "$out/profile.log"
+        pack
     fi
 fi
 if [[ $what == unsloth ]]; then

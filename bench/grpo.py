@@ -15,6 +15,10 @@ ours/TRL in tokens/s is TRL's step time over ours (the same tokens a step, the c
 reported beside).
 
     .venv/bin/python bench/grpo.py [--rounds 3] [--steps 30] [--max-new-tokens 16] [--per-group] [--out results.json]
+
+On a GPU, bench/gpu.sh grpo runs TRL's side on its job (`--trl-side OUT --job JSON`: the Qwen3-0.6B shape,
+8 prompts x G 8, 256 new tokens, bf16) beside bin/train's, and `--collect OUT --shape JSON` makes
+OUT/grpo.json: ours/TRL, generation's share, and the decode step against its floor (`decode_floor`).
 """
 
 from __future__ import annotations
@@ -65,17 +69,25 @@ def trl(a: argparse.Namespace, work: Path, r: int) -> dict:
     return json.loads(out.read_text())
 
 
-def trl_side(out: Path, steps: int, max_new_tokens: int) -> None:
-    """TRL's GRPOTrainer on tiny-grpo's job (see the module's doc); writes the step times to `out`."""
+def trl_side(out: Path, steps: int, max_new_tokens: int, job: dict | None = None) -> None:
+    """TRL's GRPOTrainer on tiny-grpo's job (see the module's doc); writes the step times to `out`.
+
+    `job` (bench/gpu.sh grpo, on a GPU) replaces the tiny model and batch with the GPU job's: `shape` (a
+    transformers config as JSON, random weights in `precision`), `tokenizer` (a folder, or "byte"), `micro`
+    completions a micro step x `accum` micro steps (one generate call a step, as ours), `generations` a prompt.
+    Generation's share of the step is timed around the model's `generate` (a CUDA synchronisation each side)."""
     import torch
     import yaml
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from trainer.data.tokenizer import byte_tokenizer
     from trainer.rl.rewards import answer, format_  # the same built-ins as ours
 
+    job = job or {}
+    cuda = torch.cuda.is_available() and bool(job)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     exp = yaml.safe_load(EXP.read_text())
     rewards = exp["train"]["rl"]["rewards"]
     fmt_opts, ans_opts = rewards[0]["options"], rewards[1]["options"]
@@ -87,37 +99,142 @@ def trl_side(out: Path, steps: int, max_new_tokens: int) -> None:
         return answer_fn(prompts, completions, answer=answer, **ans_opts)
 
     answer_fn = answer
-    cfg = dict(exp["model"]["config"])
-    config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=257, **cfg)
+    name = job.get("tokenizer", "byte")
+    tok = byte_tokenizer() if name == "byte" else AutoTokenizer.from_pretrained(str(ROOT / name))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    cfg = dict(json.loads(job["shape"]) if "shape" in job else exp["model"]["config"])
+    config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=len(tok), **cfg)
     torch.manual_seed(exp["seed"])
-    model = AutoModelForCausalLM.from_config(config)
-    tok = byte_tokenizer()
-    tok.pad_token = tok.eos_token
+    dtype = torch.bfloat16 if job.get("precision") == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if cuda:
+        model = model.cuda()
     rows = [
         json.loads(x) for x in (ROOT / exp["data"]["train"]["files"]).read_text().splitlines() if x.strip()
     ]
     data = Dataset.from_list(rows)
     times: list[float] = []
+    generating: list[float] = [0.0]  # seconds in generate since the last optimizer step
+    per_step: list[float] = []
+    plain_generate = model.generate
+
+    def timed_generate(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        sync()
+        t = time.perf_counter()
+        try:
+            return plain_generate(*args, **kw)
+        finally:
+            sync()
+            generating[0] += time.perf_counter() - t
+
+    model.generate = timed_generate  # TRL calls the unwrapped model's generate: this instance's
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
+            sync()
             times.append(time.perf_counter())
+            per_step.append(generating[0])
+            generating[0] = 0.0
 
     args = GRPOConfig(
-        output_dir=str(out.parent / "trl-out"), use_cpu=True, per_device_train_batch_size=16, num_generations=8,
-        gradient_accumulation_steps=1, max_completion_length=max_new_tokens, learning_rate=exp["optim"]["lr"],
+        output_dir=str(out.parent / "trl-out"), use_cpu=not cuda, per_device_train_batch_size=job.get("micro", 16),
+        num_generations=job.get("generations", 8), gradient_accumulation_steps=job.get("accum", 1),
+        max_completion_length=max_new_tokens, learning_rate=exp["optim"]["lr"],
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_steps=steps, logging_steps=1,
         save_strategy="no", report_to="none", seed=exp["seed"], beta=0.0, loss_type="dapo", temperature=1.0,
-        disable_dropout=True, dataloader_num_workers=0, reward_weights=[1.0, 1.0], bf16=False,
+        disable_dropout=True, dataloader_num_workers=0, reward_weights=[1.0, 1.0], bf16=cuda and dtype == torch.bfloat16,
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, answer_reward], args=args,
                           train_dataset=data, processing_class=tok, callbacks=[Clock()])  # fmt: skip
     trainer.train()
     logs = [x for x in trainer.state.log_history if "reward" in x]
     step_s = [b - a for a, b in zip(times, times[1:], strict=False)][WARMUP - 1 :]
+    gen_s = per_step[WARMUP:]
     lengths = [x.get("completions/mean_length", float("nan")) for x in logs[WARMUP:]]
-    out.write_text(json.dumps({"step_s": statistics.median(step_s), "completion_length": statistics.mean(lengths),
-                               "reward_first": logs[0]["reward"], "reward_last": logs[-1]["reward"]}))  # fmt: skip
+    result = {"step_s": statistics.median(step_s), "completion_length": statistics.mean(lengths),
+              "reward_first": logs[0]["reward"], "reward_last": logs[-1]["reward"]}  # fmt: skip
+    if job:
+        result.update(job=job, device="cuda" if cuda else "cpu", step_times_s=step_s, generation_s=statistics.median(gen_s),
+                      generation_share=statistics.median(g / t for g, t in zip(gen_s, step_s, strict=False)),
+                      peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)  # fmt: skip
+    out.write_text(json.dumps(result))
+
+
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s of HBM, the makers' figures
+
+
+def decode_floor(shape: str, tokenizer: str, rows: int, new_tokens: int, bytes_per: int = 2) -> dict:
+    """What a decode step must read at least: every weight once (the tied embedding once, through the
+    output layer) and the KV cache of every row at its mean length over the decode (the widest prompt and
+    one more, where every row starts, plus half the new tokens)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.data.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer() if tokenizer == "byte" else AutoTokenizer.from_pretrained(str(ROOT / tokenizer))
+    cfg = dict(json.loads(shape))
+    config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=len(tok), **cfg)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    prompts = [
+        json.loads(x)["prompt"]
+        for x in (ROOT / "data/tiny/count_prompts.jsonl").read_text().splitlines()
+        if x.strip()
+    ]
+    width = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) + 1
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head * bytes_per
+    kv = rows * (width + new_tokens / 2) * kv_token
+    return {"parameters": n, "weight_bytes": n * bytes_per, "kv_bytes_mean": kv, "prompt_width": width,
+            "rows": rows, "bytes_a_decode_step": n * bytes_per + kv}  # fmt: skip
+
+
+def collect(out: Path, shape: str, new_tokens: int, tokenizer: str, rows: int = 64) -> dict:
+    """bench/gpu.sh grpo's figures: ours (one generate call a step, and a call a group), TRL, ours/TRL in
+    tokens/s (TRL's step time over ours: the same prompts and completions a step, their lengths beside), and
+    each side's decode step (its generation time over the new tokens: every row runs to the longest) against
+    the floor at the GPU's bandwidth."""
+    res: dict = {}
+    for name in ("grpo_batched", "grpo_static", "grpo_per_group"):
+        f = out / f"{name}.jsonl"
+        got = (
+            [json.loads(x) for x in f.read_text().splitlines() if '"generation_share"' in x]
+            if f.exists()
+            else []
+        )
+        got = [r for r in got if r["step"] > 3]
+        if got:
+            res[name] = {k: statistics.median(r[k] for r in got)
+                         for k in ("step_time_s", "tokens_per_s", "generation_share", "generation_s")}  # fmt: skip
+            res[name]["completion_length"] = statistics.mean(r["completion_length"] for r in got)
+    if (out / "trl.json").exists():
+        t = json.loads((out / "trl.json").read_text())
+        res["trl"] = {"step_time_s": t["step_s"], "generation_share": t.get("generation_share"),
+                      "generation_s": t.get("generation_s"), "completion_length": t["completion_length"]}  # fmt: skip
+    if "grpo_batched" in res and "grpo_per_group" in res:
+        res["batched_over_per_group"] = (
+            res["grpo_per_group"]["step_time_s"] / res["grpo_batched"]["step_time_s"]
+        )
+    if "grpo_batched" in res and "grpo_static" in res:
+        res["static_over_dynamic"] = res["grpo_batched"]["step_time_s"] / res["grpo_static"]["step_time_s"]
+    for name in ("grpo_batched", "grpo_static"):
+        if name in res and "trl" in res:
+            suffix = "" if name == "grpo_batched" else "_static"
+            res[f"ours{suffix}_over_trl_tokens_per_s"] = res["trl"]["step_time_s"] / res[name]["step_time_s"]
+    gpu = (out / "gpu.txt").read_text() if (out / "gpu.txt").exists() else ""
+    bandwidth = next((v for k, v in BANDWIDTH.items() if k in gpu), None)
+    floor = decode_floor(shape, tokenizer, rows, new_tokens)
+    res["decode_floor"] = {**floor, "bandwidth": bandwidth,
+                           "floor_s": floor["bytes_a_decode_step"] / bandwidth if bandwidth else None}  # fmt: skip
+    for name in ("grpo_batched", "grpo_static", "trl"):
+        if res.get(name, {}).get("generation_s") and bandwidth:
+            step = res[name]["generation_s"] / new_tokens
+            res[name]["decode_step_s"] = step
+            res[name]["decode_over_floor"] = step / res["decode_floor"]["floor_s"]
+    print(json.dumps(res, indent=1))
+    return res
 
 
 def main() -> int:
@@ -132,10 +249,20 @@ def main() -> int:
         help="also ours with train.rl.generation_batch 1 (a generate call a group: the sampling before 2026-11-28)",
     )
     p.add_argument("--trl-side", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # bench/gpu.sh grpo's job, JSON (trl_side)
+    p.add_argument(
+        "--collect", default=None, help="bench/gpu.sh grpo's OUT: its figures as JSON (with --shape)"
+    )
+    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--new-tokens", type=int, default=256, help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default="byte", help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if a.collect:
+        collect(Path(a.collect), a.shape, a.new_tokens, a.tokenizer)
+        return 0
     if a.trl_side:
-        trl_side(Path(a.trl_side), a.steps, a.max_new_tokens)
+        trl_side(Path(a.trl_side), a.steps, a.max_new_tokens, json.loads(a.job) if a.job else None)
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     sides = {"ours": lambda r: ours(a, work, r), "trl": lambda r: trl(a, work, r),

@@ -174,3 +174,58 @@ def test_a_trimmed_wheel_lists_what_is_left_with_its_hashes(tmp_path):
             assert (digest, int(size)) == (f"sha256={want}", len(data))
         assert {line.rsplit(",", 2)[0] for line in record} == names
     assert carry.unsloth_drop("studio/frontend/x.js") and not carry.unsloth_drop("unsloth/__init__.py")
+
+
+QWEN3_06B = ('{"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, '
+             '"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096, '
+             '"tie_word_embeddings": true}')  # fmt: skip
+
+
+def test_grpo_lease_trl_side_runs_the_gpu_job_shape(tmp_path):
+    """bench/grpo.py --trl-side --job: TRL's GRPOTrainer on the GPU job's batch (8 prompts x G 8 a step, one
+    generate call), a tiny shape in fp32 here: its step time and generation's share come back."""
+    shape = json.dumps({"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 128})  # fmt: skip
+    job = {
+        "shape": shape,
+        "tokenizer": "byte",
+        "precision": "fp32",
+        "micro": 16,
+        "accum": 4,
+        "generations": 8,
+    }
+    out = tmp_path / "trl.json"
+    r = subprocess.run([sys.executable, "bench/grpo.py", "--trl-side", str(out), "--steps", "7", "--max-new-tokens", "4",
+                        "--job", json.dumps(job)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["device"] == "cpu" and got["job"] == job and len(got["step_times_s"]) >= 2
+    assert 0 < got["generation_share"] < 1 and got["completion_length"] <= 4
+
+
+def test_grpo_lease_collect_puts_the_decode_step_against_its_floor(tmp_path):
+    from bench import grpo
+
+    rows = [{"step": i, "step_time_s": 4.0, "tokens_per_s": 1.0, "generation_share": 0.75, "generation_s": 3.0,
+             "completion_length": 256} for i in range(1, 11)]  # fmt: skip
+    for name, scale in (("grpo_batched", 1.0), ("grpo_static", 0.5)):
+        lines = [json.dumps({**r, "step_time_s": r["step_time_s"] * scale, "generation_s": r["generation_s"] * scale})
+                 for r in rows]  # fmt: skip
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "trl.json").write_text(json.dumps({"step_s": 6.0, "completion_length": 256, "generation_s": 5.0,
+                                                   "generation_share": 0.8}))  # fmt: skip
+    (tmp_path / "gpu.txt").write_text("name, memory.total [MiB]\nNVIDIA H200, 143771 MiB\n")
+    got = grpo.collect(tmp_path, QWEN3_06B, 256, "byte")
+    floor = got["decode_floor"]
+    # Qwen3-0.6B's shape at the byte tokenizer's 257 tokens (tied): a layer's attention (q and o 1024 x 2048, k
+    # and v 1024 x 1024, two head norms of 128), MLP (3 x 1024 x 3072) and two norms; the final norm, the embedding
+    layer = 2 * 1024 * 2048 + 2 * 1024 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024
+    assert floor["parameters"] == 28 * layer + 1024 + 257 * 1024  # 0.44B outside the embedding, as published
+    kv_token = 28 * 2 * 8 * 128 * 2
+    assert floor["kv_bytes_mean"] == 64 * (floor["prompt_width"] + 128) * kv_token
+    assert floor["floor_s"] == pytest.approx(floor["bytes_a_decode_step"] / 4.8e12)
+    assert got["grpo_batched"]["decode_step_s"] == pytest.approx(3.0 / 256)
+    assert got["grpo_static"]["decode_over_floor"] == pytest.approx(1.5 / 256 / floor["floor_s"])
+    assert got["ours_over_trl_tokens_per_s"] == pytest.approx(1.5) and got[
+        "static_over_dynamic"
+    ] == pytest.approx(2.0)

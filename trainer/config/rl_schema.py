@@ -120,6 +120,13 @@ class RLSection(Section):
         "prompts of the step (the fewest decode passes); lower it where their key/value cache does not fit. "
         "On CPU in fp32 the completions do not depend on it (docs/rl.md)",
     )
+    generation_cache: choice("dynamic", "static") = Field(
+        "dynamic",
+        description="the key/value cache of generation: dynamic (grows a token at a time) or static (made at "
+        "its full length once, so that on a GPU transformers compiles the decode step and replays it as a CUDA "
+        "graph: the launches of a decode step paid once); the same completions on CPU in fp32. ZeRO 0-2 "
+        "(at ZeRO-3 the weights are gathered for each forward)",
+    )
     dynamic_sampling: bool = Field(
         False,
         description="drop groups whose rewards are all equal (no learning signal) and refill the step with "

@@ -33,11 +33,21 @@ def prepare(
                         top_k=rl.top_k, min_p=rl.min_p, stop=stop, pad=int(pad), width=stream.longest + 1)  # fmt: skip
     # (width: the data's longest prompt and one more, so that every row of every call is padded: transformers
     # drops an attention mask of ones, and its attention would then take another path for some calls)
-    synced = env.world_size > 1 and engine.ds.zero_optimization_stage() == 3
+    stage3 = engine.ds.zero_optimization_stage() == 3
+    synced = env.world_size > 1 and stage3
+    if rl.generation_cache == "static" and stage3:
+        from trainer.common.errors import UserError
+
+        raise UserError(
+            "train.rl.generation_cache: static needs the weights in place, at ZeRO 0-2: at ZeRO-3 each layer is "
+            "gathered for every forward (a compiled, graphed decode step would hold the gathered weights); use "
+            "train.rl.generation_cache: dynamic, or strategy.zero_stage: 2"
+        )
     prompts = rl.generation_batch or stream.per_rank  # a generate call's
-    stream.attach(
-        ModelSampler(engine, sampling, synced, batch=prompts * rl.num_generations), objective, rewards
+    sampler = ModelSampler(
+        engine, sampling, synced, batch=prompts * rl.num_generations, cache=rl.generation_cache
     )
+    stream.attach(sampler, objective, rewards)
     stream.steps_done = (lambda: state.step) if state is not None else (lambda: 0)
     stream.max_steps, stream.log_metric = exp.train.max_steps, objective.metrics.log_metric
     if mets is not None:  # the names a reward's log_metric may not take: every field of the run's record
@@ -58,7 +68,7 @@ def prepare(
         f"generation: {stream.per_rank} prompt(s) x {rl.num_generations} completions a rank a step, "
         f"{min(prompts, stream.per_rank)} prompt(s) a generate call, at most "
         f"{rl.max_new_tokens} new tokens (temperature {rl.temperature:g}, top_p {rl.top_p:g}, top_k {rl.top_k or 'off'}"
-        f"{min_p}), stopping at {stops}; from the trained weights ({'ZeRO-3 gathered, ranks in step' if synced else 'in place'})",
+        f"{min_p}), stopping at {stops}; {rl.generation_cache} cache; from the trained weights ({'ZeRO-3 gathered, ranks in step' if synced else 'in place'})",
     ]
 
 

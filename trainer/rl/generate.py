@@ -159,8 +159,12 @@ def stop_tokens(tok: Any, eot: str = "", generation_config: Any = None) -> tuple
 class ModelSampler:
     """Sampling with transformers' generate on the engine's module (see the module's doc)."""
 
-    def __init__(self, engine: Any, sampling: Sampling, synced: bool, batch: int) -> None:
+    def __init__(
+        self, engine: Any, sampling: Sampling, synced: bool, batch: int, cache: str = "dynamic"
+    ) -> None:
         self.engine, self.sampling, self.synced, self.batch = engine, sampling, synced, batch
+        # "static": transformers' StaticCache (on a GPU, the decode step compiled and graphed)
+        self.cache = cache
 
     def sample(self, prompts: list[list[int]], streams: list[int]) -> list[tuple[list[int], bool]]:
         import torch
@@ -206,6 +210,7 @@ class ModelSampler:
             input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
             logits_processor=LogitsProcessorList([noise]), max_new_tokens=s.max_new_tokens,
             eos_token_id=list(s.stop) or None, pad_token_id=s.pad, synced_gpus=self.synced, use_cache=True,
+            **({"cache_implementation": "static"} if self.cache == "static" else {}),
         )  # fmt: skip
         out = []
         for row in gen[:, width:].tolist():

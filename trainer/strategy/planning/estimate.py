@@ -140,6 +140,8 @@ def estimate_all(
         refused = (
             "8bit: ZeRO-3 cannot shard it"
             if c.stage == 3 and info.quantized and info.quantized.packed >= 1
+            else "train.rl.generation_cache static: the weights must stay in place"
+            if c.stage == 3 and static_generation(exp)
             else ""
         )
         e = Estimate(
@@ -151,6 +153,11 @@ def estimate_all(
         )  # fmt: skip
         out.append(dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok and not refused))
     return out
+
+
+def static_generation(exp: Experiment) -> bool:
+    """GRPO sampling with a static key/value cache (a compiled, graphed decode step on a GPU): ZeRO 0-2 only."""
+    return exp.train.objective == "grpo" and exp.train.rl.generation_cache == "static"
 
 
 def with_activations(
