@@ -104,6 +104,14 @@ def trim(wheel: Path, drop) -> tuple[int, int]:  # noqa: ANN001 (drop: a name ->
     return before, wheel.stat().st_size
 
 
+def cuda_tag(value: str) -> str:
+    """bitsandbytes' name for a CUDA version: "130" from 130, "13.0" (as torch.version.cuda prints it) or cu130."""
+    digits = value.strip().lower().removeprefix("cu").replace(".", "")
+    if not digits.isdigit() or not 3 <= len(digits) <= 4:
+        raise SystemExit(f"bench/carry.py: --cuda {value!r}: a CUDA version, as 13.0, 130 or cu130")
+    return digits
+
+
 def bnb_drop(cuda: str):  # noqa: ANN201
     """bitsandbytes' native libraries other than the one for CUDA `cuda` (and the CPU's)."""
 
@@ -126,17 +134,23 @@ def trim_all(folder: Path, cuda: str) -> None:
         name = wheel.name.split("-")[0].lower()
         drop = bnb_drop(cuda) if name == "bitsandbytes" else unsloth_drop if name == "unsloth" else None
         if drop is not None:
+            if name == "bitsandbytes":  # keep nothing but the CPU's and the lease is lost: refuse
+                with zipfile.ZipFile(wheel) as z:
+                    libs = sorted(n.rsplit("/", 1)[-1] for n in z.namelist() if "libbitsandbytes_cuda" in n)
+                if f"libbitsandbytes_cuda{cuda}.so" not in libs:
+                    raise SystemExit(f"bench/carry.py: {wheel.name} has no library for CUDA {cuda} (--cuda); it has "
+                                     f"{', '.join(libs)}")  # fmt: skip
             before, after = trim(wheel, drop)
             if after < before:
                 print(f"  {wheel.name}: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
 
 
-def travelling_bytes() -> int:
-    """What a call sends: the files git tracks or leaves unignored, and .whl (carried)."""
+def travelling_bytes(whl: Path) -> int:
+    """What a call sends: the files git tracks or leaves unignored, and `whl` (carried)."""
     out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                          capture_output=True, check=True).stdout  # fmt: skip
     files = {ROOT / f for f in out.decode().split("\0") if f}
-    files |= {p for p in (ROOT / ".whl").rglob("*") if p.is_file()}
+    files |= {p for p in whl.rglob("*") if p.is_file()}
     return sum(p.stat().st_size for p in files if p.is_file())
 
 
@@ -149,24 +163,39 @@ def main() -> int:
     )
     ap.add_argument("--python", default="3.12", help="the device's python (3.11 to try a lease here, on CPU)")
     a = ap.parse_args()
-    whl = Path(a.dir)
-    shutil.rmtree(whl, ignore_errors=True)
-    whl.mkdir(parents=True)
-    build_deepspeed(whl)
-    download([pinned(n) for n in OURS + (GRPO if a.lease == "grpo" else [])], whl, a.python)
+    cuda = cuda_tag(a.cuda)
+    whl = Path(a.dir).resolve()
+    if not whl.is_relative_to(ROOT):
+        raise SystemExit(f"bench/carry.py: --dir {a.dir}: outside the checkout, a call cannot carry it")
+    unknown = (
+        [p for p in whl.iterdir() if p.name != "unsloth" and not p.name.endswith((".whl", ".tar.xz"))]
+        if whl.is_dir()
+        else []
+    )
+    if unknown:  # it replaces the folder: only one it made
+        raise SystemExit(
+            f"bench/carry.py: --dir {a.dir} holds {unknown[0].name}, not only wheels; name another folder"
+        )
+    new = whl.with_name(whl.name + ".new")  # built aside: a failed build leaves the old folder as it was
+    shutil.rmtree(new, ignore_errors=True)
+    new.mkdir(parents=True)
+    build_deepspeed(new)
+    download([pinned(n) for n in OURS + (GRPO if a.lease == "grpo" else [])], new, a.python)
     if a.lease == "unsloth":
-        download([pinned(n) for n in UNSLOTH], whl / "unsloth", a.python)
-        trim_all(whl / "unsloth", a.cuda)
+        download([pinned(n) for n in UNSLOTH], new / "unsloth", a.python)
+        trim_all(new / "unsloth", cuda)
     if a.lease in TOKENIZERS:
         folder, packed = TOKENIZERS[a.lease]
-        with tarfile.open(whl / packed, "w:xz") as tar:
+        with tarfile.open(new / packed, "w:xz") as tar:
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 tar.add(ROOT / ".cache" / "tokenizers" / folder / name, arcname=name)
-    trim_all(whl, a.cuda)
+    trim_all(new, cuda)
+    shutil.rmtree(whl, ignore_errors=True)
+    new.rename(whl)
     for p in sorted(whl.rglob("*")):
         if p.is_file():
             print(f"{p.stat().st_size / 1e6:8.2f} MB  {p.relative_to(whl)}")
-    total = travelling_bytes()
+    total = travelling_bytes(whl)
     print(f"a call would carry {total / 2**20:.1f} MiB of {LIMIT / 2**20:.0f} (the checkout and {whl.name})")
     return 0 if total <= LIMIT else 1
 

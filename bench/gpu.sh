@@ -60,7 +60,8 @@
 #          GRPOTrainer on the same job (bench/grpo.py --trl-side --job), ours with the static cache
 #          (train.rl.generation_cache static: the decode step compiled and graphed), then a call a group
 #          (train.rl.generation_batch 1); OUT/grpo.json (bench/grpo.py --collect): each run's median step,
-#          tokens/s and generation's share of the step (steps after the 3rd), ours/TRL, and the decode step
+#          tokens/s and generation's share of the step (steps after the 5th, as TRL's), ours/TRL (both
+#          without activation checkpointing: TRL's default is on), and the decode step
 #          against its floor (the weights and the KV cache read once a decode step at the GPU's bandwidth).
 # A directory .whl beside bench/ (wheels of deepspeed, datasets, pydantic... for a machine that
 # cannot reach a package registry; `python bench/carry.py LEASE` makes it) is installed into /tmp/site
@@ -232,7 +233,7 @@ if [[ $what == grpo ]]; then
     new_tokens=${GRPO_NEW:-256}
     common=("model.config=$shape" data.tokenizer=$tok data.seq_len=${GRPO_SEQ:-512} train.precision=${GRPO_PRECISION:-bf16}
             train.micro_batch_size=16 train.grad_accum=4 train.rl.num_generations=8 train.rl.max_new_tokens=$new_tokens
-            train.log_every=1 strategy.zero_stage=0 strategy.justification=bench)
+            train.log_every=1 strategy.zero_stage=0 strategy.justification=bench model.activation_checkpointing=false)
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$out/gpu.txt"
     PROBE_STEPS=${PROBE_STEPS:-10} probe grpo_batched "${common[@]}"
     # TRL's GRPOTrainer on the same job (the same shape, tokenizer, prompts, rewards, 8 prompts x G 8 a step
@@ -245,7 +246,7 @@ if [[ $what == grpo ]]; then
     PROBE_STEPS=${PROBE_STEPS:-10} probe grpo_static "${common[@]}" train.rl.generation_cache=static
     # a generate call a group (8 calls of 8 rows a step: the slowest; fewer steps)
     PROBE_STEPS=${PER_GROUP_STEPS:-6} probe grpo_per_group "${common[@]}" train.rl.generation_batch=1
-    $PY bench/grpo.py --collect "$out" --shape "$shape" --new-tokens $new_tokens --tokenizer $tok 2>&1 | tee "$out/grpo.json"
+    $PY bench/grpo.py --collect "$out" --shape "$shape" --new-tokens $new_tokens --tokenizer $tok --precision ${GRPO_PRECISION:-bf16} 2>&1 | tee "$out/grpo.json"
     pack
 fi
 # PACK=FILE (the device tool returns 8 files at most): OUT packed into FILE (a .tgz) after every run, so that a

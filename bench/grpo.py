@@ -85,6 +85,8 @@ def trl_side(out: Path, steps: int, max_new_tokens: int, job: dict | None = None
     from trainer.data.tokenizer import byte_tokenizer
     from trainer.rl.rewards import answer, format_  # the same built-ins as ours
 
+    if steps <= WARMUP:
+        raise SystemExit(f"--steps {steps}: more than {WARMUP} (the steps left out of the medians)")
     job = job or {}
     cuda = torch.cuda.is_available() and bool(job)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -144,6 +146,7 @@ def trl_side(out: Path, steps: int, max_new_tokens: int, job: dict | None = None
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_steps=steps, logging_steps=1,
         save_strategy="no", report_to="none", seed=exp["seed"], beta=0.0, loss_type="dapo", temperature=1.0,
         disable_dropout=True, dataloader_num_workers=0, reward_weights=[1.0, 1.0], bf16=cuda and dtype == torch.bfloat16,
+        gradient_checkpointing=False,  # TRL's default is on; ours is pinned off too (bench/gpu.sh grpo): the same work
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=[format_reward, answer_reward], args=args,
                           train_dataset=data, processing_class=tok, callbacks=[Clock()])  # fmt: skip
@@ -155,7 +158,7 @@ def trl_side(out: Path, steps: int, max_new_tokens: int, job: dict | None = None
     result = {"step_s": statistics.median(step_s), "completion_length": statistics.mean(lengths),
               "reward_first": logs[0]["reward"], "reward_last": logs[-1]["reward"]}  # fmt: skip
     if job:
-        result.update(job=job, device="cuda" if cuda else "cpu", step_times_s=step_s, generation_s=statistics.median(gen_s),
+        result.update(job=job, device="cuda" if cuda else "cpu", gradient_checkpointing=trainer.args.gradient_checkpointing, step_times_s=step_s, generation_s=statistics.median(gen_s),
                       generation_share=statistics.median(g / t for g, t in zip(gen_s, step_s, strict=False)),
                       peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)  # fmt: skip
     out.write_text(json.dumps(result))
@@ -191,7 +194,9 @@ def decode_floor(shape: str, tokenizer: str, rows: int, new_tokens: int, bytes_p
             "rows": rows, "bytes_a_decode_step": n * bytes_per + kv}  # fmt: skip
 
 
-def collect(out: Path, shape: str, new_tokens: int, tokenizer: str, rows: int = 64) -> dict:
+def collect(
+    out: Path, shape: str, new_tokens: int, tokenizer: str, rows: int = 64, precision: str = "bf16"
+) -> dict:
     """bench/gpu.sh grpo's figures: ours (one generate call a step, and a call a group), TRL, ours/TRL in
     tokens/s (TRL's step time over ours: the same prompts and completions a step, their lengths beside), and
     each side's decode step (its generation time over the new tokens: every row runs to the longest) against
@@ -204,7 +209,7 @@ def collect(out: Path, shape: str, new_tokens: int, tokenizer: str, rows: int = 
             if f.exists()
             else []
         )
-        got = [r for r in got if r["step"] > 3]
+        got = [r for r in got if r["step"] > WARMUP]  # as TRL's side: steps after the 5th
         if got:
             res[name] = {k: statistics.median(r[k] for r in got)
                          for k in ("step_time_s", "tokens_per_s", "generation_share", "generation_s")}  # fmt: skip
@@ -225,7 +230,7 @@ def collect(out: Path, shape: str, new_tokens: int, tokenizer: str, rows: int = 
             res[f"ours{suffix}_over_trl_tokens_per_s"] = res["trl"]["step_time_s"] / res[name]["step_time_s"]
     gpu = (out / "gpu.txt").read_text() if (out / "gpu.txt").exists() else ""
     bandwidth = next((v for k, v in BANDWIDTH.items() if k in gpu), None)
-    floor = decode_floor(shape, tokenizer, rows, new_tokens)
+    floor = decode_floor(shape, tokenizer, rows, new_tokens, bytes_per=2 if precision == "bf16" else 4)
     res["decode_floor"] = {**floor, "bandwidth": bandwidth,
                            "floor_s": floor["bytes_a_decode_step"] / bandwidth if bandwidth else None}  # fmt: skip
     for name in ("grpo_batched", "grpo_static", "trl"):
@@ -256,10 +261,11 @@ def main() -> int:
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", default="byte", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if a.collect:
-        collect(Path(a.collect), a.shape, a.new_tokens, a.tokenizer)
+        collect(Path(a.collect), a.shape, a.new_tokens, a.tokenizer, precision=a.precision)
         return 0
     if a.trl_side:
         trl_side(Path(a.trl_side), a.steps, a.max_new_tokens, json.loads(a.job) if a.job else None)

@@ -200,6 +200,7 @@ def test_grpo_lease_trl_side_runs_the_gpu_job_shape(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["device"] == "cpu" and got["job"] == job and len(got["step_times_s"]) >= 2
+    assert got["gradient_checkpointing"] is False  # the review's: TRL's default (on) against ours off
     assert 0 < got["generation_share"] < 1 and got["completion_length"] <= 4
 
 
@@ -229,3 +230,37 @@ def test_grpo_lease_collect_puts_the_decode_step_against_its_floor(tmp_path):
     assert got["ours_over_trl_tokens_per_s"] == pytest.approx(1.5) and got[
         "static_over_dynamic"
     ] == pytest.approx(2.0)
+
+
+def test_carry_names_the_cuda_library_it_keeps_or_refuses(tmp_path):
+    """The review's: --cuda 12.8 (as torch prints it) kept no CUDA library at all, silently."""
+    assert [carry.cuda_tag(v) for v in ("130", "13.0", "cu130", "12.8")] == ["130", "130", "130", "128"]
+    with pytest.raises(SystemExit, match="a CUDA version"):
+        carry.cuda_tag("latest")
+    libs = {
+        f"bitsandbytes/libbitsandbytes_{k}.so": b"\0" * 100 for k in ("cuda121", "cuda130", "cpu", "rocm64")
+    }
+    folder = tmp_path / "whl"
+    folder.mkdir()
+    wheel(folder / "bitsandbytes-1.0-py3-none-any.whl", libs)
+    with pytest.raises(SystemExit, match="no library for CUDA 999"):
+        carry.trim_all(folder, "999")
+    carry.trim_all(folder, carry.cuda_tag("13.0"))
+    with zipfile.ZipFile(folder / "bitsandbytes-1.0-py3-none-any.whl") as z:
+        assert sorted(n for n in z.namelist() if n.endswith(".so")) == [
+            "bitsandbytes/libbitsandbytes_cpu.so", "bitsandbytes/libbitsandbytes_cuda130.so"]  # fmt: skip
+
+
+def test_carry_replaces_only_a_folder_of_wheels_inside_the_checkout(tmp_path, monkeypatch):
+    """The review's: --dir named any folder, and it was emptied before the build, which then failed."""
+    kept = tmp_path / "notes" / "notes.txt"
+    kept.parent.mkdir()
+    kept.write_text("keep")
+    monkeypatch.setattr(carry, "ROOT", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["carry.py", "grpo", "--dir", str(kept.parent)])
+    with pytest.raises(SystemExit, match="holds notes.txt, not only wheels"):
+        carry.main()
+    monkeypatch.setattr(carry, "ROOT", tmp_path / "elsewhere")
+    with pytest.raises(SystemExit, match="outside the checkout"):
+        carry.main()
+    assert kept.read_text() == "keep"

@@ -30,6 +30,9 @@ BAD = {
     "unknown generation cache": (["train.rl.generation_cache=paged"], ["train.rl.generation_cache", "dynamic", "static"]),
     "static cache at ZeRO-3": (["train.rl.generation_cache=static", "strategy.zero_stage=3"],
                                ["train.rl.generation_cache", "zero_stage 0-2"]),
+    # the review's: a template pinning stage 3 reached the planner ("the pinned zero3 is predicted not to fit")
+    "static cache at a stage 3 template": (["train.rl.generation_cache=static", "strategy.deepspeed=configs/deepspeed/zero3.json"],
+                                           ["train.rl.generation_cache", "strategy.deepspeed", "stage 0-2 template"]),
     "log_completions negative": (["train.rl.log_completions=-1"], ["train.rl.log_completions", "greater than or equal to 0"]),
     "log_completions not a number": (["train.rl.log_completions=all"], ["train.rl.log_completions", "integer"]),
     "scale_rewards with normalize_then_sum": (["train.rl.multi_objective_aggregation=normalize_then_sum",

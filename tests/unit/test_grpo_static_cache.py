@@ -119,3 +119,30 @@ def test_a_run_with_the_static_cache_is_the_dynamic_caches_step_for_step(tmp_pat
         rows[cache] = [{k: r.get(k) for k in keys} for r in got if "reward" in r]
     assert len(rows["static"]) == 6 and rows["static"] == rows["dynamic"], rows
     assert any(r["grad_norm"] for r in rows["static"])  # something was learned from what was drawn
+
+
+LLAMA_8B = ('{"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, '
+            '"num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 512}')  # fmt: skip
+
+
+def test_the_planner_neither_advises_nor_blames_around_the_refused_rung():
+    """The review's: where the static cache rules out ZeRO-3 (an 8B shape on 8 x 26 GB), the decision carried
+    "set model.chunked_loss: true (-10.51 MB less per rank) and zero3 fits", and with offload none the error
+    named memory alone, not the cache that refuses the rung that fits."""
+    from trainer import config
+    from trainer.common.errors import UserError
+    from trainer.run.plan import make_plan
+
+    def plan(*sets):  # noqa: ANN002, ANN202
+        exp = config.load(str(EXP), [f"model.config={LLAMA_8B}", "train.rl.generation_cache=static",
+                                     "strategy.device_memory=26GB", "strategy.host_memory=1TB", *sets])  # fmt: skip
+        return make_plan(exp, world_size=8, gpus_per_node=8, device_type="cuda", device_memory=None,
+                         vocab_size=257, eos_id=None, force=False)  # fmt: skip
+
+    p = plan()
+    assert p.plan.candidate.name == "zero2+cpu" and "chunked_loss" not in p.plan.reason, p.plan.reason
+    with pytest.raises(UserError) as e:
+        plan("strategy.offload=none")
+    assert "zero3 would fit, but is refused: train.rl.generation_cache static" in str(e.value), str(e.value)[
+        :600
+    ]

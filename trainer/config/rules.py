@@ -268,10 +268,15 @@ def _strategy(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("strategy.zero_stage", "8bit base weights cannot be sharded by ZeRO-3: bitsandbytes' "
                     "Linear8bitLt keeps each layer's whole int8 weight in its state after a forward; use "
                     "model.lora.quantization: 4bit, or zero_stage 0-2 (or auto)"))  # fmt: skip
-    if exp.train.objective == "grpo" and exp.train.rl.generation_cache == "static" and s.zero_stage == 3:
-        out.append(("train.rl.generation_cache", "static needs the weights in place (ZeRO 0-2), but zero_stage "
-                    "is 3 (each layer gathered for every forward); set generation_cache: dynamic, or zero_stage "
-                    "0-2 (or auto)"))  # fmt: skip
+    if exp.train.objective == "grpo" and exp.train.rl.generation_cache == "static":
+        if s.zero_stage == 3:
+            out.append(("train.rl.generation_cache", "static needs the weights in place (ZeRO 0-2), but zero_stage "
+                        "is 3 (each layer gathered for every forward); set generation_cache: dynamic, or zero_stage "
+                        "0-2 (or auto)"))  # fmt: skip
+        elif s.zero_stage == "auto" and _template_stage(s.deepspeed) == 3:
+            out.append(("train.rl.generation_cache", f"static needs the weights in place (ZeRO 0-2), but "
+                        f"strategy.deepspeed ({s.deepspeed}) sets zero_optimization.stage 3; set generation_cache: "
+                        "dynamic, or name a stage 0-2 template"))  # fmt: skip
     if s.offload_params != "auto":
         where = "true" if s.offload_params else "false"
         if s.offload == "none" or s.zero_stage in (0, 1, 2):

@@ -406,10 +406,14 @@ def _chunked_loss_hint(
     saved = activations_for(exp, info, lp, levers) - activations_for(
         exp, info, lp, dc.replace(levers, chunked_loss=True)
     )
+    if saved <= 0:
+        return ""
     ladder = [by[c] for c in LADDER]
     for e in ladder:
         if e.fits or e.candidate.offload == "nvme":
             return ""  # the rungs below the chosen one would not fit even without the logits
+        if e.refused:  # refused whatever its size (8bit at ZeRO-3, the static generation cache)
+            continue
         if e.fits_host and dataclasses.replace(e, activations=e.activations - saved).total <= budget:
             return (
                 f"set model.chunked_loss: true (no whole logits: {format_size(saved)} less per rank) "

@@ -165,20 +165,26 @@ def no_fit(
     if pinned_options:
         c, e = pinned_options[0], by[pinned_options[0]]
         host = e.host if exp.checkpoint.async_ is True else e.host - e.snapshot  # as the fit was judged
-        msg = (
-            f"strategy: the pinned {c.name} is predicted not to fit: "
-            + (
-                f"{format_size(e.total)} per rank against {format_size(budget)} usable of {format_size(device_memory)}"
-                if e.total > budget or e.fits_host
-                else f"it needs {format_size(host)} of host memory a node, {format_size(host_memory or 0)} here"
+        if e.refused:  # whatever its size: --force cannot run it
+            why = f"is refused ({e.refused}), whatever its size"
+        elif e.total > budget or e.fits_host:
+            why = (
+                f"is predicted not to fit: {format_size(e.total)} per rank against {format_size(budget)} usable "
+                f"of {format_size(device_memory)}"
             )
-            + ". "
+        else:
+            why = (
+                f"is predicted not to fit: it needs {format_size(host)} of host memory a node, "
+                f"{format_size(host_memory or 0)} here"
+            )
+        msg = (
+            f"strategy: the pinned {c.name} {why}. "
             + (
                 f"The rules would pick {auto_choice.name}; set strategy.zero_stage/offload: auto. "
                 if auto_choice
                 else ""
             )
-            + "Pass --force to run anyway."
+            + ("" if e.refused else "Pass --force to run anyway.")
         )
     else:
         tried = (
@@ -189,8 +195,15 @@ def no_fit(
         what, fix = blocker(
             found, budget, host_memory, bool(exp.strategy.nvme_path), exp.checkpoint.async_ is True
         )
+        # a rung that would fit but is refused: the setting that refuses it is a fix too
+        refused = [e for e in by.values() if e.refused and e.total <= budget and e.fits_host]
+        but = (
+            f" ({refused[0].candidate.name} would fit, but is refused: {refused[0].refused})"
+            if refused
+            else ""
+        )
         msg = (
             f"strategy: nothing fits in {format_size(budget)} per rank ({format_size(device_memory)} x headroom "
-            f"{headroom}) on {world_size} rank(s){tried}: {what}. To fit: {fix}."
+            f"{headroom}) on {world_size} rank(s){tried}: {what}{but}. To fit: {fix}."
         )
     return UserError(msg + (f" Or {hint}." if hint else "") + "\n\n" + table)
