@@ -77,8 +77,6 @@ def download(specs: list[str], into: Path, python: str) -> None:
 
 def build_deepspeed(into: Path) -> None:
     """DeepSpeed as a wheel of Python alone: its ops (FusedAdam, CPU Adam) are JIT-built on the device."""
-    if list(into.glob("deepspeed-*.whl")):
-        return
     env = dict(os.environ, DS_BUILD_OPS="0")
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(into)]
     subprocess.run([*cmd, pinned("deepspeed")], check=True, env=env)

@@ -79,10 +79,10 @@ def trl_side(out: Path, steps: int, max_new_tokens: int, job: dict | None = None
     import torch
     import yaml
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.data.tokenizer import byte_tokenizer
+    from trainer.data.tokenizer import load_tokenizer
     from trainer.rl.rewards import answer, format_  # the same built-ins as ours
 
     if steps <= WARMUP:
@@ -102,7 +102,7 @@ def trl_side(out: Path, steps: int, max_new_tokens: int, job: dict | None = None
 
     answer_fn = answer
     name = job.get("tokenizer", "byte")
-    tok = byte_tokenizer() if name == "byte" else AutoTokenizer.from_pretrained(str(ROOT / name))
+    tok = load_tokenizer(name if name == "byte" else str(ROOT / name))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     cfg = dict(json.loads(job["shape"]) if "shape" in job else exp["model"]["config"])
@@ -172,11 +172,11 @@ def decode_floor(shape: str, tokenizer: str, rows: int, new_tokens: int, bytes_p
     output layer) and the KV cache of every row at its mean length over the decode (the widest prompt and
     one more, where every row starts, plus half the new tokens)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.data.tokenizer import byte_tokenizer
+    from trainer.data.tokenizer import load_tokenizer
 
-    tok = byte_tokenizer() if tokenizer == "byte" else AutoTokenizer.from_pretrained(str(ROOT / tokenizer))
+    tok = load_tokenizer(tokenizer if tokenizer == "byte" else str(ROOT / tokenizer))
     cfg = dict(json.loads(shape))
     config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=len(tok), **cfg)
     with torch.device("meta"):
@@ -187,6 +187,8 @@ def decode_floor(shape: str, tokenizer: str, rows: int, new_tokens: int, bytes_p
         if x.strip()
     ]
     width = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) + 1
+    # the config's own head_dim (Qwen3's 128, not hidden / heads = 64): the planner's kv_cache_bytes assumes
+    # hidden / heads, so it is not used here
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head * bytes_per
     kv = rows * (width + new_tokens / 2) * kv_token

@@ -233,3 +233,9 @@ def rl_warnings(exp: Any) -> list[str]:
         out.append(f"train.rl.importance_sampling_level sequence with loss_type {rl.loss_type}: the per-token sum "
                    "weighs each completion by its length; GSPO's setup is loss_type: grpo")  # fmt: skip
     return out
+
+
+def static_generation(exp: Any) -> bool:
+    """GRPO sampling with a static key/value cache (on a GPU a compiled, graphed decode step): the weights
+    must stay in place, ZeRO 0-2 (config/rules.py refuses a pinned stage 3, the planner the stage-3 rungs)."""
+    return exp.train.objective == "grpo" and exp.train.rl.generation_cache == "static"

@@ -12,6 +12,7 @@ from typing import Any
 
 from trainer.common.errors import Problem
 from trainer.config.data_schema import MAP_KEYS, ROLES
+from trainer.config.rl_schema import static_generation
 from trainer.config.schema import TEMPLATES_DIR, Experiment, chunked_loss_problem
 
 
@@ -268,7 +269,7 @@ def _strategy(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("strategy.zero_stage", "8bit base weights cannot be sharded by ZeRO-3: bitsandbytes' "
                     "Linear8bitLt keeps each layer's whole int8 weight in its state after a forward; use "
                     "model.lora.quantization: 4bit, or zero_stage 0-2 (or auto)"))  # fmt: skip
-    if exp.train.objective == "grpo" and exp.train.rl.generation_cache == "static":
+    if static_generation(exp):
         if s.zero_stage == 3:
             out.append(("train.rl.generation_cache", "static needs the weights in place (ZeRO 0-2), but zero_stage "
                         "is 3 (each layer gathered for every forward); set generation_cache: dynamic, or zero_stage "

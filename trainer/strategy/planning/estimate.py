@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.common.optimizers import OPTIMIZERS
 from trainer.config import Experiment
+from trainer.config.rl_schema import static_generation
 from trainer.strategy.planning.buffers import _number, buffers, zero_section, zero_sizes
 from trainer.strategy.planning.candidates import TABLE, Candidate, ModelInfo
 from trainer.strategy.planning.generation import reward_model_bytes
@@ -153,11 +154,6 @@ def estimate_all(
         )  # fmt: skip
         out.append(dataclasses.replace(e, fits_device=e.total <= budget and nvme_ok and not refused))
     return out
-
-
-def static_generation(exp: Experiment) -> bool:
-    """GRPO sampling with a static key/value cache (a compiled, graphed decode step on a GPU): ZeRO 0-2 only."""
-    return exp.train.objective == "grpo" and exp.train.rl.generation_cache == "static"
 
 
 def with_activations(
