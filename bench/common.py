@@ -152,7 +152,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
     from trainer.cluster.devices import gpu_present
     from trainer.config import thaw
     from trainer.data.stream import resolve_workers
-    from trainer.metrics import flops_per_token
+    from trainer.strategy import flops_per_token
 
     p = subprocess.run(
         [
@@ -218,9 +218,7 @@ def spec_for(experiment: Path, sets: dict[str, Any], nproc: int) -> dict[str, An
         "persistent_workers": exp.data.persistent_workers,
         "seq_len": exp.data.seq_len,
         "params": info.params,
-        "flops_per_token": flops_per_token(
-            info.params, info.layers, info.hidden, exp.data.seq_len, info.trainable
-        ),
+        "flops_per_token": flops_per_token(info, exp.data.seq_len),
     }
 
 

@@ -187,8 +187,8 @@ def decode_floor(shape: str, tokenizer: str, rows: int, new_tokens: int, bytes_p
         if x.strip()
     ]
     width = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) + 1
-    # the config's own head_dim (Qwen3's 128, not hidden / heads = 64): the planner's kv_cache_bytes assumes
-    # hidden / heads, so it is not used here
+    # the config's own head_dim (Qwen3's 128, not hidden / heads = 64), over the mean length a decode step reads
+    # (the planner's kv_cache_bytes counts the whole cache at its longest)
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head * bytes_per
     kv = rows * (width + new_tokens / 2) * kv_token

@@ -2,7 +2,10 @@
 Llama-3-70B shapes (configs/models/: the published config.json alone); full fine-tuning, LoRA (r 16 on every
 projection, bf16 base) and QLoRA (4-bit base); 1 to 64 ranks (8 a node); 16, 24, 80 and 141 GB GPUs; 2k, 8k and
 32k tokens a sequence. Every job keeps a global batch of 64 sequences with micro_batch_size: auto, on
-configs/experiments/llama3-8b-qlora.yaml's settings otherwise.
+configs/experiments/llama3-8b-qlora.yaml's settings otherwise. The families that are not Llama-shaped (issue 68:
+Qwen3-4B's own head size, Gemma-3-1B's sliding windows, Mixtral-8x7B's and Qwen3-30B-A3B's experts) on 1, 8 and 64
+ranks. Each model's attention is the one a run on those GPUs takes (model.attn_implementation: auto resolved for
+CUDA in bf16: varlen for the Llama and Qwen3 families, sdpa for the others, whose packed rows carry masks).
 
     python bench/plan_matrix.py            # print the table
     python bench/plan_matrix.py --write    # rewrite tests/unit/plan_matrix.md (then review its diff)
@@ -24,9 +27,13 @@ MODEL_INFO = ROOT / "bench" / "results" / "plan_matrix"  # model.info's cache of
 EXPERIMENT = ROOT / "configs" / "experiments" / "llama3-8b-qlora.yaml"
 GiB = 2**30
 
-MODELS = {"1b": "llama-3.2-1b", "8b": "llama-3-8b", "70b": "llama-3-70b"}
+MODELS = {"1b": "llama-3.2-1b", "8b": "llama-3-8b", "70b": "llama-3-70b", "qwen3-4b": "qwen3-4b",
+          "gemma3-1b": "gemma-3-1b", "mixtral": "mixtral-8x7b", "qwen3-30b-a3b": "qwen3-30b-a3b"}  # fmt: skip
 METHODS = ("full", "lora", "qlora")
 RANKS = (1, 2, 8, 16, 64)
+FAMILY_RANKS = (1, 8, 64)  # the models beyond Llama's
+LLAMAS = ("1b", "8b", "70b")
+EXPERTS = ("mixtral", "qwen3-30b-a3b")
 MEMORY = {16: "rtx4090", 24: "rtx4090", 80: "h100", 141: "h200"}  # GB -> the GPU profile timed on
 SEQS = (2048, 8192, 32768)
 HOST_PER_GPU = 256  # GB of host memory a GPU (a DGX H100 node: 2 TB for 8)
@@ -87,6 +94,8 @@ def sets_for(model: str, method: str, seq: int, gpu: str) -> list[str]:
         out.append("model.lora=null")
     elif method == "lora":
         out.append("model.lora.quantization=none")
+    if method != "full" and model in EXPERTS:  # their experts are 3-D parameters: adapters on the attention
+        out.append("model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     return out
 
 
@@ -100,8 +109,14 @@ def infos(cache: Path = MODEL_INFO) -> dict[tuple[str, str], object]:
     for m in MODELS:
         for method in METHODS:
             exp = config.load(EXPERIMENT, sets_for(m, method, 2048, "h100"))
-            out[m, method] = model.info(exp.model, 257, 256, cache_dir=cache)
+            # the attention a run on these GPUs takes (bin/train resolves auto the same way: trainer/run/plan.py)
+            section = model.resolved(exp.model, seq_len=2048, precision="bf16", device_type="cuda")
+            out[m, method] = model.info(section, 257, 256, cache_dir=cache)
     return out
+
+
+def ranks_of(m: str) -> tuple[int, ...]:
+    return RANKS if m in LLAMAS else FAMILY_RANKS
 
 
 @functools.cache
@@ -152,7 +167,7 @@ def table(cache: Path = MODEL_INFO) -> str:
     head = ["model", "method", "ranks", "GB", "seq", "decision", "levers", "micro x accum", "s/step",
             "us/token", "note"]  # fmt: skip
     found = infos(cache)
-    rows = [row(m, method, r, gb, s, found[m, method]) for m in MODELS for method in METHODS for r in RANKS
+    rows = [row(m, method, r, gb, s, found[m, method]) for m in MODELS for method in METHODS for r in ranks_of(m)
             for gb in MEMORY for s in SEQS]  # fmt: skip
     lines = [
         "# The planner's decisions over a matrix of jobs",

@@ -141,10 +141,10 @@ def test_measured_activation_bytes_per_rank_are_the_planned_ones_at_sequence_par
     for sp, launcher in ((1, "none"), (2, "torchrun")):
         r = train(tmp_path / f"sp{sp}", {**sets, "strategy.sequence_parallel": sp}, launcher=launcher,
                   env={"TRAINER_DEBUG_ACTIVATIONS": "1"})  # fmt: skip
-        planned = strategy.activations(info, 1, 1024, 2, False, sp=sp)
+        planned = strategy.activations(info, 1, 1024, 2, False, sp=sp, device="cpu")
         if sp > 1:  # what only the attention's backward holds (its gradients), which no saved tensor is
             planned -= SEQUENCE_ATTENTION_BACKWARD * 1024 // sp * info.hidden * 2
-        layers = 2 * 1024 / sp * layer_bytes_per_token(info, 2)
+        layers = 2 * 1024 / sp * layer_bytes_per_token(info, 2, device="cpu", sp=sp)
         for rank in range(sp):
             got = json.loads((r.debug_dir / f"activations_rank{rank}.json").read_text())
             print(f"sp {sp} rank {rank}: layers {got['layers']:,} of {layers:,.0f} planned; all "

@@ -23,11 +23,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.mark.parametrize("kernels", ["fused", "peft"])
 def test_the_adapters_saved_activations_are_planned(tmp_path, kernels, dropout):
     from trainer import config, model, strategy
-    from trainer.strategy.planning.activations import (
-        frozen_input_bytes,
-        layer_bytes_per_token,
-        lora_bytes_per_token,
-    )
+    from trainer.strategy.planning.activations import frozen_input_bytes, layer_bytes_per_token
 
     lora = {"r": 16, "alpha": 32, "dropout": dropout, "target_modules": TARGETS, "kernels": kernels}
     sets = {"model.config": ACT, "model.attn_implementation": "sdpa", "data.seq_len": 1024, "model.lora": lora,
@@ -38,8 +34,8 @@ def test_the_adapters_saved_activations_are_planned(tmp_path, kernels, dropout):
     info = model.info(exp.model, 257, None)
     r = train(tmp_path / "run", sets, env={"TRAINER_DEBUG_ACTIVATIONS": "1"})
     got = json.loads((r.debug_dir / "activations_rank0.json").read_text())
-    planned = strategy.activations(info, 1, 1024, 2, False, lora=exp.model.lora)
-    layers = 2 * 1024 * (layer_bytes_per_token(info, 2) + lora_bytes_per_token(info, exp.model.lora, 2))
+    planned = strategy.activations(info, 1, 1024, 2, False, lora=exp.model.lora, device="cpu")
+    layers = 2 * 1024 * layer_bytes_per_token(info, 2, seq_len=1024, lora=exp.model.lora, device="cpu")
     layers -= 1024 * frozen_input_bytes(info, exp.model.lora, 2)
     print(f"{kernels} dropout {dropout}: layers {got['layers'] / 2**20:.2f} MiB of {layers / 2**20:.2f} planned; all "
           f"{(got['layers'] + got['other']) / 2**20:.2f} of {planned / 2**20:.2f}")  # fmt: skip

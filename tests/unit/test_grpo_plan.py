@@ -56,10 +56,22 @@ LLAMA = dict(model_type="llama", num_hidden_layers=4, hidden_size=256, num_atten
              intermediate_size=704, max_position_embeddings=256)  # fmt: skip
 
 
+# the shapes of issue 68: Qwen3's own head size (twice hidden / heads), Gemma 3's sliding layers (a window shorter
+# than the prompt), Qwen3-MoE's experts
+QWEN3 = dict(model_type="qwen3", num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=128, intermediate_size=768, max_position_embeddings=256)  # fmt: skip
+GEMMA3 = dict(model_type="gemma3_text", num_hidden_layers=6, hidden_size=288, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=64, intermediate_size=1152, sliding_window=32, max_position_embeddings=256)  # fmt: skip
+QWEN3_MOE = dict(model_type="qwen3_moe", num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=1,
+                 head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                 max_position_embeddings=256)  # fmt: skip
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3, "qwen3-moe": QWEN3_MOE}
+
+
 @pytest.mark.parametrize(
     "family,new",
-    [(GPT2, 56), (GPT2, 200), (LLAMA, 56), (LLAMA, 200)],
-    ids=["gpt2-prefill", "gpt2-decode", "llama-prefill", "llama-decode"],
+    [(FAMILIES[f], new) for f in FAMILIES for new in (56, 200)],
+    ids=[f"{f}-{phase}" for f in FAMILIES for phase in ("prefill", "decode")],
 )
 def test_generation_s_term_is_the_measured_peak_of_sampling(family, new):
     """16 completions of a 256-token row (a prompt of 256 - new tokens), fp32 on CPU: the peak of malloc's
@@ -207,7 +219,7 @@ def test_plan_shows_the_generation_column_and_line(capsys):
 
     assert main([EXP, "--plan"]) == 0
     out = capsys.readouterr().out
-    assert "generation" in out.splitlines()[1] and "seq 64" in out
+    assert "generation" in next(x for x in out.splitlines() if x.startswith("candidate")) and "seq 64" in out
     assert "generation:" in out and "no reference model (beta 0)" in out
     assert main(["configs/experiments/tiny.yaml", "--plan"]) == 0
     assert "generation" not in capsys.readouterr().out

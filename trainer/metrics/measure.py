@@ -1,10 +1,11 @@
 """Measurements: FLOPs per token and the device's peak (for MFU), peak memory, the sums of one log
 interval, and which ranks straggle.
 
-Model FLOPs utilisation (GPU only): FLOPs per token = 6 N + 12 L H Q T (N parameters, L layers, H
-heads of size Q, T tokens per sequence: the matmuls of forward and backward plus attention, as in
-the PaLM paper and nanoGPT), times tokens per second per device, over the device's dense bf16 peak
-(989 TFLOP/s on an H100 SXM; `logging.peak_tflops` overrides it).
+Model FLOPs utilisation (GPU only): FLOPs per token (the planner's count from the model's shape,
+trainer/strategy/planning/layers.py: 6 N + 12 L H Q T, N the parameters a token multiplies by, H heads of
+size Q, T tokens per sequence: the matmuls of forward and backward plus attention, as in the PaLM paper and
+nanoGPT), times tokens per second per device, over the device's dense bf16 peak (989 TFLOP/s on an H100
+SXM; `logging.peak_tflops` overrides it).
 """
 
 from __future__ import annotations
@@ -30,18 +31,6 @@ PEAK_BF16_TFLOPS = (
     ("RTX 3090", 71.0),
     ("V100", 125.0),  # fp16: V100 has no bf16
 )
-
-
-def flops_per_token(
-    params: int, layers: int | None, hidden: int | None, seq_len: int, trainable: int | None = None
-) -> float:
-    """6 N + 12 L H Q T, with H Q = hidden size (forward and backward, attention included): 2 N for
-    the forward, 2 N for the gradients of the activations and 2 N for those of the weights. With
-    frozen weights (model.lora: `trainable` = the adapters' parameters) only the trainable ones get
-    weight gradients: 4 N + 2 N_trainable + 12 L H Q T. (The activations' gradients still flow
-    through every frozen layer above the first adapter, which is the first layer.)"""
-    weight_grads = params if trainable is None else trainable
-    return 4.0 * params + 2.0 * weight_grads + 12.0 * (layers or 0) * (hidden or 0) * seq_len
 
 
 def peak_flops(device: Any, override_tflops: float | None = None) -> float | None:

@@ -24,29 +24,10 @@ from trainer.common.errors import UserError
 from trainer.common.files import write_atomic
 from trainer.config import ModelSection, chunked_loss_problem, thaw
 from trainer.model.quantized import loaded_quantized, quantization, quantized_count
-from trainer.model.spec import attn_kwargs, check_seq_len, factory_of, hf_config, positions
+from trainer.model.shape import shape, structure
+from trainer.model.spec import attn_kwargs, check_seq_len, factory_of, hf_config
 from trainer.strategy import ModelInfo
-from trainer.strategy.planning.candidates import Quantized
-
-
-def _shape(cfg: Any) -> dict[str, Any]:
-    def first(*names: str) -> Any:
-        for n in names:
-            v = getattr(cfg, n, None)
-            if isinstance(v, int):
-                return v
-        return None
-
-    return {
-        "hidden": first("hidden_size", "n_embd", "d_model"),
-        "layers": first("num_hidden_layers", "n_layer", "num_layers"),
-        "heads": first("num_attention_heads", "n_head"),
-        "vocab": first("vocab_size"),
-        "positions": positions(cfg),
-        "model_type": getattr(cfg, "model_type", None),
-        "kv_heads": first("num_key_value_heads"),
-        "window": first("sliding_window") if getattr(cfg, "use_sliding_window", True) is not False else None,
-    }
+from trainer.strategy.planning.candidates import Experts, Quantized
 
 
 def count(module: Any) -> tuple[int, int]:
@@ -79,15 +60,24 @@ def info(
     if path is not None and path.is_file():
         with contextlib.suppress(OSError, ValueError, TypeError):
             found = json.loads(path.read_text())
-            q = found.get("quantized")
-            q = Quantized(**{**q, "sizes": tuple(q["sizes"])}) if q else None
-            return ModelInfo(**{**found, "param_sizes": tuple(found.get("param_sizes", ())), "quantized": q})
+            return _from_json(found)
     found = _count(section, vocab_size, eos_id)
     if path is not None:
         with contextlib.suppress(OSError):  # a read-only cache only costs speed
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(dataclasses.asdict(found), indent=1) + "\n")
     return found
+
+
+def _from_json(found: dict[str, Any]) -> ModelInfo:
+    """A ModelInfo from its cached JSON (lists back to tuples, the nested records back to theirs)."""
+    q, e = found.get("quantized"), found.get("experts")
+    return ModelInfo(**{
+        **found, "param_sizes": tuple(found.get("param_sizes", ())), "layer_windows": tuple(found.get("layer_windows", ())),
+        "latent": tuple(found["latent"]) if found.get("latent") else None,
+        "quantized": Quantized(**{**q, "sizes": tuple(q["sizes"])}) if q else None,
+        "experts": Experts(**e) if e else None,
+    })  # fmt: skip
 
 
 def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> str | None:
@@ -104,7 +94,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 13,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized
+        "v": 14,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14: the layers' shape
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -127,10 +117,10 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         cfg = getattr(module, "config", None)
         module, trainable = _with_lora(module, section)
         params, largest = count(module)
-        shape = _shape(cfg) if cfg is not None else {}
+        facts = {**shape(cfg), **structure(module, cfg)} if cfg is not None else {}
         return ModelInfo(
             params=params, largest_layer=largest, trainable=trainable, param_sizes=sizes(module),
-            intermediate=_gated_width(module, cfg), **shape,
+            intermediate=_gated_width(module, cfg), **facts,
         )  # fmt: skip
     from transformers import AutoModelForCausalLM
 
@@ -146,7 +136,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
 
     return ModelInfo(
         params=params, largest_layer=largest, attn_implementation=attn, trainable=trainable,
-        param_sizes=sizes(module), intermediate=_gated_width(module, cfg), **_shape(cfg),
+        param_sizes=sizes(module), intermediate=_gated_width(module, cfg), **shape(cfg), **structure(module, cfg),
         ulysses=ulysses_verdict(cfg, "sdpa"), active=active_params(module, cfg),
         chunked_problem=chunked_loss_problem(getattr(cfg, "model_type", None), cfg.get_text_config()),
         quantized=quantized_count(module, section),

@@ -301,6 +301,7 @@ def make_metrics(
     exp: Experiment, runtime: Any, planned: Planned, engine: Any, hosts: list[str], max_steps: int
 ) -> Any:
     from trainer import metrics
+    from trainer.strategy import flops_per_token
 
     env, t, info = runtime.env, exp.train, planned.info
     samples = t.sequences_per_step(planned.plan.dp_world)
@@ -317,9 +318,7 @@ def make_metrics(
         hosts=hosts,
         straggler_margin=exp.dist.straggler_margin,
         progress=progress_enabled(exp.logging.progress),
-        flops_per_token=metrics.flops_per_token(  # a mixture of experts: the parameters a token runs through
-            info.active or info.params, info.layers, info.hidden, exp.data.seq_len, info.trainable
-        ),
+        flops_per_token=flops_per_token(info, exp.data.seq_len),  # a mixture of experts': its active ones
         peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),
         tags={
             "strategy": planned.plan.candidate.name,

@@ -26,6 +26,7 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     from trainer import strategy
     from trainer.cluster import devices, dist
     from trainer.strategy.planning.generation import generation_line, row_length
+    from trainer.strategy.planning.layers import describe_shape
 
     env = dist.detect()
     world = args.world_size or env.world_size
@@ -63,6 +64,9 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             + (", chunked loss" if planned.plan.levers.chunked_loss else "")
             + (f", {exp.model.kernels} kernels" if exp.model.kernels != "none" else "")
         )
+        shape = describe_shape(info)
+        if shape:
+            print(shape)
         print(strategy.describe_plan(planned.plan))
         print(
             *([generation_line(exp, planned.plan)] if exp.train.objective == "grpo" else []), sep="\n", end=""

@@ -14,7 +14,8 @@ own memory), activations.py (what backward keeps, and the levers that shrink it)
 CUDA context, ZeRO's buckets and the DeepSpeed sizes behind them), host.py (host memory per node),
 estimate.py (all of these per candidate); speed.py and hardware.py (a step's time); search.py (the
 choice), pins.py (what the experiment pins and what only narrows the rungs), ladder.py (the Plan and
-its table).
+its table), hints.py (what would make a rung fit, when none does); layers.py counts one layer of each family from the model's shape (what it keeps for backward,
+its key/value cache, its FLOPs), which activations.py, generation.py and speed.py build on.
 
 Nothing here imports torch or deepspeed: planning runs anywhere, in well under a second.
 """
@@ -51,6 +52,7 @@ from trainer.strategy.planning.candidates import (
 from trainer.strategy.planning.estimate import Estimate, estimate_all
 from trainer.strategy.planning.host import HOST_BUFFER_FACTOR, host_needs, snapshot_bytes
 from trainer.strategy.planning.ladder import Plan, describe_plan, plan
+from trainer.strategy.planning.layers import flops_per_token
 from trainer.strategy.planning.states import (
     low_precision_bytes,
     model_states,
@@ -81,6 +83,7 @@ __all__ = [
     "describe_plan",
     "device_of",
     "estimate_all",
+    "flops_per_token",
     "host_needs",
     "is_number",
     "layer_bytes_per_token",

@@ -15,6 +15,7 @@ from typing import Any
 from trainer.config import Experiment, loss_chunk_rows
 from trainer.strategy.planning.candidates import ModelInfo
 from trainer.strategy.planning.generation import row_length
+from trainer.strategy.planning.layers import F32, family, saved
 
 # torch.compile's layers keep more for backward than eager's (AOTAutograd's partitioner saves what
 # it chose not to recompute): GPT-2 124M on an H100, bf16, micro 64 and 128 (BENCHMARKS.md), the
@@ -22,25 +23,18 @@ from trainer.strategy.planning.generation import row_length
 COMPILED_LAYERS = 1.3
 
 
-def layer_bytes_per_token(info: ModelInfo, lp: int, kernels: str = "none") -> float:
-    """Activation bytes one transformer layer keeps per token for backward, 16-bit.
-
-    GPT-style layers (an MLP of 4h with GELU): Korthikanti et al. (2022), 34h. Llama-style layers (a
-    gated MLP of width I and RMSNorm, `info.intermediate`), counted from what autograd saves, then
-    checked on an H100 (Llama 1B, BENCHMARKS.md: 51-54h measured against 55h here):
-    each RMSNorm its fp32 input (4h), the normalised value (2h) and its output (2h, read by the next
-    projections); attention q, k and v as SDPA saves them (2h + 4h x kv_heads / heads), its output and
-    the copy that o_proj reads (4h); the MLP gate, silu(gate), up and their product (8I).
-    `kernels="liger"`: Liger's RMSNorm keeps only its 16-bit input (2h + 2h per norm) and its SwiGLU
-    recomputes silu in backward (6I): 39h for the 1B, 32-35h measured."""
-    h = info.hidden or 0
-    if not info.intermediate:
-        return 34 * h * lp / 2
-    kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
-    norms = 2 * (4 if kernels == "liger" else 8) * h
-    attention = 2 * h + 4 * h * kv + 4 * h
-    mlp = (6 if kernels == "liger" else 8) * info.intermediate
-    return (norms + attention + mlp) * lp / 2
+def layer_bytes_per_token(
+    info: ModelInfo, lp: int, kernels: str = "none", *, seq_len: int = 0, lora: Any = None,
+    masks: bool = False, device: str = "cuda", sp: int = 1,
+) -> float:  # fmt: skip
+    """Activation bytes one transformer layer keeps per token for backward, on average over the layers
+    (layers.py counts each layer from the model's shape: its norms, attention by kernel and window, its MLP or
+    experts; a frozen norm keeps no normalised value), with LoRA's adapters (`lora_bytes_per_token`).
+    `kernels="liger"`: Liger's RMSNorm keeps only its 16-bit input and its SwiGLU recomputes silu in backward
+    (measured on an H100: 32-35h for a Llama 1B against 39h counted)."""
+    kept = saved(info, lp, seq_len, frozen=frozen_norms(lora), kernels=kernels, packed=masks, device=device,
+                 ulysses=sp > 1)  # fmt: skip
+    return kept.total / max(len(kept.layers), 1) + lora_bytes_per_token(info, lora, lp)
 
 
 # an adapted module's input width, by its name (Llama-style projections and GPT-2's); others: the hidden size
@@ -62,8 +56,7 @@ def lora_bytes_per_token(info: ModelInfo, lora: Any, lp: int) -> float:
     per_element = (
         0.0 if lora.dropout == 0 else (1.0 if getattr(lora, "kernels", "fused") == "fused" else 1.0 + lp)
     )
-    # a frozen RMSNorm keeps no normalised value for its weight's gradient (2h of the layer's count, each)
-    total = -2 * 2 * info.hidden * lp / 2 if info.intermediate and not _trains_norms(lora) else 0.0
+    total = 0.0
     for name in targets:
         width = info.intermediate if _INPUT.get(name) == "intermediate" and info.intermediate else info.hidden
         total += width * per_element + lora.r * lp
@@ -80,20 +73,22 @@ def head_trains(lora: Any) -> bool:
     return any("lm_head" in m or "embed" in m for m in (getattr(lora, "train_modules", None) or ()))
 
 
-def _trains_norms(lora: Any) -> bool:
-    return any("norm" in m for m in (getattr(lora, "train_modules", None) or ()))
+def frozen_norms(lora: Any) -> bool:
+    """Whether the norms' weights are frozen (LoRA, unless model.lora.train_modules trains them)."""
+    return lora is not None and not any("norm" in m for m in (getattr(lora, "train_modules", None) or ()))
 
 
 def frozen_input_bytes(info: ModelInfo, lora: Any, lp: int) -> float:
     """Per token: what the first layer does not keep when the embeddings are frozen (LoRA): its input does not
-    require a gradient, so its first RMSNorm keeps no fp32 copy of it (4h)."""
+    require a gradient, so its first norm keeps no copy of it (an RMSNorm's fp32 copy, a LayerNorm's input)."""
+    f = family(info)
     if (
         lora is None
-        or not info.intermediate
+        or not f.linear_norms
         or any("emb" in m for m in (getattr(lora, "train_modules", None) or ()))
     ):
         return 0.0
-    return 4 * (info.hidden or 0) * lp / 2
+    return (lp if f.norm == "layer" else F32) * (info.hidden or 0)
 
 
 def activations(
@@ -110,10 +105,13 @@ def activations(
     offload: bool = False,
     lora: Any = None,
     head_grad: bool = True,
+    masks: bool = False,
+    device: str = "cuda",
 ) -> int:
-    """Activation bytes per rank: per layer s*b*`layer_bytes_per_token`, plus 5*a*s/h x s*b*h
-    attention scores with eager attention; with activation checkpointing the layer inputs (2sbh per
-    layer) plus one layer's full activations. Plus the logits for the loss: b*s*V*3*(lp + 4) bytes,
+    """Activation bytes per rank: each layer's count of what it keeps (layers.py: from the model's shape, its
+    attention by kernel -- eager's scores, sdpa's masks where `masks`: packed or padded rows -- and its MLP or
+    experts) over s*b tokens; with activation checkpointing the layer inputs (lp*h a token and layer) plus the
+    largest layer's full activations. Plus the logits for the loss: b*s*V*3*(lp + 4) bytes,
     that is the logits, their fp32 copy and its log-softmax, then in backward their gradients (18
     bytes per logit in bf16; measured on a GPU in BENCHMARKS.md). With `model.chunked_loss`, one chunk
     of rows instead: its fp32 logits and their low-precision gradient (twice, for the allocator), plus
@@ -128,28 +126,28 @@ def activations(
 
     The sequence levers (levers.py): with sequence parallelism of degree `sp` a rank holds s/sp of
     every sequence, so every term is over s*b/sp tokens, plus one layer's attention across the whole
-    sequence (`sequence_attention_bytes`);
-    the tiled MLP keeps only the MLP's input (2h a token) where the layer kept its intermediates (the
-    MLP's share of `layer_bytes_per_token`: 8I or 6I with Liger, GPT's 19h of 34h); `offload` keeps
+    sequence (`sequence_attention_bytes`; its own kernel: no mask);
+    the tiled MLP keeps only the MLP's input (lp*h a token) where the layer kept its MLP's or experts'
+    intermediates (layers.py's `Saved.mlp`); `offload` keeps
     the checkpointed layer inputs on the host (`host_activations`), two layers' of them in flight. `lora`
-    (model.lora): its adapters' share per layer (`lora_bytes_per_token`)."""
-    h, layers, a, v = info.hidden, info.layers, info.heads, info.vocab
+    (model.lora): its adapters' share per layer (`lora_bytes_per_token`), its frozen norms' normalised values
+    not kept."""
+    h, layers, v = info.hidden, info.layers, info.vocab
     if not (h and layers):
         return 0
     s, b = seq_len / max(1, sp), micro_batch
-    scale = lp / 2
-    attn = 5 * (a or 1) * seq_len / h if (info.attn_implementation or "eager") == "eager" else 0
-    per_token = layer_bytes_per_token(info, lp, kernels) + lora_bytes_per_token(info, lora, lp)
-    if tiled_mlp:
-        per_token -= mlp_bytes_per_token(info, lp, kernels) - 2 * h * scale
-    per_layer = s * b * (per_token + h * attn * scale)
-    if compiled:
-        per_layer *= COMPILED_LAYERS
+    kept = saved(info, lp, seq_len, frozen=frozen_norms(lora), kernels=kernels, packed=masks, device=device,
+                 ulysses=sp > 1)  # fmt: skip
+    adapters = lora_bytes_per_token(info, lora, lp)
+    per_layer = [
+        x + adapters - ((m - lp * h) if tiled_mlp else 0) for x, m in zip(kept.layers, kept.mlp, strict=True)
+    ]
+    factor = COMPILED_LAYERS if compiled else 1.0
     if checkpointing:
-        kept = 2 if offload else layers  # the layer inputs on the device: all, or two in flight
-        total = 2 * s * b * h * scale * kept + per_layer
+        inputs = 2 if offload else layers  # the layer inputs on the device: all, or two in flight
+        total = s * b * (lp * h * inputs + factor * max(per_layer) + kept.shared)
     else:
-        total = per_layer * layers - s * b * frozen_input_bytes(info, lora, lp)
+        total = s * b * (factor * sum(per_layer) + kept.shared - frozen_input_bytes(info, lora, lp))
     if sp > 1:
         total += sequence_attention_bytes(info, micro_batch, seq_len, lp, sp)
     if v and chunked_loss and kernels == "liger":
@@ -186,15 +184,7 @@ def sequence_attention_bytes(info: ModelInfo, micro_batch: int, seq_len: int, lp
     contexts = SEQUENCE_ATTENTION_CONTEXTS
     if info.window and info.window < seq_len:
         contexts += 2 * (1 + math.ceil((info.window - 1) / WINDOW_BLOCK))
-    return int(contexts * seq_len / sp * micro_batch * (info.hidden or 0) * lp)
-
-
-def mlp_bytes_per_token(info: ModelInfo, lp: int, kernels: str = "none") -> float:
-    """The MLP's share of `layer_bytes_per_token`: what the tiled MLP does not keep."""
-    h = info.hidden or 0
-    if not info.intermediate:
-        return 19 * h * lp / 2  # Korthikanti et al.: the MLP's 19h of a GPT layer's 34h
-    return (6 if kernels == "liger" else 8) * info.intermediate * lp / 2
+    return int(contexts * seq_len / sp * micro_batch * (info.q_width if info.heads else 0) * lp)
 
 
 def host_activations(info: ModelInfo, micro_batch: int, seq_len: int, lp: int, sp: int = 1) -> int:
@@ -211,11 +201,18 @@ def rows_per_micro(exp: Experiment) -> int:
     return exp.train.micro_batch_size * (1 if exp.train.objective in ("sft", "grpo") else 2)
 
 
-def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any) -> int:
+def masked_rows(exp: Experiment) -> bool:
+    """Whether a micro batch's rows carry a mask (sdpa then gets one: layers.py): examples packed or padded
+    (every kind but plain text run end to end; preference pairs and GRPO's completions padded)."""
+    d = exp.data
+    return exp.train.objective != "sft" or d.kind != "text" or d.separate_documents
+
+
+def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any, device: str = "cuda") -> int:
     """The experiment's activation bytes per rank under one setting of the levers (levers.Levers)."""
     m = exp.model
     return activations(
         info, rows_per_micro(exp), row_length(exp), lp, levers.checkpointing, levers.chunked_loss,
         m.kernels, compiled=exp.train.compile, sp=levers.sp, tiled_mlp=levers.tiled_mlp, offload=levers.offload,
-        lora=m.lora, head_grad=head_trains(m.lora),
+        lora=m.lora, head_grad=head_trains(m.lora), masks=masked_rows(exp), device=device,
     )  # fmt: skip

@@ -37,6 +37,51 @@ class ModelInfo:
     active: int | None = None  # a mixture of experts: parameters a token runs through (None: dense, all)
     chunked_problem: str | None = None  # why model.chunked_loss cannot serve this model and config
     quantized: Quantized | None = None  # model.lora.quantization's layers
+    # the shape of a layer, read from the config and the module (trainer/model/shape.py; layers.py counts from it)
+    head_dim: int | None = None  # a query/key head's size: the config's own (Qwen3), else hidden / heads
+    v_head_dim: int | None = None  # a value head's size where it differs (DeepSeek's latent attention)
+    qk_norm: str | None = None  # query/key RMSNorm: "head" (each head: Qwen3, Gemma 3), "projection" (OLMo 2)
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window or chunk, 0 for full attention
+    experts: Experts | None = None  # a mixture of experts' layers
+    tied: bool = False  # the LM head is the input embedding
+    activation: str | None = None  # the MLP's activation function (hidden_act)
+    latent: tuple[int, int, int] | None = None  # DeepSeek's latent attention: q and kv ranks, rotary dims
+    router_logits: bool = False  # output_router_logits: the routers' logits kept for the auxiliary loss
+    lookups: int = 0  # parameters of embeddings looked up, not multiplied (untied input, positions)
+
+    @property
+    def q_width(self) -> int:
+        """Elements of a token's queries (heads x head size; the hidden size only where the head size says so)."""
+        return (self.heads or 1) * self.qk_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim or (self.hidden or 0) // (self.heads or 1)
+
+    @property
+    def kv_count(self) -> int:
+        """Key/value heads (as many as query heads without grouped-query attention)."""
+        return self.kv_heads or self.heads or 1
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.qk_head_dim
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's window (0: full attention): the layers' own, else `window` on every layer."""
+        return self.layer_windows or (self.window or 0,) * (self.layers or 0)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3), read from the config and the module."""
+
+    routed: int  # experts a layer routes among
+    per_token: int  # experts a token runs through (top-k)
+    width: int  # an expert's intermediate size (moe_intermediate_size, else intermediate_size)
+    layers: int  # layers with experts (the others: a dense MLP of ModelInfo.intermediate)
+    shared_width: int = 0  # the shared experts' intermediate size, all of them together (0: none)
 
 
 @dataclass(frozen=True)

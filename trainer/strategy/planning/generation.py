@@ -7,8 +7,9 @@ Generation (trainer/rl/generate.py) samples train.rl.generation_batch prompts' g
 of a rank's prompts of the step): R = G x those prompts sequences of at most data.seq_len tokens (a prompt
 of at most seq_len - max_new_tokens, and its completion; `generation_rows`). It holds
 
-- the key/value cache: 2 (keys, values) x layers x R x length x kv_heads x head_dim, in the compute
-  precision (`kv_cache_bytes`);
+- the key/value cache: keys and values of every layer x R x length x kv_heads x the config's head sizes
+  (Qwen3's 128 where hidden / heads is 64), a sliding or chunked layer's for its window only, in the compute
+  precision (`kv_cache_bytes`, held against transformers' own cache object);
 - while the prompt runs (prefill, no gradients): the prompt's cache, and one layer's activations at a
   time, R x prompt x (2 MLP widths, 3 gated, + ATTENTION_HIDDEN hidden sizes) (and the scores, where
   eager attention materialises them);
@@ -36,6 +37,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from trainer.strategy.planning.layers import cache_per_token, layer_cache_per_token
+
 # hidden states a prompt token holds at the prefill's peak beside its MLP's, measured (malloc's live bytes
 # while sampling on CPU, tests/unit/test_grpo_plan.py): GPT-2's fused c_attn (Conv1D, addmm) and its
 # head splits hold 14; Llama's layout (q/k/v/o projections apart, rotary embeddings; Mistral, Qwen2/3
@@ -53,12 +56,16 @@ def row_length(exp: Any) -> int:
     return exp.data.seq_len
 
 
-def kv_cache_bytes(info: Any, sequences: int, length: int, lp: int) -> int:
-    """The key/value cache of `sequences` rows of `length` tokens (head_dim: hidden / heads)."""
-    heads = info.heads or 1
-    kv = info.kv_heads or heads
-    head_dim = (info.hidden or 0) // heads
-    return int(2 * (info.layers or 0) * sequences * length * kv * head_dim * lp)
+def kv_cache_bytes(info: Any, sequences: int, length: int, lp: int, windowed: bool = True) -> int:
+    """The key/value cache of `sequences` rows of `length` tokens: every layer's keys and values (the key/value
+    heads x the config's head sizes), a sliding or chunked layer's for its window only once decoding has begun
+    (`windowed`; right after the prompt's forward every layer holds the whole prompt: layers.py)."""
+    return int(cache_per_token(info, lp, length, windowed) * length * sequences)
+
+
+def largest_layer_cache(info: Any, sequences: int, length: int, lp: int) -> int:
+    """One layer's share of the cache at most (a full-attention layer's, where the others slide)."""
+    return int(layer_cache_per_token(info, lp) * sequences * length)
 
 
 def generation_rows(exp: Any) -> int:
@@ -75,23 +82,59 @@ def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     g, new = generation_rows(exp), exp.train.rl.max_new_tokens
     prompt = max(exp.data.seq_len - new, 1)
     hidden = info.hidden or 0
-    width = info.intermediate or 4 * hidden
-    # the prompt's forward: its keys and values so far, and one layer's activations at a time: the MLP's
-    # (its widths: 2, 3 gated) and the rest of the layer's (hidden states a token: ATTENTION_HIDDEN), and
-    # the scores where the attention materialises them
-    mlp = (3 if info.intermediate else 2) * width
+    # the prompt's forward: its keys and values so far (a sliding layer's too: the whole prompt), and one
+    # layer's activations at a time: the MLP's (its widths: 2, 3 gated; a mixture of experts: each of a token's
+    # experts its input, gate/up and product) and the rest of the layer's (ATTENTION_HIDDEN hidden states a
+    # token), and the scores where the attention materialises them
+    e = info.experts
+    if e:
+        mlp = e.per_token * (2 * hidden + 4 * e.width) + 3 * e.shared_width + e.routed * 4 / lp
+    else:
+        mlp = (3 if info.intermediate else 2) * (info.intermediate or 4 * hidden)
     rest = ATTENTION_HIDDEN.get(info.model_type or "", 4.5) * hidden
-    prefill = kv_cache_bytes(info, g, prompt, lp) + int(g * prompt * (rest + mlp) * lp)
+    prefill = kv_cache_bytes(info, g, prompt, lp, windowed=False) + int(g * prompt * (rest + mlp) * lp)
     if (info.attn_implementation or "eager") == "eager":
         prefill += g * (info.heads or 1) * prompt * prompt * lp
     # then one token at a time: the whole cache, one layer's keys (or values) copied as they grow, the last
     # position's logits
-    layers = max(info.layers or 1, 1)
-    decode = kv_cache_bytes(info, g, row_length(exp), lp) * (1 + 1 / (2 * layers)) + logits_bytes(
-        exp.train.rl, g, info.vocab or 0
-    )
+    length = row_length(exp)
+    decode = kv_cache_bytes(info, g, length, lp) + largest_layer_cache(info, g, length, lp) / 2
+    decode += logits_bytes(exp.train.rl, g, info.vocab or 0)
     scoring = max((m[1] for m in reward_models(exp, lp)), default=0)
     return int(max(prefill, decode, scoring))
+
+
+def generation_hint(exp: Any, info: Any, by: dict[Any, Any], budget: int, lp: int) -> str:
+    """When generation's memory is what keeps a rung from fitting: the most prompts a generate call may sample
+    (train.rl.generation_batch) for the cheapest rung of the ladder to fit, e.g. "set train.rl.generation_batch:
+    8 (...) and zero3 fits"; empty when fewer prompts a call would not make a rung fit."""
+    if not is_rl(exp):
+        return ""
+    t, rl = exp.train, exp.train.rl
+    per_rank = max(int(t.micro_batch_size) * t.grad_accum // rl.num_generations, 1)
+    for e in sorted(by.values(), key=lambda e: e.candidate.cost):
+        room = budget - (e.total - max(e.activations, e.step, e.generation))
+        if (
+            e.refused
+            or not e.fits_host
+            or not e.usable
+            or max(e.activations, e.step) > room
+            or e.generation <= room
+        ):
+            continue
+        for prompts in range(min(rl.generation_batch or per_rank, per_rank) - 1, 0, -1):
+            fewer = exp.model_copy(update={"train": t.model_copy(update={"rl": rl.model_copy(
+                update={"generation_batch": prompts})})})  # fmt: skip
+            held = generation_bytes(fewer, info, lp)
+            if held <= room:
+                from trainer.config import format_size
+
+                return (
+                    f"set train.rl.generation_batch: {prompts} ({prompts * rl.num_generations} completions a generate "
+                    f"call: {format_size(held)} of generation) and {e.candidate.name} fits"
+                )
+        return ""
+    return ""
 
 
 def reward_models(exp: Any, lp: int) -> list[tuple[int, int]]:

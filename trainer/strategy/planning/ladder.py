@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.common.errors import UserError
-from trainer.config import Experiment, chunked_loss_problem, format_size
+from trainer.config import Experiment, format_size
 from trainer.strategy.batch import accumulation
 from trainer.strategy.planning import pins
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
@@ -19,6 +19,7 @@ from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, p
 from trainer.strategy.planning.estimate import Estimate, estimate_all, with_activations
 from trainer.strategy.planning.generation import generation_bytes, host_bytes, row_length
 from trainer.strategy.planning.hardware import machine
+from trainer.strategy.planning.hints import fit_hint
 from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
 from trainer.strategy.planning.search import Search, rung_reason, search
 from trainer.strategy.planning.speed import StepTime, Timer
@@ -255,7 +256,7 @@ def _plan(
         chosen = None
     estimates = found.estimates[levers]
     by = {e.candidate: e for e in estimates}
-    hint = _chunked_loss_hint(exp, info, by, levers, budget, lp)
+    hint = fit_hint(exp, info, by, levers, budget, lp, device_type)
     if chosen is None:
         pinned_options = [c for c, _ in _pinned_order(found, levers)] if is_pinned else []
         if not (is_pinned and force and pinned_options):
@@ -308,7 +309,7 @@ def _estimator(
         sp_info = info
         if levers.sp > 1 and info.attn_implementation == "eager" and exp.model.attn_implementation == "auto":
             sp_info = dataclasses.replace(info, attn_implementation="sdpa")
-        act = activations_for(exp, sp_info, lp, levers)
+        act = activations_for(exp, sp_info, lp, levers, "cuda" if on_gpu else "cpu")
         extra = (
             host_activations(info, rows_per_micro(exp), row_length(exp), lp, levers.sp)
             if levers.offload
@@ -386,40 +387,6 @@ def _reason(
     if not e.fits:
         reason += "; predicted NOT to fit (--force)"
     return reason
-
-
-def _chunked_loss_hint(
-    exp: Experiment, info: ModelInfo, by: dict[Candidate, Estimate], levers: Levers, budget: int, lp: int
-) -> str:
-    """When nothing fits and the whole logits cost a rung of the ladder (or every rung): what
-    model.chunked_loss would save per rank, and the rung that would then fit. Empty when it would
-    change nothing."""
-    if (
-        levers.chunked_loss
-        or exp.model.factory is not None
-        or info.chunked_problem
-        or chunked_loss_problem(info.model_type)
-    ):
-        return ""
-    import dataclasses as dc
-
-    saved = activations_for(exp, info, lp, levers) - activations_for(
-        exp, info, lp, dc.replace(levers, chunked_loss=True)
-    )
-    if saved <= 0:
-        return ""
-    ladder = [by[c] for c in LADDER]
-    for e in ladder:
-        if e.fits or e.candidate.offload == "nvme":
-            return ""  # the rungs below the chosen one would not fit even without the logits
-        if e.refused:  # refused whatever its size (8bit at ZeRO-3, the static generation cache)
-            continue
-        if e.fits_host and dataclasses.replace(e, activations=e.activations - saved).total <= budget:
-            return (
-                f"set model.chunked_loss: true (no whole logits: {format_size(saved)} less per rank) "
-                f"and {e.candidate.name} fits"
-            )
-    return ""
 
 
 def _table_for(

@@ -185,7 +185,9 @@ def blocker(
     )
     return (
         f"device memory blocks it: the smallest setting, {e.candidate.name} with {levers.describe()}, needs "
-        f"{format_size(e.total)} per rank ({format_size(e.activations)} of activations){what}",
+        f"{format_size(e.total)} per rank ({format_size(e.activations)} of activations"
+        + (f", {format_size(e.generation)} while generating" if e.generation > e.activations else "")
+        + f"){what}",
         "lower train.micro_batch_size or data.seq_len, let the levers help (model.activation_checkpointing, "
         "model.tiled_mlp, strategy.sequence_parallel: auto) or add ranks"
         + (f"; and for the host memory, {host_fix}" if host_too else ""),

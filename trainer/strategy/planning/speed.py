@@ -10,10 +10,11 @@ with either (DeepSpeed's overlap_comm and ZeRO-3's prefetch
 hide part of it on GPUs: the higher rungs' estimates are upper bounds). Per micro step, over its tokens
 (rows x seq_len / sp on each rank):
 
-- device work: FLOPs per token as bin/train counts MFU (4 N + 2 N_trainable + 12 L h s: forward, the
-  activations' gradients, the trainable weights' gradients, attention), plus a forward of every layer
-  again under activation checkpointing (2 N + 4 L h s), and the MLP's forward again under the tiled MLP
-  (2 N_mlp), at `Machine.flops`;
+- device work: FLOPs per token as bin/train counts MFU (4 N + 2 N_trainable + attention: forward, the
+  activations' gradients, the trainable weights' gradients, the scores; N the parameters a token multiplies by,
+  a mixture of experts' active ones: layers.py's `flops_per_token`), plus a forward of every layer
+  again under activation checkpointing (2 N + a third of attention's), and the MLP's forward again under the tiled
+  MLP (`mlp_flops`), at `Machine.flops`;
 - host work: the operators a layer launches (`ops_per_layer`) in each pass -- forward, the recompute,
   backward (twice a forward's) -- at `Machine.op_s` each, and at ZeRO-3 the fetch and release of every
   parameter tensor in each pass (`Machine.zero3_tensor_s`, DeepSpeed's hooks), and what a micro step costs
@@ -54,6 +55,7 @@ from trainer.strategy.batch import accumulation
 from trainer.strategy.planning.candidates import Candidate, ModelInfo
 from trainer.strategy.planning.generation import row_length
 from trainer.strategy.planning.hardware import Machine, machine
+from trainer.strategy.planning.layers import attention_flops, flops_per_token, mlp_flops
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,13 @@ class Timer:
         self.stored, self.grads = _stored_bytes(info, lp), self.trainable * lp
         self.share = (self.world - 1) / self.world  # of a collective's bytes that cross to other ranks
         self.link = m.peers if self.world <= self.node else m.network  # ZeRO's collectives span the world
-        self.kv = (info.kv_heads or info.heads or 1) / (info.heads or 1)
+        # the values a token's queries, keys, values and outputs hold (Ulysses' all-to-alls: the config's head sizes)
+        self.exchanged = (
+            (info.heads or 0) * (info.qk_head_dim + info.value_head_dim)
+            + info.kv_count * (info.qk_head_dim + info.value_head_dim)
+            if info.heads
+            else 0
+        )
         lora = exp.model.lora
         adapters = (
             (len(lora.target_modules) if lora.target_modules else (7 if info.intermediate else 3))
@@ -173,7 +181,7 @@ class Timer:
             reductions += grads * share / link
             transfers += grads / world / m.host_link if c.offload != "none" else 0.0
         if sp > 1:  # Ulysses: queries, keys, values and outputs exchanged a layer and pass, inside a node
-            volume = (2 + 2 * self.kv) * tokens * (info.hidden or 0) * lp * (info.layers or 0) * passes
+            volume = self.exchanged * tokens * lp * (info.layers or 0) * passes
             inside = sp <= node and node % sp == 0  # groups of consecutive ranks that tile a node
             transfers += volume * (sp - 1) / sp / (m.peers if inside else m.network)
             transfers += 4 * (info.layers or 0) * passes * m.collective_s  # four all-to-alls a layer and pass
@@ -203,17 +211,13 @@ class Timer:
 
 
 def _flops_per_token(info: ModelInfo, levers: Any, s: int) -> float:
-    """FLOPs a token as bin/train counts MFU, with the recompute of checkpointing and the tiled MLP."""
-    n = info.active or info.params
-    trainable = info.params if info.trainable is None else info.trainable
-    h, layers = info.hidden or 0, info.layers or 0
-    attention = 12 * layers * h * s
-    flops = 4 * n + 2 * trainable + attention
+    """FLOPs a token as bin/train counts MFU (layers.py: a mixture of experts' active parameters), with the
+    recompute of checkpointing (a forward again) and the tiled MLP (the MLPs' forward again)."""
+    flops = flops_per_token(info, s)
     if levers.checkpointing:
-        flops += 2 * n + attention / 3
+        flops += 2 * ((info.active or info.params) - info.lookups) + attention_flops(info, s) / 3
     if levers.tiled_mlp:
-        width = info.intermediate or 4 * h
-        flops += 2 * layers * h * width * (3 if info.intermediate else 2)
+        flops += mlp_flops(info)
     return flops
 
 

@@ -30,8 +30,10 @@ def model_states(
     fp32). Mixed precision keeps an fp32 master copy (4), the optimizer its state (`state_bytes`: Adam's
     two fp32 moments, 8; see trainer/common/optimizers.py) and the gradients in the training precision. With
     lp=2: stage 0: 16P, stage 2: 2P + 14P/N, stage 3: 16P/N + 4 x largest layer (a gathered layer,
-    counted with the parameters as DeepSpeed does); DeepSpeed's estimators count an fp32 gradient
-    partition beside these (4P/N more at stages 2 and 3), which exists only during the step.
+    counted with the parameters as DeepSpeed does). DeepSpeed's estimators count 4P/N more at stage 2
+    (an fp32 gradient partition beside the bf16 one) and 2P/N more at stage 3 (fp32 gradients where the
+    plan holds bf16 ones): the fp32 partition exists only during the step, where `step_bytes` counts it
+    (tests/unit/test_plan.py holds both to the byte, docs/strategies.md explains them).
     Offload moves the optimizer (and at stage 3 the parameters) off the device. Stage 1 keeps full
     gradients only between micro steps (grad_accum > 1); at the accumulation boundary DeepSpeed
     reduces them into partitions during backward, as stage 2 does. Stage 2 with grad_accum > 1 holds
