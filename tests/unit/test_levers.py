@@ -165,3 +165,21 @@ def test_the_run_time_escalation_never_gives_up_a_rung_or_a_lever():
         ("tiled loss, tiled MLP, sequence parallel 2, activation checkpointing, checkpointed activations on the host",
          "zero3+cpu"),
     ]  # fmt: skip
+
+
+def test_a_mixture_of_experts_mlp_is_never_tiled():
+    """Review of issue 68: with the experts' activations counted, the plan took the tiled MLP for Qwen3-MoE and
+    Mixtral jobs, which crash at the first backward (DeepSpeed's TiledMLP calls the block on 2-D shards, which
+    their blocks cannot unpack; gpt-oss's block returns a tuple). auto never tries it for a mixture of experts;
+    true is refused with the reason, before any process starts."""
+    from trainer.strategy.planning.candidates import Experts
+
+    moe = dataclasses.replace(
+        L8, experts=Experts(routed=8, per_token=2, width=14336, layers=32), intermediate=None
+    )
+    exp = config.load(TINY, ["model.config.n_positions=4096"])
+    assert not any(x.tiled_mlp for x in lever_sets(exp, moe, 8, "cuda"))
+    assert any(x.tiled_mlp for x in lever_sets(exp, L8, 8, "cuda"))
+    pinned = config.load(TINY, ["model.config.n_positions=4096", "model.tiled_mlp=true"])
+    with pytest.raises(UserError, match=r"model.tiled_mlp: .*mixture of experts.*set model.tiled_mlp: false"):
+        list(lever_sets(pinned, moe, 8, "cuda"))

@@ -94,7 +94,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 14,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14: the layers' shape
+        "v": 15,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14-15: the layers' shape
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -144,8 +144,10 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
 
 
 def _gated_width(module: Any, cfg: Any) -> int | None:
-    """A gated MLP's width (Llama's gate_proj/up_proj: the planner counts its activations), else None."""
-    width = getattr(cfg, "intermediate_size", None)
+    """A gated MLP's width (Llama's gate_proj/up_proj: the planner counts its activations), else None (a
+    multimodal config: its text model's)."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    width = getattr(text, "intermediate_size", None)
     if not isinstance(width, int):
         return None
     gated = any(name.endswith(("gate_proj", "gate_up_proj")) for name, _ in module.named_modules())

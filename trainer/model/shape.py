@@ -65,7 +65,7 @@ def _layer_windows(cfg: Any) -> tuple[int, ...]:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         _, kwargs = get_layer_types_and_kwargs(cfg)
-        return tuple(int(k.get("sliding_window") or 0) for k in kwargs)
+        return tuple(max(0, int(k.get("sliding_window") or 0)) for k in kwargs)  # a window of 0 or less: none
     except (ImportError, AttributeError, TypeError, ValueError):
         window = (
             getattr(cfg, "sliding_window", None)
@@ -91,16 +91,28 @@ def structure(module: Any, cfg: Any) -> dict[str, Any]:
             head = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             size = getattr(head, "head_dim", None)
             qk_norm = "head" if weight.numel() == size else "projection"
-    head = None
+    head = decoder = None
     with contextlib.suppress(AttributeError, TypeError, NotImplementedError):
         head = module.get_output_embeddings()
+    with contextlib.suppress(AttributeError, TypeError, NotImplementedError):
+        decoder = module.get_decoder()
     head_weight = getattr(head, "weight", None)
     embeddings = {id(m.weight): m.weight for m in module.modules() if isinstance(m, torch.nn.Embedding)}
     return {
         "qk_norm": qk_norm, "tied": head_weight is not None and id(head_weight) in embeddings,
-        "experts": _experts(layers, cfg),
-        "lookups": sum(w.numel() for w in embeddings.values() if w is not head_weight),
+        "experts": _experts(layers, cfg), "idle": _idle(module, decoder, head_weight, embeddings),
     }  # fmt: skip
+
+
+def _idle(module: Any, decoder: Any, head_weight: Any, embeddings: dict[int, Any]) -> int:
+    """Parameters a text token never multiplies by: embeddings that are only looked up (an untied input
+    embedding, positions) and what lies outside the text decoder and its head (a vision tower, a projector)."""
+    lookups = sum(w.numel() for w in embeddings.values() if w is not head_weight)
+    if decoder is None or decoder is module:
+        return lookups
+    text = {id(p) for p in decoder.parameters()} | ({id(head_weight)} if head_weight is not None else set())
+    outside = {id(p): p.numel() for p in module.parameters() if id(p) not in text}
+    return lookups + sum(n for key, n in outside.items() if key not in embeddings)
 
 
 def _experts(layers: list[Any], cfg: Any) -> Experts | None:
@@ -114,8 +126,9 @@ def _experts(layers: list[Any], cfg: Any) -> Experts | None:
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     k, e = found
     moe = sum(any(ROUTED.search(n) for n, _ in layer.named_parameters()) for layer in layers)
-    width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", None) or 0
+    width = getattr(text, "moe_intermediate_size", None)
+    width = getattr(text, "intermediate_size", None) if width is None else width  # Mixtral, gpt-oss: theirs
     shared = getattr(text, "shared_expert_intermediate_size", None) or (
         (getattr(text, "n_shared_experts", None) or 0) * (getattr(text, "moe_intermediate_size", None) or 0)
     )
-    return Experts(routed=e, per_token=k, width=int(width), layers=moe, shared_width=int(shared or 0))
+    return Experts(routed=e, per_token=k, width=int(width or 0), layers=moe, shared_width=int(shared or 0))

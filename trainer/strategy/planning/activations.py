@@ -33,12 +33,33 @@ def layer_bytes_per_token(
     `kernels="liger"`: Liger's RMSNorm keeps only its 16-bit input and its SwiGLU recomputes silu in backward
     (measured on an H100: 32-35h for a Llama 1B against 39h counted)."""
     kept = saved(info, lp, seq_len, frozen=frozen_norms(lora), kernels=kernels, packed=masks, device=device,
-                 ulysses=sp > 1)  # fmt: skip
+                 ulysses=sp > 1, adapted=adapted_inputs(info, lora))  # fmt: skip
     return kept.total / max(len(kept.layers), 1) + lora_bytes_per_token(info, lora, lp)
 
 
 # an adapted module's input width, by its name (Llama-style projections and GPT-2's); others: the hidden size
-_INPUT = {"down_proj": "intermediate", "c_fc": "hidden", "c_attn": "hidden"}
+_INPUT = {"down_proj": "intermediate", "o_proj": "attention"}
+
+
+def lora_targets(info: ModelInfo, lora: Any) -> list[str]:
+    """The modules model.lora adapts: its target_modules, else the family's default (adapters.py's)."""
+    if lora.target_modules:
+        return [lora.target_modules] if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    if info.model_type == "gpt2" or not info.intermediate and not info.experts:
+        return ["c_attn", "c_proj", "c_fc"]
+    return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def adapted_inputs(info: ModelInfo, lora: Any) -> frozenset[str] | None:
+    """LoRA: the projections whose inputs stay kept for backward (an adapter, or model.lora.train_modules, reads
+    them: layers.py's `keeps`); None without LoRA (every weight trains) or where the targets are a pattern
+    (peft's "all-linear", a regex) this count cannot resolve, which keeps every input."""
+    if lora is None:
+        return None
+    names = [*lora_targets(info, lora), *(getattr(lora, "train_modules", None) or ())]
+    if any(not n.replace("_", "").isalnum() for n in names) or "all-linear" in names:
+        return None
+    return frozenset(n.rsplit(".", 1)[-1] for n in names)
 
 
 def lora_bytes_per_token(info: ModelInfo, lora: Any, lp: int) -> float:
@@ -50,16 +71,15 @@ def lora_bytes_per_token(info: ModelInfo, lora: Any, lp: int) -> float:
     (peft's dropout is then the identity). Measured on CPU (tests/dist/test_lora.py's activation census)."""
     if lora is None or not info.hidden:
         return 0.0
-    targets = list(lora.target_modules or ([] if not info.intermediate else
-                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) or
-                   ["c_attn", "c_proj", "c_fc"])  # fmt: skip
+    targets = lora_targets(info, lora)
     per_element = (
         0.0 if lora.dropout == 0 else (1.0 if getattr(lora, "kernels", "fused") == "fused" else 1.0 + lp)
     )
+    widths = {"intermediate": info.intermediate or info.hidden, "attention": info.heads * info.value_head_dim
+              if info.heads else info.hidden}  # fmt: skip
     total = 0.0
     for name in targets:
-        width = info.intermediate if _INPUT.get(name) == "intermediate" and info.intermediate else info.hidden
-        total += width * per_element + lora.r * lp
+        total += widths.get(_INPUT.get(name, ""), info.hidden) * per_element + lora.r * lp
     if not info.intermediate and "c_proj" in targets:  # GPT-2's MLP c_proj reads the 4h intermediate
         total += 3 * info.hidden * per_element
     return total
@@ -137,7 +157,7 @@ def activations(
         return 0
     s, b = seq_len / max(1, sp), micro_batch
     kept = saved(info, lp, seq_len, frozen=frozen_norms(lora), kernels=kernels, packed=masks, device=device,
-                 ulysses=sp > 1)  # fmt: skip
+                 ulysses=sp > 1, adapted=adapted_inputs(info, lora))  # fmt: skip
     adapters = lora_bytes_per_token(info, lora, lp)
     per_layer = [
         x + adapters - ((m - lp * h) if tiled_mlp else 0) for x, m in zip(kept.layers, kept.mlp, strict=True)

@@ -47,7 +47,7 @@ class ModelInfo:
     activation: str | None = None  # the MLP's activation function (hidden_act)
     latent: tuple[int, int, int] | None = None  # DeepSeek's latent attention: q and kv ranks, rotary dims
     router_logits: bool = False  # output_router_logits: the routers' logits kept for the auxiliary loss
-    lookups: int = 0  # parameters of embeddings looked up, not multiplied (untied input, positions)
+    idle: int = 0  # parameters a text token never multiplies by: looked-up embeddings, a vision tower
 
     @property
     def q_width(self) -> int:

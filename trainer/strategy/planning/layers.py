@@ -70,7 +70,6 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"), Family()),
     "phi3": Family(fused_values=True, attention_copy=True),
     "gemma3_text": Family(norm="rms32", residual_norms=2, local_rope=True),
-    "gemma3": Family(norm="rms32", residual_norms=2, local_rope=True),
     "olmo2": Family(norm="rms32", linear_norms=0, residual_norms=2),
     "gpt2": Family(norm="layer", softmax32=False),
     "gpt_oss": Family(norm="rms32", sinks=True, softmax32=False, gate_temps=5),
@@ -92,10 +91,8 @@ def family_note(info: Any) -> str | None:
     """Why the plan's layer count may be off for this model: a family the census has not held (None: it has)."""
     if info.model_type in FAMILIES or not info.hidden:
         return None
-    return (
-        f"model type '{info.model_type}': its layers' activations are counted as a Llama layer of its shape (a "
-        "family not held against a census here)"
-    )
+    what = f"model type '{info.model_type}'" if info.model_type else "a model without a model type"
+    return f"{what}: its layers' activations are counted as a Llama layer of its shape (a family not held against a census here)"
 
 
 def describe_shape(info: Any) -> str:
@@ -136,21 +133,39 @@ def _norm(f: Family, width: float, rows: float, lp: int, frozen: bool, kernels: 
 
 
 def masked(info: Any, window: int, seq_len: int, packed: bool, ulysses: bool = False) -> bool:
-    """Whether sdpa gets a mask on a layer: a window shorter than the sequence, or packed rows' examples (not
-    under sequence parallelism, whose attention keeps examples and windows apart itself: model/sequence.py)."""
-    return not ulysses and (info.attn_implementation or "sdpa") == "sdpa" and (packed or 0 < window < seq_len)
+    """Whether sdpa gets a mask on a layer: a window no longer than the sequence (transformers skips it only for
+    a sequence shorter than the window), or packed rows' examples (not under sequence parallelism, whose
+    attention keeps examples and windows apart itself: model/sequence.py)."""
+    return (
+        not ulysses and (info.attn_implementation or "sdpa") == "sdpa" and (packed or 0 < window <= seq_len)
+    )
+
+
+# the projections whose inputs a layer keeps for their weights' gradients, by the leaf names LoRA targets: a frozen
+# projection keeps its input only where an adapter reads it (model.lora; every weight trains without it)
+READS_LAYER_INPUT = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "q_a_proj", "kv_a_proj_with_mqa")
+READS_ATTENTION = ("o_proj", "c_proj")
+READS_MLP_INPUT = ("gate_proj", "up_proj", "gate_up_proj", "c_fc", "gate", "router")
+READS_PRODUCT = ("down_proj", "c_proj")
+
+
+def keeps(adapted: frozenset[str] | None, names: tuple[str, ...]) -> bool:
+    """Whether the input these projections read is kept: every weight trains (`adapted` None), or an adapter
+    (or model.lora.train_modules) reads it."""
+    return adapted is None or any(n in adapted for n in names)
 
 
 def attention_bytes(
     info: Any, lp: int, seq_len: int, window: int, *, frozen: bool = False, kernels: str = "none",
-    packed: bool = False, device: str = "cuda", ulysses: bool = False,
+    packed: bool = False, device: str = "cuda", ulysses: bool = False, adapted: frozenset[str] | None = None,
 ) -> float:  # fmt: skip
     """What one layer's attention keeps a token: its input, its norms, the kernel's (module doc). `ulysses`:
-    under sequence parallelism, the output the all-to-all brings back is the copy the output projection reads."""
+    under sequence parallelism, the output the all-to-all brings back is the copy the output projection reads.
+    `adapted` (LoRA): the projections an adapter reads the input of (frozen ones keep none)."""
     f, h, heads = family(info), info.hidden or 0, info.heads or 1
     kv, hd, vd = info.kv_count, info.qk_head_dim, info.value_head_dim
     q, kw, vw, o = heads * hd, kv * hd, kv * vd, heads * vd
-    total = lp * h  # what the projections read
+    total = lp * h if keeps(adapted, READS_LAYER_INPUT) else 0.0  # what the projections read
     total += _norm(f, h, 1, lp, frozen, kernels) * (min(f.linear_norms, 1) + min(f.residual_norms, 1))
     if info.qk_norm == "head":
         total += _norm(f, q, heads, lp, frozen, kernels) + _norm(f, kw, kv, lp, frozen, kernels)
@@ -158,9 +173,12 @@ def attention_bytes(
         total += _norm(f, q, 1, lp, frozen, kernels) + _norm(f, kw, 1, lp, frozen, kernels)
     if info.latent:  # DeepSeek: the compressed queries and keys/values, normed, read by their up-projections
         q_rank, kv_rank, _ = info.latent
-        for rank in (q_rank, kv_rank):
+        for rank, reader in ((q_rank, "q_b_proj"), (kv_rank, "kv_b_proj")):
             if rank:
-                total += _norm(f, rank, 1, lp, frozen, kernels) + lp * rank
+                total += _norm(f, rank, 1, lp, frozen, kernels) + (
+                    lp * rank if keeps(adapted, (reader,)) else 0
+                )
+    out = lp * o if keeps(adapted, READS_ATTENTION) else 0.0  # the output's copy the output projection reads
     implementation = info.attn_implementation
     grouped = 1 < kv < heads  # repeat_kv copies (one key/value head: a view of it)
     if implementation == "eager" or (device == "cpu" and implementation in (None, "sdpa") and hd != vd):
@@ -171,21 +189,23 @@ def attention_bytes(
         score = F32 if math else (F32 + (lp if lp < F32 else 0) if f.softmax32 else lp)
         total += heads * keys * score + (8 * heads if f.sinks else 0)
         total += width * (q + k_kept + v_kept) + (lp * (q + kw) if f.fused_values and not grouped else 0)
-        return total + lp * o  # the output, transposed into the copy the output projection reads
+        return total + out  # the output, transposed into the copy the output projection reads
     mask = masked(info, window, seq_len, packed, ulysses)
     expand = grouped and mask
     total += (
         lp * seq_len if mask else 0
-    )  # sdpa's float copy of the mask, a row a token, made (and kept) each call
+    )  # sdpa's float copy of the mask, a row a token, made and kept each call
     total += lp * (q + (q if expand else kw) + (o if expand else vw))
     total += (
         lp * (q + kw) if f.fused_values and not expand else 0
     )  # the rest of the output the values' view keeps
-    total += lp * o + F32 * heads  # the output (the output projection reads it) and a log-sum-exp a head
+    total += (
+        lp * o + F32 * heads
+    )  # the output (a view of it is what the projection reads) and a log-sum-exp a head
     # the output copied before the output projection reads it: on CUDA sdpa's kernels leave it head by head
     # (an H100's peaks: Llama 1B); on CPU its flash kernel leaves it token by token, but for Phi-3's layout
     copied = f.attention_copy or ulysses or (device == "cuda" and implementation in (None, "sdpa"))
-    return total + (lp * o if copied else 0)
+    return total + (out if copied else 0)
 
 
 def mlp_norms(info: Any, lp: int, *, frozen: bool = False, kernels: str = "none") -> float:
@@ -195,25 +215,29 @@ def mlp_norms(info: Any, lp: int, *, frozen: bool = False, kernels: str = "none"
     return count * _norm(f, info.hidden or 0, 1, lp, frozen, kernels)
 
 
-def mlp_bytes(info: Any, lp: int, moe: bool, *, kernels: str = "none") -> float:
-    """What one layer's MLP module (or mixture of experts) keeps a token: the tensor it reads and its own
-    (what the tiled MLP keeps only the input of)."""
-    f, h = family(info), info.hidden or 0
-    total = lp * h
-    e = info.experts
+def mlp_bytes(
+    info: Any, lp: int, moe: bool, *, kernels: str = "none", adapted: frozenset[str] | None = None
+) -> float:
+    """What one layer's MLP module (or mixture of experts) keeps a token: the tensor it reads and its own (what
+    the tiled MLP keeps only the input of). The activation's output and the product are its `gate_temps`; the
+    product and the input are kept for the weights' gradients only, so a frozen MLP (LoRA's, unless adapted; a
+    mixture's experts and router under LoRA) keeps neither."""
+    f, h, e = family(info), info.hidden or 0, info.experts
+    total = lp * h if keeps(adapted, READS_MLP_INPUT) else 0.0
+    product = keeps(adapted, READS_PRODUCT)
     if moe and e:
-        k = e.per_token
-        total += (F32 * h if f.router32 else 0) + F32 * e.routed  # the router's input and scores
+        k, trains = e.per_token, adapted is None  # the experts' 3-D weights: adapted by no LoRA here
+        total += (F32 * h if f.router32 and trains else 0) + F32 * e.routed  # the router's input and scores
         total += 32 * k + 2 * F32 * k  # the top-k's indices, their sort and its inverse; the weights
-        total += (
-            k * lp * (2 * h + (2 + f.gate_temps) * e.width)
-        )  # each expert's input, gate/up, temps, output
-        return total + (2 + f.gate_temps) * lp * e.shared_width
+        # each of a token's experts: its copy of the input, gate/up, the activation's temporaries, the product, the
+        # output (read by the weighting)
+        each = 2 * e.width + (f.gate_temps - (0 if trains else 1)) * e.width + h + (h if trains else 0)
+        return total + k * lp * each + lp * e.shared_width * (2 + f.gate_temps - (0 if product else 1))
     if info.intermediate:
-        gated = (3 if kernels == "liger" else 2 + f.gate_temps) * info.intermediate
-        return total + lp * gated
+        temps = (1 if kernels == "liger" else f.gate_temps) - (0 if product else 1)
+        return total + lp * info.intermediate * (2 + temps)
     width = 4 * h  # GPT-2's MLP: its input to the activation, the activation's temporaries and output
-    return total + lp * width * (2 + ACTIVATION_TEMPS.get(info.activation or "", 0))
+    return total + lp * width * (1 + ACTIVATION_TEMPS.get(info.activation or "", 0) + (1 if product else 0))
 
 
 @dataclass(frozen=True)
@@ -243,23 +267,24 @@ def moe_layers(info: Any) -> tuple[bool, ...]:
 @functools.lru_cache(maxsize=4096)
 def saved(
     info: Any, lp: int, seq_len: int, *, frozen: bool = False, kernels: str = "none", packed: bool = False,
-    device: str = "cuda", ulysses: bool = False,
+    device: str = "cuda", ulysses: bool = False, adapted: frozenset[str] | None = None,
 ) -> Saved:  # fmt: skip
     """Each layer's bytes a token at `seq_len` tokens a row (see the module's doc); counted once a kind of layer
-    (its window, experts or not), the planner asking for thousands of settings of one model."""
+    (its window, experts or not), the planner asking for thousands of settings of one model. `frozen`: the norms'
+    weights are frozen; `adapted`: LoRA's, the projections an adapter reads (None: every weight trains)."""
     windows = info.windows or (0,) * (info.layers or 0)
     moe = moe_layers(info) + (False,) * max(0, len(windows) - (info.layers or 0))
     norms = mlp_norms(info, lp, frozen=frozen, kernels=kernels)
     kinds: dict[tuple[int, bool], tuple[float, float]] = {}
     for kind in set(zip(windows, moe, strict=False)):
-        m = mlp_bytes(info, lp, kind[1], kernels=kernels)
+        m = mlp_bytes(info, lp, kind[1], kernels=kernels, adapted=adapted)
         a = attention_bytes(info, lp, seq_len, kind[0], frozen=frozen, kernels=kernels, packed=packed, device=device,
-                            ulysses=ulysses)  # fmt: skip
+                            ulysses=ulysses, adapted=adapted)  # fmt: skip
         kinds[kind] = (a + norms + m, m)
     each = [kinds[kind] for kind in zip(windows, moe, strict=False)]
     # transformers' boolean masks (a byte a row of the sequence a token), one a kind of masked layer: kept from the
     # forward through the backward where activation checkpointing recomputes the layers from them
-    masks = {w if 0 < w < seq_len else 0 for w in windows if masked(info, w, seq_len, packed, ulysses)}
+    masks = {w if 0 < w <= seq_len else 0 for w in windows if masked(info, w, seq_len, packed, ulysses)}
     return Saved(
         tuple(x for x, _ in each), tuple(m for _, m in each),
         rotary(info, lp) + len(masks) * seq_len + router_logits(info, lp),
@@ -324,7 +349,7 @@ def flops_per_token(info: Any, seq_len: int) -> float:
     them, and no embedding that is only looked up: an untied input embedding, GPT-2's positions), and attention
     (`attention_flops`). LoRA: only the adapters get weight gradients. Within 0.3% of torch's FlopCounterMode
     over every family (eager attention, eager experts: tests/unit/test_plan_census.py)."""
-    n = (info.active or info.params) - info.lookups
+    n = (info.active or info.params) - info.idle
     trainable = n if info.trainable is None else info.trainable
     return 4 * n + 2 * trainable + attention_flops(info, seq_len)
 

@@ -25,6 +25,15 @@ from trainer.config import Experiment, chunked_loss_problem
 from trainer.strategy.batch import SP_DEGREES, keeps, sp_degrees
 from trainer.strategy.planning.candidates import ModelInfo
 
+# Why a mixture of experts' MLP is not tiled (measured on CPU, review of issue 68): DeepSpeed's TiledMLP calls the
+# block on 2-D shards in backward, which Qwen3-MoE's and Mixtral's blocks cannot unpack (they take 3 dimensions),
+# gpt-oss's block returns a tuple, and the routers' logits for the auxiliary loss would be recorded shard by shard,
+# without their gradient
+UNTILED = (
+    "a mixture of experts' MLP cannot be tiled (DeepSpeed's TiledMLP calls it on 2-D shards in backward, which "
+    "Qwen3-MoE's and Mixtral's blocks cannot take, gpt-oss's returns a tuple, and the routers' logits would be "
+    "recorded shard by shard, without their gradient)"
+)
 # the levers' costs, cheapest first (their order among settings with as many levers on)
 COST = {"chunked_loss": 1, "tiled_mlp": 2, "sp": 3, "checkpointing": 4, "offload": 5}
 __all__ = ["COST", "SP_DEGREES", "Levers", "lever_sets", "sp_problem", "tiled_loss_by_default"]
@@ -142,7 +151,9 @@ def lever_sets(
         if tiled_loss_by_default(exp, info, device_type, precision)
         else _choices(m.chunked_loss, _tiled_loss_allowed(exp, info))
     )
-    tiled = _choices(m.tiled_mlp, transformers_model)
+    if m.tiled_mlp is True and info.experts:
+        raise UserError(f"model.tiled_mlp: {UNTILED}; set model.tiled_mlp: false (or auto)")
+    tiled = _choices(m.tiled_mlp, transformers_model and not info.experts)
     checkpointing = _choices(m.activation_checkpointing, True)
     offload = _choices(m.offload_activations, device_type == "cuda")
     # sequence parallelism runs sdpa where auto would have picked eager (CPU, bf16, short sequences)

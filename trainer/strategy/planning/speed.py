@@ -215,7 +215,7 @@ def _flops_per_token(info: ModelInfo, levers: Any, s: int) -> float:
     recompute of checkpointing (a forward again) and the tiled MLP (the MLPs' forward again)."""
     flops = flops_per_token(info, s)
     if levers.checkpointing:
-        flops += 2 * ((info.active or info.params) - info.lookups) + attention_flops(info, s) / 3
+        flops += 2 * ((info.active or info.params) - info.idle) + attention_flops(info, s) / 3
     if levers.tiled_mlp:
         flops += mlp_flops(info)
     return flops
