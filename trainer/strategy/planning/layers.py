@@ -1,5 +1,5 @@
 """One decoder layer of each family, counted from the model's shape (ModelInfo, read from its config and module
-by trainer/model/create.py): what it keeps for backward a token (`saved`), what its key/value cache holds a
+by trainer/model/shape.py): what it keeps for backward a token (`saved`), what its key/value cache holds a
 token (`cache_per_token`), and the FLOPs a token costs (`flops_per_token`).
 
 A layer keeps, a token (lp bytes a value in the compute precision, 4 in fp32):
@@ -13,15 +13,17 @@ A layer keeps, a token (lp bytes a value in the compute precision, 4 in fp32):
   over the queries' and keys' widths (heads x head_dim, the config's own head size);
 - attention (`attention_bytes`): the kernels that never form the scores (sdpa's flash and memory-efficient
   kernels, the CPU's flash kernel, varlen, flash_attention_2) keep queries, keys, values, their output and a
-  log-sum-exp a head; keys and values repeated to every query head where sdpa gets a mask (a sliding window
-  shorter than the sequence, packed rows) and the key/value heads are grouped (transformers' repeat_kv), with
-  the mask itself once a forward (`masks`). Eager attention keeps the scores a query head sees (the whole
+  log-sum-exp a head; where sdpa gets a mask (a sliding window no longer than the sequence, packed or padded
+  rows) the float copy of it each call makes (a row of the sequence a token and layer), and keys and values
+  repeated to every query head where they are grouped (transformers' repeat_kv); on CUDA sdpa's output is copied
+  once more for the output projection. Eager attention keeps the scores a query head sees (the whole
   sequence, windows or not: the window is a mask on them): its fp32 softmax and the copy in the compute
   precision, each query head's keys and values, and the output's copy the output projection reads. On CPU,
   sdpa with value heads of another size (DeepSeek's latent attention) runs the math kernel: the scores and
   its operands in fp32;
 - a gated MLP: gate, up, the activation's output and their product (4 x intermediate); GPT-2's MLP: its
-  input to the activation and its output (gelu_new: three more temporaries);
+  input to the activation and its output (gelu_new: three more temporaries). With LoRA a frozen projection
+  keeps no input for its weight's gradient unless an adapter reads it (`keeps`);
 - a mixture of experts (transformers' grouped_mm experts, its default): the router's input and scores (fp32,
   a value an expert), the top-k's indices and their sort (int64), and for each of a token's k experts its
   copy of the input, the gate/up output, the activation's output and the product (gpt-oss's clamped GLU: five
@@ -46,22 +48,15 @@ F32 = 4
 class Family:
     """What a family's transformers code keeps differently from Llama's (each checked by the census)."""
 
-    norm: str = (
-        "rms"  # rms: normalised in fp32, scaled in the compute precision; rms32: scaled in fp32; layer
-    )
+    # rms: normalised in fp32, scaled in the compute precision; rms32: scaled in fp32; layer: LayerNorm
+    norm: str = "rms"
     linear_norms: int = 2  # norms a projection reads the output of (before attention, before the MLP)
     residual_norms: int = 0  # norms of a block's output, added to the residual stream (Gemma 3, OLMo 2)
-    fused_values: bool = (
-        False  # the values a view of one projection's output for q, k and v, which they keep whole
-    )
-    attention_copy: bool = False  # sdpa's output copied before the output projection reads it (GPT-2)
+    fused_values: bool = False  # the values a view of the fused q/k/v projection's output, kept whole (Phi-3)
+    attention_copy: bool = False  # sdpa's output copied before the output projection reads it (Phi-3)
     softmax32: bool = True  # eager attention's softmax in fp32, then cast to the compute precision
-    sinks: bool = (
-        False  # eager attention over one more column a head, softmax in the compute precision (gpt-oss)
-    )
-    gate_temps: int = (
-        2  # tensors a gated MLP keeps beside gate and up: the activation's output and the product
-    )
+    sinks: bool = False  # eager attention over one more column a head (gpt-oss), softmax as computed
+    gate_temps: int = 2  # a gated MLP's tensors beside gate and up: the activation's output and the product
     router32: bool = False  # the router reads an fp32 copy of its input (DeepSeek-V3)
     local_rope: bool = False  # sliding layers rotate by a rotary table of their own (Gemma 3's local base)
 
@@ -79,8 +74,6 @@ LLAMA = Family()
 # Activation functions that keep temporaries of the MLP's width beside their input (GPT-2's gelu_new: 8
 # elementwise operations, three of whose results backward reads)
 ACTIVATION_TEMPS = {"gelu_new": 3}
-# kernels that form no score matrix, whatever the window (sdpa's flash/memory-efficient, varlen, FA2, flex)
-FLASH = {"sdpa", "varlen", "flash_attention_2", "flash_attention_3", "flex_attention", None}
 
 
 def family(info: Any) -> Family:
@@ -92,7 +85,10 @@ def family_note(info: Any) -> str | None:
     if info.model_type in FAMILIES or not info.hidden:
         return None
     what = f"model type '{info.model_type}'" if info.model_type else "a model without a model type"
-    return f"{what}: its layers' activations are counted as a Llama layer of its shape (a family not held against a census here)"
+    return (
+        f"{what}: its layers' activations are counted as a Llama layer of its shape (a family not held against "
+        "a census here)"
+    )
 
 
 def describe_shape(info: Any) -> str:
@@ -251,10 +247,6 @@ class Saved:
     @property
     def total(self) -> float:
         return sum(self.layers) + self.shared
-
-    @property
-    def largest(self) -> float:
-        return max(self.layers, default=0.0)
 
 
 def moe_layers(info: Any) -> tuple[bool, ...]:
