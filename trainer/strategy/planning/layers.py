@@ -188,16 +188,12 @@ def attention_bytes(
         return total + out  # the output, transposed into the copy the output projection reads
     mask = masked(info, window, seq_len, packed, ulysses)
     expand = grouped and mask
-    total += (
-        lp * seq_len if mask else 0
-    )  # sdpa's float copy of the mask, a row a token, made and kept each call
-    total += lp * (q + (q if expand else kw) + (o if expand else vw))
-    total += (
-        lp * (q + kw) if f.fused_values and not expand else 0
-    )  # the rest of the output the values' view keeps
-    total += (
-        lp * o + F32 * heads
-    )  # the output (a view of it is what the projection reads) and a log-sum-exp a head
+    # sdpa's float copy of the mask, a row a token, made and kept each call; q, k and v (repeated where masked)
+    total += (lp * seq_len if mask else 0) + lp * (q + (q if expand else kw) + (o if expand else vw))
+    # the rest of the fused projection's output the values' view keeps
+    total += lp * (q + kw) if f.fused_values and not expand else 0
+    # the output (a view of it is what the projection reads) and a log-sum-exp a head
+    total += lp * o + F32 * heads
     # the output copied before the output projection reads it: on CUDA sdpa's kernels leave it head by head
     # (an H100's peaks: Llama 1B); on CPU its flash kernel leaves it token by token, but for Phi-3's layout
     copied = f.attention_copy or ulysses or (device == "cuda" and implementation in (None, "sdpa"))
