@@ -172,3 +172,25 @@ def test_a_journal_cut_to_no_whole_record_is_never_read_as_one_from_before_journ
     assert not lineage.is_head(
         view, Found(root / "step_00000006", json.loads((root / "step_00000006" / STATE).read_text()))
     )
+
+
+def test_the_newest_abandoned_line_is_the_journals_not_the_clocks(tmp_path, monkeypatch):
+    """Issue 69, case 4: abandoned/ was ordered by the local time in its entries' names; a rollback under
+    TZ=Asia/Tokyo, then one under TZ=UTC, named the second older, and keep_abandoned: 1 deleted the newer
+    line. The journal's order decides; the names keep a time for people."""
+    import time
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root, keep_abandoned=1)
+    two = commit(root, 2, cd)
+    cd.start(two, explicit=False)
+    commit(root, 4, cd)
+    for zone in ("Asia/Tokyo", "UTC"):
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        cd.start(two, explicit=True)  # a rollback to step 2: the line's step 4 leaves for abandoned/
+        commit(root, 4, cd)  # the new line's step 4
+    monkeypatch.delenv("TZ")
+    time.tzset()
+    forks = [r for r in journal.read(root).records if r.event == "fork" and r.get("to")]
+    assert [p.name for p in (root / ABANDONED).iterdir()] == [forks[-1].get("to").split("/", 1)[1]]

@@ -75,14 +75,22 @@ def evict(cd: CheckpointDir, protect: list[Path] = ()) -> list[str]:
 
 
 def held(cd: CheckpointDir, kind: str) -> list[str]:
-    """What abandoned/ or damaged/ holds, oldest first."""
+    """What abandoned/ or damaged/ holds, oldest first: in the order the journal recorded the moves that made
+    them (a fork's or a set-aside's `to`), never by the time in their names, which is the local time of the
+    process that moved them (another time zone, a clock that jumped or differs between nodes would reorder
+    them); directories no record names (a journal from before, or lost) first, by name."""
     names = [n for n in cd.fs.listdir(cd.root / kind) if cd.fs.is_dir(cd.root / kind / n)]
+    made: dict[str, int] = {}
+    for r in journal.read(cd.root, cd.fs).records:
+        to = r.get("to") if r.event in ("fork", "aside") else None
+        if isinstance(to, str) and to.startswith(f"{kind}/"):
+            made.setdefault(to.split("/", 1)[1], r.n)
 
-    def when(name: str) -> tuple[str, str]:
+    def order(name: str) -> tuple[int, str, str]:
         m = ASIDE_NAME.match(name)
-        return (m.group("time"), m.group("uid") or "") if m else ("", name)
+        return made.get(name, 0), *((m.group("time"), m.group("uid") or "") if m else ("", name))
 
-    return sorted(names, key=when)
+    return sorted(names, key=order)
 
 
 def describe(cd: CheckpointDir) -> str | None:
