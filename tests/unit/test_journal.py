@@ -194,3 +194,30 @@ def test_the_newest_abandoned_line_is_the_journals_not_the_clocks(tmp_path, monk
     time.tzset()
     forks = [r for r in journal.read(root).records if r.event == "fork" and r.get("to")]
     assert [p.name for p in (root / ABANDONED).iterdir()] == [forks[-1].get("to").split("/", 1)[1]]
+
+
+@pytest.mark.parametrize("last", ["kept", "deleted too"])
+def test_a_deleted_journal_is_refused_as_an_emptied_one_is(tmp_path, last):
+    """Issue 69, case 2: with journal.jsonl deleted after a rollback (journal.last kept), a resume read the
+    directory by the rules from before journals and set aside, then deleted, the current line's ancestors.
+    The journal's absence is evidence where journal.last, or a checkpoint whose manifest names its line, says
+    there was one: a plain resume refuses (exit 2, naming what is missing and how to continue), nothing moves."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    cd.start(two, explicit=False)
+    commit(root, 4, cd)
+    commit(root, 6, cd)
+    cd.start(two, explicit=True)  # a rollback: 4 and 6 leave for abandoned/
+    commit(root, 4, cd)
+    (root / journal.JOURNAL).unlink()
+    if last != "kept":
+        (root / journal.LAST).unlink()
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(UserError, match=r"journal.jsonl: it is missing .*--resume PATH"):
+        resolve.latest(root)
+    with pytest.raises(UserError, match="it is missing"):
+        resolve.resolve(None, "auto", tmp_path)  # checkpoint.resume: auto too
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    found = resolve.resolve(str(root / "step_00000004"), "auto", tmp_path)[0].found  # named: a new line
+    assert found.step == 4

@@ -115,11 +115,13 @@ def parse(raw: bytes | None) -> Parsed:
 
 
 def read(root: Path, fs: LocalFS = LOCAL) -> Parsed:
+    """The journal as it is, with `journal.last`'s record of the last append (read even where the journal is
+    gone: a journal deleted is told from a directory that never had one)."""
     path = Path(root) / JOURNAL
     try:
         raw = fs.read_bytes(path)
     except FileNotFoundError:
-        return parse(None)
+        raw = None
     out = parse(raw)
     try:
         last = json.loads(fs.read_bytes(Path(root) / LAST).decode())

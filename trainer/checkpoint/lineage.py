@@ -70,14 +70,25 @@ class View:
 
     @property
     def journaled(self) -> bool:
-        """The directory keeps a journal: whole records, or a journal damaged or cut short to none (which
-        is never read as a directory from before journals: the line it held is unknown, not the old rules')."""
-        return bool(self.records or self.log.damaged or journal.cut_short(self.log))
+        """The directory keeps a journal: whole records, or a journal damaged or cut short to none, or gone
+        where it left evidence (`missing`): never read as a directory from before journals, since the line it
+        held is unknown, not the old rules'."""
+        return bool(self.records or self.log.damaged or journal.cut_short(self.log) or self.missing)
+
+    @property
+    def missing(self) -> bool:
+        """The journal file is gone, where `journal.last` (written after every append) or a checkpoint whose
+        manifest names a parent says there was one: its parent's commit (or the fork from it) was recorded,
+        durably, before it was trained. (A line's first checkpoint may be here without a journal: a crash
+        between its rename and the journal's first record, which the next start adopts.)"""
+        if self.log.exists:
+            return False
+        return self.log.tail is not None or any(e.lineage("parent") is not None for e in self.disk)
 
     def unsure(self, damaged: list[int]) -> bool:
         """Journal damage could hide the current line: a record damaged after the one naming it (`current`'s
-        third value), or the journal cut short."""
-        return bool(damaged) or journal.cut_short(self.log)
+        third value), the journal cut short, or gone."""
+        return bool(damaged) or journal.cut_short(self.log) or self.missing
 
     def events(self, *kinds: str) -> list[journal.Record]:
         return [r for r in self.records if r.event in kinds]
@@ -241,8 +252,13 @@ def plain(view: View) -> Decision:
             (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
             + (" damaged (not as written) after the record that says which line of checkpoints is current")
             if damaged
+            else "it is missing ("
+            + ("journal.last names the last record appended to it" if view.log.tail else "a checkpoint here names "
+               "its parent in its manifest, whose record a run keeping a journal wrote before it")
+            + ")"
+            if view.missing
             else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
-        )
+        )  # fmt: skip
         raise UserError(
             f"{view.root / journal.JOURNAL}: {what}, so a plain resume cannot tell which line to continue. Name "
             "the checkpoint to continue with --resume PATH (a step_* directory; that starts a new line in the "
