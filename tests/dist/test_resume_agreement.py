@@ -1,8 +1,9 @@
 """Two jobs on one run directory, ranks that disagree about what to resume, and resumes whose
 checkpoint conversion is slow or interrupted, through real processes (2 ranks under torchrun).
 
-- A second job on a run directory a live job holds stops at once, naming the holder; the first job
-  goes on untouched; once the holder is killed (SIGKILL: no clean-up), its lock does not block.
+- A second job on a run directory a live job holds waits checkpoint.lock_wait_s for it (saying so), then stops
+  naming the holder; the first job goes on untouched; once the holder is killed (SIGKILL: no clean-up), its
+  lock does not block.
 - Ranks that found different checkpoints (a node-local run_dir or a stale network filesystem,
   injected here: rank 1 sees the checkpoint before the latest) stop before building anything,
   naming the ranks and what each found.
@@ -37,7 +38,7 @@ def args_for(sets_: dict) -> list[str]:
     return out
 
 
-def test_a_second_job_on_a_held_run_dir_stops_at_once_naming_the_holder(tmp_path):
+def test_a_second_job_on_a_held_run_dir_waits_then_stops_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     base = {**FAST, "model.config.n_layer": 1, "run_dir": run_dir, "data.cache_dir": data_cache(),
             "checkpoint.every_steps": 2, "data.eval_fraction": 0}  # fmt: skip
@@ -52,11 +53,14 @@ def test_a_second_job_on_a_held_run_dir_stops_at_once_naming_the_holder(tmp_path
         for line in first.stdout:
             if "step      2/400" in line:
                 break
-        # The same job again (a double launch, a requeued job): it resumes from the run dir.
-        second = train(tmp_path / "second", {**base, "train.max_steps": 400}, launcher="torchrun",
-                       extra_args=["--resume"], check=False)  # fmt: skip
+        # The same job again (a double launch, a requeued job): it waits checkpoint.lock_wait_s for the run dir,
+        # saying whom it waits for, then stops naming the holder
+        second = train(tmp_path / "second", {**base, "train.max_steps": 400, "checkpoint.lock_wait_s": 3},
+                       launcher="torchrun", extra_args=["--resume"], check=False)  # fmt: skip
         assert second.returncode != 0 and first.poll() is None, second.output[-3000:]
         assert f"is in use by another job: pid {first.pid} on " in second.output, second.output[-3000:]
+        assert "after waiting 3 s for it to end (checkpoint.lock_wait_s)" in second.output
+        assert second.output.count("waiting up to 3 s") == 1, "said once, by rank 0"
         assert second.output.count("in use by another job") == 1, "said once, by rank 0"
         assert "step      1/" not in second.output and "[rank0]: Traceback" not in second.output
         found, warnings = latest(run_dir / "checkpoints")

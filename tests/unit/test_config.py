@@ -188,3 +188,17 @@ def test_describe_covers_every_field():
     keys = {row[0] for row in config.describe()}
     assert {"train.micro_batch_size", "strategy.zero_stage", "logging.wandb.mode", "data.train.files"} <= keys
     assert all(row[3] for row in config.describe()), "every field has a description"
+
+
+def test_the_lock_wait_stays_below_the_collective_timeout():
+    """checkpoint.lock_wait_s (issue 69): the other ranks wait for rank 0's lock in a collective, which
+    dist.timeout_s bounds; a wait as long is refused naming both keys, a negative one by its type."""
+    assert config.load(TINY, ["checkpoint.lock_wait_s=0"]).checkpoint.lock_wait_s == 0
+    with pytest.raises(ConfigError) as e:
+        config.load(TINY, ["checkpoint.lock_wait_s=600"])
+    assert "checkpoint.lock_wait_s" in str(e.value) and "dist.timeout_s" in str(e.value)
+    assert (
+        config.load(TINY, ["checkpoint.lock_wait_s=600", "dist.timeout_s=900"]).checkpoint.lock_wait_s == 600
+    )
+    with pytest.raises(ConfigError, match="checkpoint.lock_wait_s"):
+        config.load(TINY, ["checkpoint.lock_wait_s=-1"])

@@ -379,6 +379,17 @@ def _run_dir(exp: Experiment) -> list[tuple[str, str]]:
     return []
 
 
+@contradiction
+def _lock_wait(exp: Experiment) -> list[tuple[str, str]]:
+    """The other ranks wait for rank 0's lock in a collective, which dist.timeout_s bounds."""
+    wait, timeout = exp.checkpoint.lock_wait_s, exp.dist.timeout_s
+    if wait >= timeout:
+        return [("checkpoint.lock_wait_s", f"{wait:g} s is not below dist.timeout_s ({timeout:g} s): the other ranks "
+                 "wait for the run directory in a collective, which would time out first; lower it or raise "
+                 "dist.timeout_s")]  # fmt: skip
+    return []
+
+
 def line_for(loc: tuple, lines: dict[tuple, int | str]) -> int | None:
     while loc:
         if loc in lines:

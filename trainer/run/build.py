@@ -67,11 +67,13 @@ def build(
     planned: Planned,
     resume: Any,
     *,
+    lock: str | None = None,
     one_off: bool = False,
     max_steps: int | None = None,
     training: bool = True,
 ) -> Run | None:
-    """The Run, or None when a resume finds the checkpoint already at train.max_steps. `one_off`:
+    """The Run, or None when a resume finds the checkpoint already at train.max_steps. `lock`: what taking the
+    run directory said (rundir.hold, before the resume was decided: None, or a warning); `one_off`:
     --overfit-batch and --profile (no eval); `max_steps`: the steps the metrics count to; `training`: the
     default mode (the others leave the checkpoints directory as it is: no rollback, nothing moved)."""
     from trainer import metrics
@@ -85,7 +87,7 @@ def build(
     metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
     for warning in _config_warnings(exp) if runtime.is_main else ():
         log.warning(f"warning: {warning}")
-    agreed = claim_and_agree(exp, runtime, resume, planned.plan, training)
+    agreed = claim_and_agree(exp, runtime, resume, planned.plan, training, lock)
     if agreed is None:
         return None
     data, hosts, notes, resume, disk = agreed
@@ -166,10 +168,10 @@ def prepare_objective(
 
 
 def claim_and_agree(
-    exp: Experiment, runtime: Any, resume: Any, plan: Any, training: bool = True
+    exp: Experiment, runtime: Any, resume: Any, plan: Any, training: bool = True, lock: str | None = None
 ) -> tuple[Any, list[str], list[str], Any, Any] | None:
-    """The run directory (rank 0 holds it), the data, then one gather before anything else is built:
-    the run directory is ours, every rank resumes from the same checkpoint and reads the same data.
+    """The data, then one gather before anything else is built (rank 0 holds the run directory since before
+    the resume was decided: rundir.hold): every rank resumes from the same checkpoint and reads the same data.
     Returns (data, every rank's host, notes on changed data and the lineage, the resume as checked, the
     checkpoints directory as rank 0 left it: None elsewhere), or None: nothing left to train."""
     from trainer import data as data_mod
@@ -180,7 +182,6 @@ def claim_and_agree(
     from trainer.run import consistency, rundir
 
     env = runtime.env
-    lock = rundir.acquire(exp.run_dir) if runtime.is_main else None  # before anything touches run_dir
     data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
     if data.built:
         why = f" (rebuilt: {data.rebuilt}; the earlier cache is not reused)" if data.rebuilt else ""
@@ -207,7 +208,6 @@ def claim_and_agree(
         env.world_size,
         run_dir=exp.run_dir,
         host=env.hostname,
-        lock=lock,
         resume=resume.identity if resume is not None else None,
         data_digest=data.fingerprint["train_digest"],
     )

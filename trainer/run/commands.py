@@ -13,6 +13,7 @@ from typing import Any
 from trainer import config as config_mod
 from trainer.common.errors import UserError
 from trainer.common.faults import Faults
+from trainer.run import rundir
 from trainer.run.build import build
 from trainer.run.modes import MODES, RUN, SUBDIR
 from trainer.run.plan import make_plan, resolved_experiment, vocab_for_planning
@@ -78,6 +79,31 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
 
             print(for_plan(exp.checkpoint, planned.plan, -(-world // per_node)).describe())
     return 0
+
+
+def decided(arg: str | None, exp: config_mod.Experiment, env: Any) -> Any:
+    """What this run resumes (checkpoint.policy.decide), every rank deciding with the run directory held: a
+    rank that cannot is an error on every rank, naming it (one rank alone stopping would leave the others
+    waiting in the next collective)."""
+    from trainer.checkpoint.policy import decide
+    from trainer.cluster import dist
+    from trainer.cluster.dist import all_gather
+
+    try:
+        resume, why = decide(arg, exp, Faults(env.rank, dist.attempt())), None
+    except UserError as e:
+        resume, why = None, e
+    said = all_gather(None if why is None else why.render(), env.world_size) if env.world_size > 1 else [None]
+    if why is not None and env.world_size == 1:
+        raise why
+    failed = [r for r, w in enumerate(said) if w is not None]
+    if failed:
+        first = said[failed[0]]
+        if all(said[r] == first for r in failed) and len(failed) == env.world_size:
+            raise UserError(first, everywhere=True)
+        raise UserError(f"rank(s) {', '.join(map(str, failed))} could not decide what to resume: {first}",
+                        everywhere=True)  # fmt: skip
+    return resume
 
 
 def prepare_data_command(exp: config_mod.Experiment) -> int:
@@ -185,14 +211,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         if src is not None and src.files is not None:
             resolve_files(src, key)
 
-    from trainer.checkpoint.policy import decide, undamaged
     from trainer.common import startup
-
-    resume = decide(args.resume, exp, Faults(dist.detect().rank, dist.attempt()))
-    if resume is not None and dist.detect().world_size == 1:  # several ranks: once they agree (build.py)
-        resume = undamaged(exp, dist.detect(), resume)  # its bytes checked before "nothing to do" is said
-        if resume.done(exp, 0):
-            return 0
 
     # torch and transformers' modeling code without the garbage collector's full passes over them
     # (trainer/common/startup.py)
@@ -203,27 +222,31 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     env = dist.detect()
     device_type = "cuda" if devices.gpu_present() else "cpu"
     vocab, eos = vocab_for_planning(exp)
-    planned = make_plan(
-        exp,
-        world_size=env.world_size,
-        gpus_per_node=env.local_world_size,
-        device_type=device_type,
-        device_memory=devices.device_memory(),
-        vocab_size=vocab,
-        eos_id=eos,
-        force=args.force,
-        source=args.experiment,
-        saved_ds_config=resume.ds_config if resume is not None else None,
-    )
-    exp = planned.exp or exp  # train.micro_batch_size and grad_accum as the plan decided them
-    runtime = dist.setup(exp.dist.timeout_s)
+
+    def planned_for(saved_ds_config: dict | None) -> Any:
+        return make_plan(
+            exp, world_size=env.world_size, gpus_per_node=env.local_world_size, device_type=device_type,
+            device_memory=devices.device_memory(), vocab_size=vocab, eos_id=eos, force=args.force,
+            source=args.experiment, saved_ds_config=saved_ds_config,
+        )  # fmt: skip
+
+    planned = planned_for(None)  # a job that cannot fit stops here, before any process group work
+    runtime = dist.setup((planned.exp or exp).dist.timeout_s)
     try:
+        # Nothing reads the run directory to decide before rank 0 holds it (a dying job may still save and prune)
+        lock = rundir.hold(exp.run_dir, env.rank, env.world_size, exp.checkpoint.lock_wait_s,
+                           say=lambda m: print(m, flush=True))  # fmt: skip
+        resume = decided(args.resume, exp, env)
+        if resume is not None:
+            planned = planned_for(resume.ds_config)  # its LR schedule continues
+        exp = planned.exp or exp  # train.micro_batch_size and grad_accum as the plan decided them
         mode = next((m for m in MODES if getattr(args, m)), "train")
         run = build(
             exp,
             runtime,
             planned,
             resume,
+            lock=lock,
             one_off=mode in SUBDIR,  # no eval (see trainer/run/modes.py)
             max_steps=PROFILE_WARMUP + PROFILE_ACTIVE if mode == "profile" else None,
             training=mode == "train",  # the one-off modes move nothing in the checkpoints directory

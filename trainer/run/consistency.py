@@ -41,25 +41,16 @@ def agree_at_start(
     *,
     run_dir: str,
     host: str,
-    lock: str | None,
     resume: dict[str, Any] | None,
     data_digest: str,
 ) -> list[str]:
-    """What every rank must share before it builds anything, in one gather: rank 0 holds the run
-    directory (`lock`: None, or who holds it), every rank resumes from the same checkpoint
-    (`resume`: its tag and save time, as this rank found it) and sees the same training data. A
-    disagreement is an error on every rank, naming the ranks. Returns every rank's host."""
+    """What every rank must share before it builds anything, in one gather (rank 0 holds the run directory
+    already: run/rundir.py's hold): every rank resumes from the same checkpoint (`resume`: its tag and save
+    time, as this rank found it) and sees the same training data. A disagreement is an error on every rank,
+    naming the ranks. Returns every rank's host."""
     from trainer.common.errors import UserError
 
-    facts = all_gather({"host": host, "lock": lock, "resume": resume, "data": data_digest}, world_size)
-    holder = facts[0]["lock"]
-    if holder is not None and not holder.startswith("warning:"):
-        raise UserError(
-            f"run_dir {run_dir} is in use by another job: {holder}. One job per run directory (two would "
-            "delete each other's saves): wait for it to end or stop it, or choose another run_dir "
-            "(--set run_dir=...)",
-            everywhere=True,
-        )
+    facts = all_gather({"host": host, "resume": resume, "data": data_digest}, world_size)
 
     def by_value(key: str, show: Any) -> str:
         groups: dict[str, list[int]] = {}

@@ -1,10 +1,11 @@
 """One job per run directory.
 
-Rank 0 of a job holds an exclusive lock on `<run_dir>/.lock` (flock) from before it touches the
-directory until the process ends, and writes who holds it (host, pid, start time, command) into the
-file. A second job started on the same run directory (a double launch, a requeued job overlapping
-the dying one) finds the lock taken and stops at once with an error naming the holder: two jobs
-would otherwise delete each other's in-progress saves. The kernel releases the lock when the
+Rank 0 of a job holds an exclusive lock on `<run_dir>/.lock` (flock) from before any rank reads the
+directory to decide what to resume until the process ends, and writes who holds it (host, pid, start time,
+command) into the file. A second job started on the same run directory (a double launch, a requeued job
+overlapping the dying one, which saves on SIGTERM) waits for the lock up to checkpoint.lock_wait_s, saying
+whom it waits for, then stops with an error naming the holder: two jobs would otherwise delete each other's
+in-progress saves, and a decision made before the lock could resume a checkpoint the dying job prunes. The kernel releases the lock when the
 holder dies, SIGKILL included, so a killed job's lock never blocks the next one. On a filesystem
 without locks (some network mounts) the run goes on with a warning.
 """
@@ -26,9 +27,46 @@ LOCK = ".lock"
 _held: list[Any] = []  # the open lock files of this process (kept open: closing would release them)
 
 
-def acquire(run_dir: str | Path) -> str | None:
-    """Take the run directory's lock for the rest of this process. Returns None when taken, or why
-    not: the holder's description, or a warning when the filesystem has no locks ("warning: ...")."""
+def hold(run_dir: str | Path, rank: int, world_size: int, wait_s: float, say: Any = print) -> str | None:
+    """Rank 0 takes the run directory's lock (`acquire`, waiting up to `wait_s` for a job that still holds
+    it) and every rank learns whether it did, before any of them reads the run directory to decide what to
+    resume: every rank calls it. A directory held by another job is an error on every rank; returns None, or
+    rank 0's warning of a filesystem without locks."""
+    from trainer.cluster.dist import all_gather
+    from trainer.common.errors import UserError
+
+    got = acquire(run_dir, wait_s, say) if rank == 0 else None
+    got = all_gather(got, world_size)[0] if world_size > 1 else got
+    if got is not None and not got.startswith("warning:"):
+        raise UserError(
+            f"run_dir {run_dir} is in use by another job: {got}" + (f", after waiting {wait_s:g} s for it to end "
+            "(checkpoint.lock_wait_s)" if wait_s else "") + ". One job per run directory (two would delete each "
+            "other's saves): wait for it to end or stop it, or choose another run_dir (--set run_dir=...)",
+            everywhere=True,
+        )  # fmt: skip
+    return got
+
+
+def acquire(run_dir: str | Path, wait_s: float = 0.0, say: Any = None) -> str | None:
+    """Take the run directory's lock for the rest of this process, waiting up to `wait_s` for another job to
+    release it (said once, with the holder). Returns None when taken, or why not: the holder's description,
+    or a warning when the filesystem has no locks ("warning: ...")."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = _try(run_dir)
+        if got is None or got.startswith("warning:") or time.monotonic() >= deadline:
+            return got
+        if say is not None:
+            say(f"run_dir {run_dir} is held by {got}: waiting up to {wait_s:g} s for it to end "
+                "(checkpoint.lock_wait_s; a requeued job overlapping the dying one)")  # fmt: skip
+            say = None
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def _try(run_dir: str | Path) -> str | None:
+    """One try at the lock (see `acquire`)."""
     path = Path(run_dir) / LOCK
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
