@@ -77,13 +77,7 @@ class View:
 
     @property
     def missing(self) -> bool:
-        """The journal file is gone, where `journal.last` (written after every append) or a checkpoint whose
-        manifest names a parent says there was one: its parent's commit (or the fork from it) was recorded,
-        durably, before it was trained. (A line's first checkpoint may be here without a journal: a crash
-        between its rename and the journal's first record, which the next start adopts.)"""
-        if self.log.exists:
-            return False
-        return self.log.tail is not None or any(e.lineage("parent") is not None for e in self.disk)
+        return gone(self.log, self.disk)
 
     def unsure(self, damaged: list[int]) -> bool:
         """Journal damage could hide the current line: a record damaged after the one naming it (`current`'s
@@ -208,6 +202,16 @@ class View:
         if found.lineage("line") is None:  # from before lineages: the older ones here
             ids |= {e.id for e in self.disk if e.id is not None and e.step < found.step}
         return ids
+
+
+def gone(log: journal.Parsed, disk: list[Entry]) -> bool:
+    """The journal file is gone, where `journal.last` (written after every append) or a checkpoint whose
+    manifest names a parent says there was one: its parent's commit (or the fork from it) was recorded,
+    durably, before it was trained. (A line's first checkpoint may be here without a journal: a crash
+    between its rename and the journal's first record, which the next start adopts.)"""
+    if log.exists:
+        return False
+    return log.tail is not None or any(e.lineage("parent") is not None for e in disk)
 
 
 def new_line() -> str:
