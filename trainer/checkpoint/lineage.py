@@ -71,18 +71,14 @@ class View:
     @property
     def journaled(self) -> bool:
         """The directory keeps a journal: whole records, or a journal damaged or cut short to none, or gone
-        where it left evidence (`missing`): never read as a directory from before journals, since the line it
+        where it left evidence (`gone`): never read as a directory from before journals, since the line it
         held is unknown, not the old rules'."""
-        return bool(self.records or self.log.damaged or journal.cut_short(self.log) or self.missing)
-
-    @property
-    def missing(self) -> bool:
-        return gone(self.log, self.disk)
+        return bool(self.records or self.log.damaged or self.unsure([]))
 
     def unsure(self, damaged: list[int]) -> bool:
         """Journal damage could hide the current line: a record damaged after the one naming it (`current`'s
         third value), the journal cut short, or gone."""
-        return bool(damaged) or journal.cut_short(self.log) or self.missing
+        return bool(damaged) or journal.cut_short(self.log) or gone(self.log, self.disk)
 
     def events(self, *kinds: str) -> list[journal.Record]:
         return [r for r in self.records if r.event in kinds]
@@ -260,7 +256,7 @@ def plain(view: View) -> Decision:
             + ("journal.last names the last record appended to it" if view.log.tail else "a checkpoint here names "
                "its parent in its manifest, whose record a run keeping a journal wrote before it")
             + ")"
-            if view.missing
+            if gone(view.log, view.disk)
             else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
         )  # fmt: skip
         raise UserError(
