@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from trainer.cluster.devices import gpu_present, hide_gpus_if_asked
@@ -366,10 +367,31 @@ def attempt() -> int:
     return int(os.environ.get("TRAINER_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
+def restarted() -> bool:
+    """Whether this process reruns its job's command line: our supervisor's attempt after the first, torchrun's
+    restart (--max-restarts), or a Slurm requeue of the same job."""
+    keys = ("TRAINER_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    return any(int(os.environ.get(k) or 0) > 0 for k in keys)
+
+
 def job() -> str | None:
-    """The supervised job this attempt belongs to (set by our supervisor; recorded with every commit, so
-    that a restart knows whether the job has a checkpoint of its own yet)."""
-    return os.environ.get("TRAINER_JOB") or None
+    """The job this process belongs to, the same across the restarts that rerun its command line (recorded with
+    every commit, so that a restart knows whether the job has a checkpoint of its own yet): our supervisor's
+    (TRAINER_JOB), else Slurm's job id (a requeue keeps it), else torchrun's agent, which restarts the ranks it
+    started (its host, pid and start time: a new torchrun is a new job even with the same rendezvous id); None
+    where nothing restarts the command line. Multi-node torchrun: rank 0's, shared at start (run/rundir.hold)."""
+    if os.environ.get("TRAINER_JOB"):
+        return os.environ["TRAINER_JOB"]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    if under_torchrun():
+        agent = os.getppid()
+        try:  # its start time (clock ticks since boot): a pid the system reused is another process
+            since = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        except (OSError, IndexError):
+            since = "0"
+        return f"torchrun-{socket.gethostname()}-{agent}-{since}"
+    return None
 
 
 def under_torchrun() -> bool:

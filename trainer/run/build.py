@@ -68,6 +68,7 @@ def build(
     resume: Any,
     *,
     lock: str | None = None,
+    job: str | None = None,
     one_off: bool = False,
     max_steps: int | None = None,
     training: bool = True,
@@ -87,7 +88,7 @@ def build(
     metrics.setup_logging(runtime.is_main, env.rank, exp.logging.level)
     for warning in _config_warnings(exp) if runtime.is_main else ():
         log.warning(f"warning: {warning}")
-    agreed = claim_and_agree(exp, runtime, resume, planned.plan, training, lock)
+    agreed = claim_and_agree(exp, runtime, resume, planned.plan, training, lock, job)
     if agreed is None:
         return None
     data, hosts, notes, resume, disk = agreed
@@ -168,8 +169,9 @@ def prepare_objective(
 
 
 def claim_and_agree(
-    exp: Experiment, runtime: Any, resume: Any, plan: Any, training: bool = True, lock: str | None = None
-) -> tuple[Any, list[str], list[str], Any, Any] | None:
+    exp: Experiment, runtime: Any, resume: Any, plan: Any, training: bool = True, lock: str | None = None,
+    job: str | None = None,
+) -> tuple[Any, list[str], list[str], Any, Any] | None:  # fmt: skip
     """The data, then one gather before anything else is built (rank 0 holds the run directory since before
     the resume was decided: rundir.hold): every rank resumes from the same checkpoint and reads the same data.
     Returns (data, every rank's host, notes on changed data and the lineage, the resume as checked, the
@@ -232,7 +234,7 @@ def claim_and_agree(
         try:
             notes += disk.start(
                 resume.found if resume else None, explicit=bool(resume and resume.explicit),
-                skipped=resume.skipped if resume else [], on_rollback=c.on_rollback, job=dist.job(),
+                skipped=resume.skipped if resume else [], on_rollback=c.on_rollback, job=job,
             )  # fmt: skip
         except OSError as e:  # a read-only or full checkpoints directory: a restart would fail the same way
             from trainer.checkpoint.fs import describe

@@ -81,15 +81,20 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     return 0
 
 
-def decided(arg: str | None, exp: config_mod.Experiment, env: Any) -> Any:
+def decided(arg: str | None, exp: config_mod.Experiment, env: Any, job: str | None = None) -> Any:
     """What this run resumes (checkpoint.policy.decide), every rank deciding with the run directory held: a
     rank that cannot is an error on every rank, naming it (one rank alone stopping would leave the others
-    waiting in the next collective)."""
+    waiting in the next collective). A restart of the job's command line (torchrun's, a Slurm requeue: the
+    same `job`) resumes the `--resume PATH` it names only until the job committed a checkpoint of its own,
+    then the line's newest, as the supervisor's restarts do (checkpoint/restart.py)."""
     from trainer.checkpoint.policy import decide
+    from trainer.checkpoint.restart import restart_resume
     from trainer.cluster import dist
     from trainer.cluster.dist import all_gather
 
     try:
+        if arg not in (None, "latest") and job and dist.restarted():
+            arg = restart_resume(Path(exp.run_dir), arg, job)
         resume, why = decide(arg, exp, Faults(env.rank, dist.attempt())), None
     except UserError as e:
         resume, why = None, e
@@ -234,9 +239,9 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     runtime = dist.setup((planned.exp or exp).dist.timeout_s)
     try:
         # Nothing reads the run directory to decide before rank 0 holds it (a dying job may still save and prune)
-        lock = rundir.hold(exp.run_dir, env.rank, env.world_size, exp.checkpoint.lock_wait_s,
-                           say=lambda m: print(m, flush=True))  # fmt: skip
-        resume = decided(args.resume, exp, env)
+        lock, job = rundir.hold(exp.run_dir, env.rank, env.world_size, exp.checkpoint.lock_wait_s,
+                                say=lambda m: print(m, flush=True))  # fmt: skip
+        resume = decided(args.resume, exp, env, job)
         if resume is not None:
             planned = planned_for(resume.ds_config)  # its LR schedule continues
         exp = planned.exp or exp  # train.micro_batch_size and grad_accum as the plan decided them
@@ -247,6 +252,7 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             planned,
             resume,
             lock=lock,
+            job=job,
             one_off=mode in SUBDIR,  # no eval (see trainer/run/modes.py)
             max_steps=PROFILE_WARMUP + PROFILE_ACTIVE if mode == "profile" else None,
             training=mode == "train",  # the one-off modes move nothing in the checkpoints directory

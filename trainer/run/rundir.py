@@ -27,16 +27,18 @@ LOCK = ".lock"
 _held: list[Any] = []  # the open lock files of this process (kept open: closing would release them)
 
 
-def hold(run_dir: str | Path, rank: int, world_size: int, wait_s: float, say: Any = print) -> str | None:
+def hold(
+    run_dir: str | Path, rank: int, world_size: int, wait_s: float, say: Any = print
+) -> tuple[str | None, str | None]:
     """Rank 0 takes the run directory's lock (`acquire`, waiting up to `wait_s` for a job that still holds
     it) and every rank learns whether it did, before any of them reads the run directory to decide what to
-    resume: every rank calls it. A directory held by another job is an error on every rank; returns None, or
-    rank 0's warning of a filesystem without locks."""
-    from trainer.cluster.dist import all_gather
+    resume: every rank calls it. A directory held by another job is an error on every rank. Returns (None,
+    or rank 0's warning of a filesystem without locks; the job, rank 0's: cluster/dist.job)."""
+    from trainer.cluster.dist import all_gather, job
     from trainer.common.errors import UserError
 
-    got = acquire(run_dir, wait_s, say) if rank == 0 else None
-    got = all_gather(got, world_size)[0] if world_size > 1 else got
+    mine = (acquire(run_dir, wait_s, say) if rank == 0 else None, job())
+    got, job_id = all_gather(mine, world_size)[0] if world_size > 1 else mine
     if got is not None and not got.startswith("warning:"):
         raise UserError(
             f"run_dir {run_dir} is in use by another job: {got}" + (f", after waiting {wait_s:g} s for it to end "
@@ -44,7 +46,7 @@ def hold(run_dir: str | Path, rank: int, world_size: int, wait_s: float, say: An
             "other's saves): wait for it to end or stop it, or choose another run_dir (--set run_dir=...)",
             everywhere=True,
         )  # fmt: skip
-    return got
+    return got, job_id
 
 
 def acquire(run_dir: str | Path, wait_s: float = 0.0, say: Any = None) -> str | None:

@@ -210,7 +210,7 @@ class Supervisor:
     kept_accum: str | None = field(default=None, init=False)
     _child: subprocess.Popen | None = None
     _stopping: int | None = None  # the signal that asked us to stop
-    job: str = field(default_factory=lambda: __import__("uuid").uuid4().hex[:12])  # recorded with every commit  # fmt: skip
+    job: str = field(default_factory=lambda: supervised_job())  # recorded with every commit
 
     def hosts(self) -> list[tuple[str, int]]:
         return read_hostfile(self.hostfile) if self.hostfile else []
@@ -365,6 +365,14 @@ def launch_command(sup: Supervisor, overrides: list[str], resume: str | None, po
         return [*launcher_program("torchrun", "torch.distributed.run"), "--nproc_per_node", str(sup.nproc_per_node),
                 "--master_port", str(port), *args]  # fmt: skip
     raise UserError(f"--launcher: unknown launcher '{sup.launcher}'; use deepspeed, torchrun or none")
+
+
+def supervised_job() -> str:
+    """The supervised job's id, recorded with every commit: Slurm's job id where Slurm runs it (a requeue
+    restarts this supervisor with the same command line: the same job), else a new one."""
+    import uuid
+
+    return f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else uuid.uuid4().hex[:12]
 
 
 def attempt_env(

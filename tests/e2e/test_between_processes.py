@@ -1,0 +1,107 @@
+"""Checkpoints between processes, as a cluster makes them (issue 69):
+
+- a requeued job started while the dying one still trains, then saves on SIGTERM and prunes. The new job had
+  decided what to resume about 5 s before it took the run directory's lock, so it resumed the checkpoint the
+  dying job's prune removed and set its last save aside (keep_last 1: exit 2, nothing left;
+  checkpoint.resume: auto then started from step 1); with keep_last 2 it resumed the older one and moved the
+  newest to abandoned/. Now rank 0 takes the lock first, waiting for the dying job (checkpoint.lock_wait_s),
+  and every decision is made after it;
+- torchrun's own restarts (--max-restarts) rerun the command line, `--resume PATH` included: a rollback was
+  done again after the job had committed on its new line. A restart of the same job (torchrun's agent, a
+  Slurm job id) now resumes the line's newest once the job committed, as the supervisor's restarts do."""
+
+import queue
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+from helpers import BIN, FAST, ROOT, TINY, TRAIN, command, data_cache, env_for, free_port, train, yaml_value
+
+from trainer.checkpoint import latest
+
+pytestmark = pytest.mark.e2e
+
+
+def start(sets: dict, extra: list[str], fault: str = "") -> tuple[subprocess.Popen, queue.Queue]:
+    args = [str(TINY)]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={yaml_value(v)}"]
+    p = subprocess.Popen(command("none", 1, args + extra), cwd=ROOT, env=env_for(1, {"TRAINER_FAULT": fault}),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
+    return p, lines
+
+
+def wait_for(lines: queue.Queue, text: str, seen: list[str], timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if text in line:
+            return line
+    raise AssertionError(f"never said {text!r}:\n{''.join(seen)[-4000:]}")
+
+
+@pytest.mark.parametrize("keep_last,how", [(1, "--resume"), (2, "--resume"), (1, "auto"), (2, "auto")])
+def test_a_requeued_job_overlapping_the_dying_one_resumes_its_last_save(tmp_path, keep_last, how):
+    run_dir = tmp_path / "run"
+    base = {**FAST, "model.config.n_layer": 1, "data.seq_len": 64, "run_dir": run_dir, "data.cache_dir": data_cache(),
+            "checkpoint.every_steps": 2, "checkpoint.keep_last": keep_last, "data.eval_fraction": 0,
+            "train.max_steps": 10_000}  # fmt: skip
+    first, first_lines = start(base, [], fault="slow@1:ms=100")
+    second = None
+    try:
+        while (found := latest(run_dir / "checkpoints")[0]) is None or found.step < 4:
+            assert first.poll() is None, "the first job ended early"
+            time.sleep(0.2)
+        extra = ["--resume"] if how == "--resume" else ["--set", "checkpoint.resume=auto"]
+        second, second_lines = start(base, extra)
+        said: list[str] = []
+        wait_for(second_lines, "waiting up to", said)  # the first job holds the run directory
+        first.send_signal(signal.SIGTERM)  # the dying job saves on SIGTERM, prunes, exits
+        assert first.wait(timeout=120) == 0
+        last = latest(run_dir / "checkpoints")[0]
+        line = wait_for(second_lines, "resumed from", said)
+        assert f"resumed from {last.tag}" in line or str(last.path) in line, line
+        assert not (run_dir / "checkpoints" / "abandoned").exists(), "nothing set aside"
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=120) == 0, "".join(said)[-3000:]
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_torchruns_own_restart_does_not_roll_back_again(tmp_path):
+    """Issue 69, case 3: `torchrun --max-restarts 1 ... --resume .../step_00000008` rolls back a line that
+    went on to step 12; the job commits steps 9 and 10 on its new line and fails at step 11. torchrun reruns the
+    same command line: it resumed step 8 again ("rollback: resumed from step_00000008"), set the job's own line
+    aside and trained from 9 again. The restart resumes the job's newest, step 10, and the journal holds the
+    one rollback."""
+    run_dir = tmp_path / "run"
+    base = {**FAST, "model.config.n_layer": 1, "data.seq_len": 64, "run_dir": run_dir, "data.cache_dir": data_cache(),
+            "checkpoint.every_steps": 2, "checkpoint.keep_last": 10, "data.eval_fraction": 0}  # fmt: skip
+    train(tmp_path / "first", {**base, "train.max_steps": 12})
+    args = [str(BIN / "torchrun"), "--nproc_per_node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(TRAIN), str(TINY)]  # fmt: skip
+    for k, v in {**base, "train.max_steps": 14, "checkpoint.every_steps": 1}.items():
+        args += ["--set", f"{k}={yaml_value(v)}"]
+    args += ["--resume", str(run_dir / "checkpoints" / "step_00000008")]
+    env = env_for(1, {"TRAINER_FAULT": "raise@11:attempt=0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert out.count("rollback: resumed from step_00000008") == 1, out[-4000:]
+    assert "step_00000010 at step 10" in out, out[-4000:]  # the restart continued the job's own line
+    from trainer.checkpoint import journal
+
+    records = journal.read(run_dir / "checkpoints").records
+    assert [r.event for r in records].count("fork") == 1
+    assert latest(run_dir / "checkpoints")[0].step == 14
