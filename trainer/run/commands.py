@@ -257,7 +257,15 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
             max_steps=PROFILE_WARMUP + PROFILE_ACTIVE if mode == "profile" else None,
             training=mode == "train",  # the one-off modes move nothing in the checkpoints directory
         )
-        return 0 if run is None else RUN[mode](run)
+        code = 0 if run is None else RUN[mode](run)
+        # every rank reaches the end before any tears the process group down: a rank that did so while another
+        # was still leaving its last step aborted at exit ("terminate called without an active exception";
+        # CI, after a synchronous save, as f8a13c7 had seen after an asynchronous final one)
+        import torch.distributed as tdist
+
+        if tdist.is_initialized() and env.world_size > 1:
+            tdist.barrier()
+        return code
     except UserError as e:
         if e.everywhere is None:
             e.everywhere = False  # found by this rank while running: it must say it itself
