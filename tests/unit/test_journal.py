@@ -221,3 +221,30 @@ def test_a_deleted_journal_is_refused_as_an_emptied_one_is(tmp_path, last):
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
     found = resolve.resolve(str(root / "step_00000004"), "auto", tmp_path)[0].found  # named: a new line
     assert found.step == 4
+
+
+def test_a_staging_directory_resumed_by_name_stays_resumable_and_latest_never_names_it(tmp_path):
+    """Issue 69, case 7: `--resume .../.tmp-step_00000006` (a save killed after its manifest, complete) killed
+    before its first save left `latest` naming `.tmp-step_00000006`, and a plain --resume said "nothing to
+    resume" with step 6 (staging), 4 and 2 intact: the fork's source, named by path, was looked for as a step_*
+    directory only. A plain resume continues it, the next start keeps it, and `latest` names committed
+    checkpoints only."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    cd.start(two, explicit=False)
+    commit(root, 4, cd)
+    stage = cd.prepare("step_00000006")
+    stage.mkdir(parents=True)
+    (stage / "shard.pt").write_bytes(b"x" * 6)
+    cd.write_manifest(stage, {"step": 6}, {}, "exp: 1\n")  # killed here: the manifest written, not renamed
+    found = resolve.resolve(str(stage), "never", tmp_path)[0].found
+    CheckpointDir(root).start(found, explicit=True)  # the resume by name, killed before its first save
+    assert not (root / "latest").exists() or (root / "latest").read_text().strip() != stage.name
+    again = resolve.resolve("latest", "never", tmp_path)[0].found  # a plain --resume
+    assert again.path == stage
+    cd = CheckpointDir(root)
+    cd.start(again, explicit=False)
+    assert stage.exists()  # kept by the start that resumes it
+    seven = commit(root, 7, cd)
+    assert resolve.latest(root)[0].path == seven.path and (root / "latest").read_text().strip() == seven.tag

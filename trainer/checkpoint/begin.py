@@ -24,7 +24,7 @@ from typing import Any
 
 from trainer.checkpoint import journal
 from trainer.checkpoint.aside import aside_dir, describe, evict, move, set_aside
-from trainer.checkpoint.disk import ABANDONED, DAMAGED, STAGING_PREFIX, TRASH_PREFIX, Entry, Found
+from trainer.checkpoint.disk import ABANDONED, DAMAGED, STAGING_PREFIX, STEP_DIR, TRASH_PREFIX, Entry, Found
 from trainer.checkpoint.lineage import Lineage, View, is_head, new_line
 
 CheckpointDir = Any  # trainer/checkpoint/directory.py's, which imports this module
@@ -56,8 +56,10 @@ def start(cd: CheckpointDir, found: Found | None, *, explicit: bool, skipped: li
         notes += _fork(cd, view, found, on_rollback, job)
     else:
         notes += _continue(cd, view, found, skipped, job)
-    if found is not None:
-        cd.write_latest(found.tag if here else None)
+    if (
+        found is not None
+    ):  # `latest` names committed checkpoints only (not a staging directory resumed by name)
+        cd.write_latest(found.tag if here and STEP_DIR.match(found.tag) else None)
     line = [e.path for _, e in View.read(root, fs).chain(found.id if found else None) if e is not None]
     dropped = evict(cd, protect=line)  # never a directory holding a checkpoint of the line
     if dropped:

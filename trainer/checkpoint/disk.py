@@ -205,13 +205,16 @@ def problems(found: Found, fs: LocalFS = LOCAL, digests: bool = False) -> list[s
     return out
 
 
-def entry(path: Path, fs: LocalFS = LOCAL) -> Entry | None:
-    """The step_* directory at `path` as a scan sees it (None: not a step directory)."""
+def entry(path: Path, fs: LocalFS = LOCAL, any_name: bool = False) -> Entry | None:
+    """The step_* directory at `path` as a scan sees it (None: not a step directory). `any_name`: a checkpoint
+    named by path (a fork's source: a staging directory resumed by name, one elsewhere under another name),
+    its step from its state."""
     m = STEP_DIR.match(Path(path).name)
-    if not m or not fs.is_dir(path):
+    if not fs.is_dir(path) or not (m or any_name and fs.exists(Path(path) / STATE)):
         return None
     state, why = load_state(path, fs)
-    return Entry(Path(path), int(m.group(1)), state, why)
+    step = int(m.group(1)) if m else int((state or {}).get("step", -1))
+    return Entry(Path(path), step, state, why)
 
 
 def scan(root: Path, fs: LocalFS = LOCAL) -> list[Entry]:

@@ -170,7 +170,7 @@ class View:
             return here
         path = self.index["source"].get(ident)  # a fork's source: here (relative) or elsewhere (absolute)
         if path is not None:
-            e = entry(self.root / path, self.fs)  # an absolute path stays what it is
+            e = entry(self.root / path, self.fs, any_name=True)  # an absolute path stays what it is
             if e is not None and e.id in (ident, None):
                 return e
         tag = self.index["tag"].get(ident)  # its manifest damaged: known by its tag, where it was committed
