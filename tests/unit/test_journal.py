@@ -248,3 +248,56 @@ def test_a_staging_directory_resumed_by_name_stays_resumable_and_latest_never_na
     assert stage.exists()  # kept by the start that resumes it
     seven = commit(root, 7, cd)
     assert resolve.latest(root)[0].path == seven.path and (root / "latest").read_text().strip() == seven.tag
+
+
+def test_a_prune_still_deleting_is_no_interrupted_save(tmp_path, caplog):
+    """Issue 69, messages: every save after a prune logged "removing .trash-step_N (left by an interrupted
+    save)" (the prune's own deletion, still running in the background), though nothing was interrupted; and
+    removed it under the thread deleting it. A crash's leftover is still said and removed."""
+    import logging
+    import threading
+
+    from trainer.checkpoint.fs import LocalFS
+
+    release = threading.Event()
+
+    class Slow(LocalFS):
+        def rmtree(self, path):
+            if threading.current_thread().name == "prune":  # the prune's deletion in the background
+                release.wait(10)
+            super().rmtree(path)
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root, fs=Slow())
+    for step in (2, 4):
+        commit(root, step, cd)
+    assert cd.prune(1) == ["step_00000002"]  # its deletion goes on in the background
+    (root / ".tmp-step_00000003").mkdir()  # what a crashed save leaves
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        cd.prepare("step_00000006")
+    said = [r.message for r in caplog.records if "interrupted save" in r.message]
+    assert said == [f"removing {root / '.tmp-step_00000003'} (left by an interrupted save)"], said
+    release.set()
+    cd.wait_deletes()
+    assert not (root / ".trash-step_00000002").exists()
+
+
+def test_a_head_removed_by_hand_and_a_latest_edited_by_hand_are_said(tmp_path):
+    """Issue 69, messages: a plain resume past the line's newest, which someone deleted by hand, said nothing;
+    a `latest` edited by hand (DeepSpeed's way to roll back) was ignored silently. Both are said: what is
+    gone, and that the journal decides with how to roll back (--resume PATH)."""
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    for step in (2, 4, 6, 8):
+        commit(root, step, cd)
+    (root / "latest").write_text("step_00000004\n")  # DeepSpeed's way to roll back, by hand
+    found, said = resolve.latest(root)
+    assert found.step == 8 and len(said) == 1, said
+    assert "names step_00000004, not step_00000008" in said[0] and f"--resume {root / 'step_00000004'}" in said[0]
+    shutil.rmtree(root / "step_00000008")  # the head, removed by hand
+    (root / "latest").write_text("step_00000008\n")
+    found, said = resolve.latest(root)
+    assert found.step == 6 and said == [f"checkpoint step_00000008 of the current line is gone from {root} (no prune "
+                                         "removed it: by hand, or another process); resuming past it"], said

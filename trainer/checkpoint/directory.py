@@ -58,6 +58,7 @@ class CheckpointDir:
     background_deletes: bool = True  # pruned directories deleted on a thread (the crash test: inline)
     faults: Any = None  # tests: trainer/common/faults.py's kill points of a start (killfork)
     _deleting: Any = field(default=None, repr=False)
+    _pending: list[Path] = field(default_factory=list, repr=False)  # what the `_deleting` thread removes
     _entry_durable: bool = field(default=False, repr=False)  # checkpoints/' and run_dir's entries fsynced
 
     def __post_init__(self) -> None:
@@ -87,11 +88,18 @@ class CheckpointDir:
 
     def clean_leftovers(self, keep: str) -> None:
         """Remove staging and trash directories left by crashed saves or prunes (`keep`: a staging
-        directory a resume names)."""
+        directory a resume names); not the trash this process's own prune is still deleting in the
+        background (no interrupted save left it: it is not said to be one)."""
+        deleting = (
+            {p.name for p in self._pending}
+            if self._deleting is not None and self._deleting.is_alive()
+            else set()
+        )
         for name in self.fs.listdir(self.root):
             if (
                 name.startswith((STAGING_PREFIX, TRASH_PREFIX))
                 and name != keep
+                and name not in deleting
                 and self.fs.is_dir(self.root / name)
             ):
                 log.info(f"removing {self.root / name} (left by an interrupted save)")
@@ -165,6 +173,7 @@ class CheckpointDir:
                 self.fs.rmtree(p)
             return
         self.wait_deletes()  # unlinking gigabytes can take a second: not on the training thread
+        self._pending = list(paths)
         self._deleting = threading.Thread(target=lambda: [self.fs.rmtree(p) for p in paths], name="prune",
                                           daemon=True)  # fmt: skip
         self._deleting.start()

@@ -266,7 +266,8 @@ def plain(view: View) -> Decision:
         )
     pruned = view.pruned()
     out = Decision(None)
-    line_entries = [(i, e) for i, e in view.chain(head) if e is not None and i not in pruned]
+    chain = view.chain(head)
+    line_entries = [(i, e) for i, e in chain if e is not None and i not in pruned]
     for n, (_, e) in enumerate(line_entries):
         why = [e.why] if e.state is None else verify(e.path, e.state, view.fs)
         if not why:
@@ -275,7 +276,36 @@ def plain(view: View) -> Decision:
             break
         out.skipped.append(e)
         out.warnings.append(_said(e, why))
+    out.warnings[:0] = _gone_and_latest(view, chain, pruned, out.found)
     return out
+
+
+def _gone_and_latest(
+    view: View, chain: list[tuple[str, Entry | None]], pruned: set[str], found: Found | None
+) -> list[str]:
+    """What a plain resume says beside its choice: checkpoints of the line newer than the one it resumes that
+    are gone though no prune removed them (by hand, or by another process), and a `latest` that names another
+    checkpoint (edited by hand: the journal decides; the way to roll back)."""
+    said, tags, newer = [], view.index["tag"], set()
+    for i, e in chain:
+        if found is not None and e is not None and e.path == found.path:
+            break
+        newer.add(e.tag if e is not None else tags.get(i))  # said otherwise (damaged, gone): not latest's
+        if e is None and i not in pruned:
+            said.append(f"checkpoint {tags.get(i) or i[:12]} of the current line is gone from {view.root} (no prune "
+                        "removed it: by hand, or another process); resuming past it")  # fmt: skip
+    named = named_by_latest(view.root, view.fs)
+    if (
+        found is not None
+        and named
+        and named not in (found.tag, *newer)
+        and STEP_DIR.match(named)
+        and view.fs.exists(view.root / named)
+    ):
+        said.append(f"{view.root / LATEST} names {named}, not {found.tag}, the newest of the current line, which "
+                    "this resume continues: the journal decides (latest is its cache, rewritten at the next save); "
+                    f"to roll back, name it: --resume {view.root / named}")  # fmt: skip
+    return said
 
 
 def verified(
