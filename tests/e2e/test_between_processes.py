@@ -105,3 +105,29 @@ def test_torchruns_own_restart_does_not_roll_back_again(tmp_path):
     records = journal.read(run_dir / "checkpoints").records
     assert [r.event for r in records].count("fork") == 1
     assert latest(run_dir / "checkpoints")[0].step == 14
+
+
+@pytest.mark.parametrize("point", ["fullmanifest", "fulljournal"])
+def test_a_full_disk_at_the_commit_is_a_user_error_and_the_next_resume_is_right(tmp_path, point):
+    """Issue 69, case 6: a full disk during rank 0's commit was a raw traceback (ENOSPC from the manifest's
+    write, or from the journal's append after the rename, once with no file named). It is exit 2 with the
+    file, ENOSPC and what is kept: before the manifest, the save is not committed and `latest` keeps the one
+    before; after the rename, the checkpoint is in place and the next start adopts it. The resume after
+    freeing the space continues from there."""
+    base = {**FAST, "model.config.n_layer": 1, "data.seq_len": 64, "checkpoint.every_steps": 2,
+            "data.eval_fraction": 0, "train.max_steps": 6}  # fmt: skip
+    r = train(tmp_path, base, env={"TRAINER_FAULT": f"{point}@4"}, check=False)
+    out = r.output
+    assert r.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert "error: checkpoint step_00000004: " in out and "(ENOSPC) committing it" in out, out[-3000:]
+    named = "trainer_state.json" if point == "fullmanifest" else "journal.jsonl"
+    assert f"{named}: No space left on device" in out, out[-3000:]
+    if point == "fullmanifest":
+        assert "step_00000004 was not committed: step_00000002 stays the newest, intact" in out, out[-3000:]
+    else:
+        assert "step_00000004 is in place, renamed before the error" in out and "adopts it" in out, out[
+            -3000:
+        ]
+    again = train(tmp_path, base, extra_args=["--resume"])
+    resumed = 2 if point == "fullmanifest" else 4
+    assert f"step_{resumed:08d} at step {resumed}" in again.output, again.output[-3000:]

@@ -295,9 +295,14 @@ def test_a_head_removed_by_hand_and_a_latest_edited_by_hand_are_said(tmp_path):
     (root / "latest").write_text("step_00000004\n")  # DeepSpeed's way to roll back, by hand
     found, said = resolve.latest(root)
     assert found.step == 8 and len(said) == 1, said
-    assert "names step_00000004, not step_00000008" in said[0] and f"--resume {root / 'step_00000004'}" in said[0]
+    assert (
+        "names step_00000004, not step_00000008" in said[0]
+        and f"--resume {root / 'step_00000004'}" in said[0]
+    )
     shutil.rmtree(root / "step_00000008")  # the head, removed by hand
     (root / "latest").write_text("step_00000008\n")
     found, said = resolve.latest(root)
-    assert found.step == 6 and said == [f"checkpoint step_00000008 of the current line is gone from {root} (no prune "
-                                         "removed it: by hand, or another process); resuming past it"], said
+    assert found.step == 6 and said == [
+        f"checkpoint step_00000008 of the current line is gone from {root} (no prune "
+        "removed it: by hand, or another process); resuming past it"
+    ], said

@@ -31,7 +31,12 @@ log = logging.getLogger("trainer")
 
 
 class CheckpointWriteError(RuntimeError):
-    """A background checkpoint write failed on some rank; every rank raises it at the same step."""
+    """A background checkpoint write failed on some rank; every rank raises it at the same step. `user`: this
+    rank's own write failed for a reason the user can act on (space, quota, permissions: exit 2, not retried)."""
+
+    def __init__(self, message: str, user: bool = False) -> None:
+        super().__init__(message)
+        self.user = user
 
 
 @dataclass
@@ -161,10 +166,18 @@ class Checkpointer:
             self.inflight = None
             w = pending.writer
             mine = f" here: {w.describe_error()}" if w.error is not None else ""
+            from trainer.checkpoint.disk import named_by_latest
+            from trainer.checkpoint.fs import ACTIONABLE
+
+            before = named_by_latest(self.store.root)
+            user = (
+                isinstance(w.error, OSError) and w.error.errno in ACTIONABLE
+            )  # a full disk, a quota: exit 2
             raise CheckpointWriteError(
                 f"checkpoint {pending.tag}: writing it failed on rank(s) {', '.join(map(str, failed))}{mine}. "
-                f"It was not committed; `latest` still names the checkpoint before it. Check the space and "
-                f"permissions of {self.store.root}"
+                f"It was not committed; `latest` still names {before or 'the checkpoint before it'}, kept intact. "
+                f"Check the space and permissions of {self.store.root}, then resume with --resume",
+                user=user,
             )
         if written:
             self.inflight = None

@@ -131,6 +131,11 @@ FS = LocalFS  # the interface: the crash test's simulated file system has the sa
 LOCAL = LocalFS()
 
 
+# the errors a user can act on (space, quota, a read-only or forbidden directory): a checkpoint that cannot be
+# written for one of them ends the run as a user error (exit 2: a restart would fail the same way until acted on)
+ACTIONABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
 def describe(e: OSError, path: Path | str, what: str = "") -> str:
     """An OSError as a user reads it: the path, the error by name, what to do for the common ones."""
     name = errno.errorcode.get(e.errno or 0, "")

@@ -25,7 +25,7 @@ from typing import Any
 
 from trainer.checkpoint import frozen
 from trainer.checkpoint.directory import CheckpointDir
-from trainer.checkpoint.disk import tag_for
+from trainer.checkpoint.disk import STATE, tag_for
 from trainer.common.faults import Faults
 from trainer.config import Experiment
 
@@ -159,10 +159,13 @@ class Store:
         t0 = time.perf_counter()
         tag = tag_for(state.step)
         stage_dir = self.disk.staging(tag)
-        if self.is_main:
-            self.disk.prepare(tag)  # the directory, no leftovers, an empty staging directory
-        self.barrier()
-        stage_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.is_main:
+                self.disk.prepare(tag)  # the directory, no leftovers, an empty staging directory
+            self.barrier()
+            stage_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise unwritable(e, tag, self.root, False, "preparing its staging directory") from None
         # What trainer_state.json will say, taken now: the commit may come steps later.
         meta = metadata(self, state) if self.is_main else {}
         if frozen.guarded(self.exp):  # every rank (ZeRO-3 gathers): the frozen weights did not move
@@ -173,7 +176,10 @@ class Store:
         rng = (stage_dir / f"rng_rank{self.rank:05d}.pt", rng_state())
         pending = Pending(step=state.step, tag=tag, stage_dir=stage_dir, meta=meta, started=t0)
         if not background:
-            _write_now(self, pending, rng)
+            try:
+                _write_now(self, pending, rng)
+            except OSError as e:  # (write_file's error names the file, the error and the bytes written)
+                raise unwritable(e, tag, self.root, False, "writing it") from None
         else:
             _snapshot(self, pending, rng)
         pending.written.update(_save_adapters(self, stage_dir, state))
@@ -198,12 +204,20 @@ class Store:
         # lists what every rank reports, not what rank 0 can see.
         reported = self.gather_objects(pending.files())
         if self.is_main:
-            written = self.disk.write_manifest(
-                pending.stage_dir, pending.meta, self.engine.ds_config, self.exp.to_yaml(), reported
-            )
-            self.faults.at("killmanifest", pending.step)
-            self.disk.commit(pending.stage_dir, pending.tag, written,
-                             renamed=lambda: self.faults.at("killrename", pending.step))  # fmt: skip
+            try:
+                self.faults.full("fullmanifest", pending.step, pending.stage_dir / STATE)
+                written = self.disk.write_manifest(
+                    pending.stage_dir, pending.meta, self.engine.ds_config, self.exp.to_yaml(), reported
+                )
+                self.faults.at("killmanifest", pending.step)
+
+                def renamed() -> None:
+                    self.faults.at("killrename", pending.step)
+                    self.faults.full("fulljournal", pending.step, self.root / "journal.jsonl")
+
+                self.disk.commit(pending.stage_dir, pending.tag, written, renamed=renamed)
+            except OSError as e:
+                raise unwritable(e, pending.tag, self.root, final.exists(), "committing it") from None
             self.faults.at("killlatest", pending.step)
         pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:
@@ -231,6 +245,30 @@ class Store:
         calls it after a resume's load, which takes it itself); every rank (ZeRO-3 gathers)."""
         if self.frozen_digest is None and frozen.guarded(self.exp):
             self.frozen_digest = frozen.engine_digest(self.engine.ds)
+
+
+def unwritable(e: OSError, tag: str, root: Path, in_place: bool, doing: str) -> Exception:
+    """A checkpoint the disk would not take: a UserError (exit 2) naming the file, the error and what is kept
+    where the user can act (a full disk, a quota, a read-only or forbidden directory: fs.ACTIONABLE); the error
+    as it is otherwise."""
+    from trainer.checkpoint.disk import named_by_latest
+    from trainer.checkpoint.fs import ACTIONABLE, describe
+    from trainer.common.errors import UserError
+
+    if e.errno not in ACTIONABLE:
+        return e
+    before = named_by_latest(root)
+    kept = (
+        f"{tag} is in place, renamed before the error: the journal has no record of it yet, and the next start "
+        "adopts it as its line's newest (its manifest names its line)"
+        if in_place
+        else f"{tag} was not committed: {before or 'no checkpoint'} stays the newest, intact, and {tag}'s staging "
+        "directory is removed at the next start"
+    )
+    return UserError(
+        f"checkpoint {tag}: {describe(e, e.filename or root, doing)}. {kept}. Free the space (or fix the "
+        "permissions), then resume with --resume"
+    )
 
 
 def _write_now(store: Store, pending: Pending, rng: tuple[Path, Any]) -> None:

@@ -20,7 +20,9 @@ Production code calls a `Faults` object (bound to this rank and attempt) at name
   of this rank's files and after the last: dies when `:n=N` of them are written, N = 0 before the
   first), killmanifest (the manifest written, the staging directory not yet renamed), killrename
   (renamed, `latest` not yet replaced), killlatest (`latest` replaced, nothing pruned yet), killprune
-  (the first old checkpoint renamed to its trash name, not yet deleted);
+  (the first old checkpoint renamed to its trash name, not yet deleted); `full(point, step, path)` rank 0's
+  commit on a full disk (ENOSPC naming `path`): fullmanifest (before the manifest), fulljournal (renamed into
+  place, the journal's record not written);
 - the start of a run in its checkpoints directory (rank 0, trainer/checkpoint/begin.py), each a SIGKILL:
   killstart (before anything there moves: a rollback's fork not yet recorded), killfork (a fork
   recorded and its first checkpoint moved to abandoned/, the rest not yet);
@@ -139,6 +141,16 @@ class Faults:
         if self._due(point, step):
             log.warning(f"injected {point} at rank {self.rank} step {step} (TRAINER_FAULT)")
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def full(self, point: str, step: int, path: Any) -> None:
+        """fullmanifest (before the manifest is written), fulljournal (the checkpoint renamed into place, its
+        journal record not yet written): the disk is full there, as an OSError of `path` says it."""
+        if self._due(point, step):
+            import errno
+
+            raise OSError(
+                errno.ENOSPC, f"No space left on device (injected {point}, TRAINER_FAULT)", str(path)
+            )
 
     def arm_save(self, step: int, writer: Any) -> None:
         """A synchronous save: wrap DeepSpeed's checkpoint writer for this save with `before_write`

@@ -71,6 +71,14 @@ def training(run: Run, body: Any, verdict: Any = None) -> int:
             ignore_sigterm_after_save()
     except CheckpointWriteError as e:  # every rank, at the same step: loud, and no traceback
         print(f"[rank {run.env.rank}] error: {e}", file=sys.stderr, flush=True)
+        if (
+            e.user
+        ):  # its own write failed on a full disk, a quota, permissions: a restart would fail the same way
+            from trainer.common.errors import EXIT_USER_ERROR
+            from trainer.run.supervisor import record_failure
+
+            exit_code = EXIT_USER_ERROR
+            record_failure(exit_code, str(e), run.env.rank)
         with contextlib.suppress(Exception):  # every rank has said it before the launcher ends them
             run.checkpointer.store.barrier()
         return exit_code
