@@ -131,3 +131,35 @@ def test_a_full_disk_at_the_commit_is_a_user_error_and_the_next_resume_is_right(
     again = train(tmp_path, base, extra_args=["--resume"])
     resumed = 2 if point == "fullmanifest" else 4
     assert f"step_{resumed:08d} at step {resumed}" in again.output, again.output[-3000:]
+
+
+def test_readers_beside_a_pruning_writer_read_what_they_chose(tmp_path):
+    """Issue 69, case 5: `bin/export RUN_DIR` while the job trains with keep_last 1 ended in a traceback 4 of 4
+    times (FileNotFoundError: the checkpoint checked, then pruned by the running job, then read); `--resume PATH`
+    of a checkpoint another job prunes said "no DeepSpeed model states" without saying it vanished. Each reader
+    holds a read lease on what it chose, which the writer's prune keeps until the reader is done: the exports
+    succeed, and a second run loads the newest of the writer's run directory while the writer goes on pruning."""
+    run_dir = tmp_path / "run"
+    base = {**FAST, "model.config.n_layer": 1, "data.seq_len": 64, "run_dir": run_dir, "data.cache_dir": data_cache(),
+            "checkpoint.every_steps": 5, "checkpoint.keep_last": 1, "data.eval_fraction": 0,
+            "train.max_steps": 100_000}  # fmt: skip
+    writer, _ = start(base, [], fault="slow@1:ms=50")
+    try:
+        while latest(run_dir / "checkpoints")[0] is None:
+            assert writer.poll() is None, "the job ended early"
+            time.sleep(0.2)
+        for n in range(2):
+            p = subprocess.run([str(ROOT / "bin" / "export"), str(run_dir), str(tmp_path / f"hf{n}")], cwd=ROOT,
+                               env=env_for(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+            out = p.stdout + p.stderr
+            assert p.returncode == 0 and "Traceback" not in out, out[-3000:]
+            assert (tmp_path / f"hf{n}" / "config.json").exists()
+        # a second run resumes the writer's newest (--resume RUN_DIR), leased from the moment it chose it
+        other = {**base, "run_dir": tmp_path / "other"}
+        second, lines = start(other, ["--resume", str(run_dir), "--dry-run"])
+        said: list[str] = []
+        line = wait_for(lines, "resumed from", said)
+        assert str(run_dir / "checkpoints") in line and second.wait(timeout=120) == 0, "".join(said)[-3000:]
+    finally:
+        writer.kill()
+        writer.wait()

@@ -306,3 +306,48 @@ def test_a_head_removed_by_hand_and_a_latest_edited_by_hand_are_said(tmp_path):
         f"checkpoint step_00000008 of the current line is gone from {root} (no prune "
         "removed it: by hand, or another process); resuming past it"
     ], said
+
+
+def test_a_checkpoint_a_live_reader_leases_is_kept_past_keep_last_until_it_is_done(tmp_path):
+    """Issue 69, readers beside a writer: a read lease (bin/export, --resume PATH of another run directory)
+    keeps its checkpoint from the writer's prune while the reader lives; released (or the reader gone), the
+    next prune removes it. Another process holds the lease here: the pruner tells a live lease by its flock."""
+    import subprocess
+    import sys
+
+    from trainer.checkpoint.lease import leased
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root, background_deletes=False)
+    two = commit(root, 2, cd)
+    cd.start(two, explicit=False)
+    reader = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+from trainer.checkpoint.lease import Lease
+lease = Lease(__import__("pathlib").Path({str(root / 'step_00000002')!r}), "bin/export")
+print("leased", flush=True)
+sys.stdin.readline()
+lease.release()
+print("released", flush=True)
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert reader.stdout.readline().strip() == "leased"
+    assert list(leased(root)) == ["step_00000002"]
+    commit(root, 4, cd)
+    assert cd.prune(1) == [] and (root / "step_00000002").is_dir()  # kept while it is read
+    reader.stdin.write("\n")
+    reader.stdin.flush()
+    assert reader.stdout.readline().strip() == "released" and reader.wait() == 0
+    assert leased(root) == {}
+    assert cd.prune(1) == ["step_00000002"] and not (root / "step_00000002").exists()
+
+
+def test_a_named_checkpoint_gone_is_said_as_gone(tmp_path):
+    """Issue 69, case 5: `--resume` of a step directory another job's prune removed said "not a checkpoint (no
+    trainer_state.json in it)"; it says the checkpoint is gone and what its checkpoints directory holds now."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root, background_deletes=False)
+    for step in (2, 4):
+        commit(root, step, cd)
+    cd.prune(1)
+    with pytest.raises(UserError, match=r"step_00000002: no such checkpoint \(.* holds step_00000004 now: a job"):
+        resolve.resolve(str(root / "step_00000002"), "never", tmp_path / "elsewhere")

@@ -182,14 +182,20 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_bitsandbytes()  # as bin/train does
     try:
-        from trainer.checkpoint.resolve import export_source
+        from trainer.checkpoint.resolve import export_source, gone
 
-        found, warnings = export_source(
-            args.checkpoint
-        )  # every file's bytes verified (or the error names it)
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        out = export(found.path, Path(args.out_dir), args.dtype, adapter=args.adapter)
+        # every file's bytes verified (or the error names it), and a read lease: a job writing that run
+        # directory does not prune it while it is exported
+        found, warnings, lease = export_source(args.checkpoint)
+        with lease:
+            for w in warnings:
+                print(f"warning: {w}", file=sys.stderr)
+            try:
+                out = export(found.path, Path(args.out_dir), args.dtype, adapter=args.adapter)
+            except (
+                FileNotFoundError
+            ) as e:  # removed anyway (by hand, or without locks): said, not a traceback
+                raise UserError(f"{found.path}: {gone(e)}; export it again") from None
         print(f"exported {found.path} (step {found.step}) to {out}")
         return 0
     except UserError as e:

@@ -109,6 +109,7 @@ class Resume:
     )  # newer on the line, passed over as damaged (set aside)
     fallbacks: list[Found] = field(default_factory=list)  # the line below `found`, newest first (lineage.py)
     verified: bool = False  # every file's bytes checked against its digest (policy.undamaged)
+    lease: Any = None  # a read lease on a checkpoint of another run directory (lease.py), until it is loaded
 
     def done(self, exp: Experiment, rank: int) -> bool:
         """The checkpoint is at train.max_steps already (said by rank 0)."""
@@ -162,7 +163,7 @@ class Resume:
 def decide(arg: str | None, exp: Experiment, faults: Any) -> Resume | None:
     """The resume this run starts from (resolve.resolve: `--resume`, `--resume PATH`, checkpoint.resume),
     checked against the experiment (`check_compatible`); None: a fresh start."""
-    from trainer.checkpoint.disk import before
+    from trainer.checkpoint.disk import before, checkpoints_dir
     from trainer.checkpoint.resolve import resolve
 
     decision, explicit = resolve(arg, exp.checkpoint.resume, exp.run_dir)
@@ -171,8 +172,17 @@ def decide(arg: str | None, exp: Experiment, faults: Any) -> Resume | None:
         found = before(found)  # tests: this rank sees an older run_dir
     if found is None:
         return None
+    lease = None
+    if found.path.parent.resolve() != checkpoints_dir(exp.run_dir).resolve():  # another run directory's
+        from trainer.checkpoint.lease import Lease
+
+        lease = Lease(found.path, "a resume")  # its writer keeps it until this run has loaded it
+        if not found.path.is_dir():
+            lease.release()
+            raise UserError(f"--resume {found.path}: the checkpoint is gone (removed while this run looked at it: "
+                            "a job writing its run directory pruned it, or it was deleted); name another one")  # fmt: skip
     return Resume(found, decision.warnings, check_compatible(found, exp), explicit=explicit,
-                  skipped=decision.skipped, fallbacks=decision.fallbacks)  # fmt: skip
+                  skipped=decision.skipped, fallbacks=decision.fallbacks, lease=lease)  # fmt: skip
 
 
 def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
@@ -195,6 +205,6 @@ def undamaged(exp: Experiment, env: Any, resume: Any) -> Any:
     found, below, skipped, said = verified(resume.found, resume.fallbacks, resume.explicit, digest_problems)
     if found is not resume.found:
         resume = Resume(found, [*resume.warnings, *said], check_compatible(found, exp), skipped=[*resume.skipped, *skipped],
-                        fallbacks=below)  # fmt: skip
+                        fallbacks=below, lease=resume.lease)  # fmt: skip
     resume.verified = True
     return resume

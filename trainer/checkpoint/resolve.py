@@ -21,6 +21,7 @@ from trainer.checkpoint.disk import (
     verify,
 )
 from trainer.checkpoint.fs import LOCAL, LocalFS
+from trainer.checkpoint.lease import Lease
 from trainer.checkpoint.lineage import Decision, View, plain
 from trainer.common.errors import UserError
 
@@ -95,6 +96,14 @@ def resolve(arg: str | None, mode: str, run_dir: str | Path, fs: LocalFS = LOCAL
                 if guess.resolve() == root.resolve():
                     return d, False
                 return Decision(d.found, [], d.warnings), True
+    if STEP_DIR.match(path.name) and not fs.exists(path):
+        newest = plain(View.read(path.parent, fs)).found if fs.is_dir(path.parent) else None
+        raise UserError(
+            f"--resume {arg}: no such checkpoint"
+            + (f" ({path.parent} holds {newest.tag} now: a job writing that run directory pruned it, or it was "
+               "deleted)" if newest is not None else "")
+            + "; name one that is there, or its run directory for its newest"
+        )  # fmt: skip
     raise UserError(
         f"--resume {arg}: not a checkpoint (no {STATE} in it) and no complete checkpoint below it; pass a "
         "step_XXXXXXXX directory, a checkpoints directory or a run directory"
@@ -113,29 +122,50 @@ def latest(root: Path, fs: LocalFS = LOCAL) -> tuple[Found | None, list[str]]:
     return d.found, d.warnings
 
 
-def export_source(arg: str, fs: LocalFS = LOCAL) -> tuple[Found, list[str]]:
-    """The checkpoint bin/export reads, every file's bytes verified: a step directory must be intact
-    (else a UserError naming the file); a run or checkpoints directory gives its line's newest intact."""
+def export_source(arg: str, fs: LocalFS = LOCAL) -> tuple[Found, list[str], Lease]:
+    """The checkpoint bin/export reads, every file's bytes verified, with a read lease on it (lease.py: a job
+    writing that run directory keeps it until the export is done; released by the caller): a step directory
+    must be intact (else a UserError naming the file); a run or checkpoints directory gives its line's newest
+    intact. A checkpoint gone while looked at (pruned by the job writing it) is said, never a traceback."""
     from trainer.checkpoint.disk import problems
 
     path = Path(arg)
     if fs.exists(path / STATE) or (STEP_DIR.match(path.name) and fs.is_dir(path)):
-        found = explicit(path, fs)
-        bad = problems(found, fs, digests=True)
+        lease = Lease(path, "bin/export")
+        try:
+            found = explicit(path, fs)
+            bad = problems(found, fs, digests=True)
+        except FileNotFoundError as e:
+            lease.release()
+            raise UserError(f"{path}: {gone(e)}; export it again, or another checkpoint") from None
         if bad:
+            lease.release()
             raise UserError(
                 f"{path}: the checkpoint is damaged: " + "; ".join(bad[:5]) + "; export another one"
             )
-        return found, []
+        return found, [], lease
     for guess in (path / "checkpoints", path):
         if not (fs.exists(guess / journal.JOURNAL) or scan(guess, fs)):
             continue
         d = plain(View.read(guess, fs))
         warnings = list(d.warnings)
         for found in [f for f in [d.found, *d.fallbacks] if f is not None]:
-            bad = problems(found, fs, digests=True)
+            lease = Lease(found.path, "bin/export")
+            try:
+                bad = problems(found, fs, digests=True)
+            except FileNotFoundError as e:
+                bad = [gone(e)]
             if not bad:
-                return found, warnings
-            warnings.append(f"checkpoint {found.path} is damaged ({'; '.join(bad[:3])}); skipping it")
+                return found, warnings, lease
+            lease.release()
+            warnings.append(f"checkpoint {found.path} is damaged or gone ({'; '.join(bad[:3])}); skipping it")
         raise UserError(f"{arg}: no intact checkpoint to export. " + " ".join(warnings))
     raise UserError(f"{arg}: not a checkpoint (no {STATE} in it) and no checkpoint below it")
+
+
+def gone(e: OSError) -> str:
+    """A checkpoint's file that vanished while read: what happened, as a reader can say it."""
+    return (
+        f"{e.filename or 'a file of it'} is gone: the checkpoint was removed while it was read (a job writing its "
+        "run directory pruned it, or it was deleted)"
+    )

@@ -136,6 +136,8 @@ def build(
     )  # fmt: skip
     if resume is not None:
         checkpointer.load(resume.found, state)
+        if resume.lease is not None:  # another run directory's checkpoint, loaded: its writer may prune it
+            resume.lease.release()
     store.guard_frozen()  # model.lora: the frozen weights' digest, before the first step
     attach_debug(run, dist.debug_dir())
     return run
