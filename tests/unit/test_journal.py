@@ -349,5 +349,26 @@ def test_a_named_checkpoint_gone_is_said_as_gone(tmp_path):
     for step in (2, 4):
         commit(root, step, cd)
     cd.prune(1)
-    with pytest.raises(UserError, match=r"step_00000002: no such checkpoint \(.* holds step_00000004 now: a job"):
+    with pytest.raises(
+        UserError, match=r"step_00000002: no such checkpoint \(.* holds step_00000004 now: a job"
+    ):
         resolve.resolve(str(root / "step_00000002"), "never", tmp_path / "elsewhere")
+
+
+def test_a_checkpoint_set_aside_here_is_not_called_outside_the_run_directory(tmp_path):
+    """Issue 69, the messages: a resume of a checkpoint in this run directory's abandoned/ said 'a new line
+    from .../abandoned/.../step_00000004 (outside this run directory)'. Set aside here is said as such; a
+    checkpoint of another run directory is still outside it."""
+    root = tmp_path / "run" / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    CheckpointDir(root).start(two, explicit=True)  # 4 to abandoned/
+    away = next(root.glob("abandoned/*/step_00000004"))
+    said = CheckpointDir(root).start(Found(away, json.loads((away / STATE).read_text())), explicit=True)
+    assert any("(set aside in this run directory)" in s for s in said), said
+    other = tmp_path / "other" / "checkpoints"
+    elsewhere = commit(other, 2, CheckpointDir(other))
+    fresh = tmp_path / "fresh" / "checkpoints"
+    said = CheckpointDir(fresh).start(elsewhere, explicit=True)
+    assert any("(outside this run directory)" in s for s in said), said

@@ -105,7 +105,10 @@ def _fork(cd: CheckpointDir, view: View, found: Found, on_rollback: str, job: st
                     f"abandoned line's {', '.join(sorted(e.tag for e in leaving))} {where}, so that no restart "
                     f"resumes it; `latest` names {found.tag if found.path.parent.resolve() == root.resolve() else 'nothing here yet'}")  # fmt: skip
     elif found.path.parent.resolve() != root.resolve():
-        said.append(f"a new line from {found.path} (outside this run directory)")
+        inside = not Path(_where(found.path, root)).is_absolute()  # abandoned/ or damaged/ of this directory
+        said.append(
+            f"a new line from {found.path} ({'set aside in' if inside else 'outside'} this run directory)"
+        )
     return said
 
 
