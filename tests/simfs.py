@@ -51,6 +51,8 @@ class SimFS:
         self.full_at: int | None = None
         self.last = ""  # the kind of the last operation performed
         self.pending = ""  # the kind of operation a crash stopped
+        self.readers: dict[int, tuple[Path, str]] = {}  # live read leases: id -> (checkpoint, who)
+        self.on_lease = None  # tests: called as a lease is taken, before it holds (what a writer does then)
 
     # ------------------------------------------------------------------ the tree
     def _walk(self, path: Path | str) -> Node | None:
@@ -221,10 +223,24 @@ class SimFS:
         self.rename(tmp, path)
         self.fsync_dir(path.parent)
 
+    # ------------------------------------------------------------------ readers beside a writer
+    def lease(self, path: Path, what: str) -> SimLease:
+        """A read lease (trainer/checkpoint/lease.py's flock, in memory): live until released or a power loss."""
+        hook, self.on_lease = self.on_lease, None
+        if hook is not None:
+            hook()
+        ident = next(_ids)
+        self.readers[ident] = (Path(path), what)
+        return SimLease(self, ident)
+
+    def leased(self, root: Path) -> dict[str, str]:
+        return {p.name: what for p, what in self.readers.values() if p.parent == Path(root)}
+
     # ------------------------------------------------------------------ a power loss
     def crash(self) -> None:
-        """Keep only what was durable (module docstring)."""
+        """Keep only what was durable (module docstring); every reader's lease ends with its process."""
         self.version += 1
+        self.readers.clear()
         best: dict[
             int, tuple[int, int, str]
         ] = {}  # node -> (when placed, parent id, name) of its newest durable place
@@ -266,3 +282,18 @@ class SimFS:
             data[len(data) // 2] ^= 0xFF
             node.data = bytes(data)
         node.synced = node.data
+
+
+@dataclass
+class SimLease:
+    fs: SimFS
+    ident: int
+
+    def release(self) -> None:
+        self.fs.readers.pop(self.ident, None)
+
+    def __enter__(self) -> SimLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

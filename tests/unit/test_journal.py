@@ -372,3 +372,24 @@ def test_a_checkpoint_set_aside_here_is_not_called_outside_the_run_directory(tmp
     fresh = tmp_path / "fresh" / "checkpoints"
     said = CheckpointDir(fresh).start(elsewhere, explicit=True)
     assert any("(outside this run directory)" in s for s in said), said
+
+
+def test_a_journal_restored_from_an_older_copy_is_refused_naming_what_it_never_recorded(tmp_path):
+    """Issue 69, the journal replaced by an older copy with its journal.last (a backup restored): it says the
+    line is step 2 then step 4, while step 4 here is the rollback's (line 2, then the new 4). A plain resume
+    took step 2 and set the newer step 4 aside; it refuses, naming it, and nothing moves."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    cd = CheckpointDir(root)
+    cd.start(two, explicit=True)  # a rollback: 4 to abandoned/
+    commit(root, 4, cd)
+    for n, data in copy.items():
+        (root / n).write_bytes(data)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(UserError, match=r"journal.jsonl: it is older than the checkpoints here \(it never recorded "
+                                        r"step_00000004.*--resume PATH"):  # fmt: skip
+        resolve.resolve("latest", "never", tmp_path)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before

@@ -33,6 +33,7 @@ import functools
 import itertools
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from simfs import Crash, SimFS
 
-from trainer.checkpoint import directory, journal, lineage, resolve, restart, seal
+from trainer.checkpoint import aside, directory, journal, lineage, resolve, restart, seal
 from trainer.checkpoint.directory import CheckpointDir, write_report
 from trainer.checkpoint.disk import (
     ABANDONED,
@@ -63,6 +64,23 @@ CRASH = (
 FULL = st.none() | st.none() | st.none() | st.integers(1, 160)  # ...or a full disk fails
 STATS: collections.Counter = collections.Counter()  # what the sequences covered, printed at the end
 _nonce = itertools.count()
+
+
+class _Clock:
+    """aside.py's clock, `offset` seconds off the real one: each attempt's process has its own (another time
+    zone, a clock that jumped, nodes that differ), which names what it sets aside."""
+
+    offset = 0
+
+    def time_ns(self) -> int:
+        return time.time_ns() + self.offset * 10**9
+
+    localtime = staticmethod(time.localtime)
+    strftime = staticmethod(time.strftime)
+
+
+CLOCK = _Clock()
+CLOCKS = st.sampled_from([0, 0, 0, -9 * 3600, 5 * 3600, -400 * 86400, 3600])
 
 
 def fs_has(fs: SimFS, path: Path) -> bool:
@@ -120,6 +138,16 @@ class Lineage(RuleBasedStateMachine):
         self.cache: dict = {}
         self.committing: tuple | None = None
         self.starting: tuple | None = None
+        self.reading: dict | None = None  # a bin/export under way: what it chose, its lease
+        self.copies: list[
+            tuple[bytes | None, bytes | None]
+        ] = []  # journal and journal.last after each attempt
+        self.journal_lost = False  # deleted or replaced by an older copy (a refusal over it is right)
+        self.made: dict[
+            str, int
+        ] = {}  # set-aside directories (kind/name), in the order the journal made them
+        self.named: list[str] = []  # every path a checkpoint was committed at (a command line written then)
+        CLOCK.offset = 0
 
     # ----------------------------------------------------------------- model helpers
     def ancestors(self, ident: str | None) -> list[str]:
@@ -201,6 +229,9 @@ class Lineage(RuleBasedStateMachine):
                 self.pruned.discard((rec.get("source") or {}).get("id"))
             for item in rec.get("items", []) if rec["event"] == "prune" else ():
                 i = item["id"]
+                assert not (self.reading and self.reading["id"] == i and self.reading["leased"]), (
+                    f"a prune removed {item['tag']}, which a live export holds a read lease on"
+                )
                 assert i not in self.left, f"(c) a prune removed {item['tag']} of a line left by a rollback"
                 assert i not in line[:KEEP_LAST], (
                     f"(b) a prune removed {item['tag']}, one of the line's newest"
@@ -265,6 +296,7 @@ class Lineage(RuleBasedStateMachine):
         if i is not None and state is not None and state.get("state_digest") == i:
             self.truth[i] = {"tag": tag, "step": step, "parent": parent, "files": staged["files"], "job": job}
             self.head = i
+            self.named.append(str(ROOT / tag))
             if self.proc is not None:
                 self.proc["step"], self.proc["pending"] = step, None
         self.learn_prunes()
@@ -348,8 +380,12 @@ class Lineage(RuleBasedStateMachine):
             assert self.expected() is None or self.journal_damaged, (
                 f"refused, yet the line holds intact ones: {self.describe()}: {text}"
             )
-        elif "journal.jsonl: " in text:
-            assert self.journal_damaged, f"refused over a journal that was not damaged: {text}"
+        elif "journal.jsonl: " in text or "journal.jsonl is gone" in text:
+            assert self.journal_damaged or self.journal_lost, (
+                f"refused over a journal that was not damaged: {text}"
+            )
+        elif "no such checkpoint" in text:  # a command line written before a prune or a move named it
+            assert arg not in (None, "latest") and not self.fs.exists(Path(arg) / STATE), text
         elif "is damaged" in text:
             assert arg not in (None, "latest"), text
         else:
@@ -364,23 +400,32 @@ class Lineage(RuleBasedStateMachine):
 
     # ----------------------------------------------------------------- rules
     @rule(
-        how=st.sampled_from(["plain", "plain", "auto", "head", "fresh", "older", "abandoned", "restart"]),
+        how=st.sampled_from(["plain", "plain", "auto", "head", "fresh", "older", "abandoned", "restart", "stale"]),
         pick=st.integers(0, 20), supervised=st.booleans(), convert=st.booleans(),
         saves=st.lists(st.booleans(), max_size=3), fails=st.booleans(), crash=CRASH, full=FULL, kill=st.booleans(),
+        clock=CLOCKS, requeue=st.booleans(),
     )  # fmt: skip
     def run(self, how: str, pick: int, supervised: bool, convert: bool, saves: list[bool], fails: bool,
-            crash: int | None, full: int | None = None, kill: bool = False) -> None:  # fmt: skip
+            crash: int | None, full: int | None = None, kill: bool = False, clock: int = 0,
+            requeue: bool = False) -> None:  # fmt: skip
         """One attempt of a job, start to exit: how it starts (a plain `--resume`, checkpoint.resume: auto,
         `--resume PATH` of the newest, of an older checkpoint (a rollback), of one in abandoned/, a fresh
         start, or the supervisor's restart of the last supervised job), a conversion as it loads, saves
         (each synchronous or in the background: committed at the next step), and its end: clean, or the
         step after a background save failing (the error path commits what every rank wrote). A power loss
         at the `crash`-th file-system operation of the attempt (`kill`: the process killed there instead,
-        what it wrote stays), or a full disk at the `full`-th."""
+        what it wrote stays), or a full disk at the `full`-th.
+        The world between processes: each attempt's clock (`clock` seconds off: another time zone, a clock
+        that jumped or differs between nodes); `requeue`: the last supervised job may still be restarted after
+        this attempt (torchrun's --max-restarts or a Slurm requeue of the same command line, later), else a
+        supervisor restarts its job at once; `stale`: a `--resume PATH` written on a command line before the
+        jobs since pruned, rolled back or committed again under that name (a requeued job's, overlapping the
+        dying one: it decides under the run directory's lock, after the other's last save)."""
         fs = self.fs
         self.placed = {i: self.where(i) for i in self.truth}  # where each was as the attempt began
-        if how != "restart":
+        if how != "restart" and not requeue:
             self.last_job = None  # a supervisor restarts its job at once: no other attempt comes between
+        CLOCK.offset = clock
         fs.crash_at = fs.ops + crash if crash else None
         fs.full_at = fs.ops + full if full else None
         STATS["attempts"] += 1
@@ -394,13 +439,25 @@ class Lineage(RuleBasedStateMachine):
         finally:
             fs.crash_at = fs.full_at = None
             self.proc = None
+        if self.reading is not None and not fs.readers:  # a power loss: the reader's process ended too
+            self.reading = None
         self.learn_drops()
+        copy = tuple(
+            fs.read_bytes(ROOT / n) if fs.exists(ROOT / n) else None for n in (journal.JOURNAL, journal.LAST)
+        )
+        if copy[0] is not None and (not self.copies or self.copies[-1] != copy):
+            self.copies.append(copy)  # what a backup taken now would hold
 
     def learn_drops(self) -> None:
         """Set-aside directories deleted by keep_abandoned / keep_damaged (durable `drop` records): what
-        was in them is gone by rule, and never a checkpoint of the current line."""
+        was in them is gone by rule, never a checkpoint of the current line, and never a directory newer (in
+        the journal's order, whatever the clocks of the processes that made them said) than one kept."""
         line = set(self.ancestors(self.head))
+        here = {p for p in (self.where(i) for i in line) if p is not None}
         for rec in durable_records(self.fs):
+            to = rec.get("to") if rec["event"] in ("fork", "aside") else None
+            if isinstance(to, str) and to.split("/")[0] in (ABANDONED, DAMAGED):
+                self.made.setdefault(to, len(self.made))
             if rec["event"] != "drop" or rec["_key"] in self.known_drops:
                 continue
             self.known_drops.add(rec["_key"])
@@ -409,6 +466,13 @@ class Lineage(RuleBasedStateMachine):
                 f"(e) keep_abandoned deleted {rec['dir']}, which holds the current line's"
             )
             self.dropped |= set(gone)
+            kind = rec["dir"].split("/")[0]
+            kept = [f"{kind}/{n}" for n in self.fs.listdir(ROOT / kind)]
+            older = [d for d in kept if d in self.made and self.made[d] < self.made.get(rec["dir"], -1)
+                     and not any(ROOT / d in p.parents for p in here)]  # fmt: skip
+            assert self.journal_damaged or self.journal_lost or not older, (
+                f"(e) {rec['dir']} deleted, {older} kept: made before it (the clocks said otherwise)"
+            )
 
     def attempt(
         self, how: str, pick: int, supervised: bool, convert: bool, saves: list[bool], fails: bool
@@ -467,6 +531,12 @@ class Lineage(RuleBasedStateMachine):
         if how == "head":
             where = self.where(self.head) if self.head else None
             return (str(where) if where else "skip"), "never", None
+        if how == "stale":
+            if not self.named:
+                return "skip", "", None
+            STATS["stale --resume PATH: " + ("gone" if not self.fs.exists(Path(self.named[pick % len(self.named)]) / STATE)
+                                             else "there")] += 1  # fmt: skip
+            return self.named[pick % len(self.named)], "never", None
         return {
             "plain": ("latest", "never", None),
             "auto": (None, "auto", None),
@@ -503,6 +573,103 @@ class Lineage(RuleBasedStateMachine):
                     "(d) universal from damaged bytes"
                 )
         self.universal_damaged.discard(found.id)
+
+    @rule(pick=st.integers(0, 20), by_path=st.booleans(), racing=st.sampled_from([0, 0, 1, 2]))
+    def export(self, pick: int, by_path: bool, racing: int) -> None:
+        """`bin/export` of the run directory (or of a step directory in it) beside the jobs writing it: the
+        checkpoint chosen and verified under a read lease; the rest of the export (`export_read`) comes after
+        any attempts the sequence makes meanwhile. `racing`: a job saves that many times (and prunes) between
+        the export's choice and its lease."""
+        if self.reading is not None:  # one export at a time
+            return
+        if not self.truth:  # a job writes the run directory first
+            self.run(**{**PLAIN, "how": "auto", "saves": [False, False]}, crash=None)
+        arg = str(RUN)
+        if by_path:
+            places = [p for p in (self.where(i) for i in self.truth) if p is not None and p.parent == ROOT]
+            if not places:
+                return
+            arg = str(places[pick % len(places)])
+        raced = []
+        if racing:
+            self.fs.on_lease = lambda: raced.append(
+                self.run(**{**PLAIN, "how": "auto", "saves": [False] * racing}, crash=None)
+            )
+        want = self.expected()
+        STATS["exports" + (" raced by a prune" if racing else "")] += 1
+        try:
+            found, _, lease = resolve.export_source(arg, self.fs)
+        except UserError as e:
+            text = str(e)
+            STATS[f"exports refused: {text.split(': ')[1][:24]}"] += 1
+            if any(
+                t in text
+                for t in ("removed while it was read", "no intact checkpoint", "no checkpoint below")
+            ):
+                assert raced or self.expected() is None or self.journal_damaged, text
+            elif "journal.jsonl: " in text:
+                assert self.journal_damaged or self.journal_lost, text
+            else:
+                assert by_path and "is damaged" in text, text
+            return
+        finally:
+            self.fs.on_lease = None
+        if by_path:
+            assert str(found.path) == arg, f"bin/export {arg} read {found.path}"
+        elif not raced:
+            assert found.id == want, (
+                f"(a) bin/export {arg} read {found.tag}, the line's newest intact is {want}"
+            )
+        assert self.intact(found.id), (
+            f"(d) bin/export {arg} chose {found.path}, whose bytes are not as written"
+        )
+        self.reading = {"found": found, "lease": lease, "id": found.id, "leased": found.path.parent == ROOT}
+
+    @rule()
+    def export_read(self) -> None:
+        """The export reads the checkpoint it chose: the bytes written (a prune kept it: the lease), or it
+        says the checkpoint moved (a start's rollback set it aside) or is gone; never another's bytes."""
+        r, self.reading = self.reading, None
+        if r is None:
+            return
+        found = r["found"]
+        with r["lease"]:
+            try:
+                data = {rel: self.fs.read_bytes(found.path / rel) for rel in self.truth[r["id"]]["files"]}
+            except FileNotFoundError:
+                data = None
+            moved = not resolve.unmoved(found, self.fs)
+        if data is None or moved:
+            STATS["exports: the checkpoint moved or gone, said"] += 1
+            assert r["id"] not in self.pruned or not r["leased"], f"a prune removed {found.tag} while leased"
+            return
+        if r["id"] not in self.damaged:
+            assert data == self.truth[r["id"]]["files"], f"(d) bin/export read bytes {found.tag} never held"
+        STATS["exports read"] += 1
+
+    @rule(pick=st.integers(0, 50), how=st.sampled_from(["deleted", "deleted, journal.last too", "an older copy",
+                                                         "an older copy, journal.last too"]))  # fmt: skip
+    def lose_journal(self, pick: int, how: str) -> None:
+        """The journal deleted (with journal.last, or not), or replaced by an older copy (a backup restored,
+        a sync tool): a plain resume continues the line's newest or refuses; never another line."""
+        fs = self.fs
+        if not fs.exists(ROOT / journal.JOURNAL):
+            return
+        if how.startswith("deleted"):
+            fs.unlink(ROOT / journal.JOURNAL)
+            if "journal.last" in how:
+                fs.unlink(ROOT / journal.LAST)
+        else:
+            old = [c for c in self.copies[:-1] if c[0] != fs.read_bytes(ROOT / journal.JOURNAL)]
+            if not old:
+                return
+            raw, last = old[pick % len(old)]
+            fs.durable_write(ROOT / journal.JOURNAL, raw)
+            if "journal.last" in how and last is not None:
+                fs.durable_write(ROOT / journal.LAST, last)
+        fs.fsync_dir(ROOT)
+        self.journal_lost = True
+        STATS[f"journal {how}"] += 1
 
     @rule(
         pick=st.integers(0, 50),
@@ -561,7 +728,7 @@ class Lineage(RuleBasedStateMachine):
         except UserError as e:
             text = str(e)
             assert (
-                self.journal_damaged or self.expected() is None
+                self.journal_damaged or self.journal_lost or self.expected() is None
             ), (  # never a wrong line: a refusal at worst
                 f"{text}; line: {self.describe()}"
             )
@@ -594,6 +761,7 @@ def report_coverage():
     of step 2 when CI's run wrote them in one second)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(journal, "datetime", _Frozen)
+        mp.setattr(aside, "time", CLOCK)
         yield
     print("\nlineage crash test: " + ", ".join(f"{k} {v}" for k, v in sorted(STATS.items())))
 
@@ -665,6 +833,48 @@ def test_the_sequences_ci_found():
     s.damage(pick=0, truncate=True, what="journal")
     s.run(**{**PLAIN, "how": "restart"}, crash=None)
     s.lineage_holds()
+
+
+def test_the_world_between_processes():
+    """Issue 69's sequences, replayed (the random series finds the first only at thousands of sequences):
+    (1) rollbacks made by processes whose clocks differ (+5 h, a year behind) leave lines in abandoned/ whose
+    names sort otherwise: keep_abandoned deletes the oldest by the journal's order; (2) the journal and
+    journal.last replaced by a copy from before a rollback (a backup restored): the older line's step 2 was
+    resumed and the newer step 4 set aside; from before two saves: nothing was resumed, step 6 and 8 intact;
+    now refused, naming them; (3) a --resume PATH written before the jobs since pruned it: refused, 'no such
+    checkpoint', nothing moved; (4) an export leases what it read; the job's prune keeps it (past keep_last),
+    a rollback moves it (said by the export, never another's bytes)."""
+    for clock in ((5 * 3600, 0, -400 * 86400, 0), (0, -9 * 3600, 3600, 0)):
+        s = Lineage()
+        s.setup()
+        s.run(**{**PLAIN, "how": "auto", "saves": [False, False]}, crash=None)
+        for c in clock:
+            s.run(**{**PLAIN, "how": "older", "saves": [False]}, crash=None, clock=c)
+            s.lineage_holds()
+    for before, saves in (("older", [False]), ("plain", [False, False, False])):
+        s = Lineage()
+        s.setup()
+        s.run(**{**PLAIN, "how": "auto", "saves": [False]}, crash=None)
+        s.run(**{**PLAIN, "how": before, "saves": saves}, crash=None)
+        s.lose_journal(pick=0, how="an older copy, journal.last too")
+        s.lineage_holds()
+        s.run(**PLAIN, crash=None)
+        s.lineage_holds()
+    s = Lineage()
+    s.setup()
+    s.run(**{**PLAIN, "how": "auto", "saves": [False, False, False]}, crash=None)
+    s.run(**{**PLAIN, "how": "stale", "pick": 0}, crash=None)  # step 2: pruned
+    s.lineage_holds()
+    for racing in (0, 1, 2):
+        s = Lineage()
+        s.setup()
+        s.export(pick=0, by_path=False, racing=racing)
+        s.run(**{**PLAIN, "saves": [False, False, False]}, crash=None)  # the lease keeps what is read
+        s.export_read()
+        s.export(pick=0, by_path=False, racing=0)
+        s.run(**{**PLAIN, "how": "older", "saves": [False]}, crash=None)  # a rollback moves it
+        s.export_read()
+        s.lineage_holds()
 
 
 # ----------------------------------------------------------------------------- every operation, in turn

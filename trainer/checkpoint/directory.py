@@ -40,7 +40,6 @@ from trainer.checkpoint.disk import (
     state_digest,
 )
 from trainer.checkpoint.fs import LOCAL, LocalFS
-from trainer.checkpoint.lease import leased
 from trainer.checkpoint.lineage import Lineage, View, is_head, new_line, prune_plan
 
 log = logging.getLogger("trainer")
@@ -152,9 +151,7 @@ class CheckpointDir:
         the prune recorded, each old one renamed to its trash name (atomic: never a half-deleted
         "complete" checkpoint), then deleted. `renamed`: called after the first rename (tests)."""
         old = prune_plan(View.read(self.root, self.fs), keep_last)
-        readers = (
-            leased(self.root) if old and isinstance(self.fs, LocalFS) else {}
-        )  # read leases: kept while read
+        readers = self.fs.leased(self.root) if old else {}  # read leases: kept while read
         for e in (e for e in old if e.tag in readers):
             log.info(f"keeping {e.tag} past checkpoint.keep_last while {readers[e.tag]} reads it")
         old = [e for e in old if e.tag not in readers]

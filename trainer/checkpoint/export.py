@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_bitsandbytes()  # as bin/train does
     try:
-        from trainer.checkpoint.resolve import export_source, gone
+        from trainer.checkpoint.resolve import export_source, gone, unmoved
 
         # every file's bytes verified (or the error names it), and a read lease: a job writing that run
         # directory does not prune it while it is exported
@@ -196,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                 FileNotFoundError
             ) as e:  # removed anyway (by hand, or without locks): said, not a traceback
                 raise UserError(f"{found.path}: {gone(e)}; export it again") from None
+            if not unmoved(found):
+                raise UserError(f"{found.path}: the checkpoint was moved while it was read (a rollback or a fresh "
+                                f"start of the job writing its run directory set it aside); what {out} holds may "
+                                "mix two checkpoints: export it again")  # fmt: skip
         print(f"exported {found.path} (step {found.step}) to {out}")
         return 0
     except UserError as e:

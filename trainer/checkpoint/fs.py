@@ -20,6 +20,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 
 class LocalFS:
@@ -114,6 +115,19 @@ class LocalFS:
 
     def rmtree(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ readers beside a writer
+    def lease(self, path: Path, what: str) -> Any:
+        """A read lease on the checkpoint at `path` (lease.py), held until its `release()`."""
+        from trainer.checkpoint.lease import Lease
+
+        return Lease(path, what)
+
+    def leased(self, root: Path) -> dict[str, str]:
+        """The checkpoints of `root` a live reader holds a lease on: tag -> who reads it (lease.py)."""
+        from trainer.checkpoint.lease import leased
+
+        return leased(root)
 
     # ------------------------------------------------------------------ composite
     def durable_write(self, path: Path, data: bytes, tmp_name: str | None = None) -> None:

@@ -16,6 +16,7 @@ from trainer.checkpoint.disk import (
     STEP_DIR,
     Found,
     checkpoints_dir,
+    ident,
     load_state,
     scan,
     verify,
@@ -97,7 +98,9 @@ def resolve(arg: str | None, mode: str, run_dir: str | Path, fs: LocalFS = LOCAL
                     return d, False
                 return Decision(d.found, [], d.warnings), True
     if STEP_DIR.match(path.name) and not fs.exists(path):
-        newest = plain(View.read(path.parent, fs)).found if fs.is_dir(path.parent) else None
+        newest = None
+        with contextlib.suppress(UserError):  # its journal damaged: the message without the newest
+            newest = plain(View.read(path.parent, fs)).found if fs.is_dir(path.parent) else None
         raise UserError(
             f"--resume {arg}: no such checkpoint"
             + (f" ({path.parent} holds {newest.tag} now: a job writing that run directory pruned it, or it was "
@@ -131,7 +134,7 @@ def export_source(arg: str, fs: LocalFS = LOCAL) -> tuple[Found, list[str], Leas
 
     path = Path(arg)
     if fs.exists(path / STATE) or (STEP_DIR.match(path.name) and fs.is_dir(path)):
-        lease = Lease(path, "bin/export")
+        lease = fs.lease(path, "bin/export")
         try:
             found = explicit(path, fs)
             bad = problems(found, fs, digests=True)
@@ -150,7 +153,7 @@ def export_source(arg: str, fs: LocalFS = LOCAL) -> tuple[Found, list[str], Leas
         d = plain(View.read(guess, fs))
         warnings = list(d.warnings)
         for found in [f for f in [d.found, *d.fallbacks] if f is not None]:
-            lease = Lease(found.path, "bin/export")
+            lease = fs.lease(found.path, "bin/export")
             try:
                 bad = problems(found, fs, digests=True)
             except FileNotFoundError as e:
@@ -167,5 +170,14 @@ def gone(e: OSError) -> str:
     """A checkpoint's file that vanished while read: what happened, as a reader can say it."""
     return (
         f"{e.filename or 'a file of it'} is gone: the checkpoint was removed while it was read (a job writing its "
-        "run directory pruned it, or it was deleted)"
+        "run directory pruned it or set it aside, or it was deleted)"
     )
+
+
+def unmoved(found: Found, fs: LocalFS = LOCAL) -> bool:
+    """`found` is still what its path holds, after a reader read it: a lease keeps a prune away, not a start of
+    the job writing that run directory, whose rollback (or fresh start) moves the line's checkpoints to
+    abandoned/ and may commit another under the same name; what was read by path then mixes two checkpoints.
+    (No checkpoint moves back to where it was: the same id there means nothing moved.)"""
+    state, _ = load_state(found.path, fs)
+    return state is not None and ident(state) == found.id
