@@ -169,10 +169,7 @@ class Checkpointer:
             from trainer.checkpoint.disk import named_by_latest
             from trainer.checkpoint.fs import ACTIONABLE
 
-            before = named_by_latest(self.store.root)
-            user = (
-                isinstance(w.error, OSError) and w.error.errno in ACTIONABLE
-            )  # a full disk, a quota: exit 2
+            before, user = named_by_latest(self.store.root), getattr(w.error, "errno", None) in ACTIONABLE
             raise CheckpointWriteError(
                 f"checkpoint {pending.tag}: writing it failed on rank(s) {', '.join(map(str, failed))}{mine}. "
                 f"It was not committed; `latest` still names {before or 'the checkpoint before it'}, kept intact. "

@@ -90,11 +90,7 @@ class CheckpointDir:
         """Remove staging and trash directories left by crashed saves or prunes (`keep`: a staging
         directory a resume names); not the trash this process's own prune is still deleting in the
         background (no interrupted save left it: it is not said to be one)."""
-        deleting = (
-            {p.name for p in self._pending}
-            if self._deleting is not None and self._deleting.is_alive()
-            else set()
-        )
+        deleting = {p.name for p in self._pending} if self._deleting and self._deleting.is_alive() else set()
         for name in self.fs.listdir(self.root):
             if (
                 name.startswith((STAGING_PREFIX, TRASH_PREFIX))

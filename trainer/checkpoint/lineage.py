@@ -77,30 +77,8 @@ class View:
 
     def unsure(self, damaged: list[int]) -> bool:
         """Journal damage could hide the current line: a record damaged after the one naming it (`current`'s
-        third value), the journal cut short, or gone."""
-        return (
-            bool(damaged) or journal.cut_short(self.log) or gone(self.log, self.disk) or bool(self.unknown())
-        )
-
-    def unknown(self) -> list[Entry]:
-        """Checkpoints here the journal never recorded, off its current line (which adopts the one commit a
-        crash can leave unrecorded: renamed into place, its record not yet appended): the journal is older
-        than they are (a copy restored from a backup, journal.last with it). Reading on would resume an older
-        checkpoint, or another line, and set the newer ones aside."""
-        if not self.records:
-            return []
-        named = set(self.index["commit"]) | set(self.index["import_prev"]) | set(self.index["source"])
-        for r in self.events("fork", "aside", "prune"):
-            named |= {i.get("id") for i in (r.get("leaving") or r.get("items") or [])}
-        odd = [
-            e
-            for e in self.disk
-            if e.state is not None and e.lineage("line") is not None and e.id not in named
-        ]
-        if not odd:
-            return []
-        on = {i for i, _ in self.chain(self.current()[1])}
-        return [e for e in odd if e.id not in on]
+        third value), the journal cut short, gone, or older than the checkpoints here."""
+        return bool(damaged or journal.cut_short(self.log) or gone(self.log, self.disk) or unrecorded(self))
 
     def events(self, *kinds: str) -> list[journal.Record]:
         return [r for r in self.records if r.event in kinds]
@@ -232,6 +210,25 @@ def gone(log: journal.Parsed, disk: list[Entry]) -> bool:
     return log.tail is not None or any(e.lineage("parent") is not None for e in disk)
 
 
+def unrecorded(view: View) -> list[Entry]:
+    """Checkpoints here the journal never recorded, off its current line (which adopts the one commit a
+    crash can leave unrecorded: renamed into place, its record not yet appended): the journal is older
+    than they are (a copy restored from a backup, journal.last with it). Reading on would resume an older
+    checkpoint, or another line, and set the newer ones aside."""
+    if not view.records:
+        return []
+    named = set(view.index["commit"]) | set(view.index["import_prev"]) | set(view.index["source"])
+    for r in view.events("fork", "aside", "prune"):
+        named |= {i.get("id") for i in (r.get("leaving") or r.get("items") or [])}
+    odd = [
+        e for e in view.disk if e.state is not None and e.lineage("line") is not None and e.id not in named
+    ]
+    if not odd:
+        return []
+    on = {i for i, _ in view.chain(view.current()[1])}
+    return [e for e in odd if e.id not in on]
+
+
 def new_line() -> str:
     return uuid.uuid4().hex[:12]
 
@@ -281,7 +278,7 @@ def plain(view: View) -> Decision:
             if gone(view.log, view.disk)
             else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
             if journal.cut_short(view.log)
-            else f"it is older than the checkpoints here (it never recorded {', '.join(e.tag for e in view.unknown()[:3])}"
+            else f"it is older than the checkpoints here (it never recorded {', '.join(e.tag for e in unrecorded(view)[:3])}"
             ", off the line it names: a copy restored from a backup?)"
         )  # fmt: skip
         raise UserError(

@@ -204,20 +204,7 @@ class Store:
         # lists what every rank reports, not what rank 0 can see.
         reported = self.gather_objects(pending.files())
         if self.is_main:
-            try:
-                self.faults.full("fullmanifest", pending.step, pending.stage_dir / STATE)
-                written = self.disk.write_manifest(
-                    pending.stage_dir, pending.meta, self.engine.ds_config, self.exp.to_yaml(), reported
-                )
-                self.faults.at("killmanifest", pending.step)
-
-                def renamed() -> None:
-                    self.faults.at("killrename", pending.step)
-                    self.faults.full("fulljournal", pending.step, self.root / "journal.jsonl")
-
-                self.disk.commit(pending.stage_dir, pending.tag, written, renamed=renamed)
-            except OSError as e:
-                raise unwritable(e, pending.tag, self.root, final.exists(), "committing it") from None
+            _commit_main(self, pending, reported)
             self.faults.at("killlatest", pending.step)
         pending.commit_s = time.perf_counter() - t0
         if pending.writer is None:
@@ -245,6 +232,27 @@ class Store:
         calls it after a resume's load, which takes it itself); every rank (ZeRO-3 gathers)."""
         if self.frozen_digest is None and frozen.guarded(self.exp):
             self.frozen_digest = frozen.engine_digest(self.engine.ds)
+
+
+def _commit_main(store: Store, pending: Pending, reported: list[Any]) -> None:
+    """Rank 0's part of a commit: the manifest of what every rank `reported`, the rename, the journal's record;
+    a disk that will not take them is a user error saying what is kept (`unwritable`)."""
+    faults = store.faults
+    try:
+        faults.full("fullmanifest", pending.step, pending.stage_dir / STATE)
+        written = store.disk.write_manifest(
+            pending.stage_dir, pending.meta, store.engine.ds_config, store.exp.to_yaml(), reported
+        )
+        faults.at("killmanifest", pending.step)
+
+        def renamed() -> None:
+            faults.at("killrename", pending.step)
+            faults.full("fulljournal", pending.step, store.root / "journal.jsonl")
+
+        store.disk.commit(pending.stage_dir, pending.tag, written, renamed=renamed)
+    except OSError as e:
+        in_place = (store.root / pending.tag).exists()
+        raise unwritable(e, pending.tag, store.root, in_place, "committing it") from None
 
 
 def unwritable(e: OSError, tag: str, root: Path, in_place: bool, doing: str) -> Exception:
