@@ -248,6 +248,12 @@ def test_a_staging_directory_resumed_by_name_stays_resumable_and_latest_never_na
     assert stage.exists()  # kept by the start that resumes it
     seven = commit(root, 7, cd)
     assert resolve.latest(root)[0].path == seven.path and (root / "latest").read_text().strip() == seven.tag
+    # review of issue 69: the save's preparation removed it ('left by an interrupted save'), and the next plain
+    # resume, its line broken there, set step 2 and 4 aside as 'no part of the line'
+    assert stage.exists()
+    said = CheckpointDir(root).start(resolve.resolve("latest", "never", tmp_path)[0].found, explicit=False)
+    assert not (root / "abandoned").exists() and (root / "step_00000002").exists(), said
+    assert [e.tag for e in lineage.prune_plan(lineage.View.read(root), 2)] == ["step_00000004", "step_00000002"]
 
 
 def test_a_prune_still_deleting_is_no_interrupted_save(tmp_path, caplog):

@@ -88,16 +88,16 @@ class CheckpointDir:
 
     def clean_leftovers(self, keep: str) -> None:
         """Remove staging and trash directories left by crashed saves or prunes (`keep`: a staging
-        directory a resume names); not the trash this process's own prune is still deleting in the
-        background (no interrupted save left it: it is not said to be one)."""
-        deleting = {p.name for p in self._pending} if self._deleting and self._deleting.is_alive() else set()
-        for name in self.fs.listdir(self.root):
-            if (
-                name.startswith((STAGING_PREFIX, TRASH_PREFIX))
-                and name != keep
-                and name not in deleting
-                and self.fs.is_dir(self.root / name)
-            ):
+        directory a resume names; a fork's source, which the journal names: a checkpoint of a line, pruned as
+        one); not the trash this process's own prune is still deleting in the background (no interrupted save
+        left it: it is not said to be one)."""
+        spared = {p.name for p in self._pending} if self._deleting and self._deleting.is_alive() else set()
+        names = [n for n in self.fs.listdir(self.root) if n.startswith((STAGING_PREFIX, TRASH_PREFIX))]
+        if any(n.startswith(STAGING_PREFIX) for n in names):
+            spared |= {(r.get("source") or {}).get("path") for r in journal.read(self.root, self.fs).records
+                         if r.event == "fork"}  # fmt: skip
+        for name in names:
+            if name != keep and name not in spared and self.fs.is_dir(self.root / name):
                 log.info(f"removing {self.root / name} (left by an interrupted save)")
                 self.fs.rmtree(self.root / name)
 
