@@ -253,7 +253,10 @@ def test_a_staging_directory_resumed_by_name_stays_resumable_and_latest_never_na
     assert stage.exists()
     said = CheckpointDir(root).start(resolve.resolve("latest", "never", tmp_path)[0].found, explicit=False)
     assert not (root / "abandoned").exists() and (root / "step_00000002").exists(), said
-    assert [e.tag for e in lineage.prune_plan(lineage.View.read(root), 2)] == ["step_00000004", "step_00000002"]
+    assert [e.tag for e in lineage.prune_plan(lineage.View.read(root), 2)] == [
+        "step_00000004",
+        "step_00000002",
+    ]
 
 
 def test_a_prune_still_deleting_is_no_interrupted_save(tmp_path, caplog):
@@ -399,3 +402,35 @@ def test_a_journal_restored_from_an_older_copy_is_refused_naming_what_it_never_r
                                         r"step_00000004.*--resume PATH"):  # fmt: skip
         resolve.resolve("latest", "never", tmp_path)
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+def test_a_slurm_requeue_continues_its_job_and_a_second_command_in_the_allocation_is_a_new_one(
+    tmp_path, monkeypatch
+):
+    """Review of issue 69, F2: the job was Slurm's job id alone, so bin/train typed twice in one salloc with the
+    same --resume step_2 was one job: the second's restart (killed before its fork) took the first's commits
+    for its own and resumed the newest, never doing the rollback it was typed for. A command's job is now
+    `slurm-<id>.<restart count>/<its own>`; a requeue (the count one more) continues every command before it."""
+    from trainer.checkpoint.restart import restart_resume
+    from trainer.cluster import dist
+    from trainer.run.supervisor import supervised_job
+
+    monkeypatch.delenv("TRAINER_JOB", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    first, second = supervised_job(), supervised_job()
+    assert first.startswith("slurm-777.0/") and first != second and dist.job() == "slurm-777.0/step-0"
+    cd = CheckpointDir(root)
+    cd.start(two, explicit=True, job=first)  # the first command's rollback to step 2, then its save
+    commit(root, 4, cd)
+    assert restart_resume(tmp_path, str(two.path), first) == "latest"  # its restart: its newest
+    assert restart_resume(tmp_path, str(two.path), second) == str(
+        two.path
+    )  # the second command: what it named
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the allocation requeued: the same command line again
+    assert restart_resume(tmp_path, str(two.path), supervised_job()) == "latest"

@@ -21,8 +21,8 @@ def restart_resume(
     refuses (the journal damaged), the job's own newest checkpoint here, by path: its manifest names the
     job (a restart had resumed the path it started with, which a prune may have removed since)."""
     view = View.read(checkpoints_dir(run_dir), fs)
-    own = [e for e in view.disk if job and e.state is not None and e.lineage("job") == job]
-    mine = any(r.get("job") == job for r in view.events("commit")) or bool(own)
+    own = [e for e in view.disk if job and e.state is not None and same_job(e.lineage("job"), job)]
+    mine = any(same_job(r.get("job"), job) for r in view.events("commit")) or bool(own)
     if started_with not in (None, "latest") and not (job and mine):
         return started_with
     try:
@@ -33,3 +33,23 @@ def restart_resume(
             return str(max(own, key=lambda e: e.step).path)
         return "latest" if job and mine else started_with  # refused again, with the journal's reason
     return started_with
+
+
+def same_job(recorded: str | None, job: str | None) -> bool:
+    """A commit's job is this job's: the same id, or a Slurm job's allocation before this one (a requeue:
+    `slurm-<id>.<restart count>/...`, cluster/dist.slurm_job), whose every command's commits it continues."""
+    if recorded is None or job is None:
+        return False
+    if recorded == job:
+        return True
+    was, now = (
+        j.split("/", 1)[0].rpartition(".") if j.startswith("slurm-") else ("", "", "")
+        for j in (recorded, job)
+    )
+    return (
+        bool(was[0])
+        and was[0] == now[0]
+        and was[2].isdigit()
+        and now[2].isdigit()
+        and int(was[2]) < int(now[2])
+    )

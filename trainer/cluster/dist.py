@@ -377,21 +377,30 @@ def restarted() -> bool:
 def job() -> str | None:
     """The job this process belongs to, the same across the restarts that rerun its command line (recorded with
     every commit, so that a restart knows whether the job has a checkpoint of its own yet): our supervisor's
-    (TRAINER_JOB), else Slurm's job id (a requeue keeps it), else torchrun's agent, which restarts the ranks it
-    started (its host, pid and start time: a new torchrun is a new job even with the same rendezvous id); None
-    where nothing restarts the command line. Multi-node torchrun: rank 0's, shared at start (run/rundir.hold)."""
+    (TRAINER_JOB), else torchrun's agent, which restarts the ranks it started (its host, pid and start time: a
+    new torchrun is a new job even with the same rendezvous id), within Slurm's job (`slurm_job`: a requeue
+    continues it); None where nothing restarts the command line. Multi-node torchrun: rank 0's, shared at start (run/rundir.hold)."""
     if os.environ.get("TRAINER_JOB"):
         return os.environ["TRAINER_JOB"]
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    own = None
     if under_torchrun():
         agent = os.getppid()
         try:  # its start time (clock ticks since boot): a pid the system reused is another process
             since = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
         except (OSError, IndexError):
             since = "0"
-        return f"torchrun-{socket.gethostname()}-{agent}-{since}"
-    return None
+        own = f"torchrun-{socket.gethostname()}-{agent}-{since}"
+    elif os.environ.get("SLURM_JOB_ID"):
+        own = f"step-{os.environ.get('SLURM_STEP_ID', 'batch')}"  # srun's ranks: its job step
+    return slurm_job(own) if os.environ.get("SLURM_JOB_ID") else own
+
+
+def slurm_job(own: str | None) -> str:
+    """Under Slurm, a job id that a requeue continues: `slurm-<job id>.<restart count>/<this command>`. A requeue
+    (the restart count one more) is the same job as every command of the allocations before it
+    (checkpoint/restart.same_job); two commands in one allocation (two `srun`s, or bin/train typed twice in an
+    salloc) are two jobs."""
+    return f"slurm-{os.environ['SLURM_JOB_ID']}.{int(os.environ.get('SLURM_RESTART_COUNT') or 0)}/{own}"
 
 
 def under_torchrun() -> bool:

@@ -368,11 +368,14 @@ def launch_command(sup: Supervisor, overrides: list[str], resume: str | None, po
 
 
 def supervised_job() -> str:
-    """The supervised job's id, recorded with every commit: Slurm's job id where Slurm runs it (a requeue
-    restarts this supervisor with the same command line: the same job), else a new one."""
+    """The supervised job's id, recorded with every commit: a new one, within Slurm's job where Slurm runs it
+    (a requeue restarts this supervisor with the same command line: the same job; cluster/dist.slurm_job)."""
     import uuid
 
-    return f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else uuid.uuid4().hex[:12]
+    from trainer.cluster.dist import slurm_job
+
+    own = uuid.uuid4().hex[:12]
+    return slurm_job(own) if os.environ.get("SLURM_JOB_ID") else own
 
 
 def attempt_env(
