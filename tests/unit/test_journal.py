@@ -434,3 +434,25 @@ def test_a_slurm_requeue_continues_its_job_and_a_second_command_in_the_allocatio
     )  # the second command: what it named
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the allocation requeued: the same command line again
     assert restart_resume(tmp_path, str(two.path), supervised_job()) == "latest"
+
+
+def test_a_full_disk_at_the_run_directorys_lock_is_a_user_error(tmp_path, monkeypatch):
+    """Review of issue 69, F3: the lock's holder details were written outside the lock's error handling: a run
+    directory on a full disk (no .lock yet) ended in a traceback (exit 1, retried by a supervisor)."""
+    import builtins
+
+    from trainer.run import rundir
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / rundir.LOCK))
+
+    monkeypatch.setattr(rundir, "open", lambda *a, **k: Full(builtins.open(*a, **k)), raising=False)
+    with pytest.raises(UserError, match=r"run_dir .* cannot be written .*No space left|ENOSPC"):
+        rundir.hold(tmp_path, 0, 1, 0.0)

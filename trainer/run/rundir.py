@@ -37,8 +37,13 @@ def hold(
     from trainer.cluster.dist import all_gather, job
     from trainer.common.errors import UserError
 
-    mine = (acquire(run_dir, wait_s, say) if rank == 0 else None, job())
+    try:
+        mine = (acquire(run_dir, wait_s, say) if rank == 0 else None, job())
+    except UserError as e:  # rank 0 cannot write there: every rank stops with its reason, none waits for it
+        mine = (f"error:{e}", job())
     got, job_id = all_gather(mine, world_size)[0] if world_size > 1 else mine
+    if got is not None and got.startswith("error:"):
+        raise UserError(got.removeprefix("error:"), everywhere=True)
     if got is not None and not got.startswith("warning:"):
         raise UserError(
             f"run_dir {run_dir} is in use by another job: {got}" + (f", after waiting {wait_s:g} s for it to end "
@@ -79,13 +84,7 @@ def _try(run_dir: str | Path) -> str | None:
         probe.unlink()
         f = open(path, "a+")  # noqa: SIM115  (held open until the process ends)
     except OSError as e:  # read-only, no permission, a full disk: nothing could be saved there
-        from trainer.checkpoint.fs import describe
-        from trainer.common.errors import UserError
-
-        raise UserError(
-            f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
-            + describe(e, e.filename or path, "writing in it")
-        ) from None
+        raise _unwritable(run_dir, path, e) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -102,12 +101,26 @@ def _try(run_dir: str | Path) -> str | None:
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
     }
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps(info) + "\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(info) + "\n")
+        f.flush()
+    except OSError as e:  # a full disk, a quota: nothing could be saved there either
+        f.close()
+        raise _unwritable(run_dir, path, e) from None
     _held.append(f)
     return None
+
+
+def _unwritable(run_dir: str | Path, path: Path, e: OSError) -> Exception:
+    from trainer.checkpoint.fs import describe
+    from trainer.common.errors import UserError
+
+    return UserError(
+        f"run_dir {Path(run_dir)} cannot be written (nothing could be saved there): "
+        + describe(e, e.filename or path, "writing in it")
+    )
 
 
 SHARED = ".shared-check"
