@@ -456,3 +456,71 @@ def test_a_full_disk_at_the_run_directorys_lock_is_a_user_error(tmp_path, monkey
     monkeypatch.setattr(rundir, "open", lambda *a, **k: Full(builtins.open(*a, **k)), raising=False)
     with pytest.raises(UserError, match=r"run_dir .* cannot be written .*No space left|ENOSPC"):
         rundir.hold(tmp_path, 0, 1, 0.0)
+
+
+def test_a_full_disk_at_a_prunes_record_is_said_and_training_goes_on(tmp_path, caplog):
+    """Review of issue 69, F4: ENOSPC as the prune after a commit appended its record ended the run in a
+    traceback (exit 1, retried). The checkpoint is committed and nothing was removed: a warning, and the
+    next save prunes again."""
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.cadence import _prune
+    from trainer.checkpoint.fs import LocalFS
+
+    class Full(LocalFS):
+        def append(self, path, data):
+            if b'"event":"prune"' in data:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            super().append(path, data)
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root, fs=Full())
+    for step in (2, 4, 6):
+        commit(root, step, cd)
+    store = SimpleNamespace(disk=cd, root=root, faults=SimpleNamespace(at=lambda *a: None))
+    with caplog.at_level("WARNING", logger="trainer"):
+        _prune(store, 1, 6)
+    assert "checkpoint.keep_last" in caplog.text and "No space left" in caplog.text
+    assert all((root / f"step_0000000{s}").exists() for s in (2, 4, 6))
+    cd.fs = LocalFS()  # space freed: the next prune removes them
+    assert cd.prune(1) == ["step_00000004", "step_00000002"]
+
+
+@pytest.mark.parametrize("fails", ["latest", "journal"])
+def test_a_full_disk_after_the_commits_record_is_no_failed_commit(tmp_path, caplog, fails):
+    """Review of issue 69, F5: ENOSPC as `latest` was written (after the journal's record) ended the run with
+    'the journal has no record of it yet'. Recorded, it is committed: a warning, training goes on (`latest` is
+    a cache). The journal's own record failing is still the user error that says so."""
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.fs import LocalFS
+    from trainer.checkpoint.store import Pending, _commit_main
+
+    class Full(LocalFS):
+        def durable_write(self, path, data, tmp_name=None):
+            if fails == "latest" and Path(path).name == "latest":
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            super().durable_write(path, data, tmp_name)
+
+        def append(self, path, data):
+            if fails == "journal" and b'"event":"commit"' in data:
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            super().append(path, data)
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root, fs=Full())
+    stage = cd.prepare("step_00000002")
+    stage.mkdir(parents=True, exist_ok=True)
+    (stage / "shard.pt").write_bytes(b"x")
+    nothing = SimpleNamespace(at=lambda *a: None, full=lambda *a: None)
+    store = SimpleNamespace(disk=cd, root=root, faults=nothing, engine=SimpleNamespace(ds_config={}),
+                            exp=SimpleNamespace(to_yaml=lambda: "exp: 1\n"))  # fmt: skip
+    pending = Pending(step=2, tag="step_00000002", stage_dir=stage, meta={"step": 2}, started=0.0)
+    if fails == "latest":
+        with caplog.at_level("WARNING", logger="trainer"):
+            _commit_main(store, pending, [])
+        assert "committed (the journal records it)" in caplog.text
+        assert resolve.latest(root)[0].tag == "step_00000002"
+    else:
+        with pytest.raises(UserError, match="in place, renamed before the error: the journal has no record"):
+            _commit_main(store, pending, [])

@@ -30,6 +30,21 @@ from trainer.config import CheckpointSection
 log = logging.getLogger("trainer")
 
 
+def _prune(store: Any, keep_last: int, step: int) -> None:
+    """checkpoint.keep_last after a commit (rank 0). A disk that will not take the prune's record (full, a quota:
+    fs.ACTIONABLE) ends nothing: the checkpoint is committed, the prune's record comes before any removal (one
+    written is carried out by the next start), and the next save prunes again or says what the disk refuses."""
+    from trainer.checkpoint.fs import ACTIONABLE, describe
+
+    try:
+        store.disk.prune(keep_last, renamed=lambda: store.faults.at("killprune", step))
+    except OSError as e:
+        if e.errno not in ACTIONABLE:
+            raise
+        log.warning(f"checkpoint.keep_last: {describe(e, e.filename or store.root, 'pruning')}; the prune stopped "
+                    "there (what it recorded, the next start removes) and the next save prunes again")  # fmt: skip
+
+
 class CheckpointWriteError(RuntimeError):
     """A background checkpoint write failed on some rank; every rank raises it at the same step. `user`: this
     rank's own write failed for a reason the user can act on (space, quota, permissions: exit 2, not retried)."""
@@ -187,8 +202,7 @@ class Checkpointer:
             if moved:
                 log.info(moved)
             t0 = time.perf_counter()
-            self.store.disk.prune(self.section.keep_last,
-                                  renamed=lambda: self.store.faults.at("killprune", pending.step))  # fmt: skip
+            _prune(self.store, self.section.keep_last, pending.step)
             pending.commit_s += time.perf_counter() - t0
             pending.blocked_s += time.perf_counter() - t0
             _report(pending, path, write_s, self._step, self.record)

@@ -16,6 +16,7 @@ rank 0 before the other ranks finish) is never used.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +26,11 @@ from typing import Any
 
 from trainer.checkpoint import frozen
 from trainer.checkpoint.directory import CheckpointDir
-from trainer.checkpoint.disk import STATE, tag_for
+from trainer.checkpoint.disk import STATE, STATE_DIGEST, tag_for
 from trainer.common.faults import Faults
 from trainer.config import Experiment
+
+log = logging.getLogger("trainer")
 
 FORMAT_VERSION = 1
 
@@ -237,7 +240,7 @@ class Store:
 def _commit_main(store: Store, pending: Pending, reported: list[Any]) -> None:
     """Rank 0's part of a commit: the manifest of what every rank `reported`, the rename, the journal's record;
     a disk that will not take them is a user error saying what is kept (`unwritable`)."""
-    faults = store.faults
+    faults, written = store.faults, {}
     try:
         faults.full("fullmanifest", pending.step, pending.stage_dir / STATE)
         written = store.disk.write_manifest(
@@ -251,6 +254,19 @@ def _commit_main(store: Store, pending: Pending, reported: list[Any]) -> None:
 
         store.disk.commit(pending.stage_dir, pending.tag, written, renamed=renamed)
     except OSError as e:
+        from trainer.checkpoint import journal
+        from trainer.checkpoint.fs import ACTIONABLE, describe
+
+        last = (journal.read(store.root).records or [None])[-1]
+        if (
+            e.errno in ACTIONABLE
+            and last
+            and last.event == "commit"
+            and last.get("id") == written.get(STATE_DIGEST)
+        ):
+            log.warning(f"checkpoint {pending.tag}: committed (the journal records it), but `latest` was not updated: "
+                        f"{describe(e, e.filename or store.root, 'writing latest')}")  # fmt: skip
+            return  # a cache (DeepSpeed's loaders read it; no decision does): the next save writes it
         in_place = (store.root / pending.tag).exists()
         raise unwritable(e, pending.tag, store.root, in_place, "committing it") from None
 
