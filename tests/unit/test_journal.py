@@ -453,7 +453,7 @@ def test_a_full_disk_at_the_run_directorys_lock_is_a_user_error(tmp_path, monkey
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / rundir.LOCK))
 
-    monkeypatch.setattr(rundir, "open", lambda *a, **k: Full(builtins.open(*a, **k)), raising=False)
+    monkeypatch.setattr(rundir, "open", lambda *a, **k: Full(builtins.open(*a, **k)), raising=False)  # noqa: SIM115
     with pytest.raises(UserError, match=r"run_dir .* cannot be written .*No space left|ENOSPC"):
         rundir.hold(tmp_path, 0, 1, 0.0)
 
