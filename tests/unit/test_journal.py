@@ -524,3 +524,26 @@ def test_a_full_disk_after_the_commits_record_is_no_failed_commit(tmp_path, capl
     else:
         with pytest.raises(UserError, match="in place, renamed before the error: the journal has no record"):
             _commit_main(store, pending, [])
+
+
+def test_a_lease_is_seen_only_whole_and_held(tmp_path):
+    """Review of issue 69 (a suspicion, closed): a lease file was visible before its reader had written it (a
+    pruner then read no tag and pruned) or locked it (a pruner took the free lock and removed a live lease).
+    It is written and locked as `.new-...`, then renamed; a `.new-` one whose reader died is removed."""
+    import os
+    import time
+
+    from trainer.checkpoint.lease import PENDING, READERS, Lease, leased
+
+    root = tmp_path / "checkpoints"
+    two = commit(root, 2, CheckpointDir(root))
+    with Lease(two.path, "bin/export"):
+        names = os.listdir(root / READERS)
+        assert len(names) == 1 and not names[0].startswith(PENDING)
+        assert json.loads((root / READERS / names[0]).read_text())["tag"] == "step_00000002"
+        assert list(leased(root)) == ["step_00000002"]
+    dead = root / READERS / f"{PENDING}host-1-abc"
+    dead.write_text("")
+    assert leased(root) == {} and dead.exists()  # young: maybe a reader between its write and its rename
+    os.utime(dead, (time.time() - 120, time.time() - 120))
+    assert leased(root) == {} and not dead.exists()

@@ -4,10 +4,12 @@ first, and the writer's prune keeps a checkpoint a live lease names until the re
 
 A lease is a file `<checkpoints>/.readers/<host>-<pid>-<id>` naming the checkpoint's tag and the reader, which
 the reader holds an exclusive flock on for as long as it reads (the kernel releases it when the reader dies,
-SIGKILL included). The pruner tries each lease's flock: held, the lease is live and its checkpoint stays; free,
-the reader is gone and the lease file is removed. A reader takes its lease before it verifies the checkpoint,
-so a prune that came first shows as a checkpoint gone, which the reader says (never a traceback): the writer
-records a prune before it renames anything, so what a lease protects from then on is never pruned.
+SIGKILL included); it is written and locked under a `.new-` name and then renamed, so a pruner sees only
+leases whole and held. The pruner tries each lease's flock: held, the lease is live and its checkpoint stays;
+free, the reader is gone and the lease file is removed. A reader takes its lease before it verifies the
+checkpoint, so a prune that came first shows as a checkpoint gone, which the reader says (never a traceback).
+(A lease that appears between the pruner's reading of the leases and its journal record, a window of one
+append, is not honoured: that reader too finds its checkpoint gone and says so.)
 On a filesystem without locks there are no leases: the reader's own check (a checkpoint gone while read) is
 what is left.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 READERS = ".readers"
+PENDING = ".new-"  # a lease being written: not yet one (removed by a pruner once its writer is gone)
 
 
 class Lease:
@@ -34,13 +37,16 @@ class Lease:
         self.file: Path | None = None
         self._fd: int | None = None
         readers = self.path.parent / READERS
-        try:
+        name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:  # written and locked under a name no pruner reads, then renamed: a lease is seen whole and held
             readers.mkdir(exist_ok=True)
-            self.file = readers / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.file = readers / (PENDING + name)
             self._fd = os.open(self.file, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             info = {"tag": self.path.name, "what": what, "host": socket.gethostname(), "pid": os.getpid()}
             os.write(self._fd, json.dumps(info).encode())
+            os.rename(self.file, readers / name)
+            self.file = readers / name
         except (
             OSError
         ):  # a read-only directory, a filesystem without locks: no lease, the reader's own checks
@@ -74,6 +80,8 @@ def leased(root: Path) -> dict[str, str]:
         return out
     for name in names:
         path = readers / name
+        if name.startswith(PENDING) and _young(path):  # being written: its reader renames it when it holds
+            continue
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -84,7 +92,8 @@ def leased(root: Path) -> dict[str, str]:
             except BlockingIOError:  # held: a live reader
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     info = json.loads(Path(path).read_text())
-                    out[info["tag"]] = f"{info['what']} (pid {info['pid']} on {info['host']})"
+                    if not name.startswith(PENDING):
+                        out[info["tag"]] = f"{info['what']} (pid {info['pid']} on {info['host']})"
                 continue
             except OSError:
                 continue
@@ -93,3 +102,12 @@ def leased(root: Path) -> dict[str, str]:
         finally:
             os.close(fd)
     return out
+
+
+def _young(path: Path, seconds: float = 60.0) -> bool:
+    import time
+
+    try:
+        return time.time() - os.stat(path).st_mtime < seconds
+    except OSError:
+        return True
