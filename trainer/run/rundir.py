@@ -78,7 +78,7 @@ def _try(run_dir: str | Path) -> str | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         probe = path.with_name(
-            f".write-check-{os.getpid()}"
+            f".write-check-{socket.gethostname()}-{os.getpid()}"
         )  # the lock may exist: a new file must be possible
         probe.write_text("")
         probe.unlink()
