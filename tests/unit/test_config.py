@@ -202,3 +202,10 @@ def test_the_lock_wait_stays_below_the_collective_timeout():
     )
     with pytest.raises(ConfigError, match="checkpoint.lock_wait_s"):
         config.load(TINY, ["checkpoint.lock_wait_s=-1"])
+    # unset, it follows a short dist.timeout_s (a test's 15 s was refused over a default the user never wrote)
+    from trainer.run.rundir import lock_wait
+
+    short = config.load(TINY, ["dist.timeout_s=15"])
+    assert (
+        short.checkpoint.lock_wait_s is None and lock_wait(None, 15) == 7.5 and lock_wait(None, 1800) == 300
+    )

@@ -60,12 +60,13 @@ class CheckpointSection(Section):
         "boundary and training goes on while it is written; true, false (every rank waits until its files are "
         "written), or auto = true unless the copy does not fit in host memory (the plan's host/node column)",
     )
-    lock_wait_s: float = Field(
-        300.0,
+    lock_wait_s: float | None = Field(
+        None,
         ge=0,
         description="how long a job waits for another that still holds its run directory (a requeued job "
-        "overlapping the dying one, which saves on SIGTERM) before it stops naming the holder; 0 = stop at once. "
-        "Below dist.timeout_s: the other ranks wait for it in a collective",
+        "overlapping the dying one, which saves on SIGTERM) before it stops naming the holder; 0 = stop at once; "
+        "unset: 300 s, or half of dist.timeout_s where that is less. Below dist.timeout_s: the other ranks wait "
+        "for it in a collective",
     )
     convert_timeout_minutes: float = Field(
         120.0,

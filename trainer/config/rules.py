@@ -383,7 +383,7 @@ def _run_dir(exp: Experiment) -> list[tuple[str, str]]:
 def _lock_wait(exp: Experiment) -> list[tuple[str, str]]:
     """The other ranks wait for rank 0's lock in a collective, which dist.timeout_s bounds."""
     wait, timeout = exp.checkpoint.lock_wait_s, exp.dist.timeout_s
-    if wait >= timeout:
+    if wait is not None and wait >= timeout:
         return [("checkpoint.lock_wait_s", f"{wait:g} s is not below dist.timeout_s ({timeout:g} s): the other ranks "
                  "wait for the run directory in a collective, which would time out first; lower it or raise "
                  "dist.timeout_s")]  # fmt: skip

@@ -239,8 +239,10 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     runtime = dist.setup((planned.exp or exp).dist.timeout_s)
     try:
         # Nothing reads the run directory to decide before rank 0 holds it (a dying job may still save and prune)
-        lock, job = rundir.hold(exp.run_dir, env.rank, env.world_size, exp.checkpoint.lock_wait_s,
-                                say=lambda m: print(m, flush=True))  # fmt: skip
+        wait = rundir.lock_wait(exp.checkpoint.lock_wait_s, exp.dist.timeout_s)
+        lock, job = rundir.hold(
+            exp.run_dir, env.rank, env.world_size, wait, say=lambda m: print(m, flush=True)
+        )
         resume = decided(args.resume, exp, env, job)
         if resume is not None:
             planned = planned_for(resume.ds_config)  # its LR schedule continues

@@ -54,6 +54,12 @@ def hold(
     return got, job_id
 
 
+def lock_wait(wait_s: float | None, timeout_s: float) -> float:
+    """checkpoint.lock_wait_s as set, or unset: 300 s, or half of dist.timeout_s where that is less (the other
+    ranks wait for rank 0's lock in a collective that dist.timeout_s bounds)."""
+    return wait_s if wait_s is not None else min(300.0, timeout_s / 2)
+
+
 def acquire(run_dir: str | Path, wait_s: float = 0.0, say: Any = None) -> str | None:
     """Take the run directory's lock for the rest of this process, waiting up to `wait_s` for another job to
     release it (said once, with the holder). Returns None when taken, or why not: the holder's description,
