@@ -139,9 +139,7 @@ class Lineage(RuleBasedStateMachine):
         self.committing: tuple | None = None
         self.starting: tuple | None = None
         self.reading: dict | None = None  # a bin/export under way: what it chose, its lease
-        self.copies: list[
-            tuple[bytes | None, bytes | None]
-        ] = []  # journal and journal.last after each attempt
+        self.copies: list[tuple] = []  # journal, journal.last, where the checkpoints were: after each attempt
         self.journal_lost = False  # deleted or replaced by an older copy (a refusal over it is right)
         self.made: dict[
             str, int
@@ -442,11 +440,18 @@ class Lineage(RuleBasedStateMachine):
         if self.reading is not None and not fs.readers:  # a power loss: the reader's process ended too
             self.reading = None
         self.learn_drops()
-        copy = tuple(
-            fs.read_bytes(ROOT / n) if fs.exists(ROOT / n) else None for n in (journal.JOURNAL, journal.LAST)
+        copy = (
+            *(
+                fs.read_bytes(ROOT / n) if fs.exists(ROOT / n) else None
+                for n in (journal.JOURNAL, journal.LAST)
+            ),
+            self.placement(),
         )
         if copy[0] is not None and (not self.copies or self.copies[-1] != copy):
-            self.copies.append(copy)  # what a backup taken now would hold
+            self.copies.append(copy)  # what a backup taken now would hold, and where the checkpoints were
+
+    def placement(self) -> frozenset:
+        return frozenset((i, str(p)) for i in self.truth if (p := self.where(i)) is not None)
 
     def learn_drops(self) -> None:
         """Set-aside directories deleted by keep_abandoned / keep_damaged (durable `drop` records): what
@@ -660,10 +665,15 @@ class Lineage(RuleBasedStateMachine):
             if "journal.last" in how:
                 fs.unlink(ROOT / journal.LAST)
         else:
-            old = [c for c in self.copies[:-1] if c[0] != fs.read_bytes(ROOT / journal.JOURNAL)]
+            # a copy from before checkpoints moved (committed, pruned, set aside): the disk contradicts it; one
+            # whose later records moved nothing (a fork that lost power before its moves) is a history as real
+            now = self.placement()
+            old = [
+                c for c in self.copies[:-1] if c[0] != fs.read_bytes(ROOT / journal.JOURNAL) and c[2] != now
+            ]
             if not old:
                 return
-            raw, last = old[pick % len(old)]
+            raw, last, _ = old[pick % len(old)]
             fs.durable_write(ROOT / journal.JOURNAL, raw)
             if "journal.last" in how and last is not None:
                 fs.durable_write(ROOT / journal.LAST, last)
@@ -843,7 +853,8 @@ def test_the_world_between_processes():
     resumed and the newer step 4 set aside; from before two saves: nothing was resumed, step 6 and 8 intact;
     now refused, naming them; (3) a --resume PATH written before the jobs since pruned it: refused, 'no such
     checkpoint', nothing moved; (4) an export leases what it read; the job's prune keeps it (past keep_last),
-    a rollback moves it (said by the export, never another's bytes)."""
+    a rollback moves it (said by the export, never another's bytes); (5) the journal and journal.last deleted
+    after a rollback into abandoned/: refused (abandoned/ holds a checkpoint of a line), not step 2 resumed."""
     for clock in ((5 * 3600, 0, -400 * 86400, 0), (0, -9 * 3600, 3600, 0)):
         s = Lineage()
         s.setup()
@@ -860,6 +871,15 @@ def test_the_world_between_processes():
         s.lineage_holds()
         s.run(**PLAIN, crash=None)
         s.lineage_holds()
+    s = (
+        Lineage()
+    )  # (5, a random series of 5,000) a rollback into abandoned/, then the journal and journal.last
+    s.setup()  # deleted: nothing in checkpoints/ named a parent, and a plain resume took step 2 by the old rules
+    s.run(**{**PLAIN, "how": "auto", "saves": [False, False]}, crash=None)
+    s.run(**{**PLAIN, "how": "older"}, crash=None)
+    s.run(**{**PLAIN, "how": "abandoned"}, crash=None)
+    s.lose_journal(pick=0, how="deleted, journal.last too")
+    s.lineage_holds()
     s = Lineage()
     s.setup()
     s.run(**{**PLAIN, "how": "auto", "saves": [False, False, False]}, crash=None)

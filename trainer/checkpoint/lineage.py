@@ -33,6 +33,7 @@ from typing import Any
 
 from trainer.checkpoint import journal
 from trainer.checkpoint.disk import (
+    ABANDONED,
     DAMAGED,
     LATEST,
     STEP_DIR,
@@ -78,7 +79,7 @@ class View:
     def unsure(self, damaged: list[int]) -> bool:
         """Journal damage could hide the current line: a record damaged after the one naming it (`current`'s
         third value), the journal cut short, gone, or older than the checkpoints here."""
-        return bool(damaged or journal.cut_short(self.log) or gone(self.log, self.disk) or unrecorded(self))
+        return bool(damaged or journal.cut_short(self.log) or gone(self) or unrecorded(self))
 
     def events(self, *kinds: str) -> list[journal.Record]:
         return [r for r in self.records if r.event in kinds]
@@ -200,14 +201,27 @@ class View:
         return ids
 
 
-def gone(log: journal.Parsed, disk: list[Entry]) -> bool:
-    """The journal file is gone, where `journal.last` (written after every append) or a checkpoint whose
-    manifest names a parent says there was one: its parent's commit (or the fork from it) was recorded,
-    durably, before it was trained. (A line's first checkpoint may be here without a journal: a crash
-    between its rename and the journal's first record, which the next start adopts.)"""
-    if log.exists:
-        return False
-    return log.tail is not None or any(e.lineage("parent") is not None for e in disk)
+def gone(view: View) -> str | None:
+    """The journal file is gone, where something says there was one (returned, for the message): `journal.last`
+    (written after every append); a checkpoint whose manifest names a parent (its parent's commit, or the fork
+    from it, was recorded durably before it was trained); a checkpoint of a line set aside in abandoned/ or
+    damaged/ (a fork's or an aside's record came first). (A line's first checkpoint may be here without a
+    journal: a crash between its rename and the journal's first record, which the next start adopts.)"""
+    if view.log.exists:
+        return None
+    if view.log.tail is not None:
+        return "journal.last names the last record appended to it"
+    if any(e.lineage("parent") is not None for e in view.disk):
+        return "a checkpoint here names its parent in its manifest, whose record a run keeping a journal wrote first"
+    fs, root = view.fs, view.root
+    for kind in (ABANDONED, DAMAGED):
+        for d in fs.listdir(root / kind):
+            if any(
+                (e := entry(root / kind / d / n, fs, any_name=True)) and e.lineage("line")
+                for n in fs.listdir(root / kind / d)
+            ):
+                return f"{kind}/{d} holds a checkpoint a journal's record set aside"
+    return None
 
 
 def unrecorded(view: View) -> list[Entry]:
@@ -271,11 +285,8 @@ def plain(view: View) -> Decision:
             (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
             + (" damaged (not as written) after the record that says which line of checkpoints is current")
             if damaged
-            else "it is missing ("
-            + ("journal.last names the last record appended to it" if view.log.tail else "a checkpoint here names "
-               "its parent in its manifest, whose record a run keeping a journal wrote before it")
-            + ")"
-            if gone(view.log, view.disk)
+            else f"it is missing ({gone(view)})"
+            if gone(view)
             else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
             if journal.cut_short(view.log)
             else f"it is older than the checkpoints here (it never recorded {', '.join(e.tag for e in unrecorded(view)[:3])}"
