@@ -262,10 +262,11 @@ def train_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         code = 0 if run is None else RUN[mode](run)
         # every rank reaches the end before any tears the process group down: a rank that did so while another
         # was still leaving its last step aborted at exit ("terminate called without an active exception";
-        # CI, after a synchronous save, as f8a13c7 had seen after an asynchronous final one)
+        # CI, after a synchronous save, as f8a13c7 had seen after an asynchronous final one). Only at a run's
+        # end: a rank that ends its attempt alone (out of memory on it) must not wait for ranks still in a step
         import torch.distributed as tdist
 
-        if tdist.is_initialized() and env.world_size > 1:
+        if code == 0 and tdist.is_initialized() and env.world_size > 1:
             tdist.barrier()
         return code
     except UserError as e:
