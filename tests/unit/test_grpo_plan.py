@@ -68,6 +68,20 @@ QWEN3_MOE = dict(model_type="qwen3_moe", num_hidden_layers=4, hidden_size=256, n
 FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3, "qwen3-moe": QWEN3_MOE}
 
 
+def sampled_peak(peak, run, planned: int) -> int:
+    """The peak of malloc's live bytes while `run(try)` runs, above what was live before. The sampling thread
+    can miss a short peak when it is not scheduled (CI: three test workers on two cores), never see more than
+    there was: where the peak seen is more than 10% under `planned`, it is run again, the highest of three kept."""
+    best = 0
+    for i in range(3):
+        start = peak.reset()
+        run(i)
+        best = max(best, peak.since(start))
+        if planned / best - 1 <= 0.10:
+            break
+    return best
+
+
 @pytest.mark.parametrize(
     "family,new",
     [(FAMILIES[f], new) for f in FAMILIES for new in (56, 200)],
@@ -94,12 +108,14 @@ def test_generation_s_term_is_the_measured_peak_of_sampling(family, new):
     sampler = ModelSampler(engine, Sampling(max_new_tokens=new, stop=(), pad=256), synced=False, batch=g)
     prompt = [[65 + i % 20 for i in range(seq - new)]] * g
     sampler.sample(prompt, list(range(g)))  # the allocator's arenas warmed
-    peak = Peak()
-    start = peak.reset()
-    out = sampler.sample(prompt, list(range(g, 2 * g)))
-    measured = peak.since(start)
-    assert all(len(c) == new for c, _ in out)  # no stop token: every completion its full length
     planned = generation_bytes(exp, info, 4)
+    outs = []
+    measured = sampled_peak(
+        Peak(), lambda i: outs.append(sampler.sample(prompt, list(range((i + 1) * g, (i + 2) * g)))), planned
+    )
+    assert all(
+        len(c) == new for out in outs for c, _ in out
+    )  # no stop token: every completion its full length
     print(
         f"{family['model_type']} new {new}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB"
     )
@@ -129,10 +145,10 @@ def test_the_sampling_logits_term_is_the_measured_peak_at_a_large_vocabulary(set
     prompts = [[5, 6, 7, 8]] * rows
     sampler.sample(prompts, list(range(rows)))  # the allocator's arenas warmed
     peak = Peak()
-    start = peak.reset()
-    sampler.sample(prompts, list(range(rows, 2 * rows)))
-    measured = peak.since(start)
     planned = logits_bytes(SimpleNamespace(temperature=t, top_k=k, top_p=p, min_p=mp), rows, vocab)
+    measured = sampled_peak(
+        peak, lambda i: sampler.sample(prompts, list(range((i + 1) * rows, (i + 2) * rows))), planned
+    )
     print(
         f"temperature {t} top_k {k} top_p {p} min_p {mp}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f}"
     )
@@ -141,10 +157,10 @@ def test_the_sampling_logits_term_is_the_measured_peak_at_a_large_vocabulary(set
 
     was, generate.NOISE_ELEMENTS = generate.NOISE_ELEMENTS, 8 * vocab  # the noise in chunks of 8 rows
     try:
-        start = peak.reset()
-        sampler.sample(prompts, list(range(2 * rows, 3 * rows)))
-        measured = peak.since(start)
         planned = logits_bytes(SimpleNamespace(temperature=t, top_k=k, top_p=p, min_p=mp), rows, vocab)
+        measured = sampled_peak(
+            peak, lambda i: sampler.sample(prompts, list(range((i + 4) * rows, (i + 5) * rows))), planned
+        )
     finally:
         generate.NOISE_ELEMENTS = was
     print(f"  the noise 8 rows at a time: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f}")
