@@ -404,6 +404,28 @@ def test_a_journal_restored_from_an_older_copy_is_refused_naming_what_it_never_r
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
 
 
+def test_a_journal_older_than_a_rollback_is_refused_naming_the_checkpoint_it_never_saw_set_aside(tmp_path):
+    """Issue 69, found by the stateful test's random series: 2 and 4 saved, a rollback to 2 (4 to abandoned/),
+    then the journal and journal.last restored from a copy taken before it. The copy says the line is 2 then 4;
+    a plain resume said 4 was gone and took 2, though 4 is here, set aside by a rollback the copy never saw (and
+    resumed since, perhaps). It refuses, naming it, and nothing moves."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    CheckpointDir(root).start(two, explicit=True)  # a rollback: 4 to abandoned/
+    away = next(root.glob("abandoned/*/step_00000004"))
+    CheckpointDir(root).start(Found(away, json.loads((away / STATE).read_text())), explicit=True)
+    for n, data in copy.items():
+        (root / n).write_bytes(data)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(UserError, match=r"journal.jsonl: it is older than the checkpoints here \(it never recorded "
+                                        r"abandoned/step_\d+-[^/]+/step_00000004 set aside.*--resume PATH"):  # fmt: skip
+        resolve.resolve("latest", "never", tmp_path)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
 def test_a_slurm_requeue_continues_its_job_and_a_second_command_in_the_allocation_is_a_new_one(
     tmp_path, monkeypatch
 ):

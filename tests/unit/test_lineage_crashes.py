@@ -854,7 +854,8 @@ def test_the_world_between_processes():
     now refused, naming them; (3) a --resume PATH written before the jobs since pruned it: refused, 'no such
     checkpoint', nothing moved; (4) an export leases what it read; the job's prune keeps it (past keep_last),
     a rollback moves it (said by the export, never another's bytes); (5) the journal and journal.last deleted
-    after a rollback into abandoned/: refused (abandoned/ holds a checkpoint of a line), not step 2 resumed."""
+    after a rollback into abandoned/: refused (abandoned/ holds a checkpoint of a line), not step 2 resumed; (6)
+    restored from before that rollback: refused (it never saw step 4 set aside), not step 2 resumed."""
     for clock in ((5 * 3600, 0, -400 * 86400, 0), (0, -9 * 3600, 3600, 0)):
         s = Lineage()
         s.setup()
@@ -879,6 +880,17 @@ def test_the_world_between_processes():
     s.run(**{**PLAIN, "how": "older"}, crash=None)
     s.run(**{**PLAIN, "how": "abandoned"}, crash=None)
     s.lose_journal(pick=0, how="deleted, journal.last too")
+    s.lineage_holds()
+    # (6, a random series of 5,000) the same, the journal and journal.last restored from before the rollback: they
+    # say 2 then 4, and a plain resume said 4 gone and took 2, where 4 is in abandoned/ (and resumed since)
+    s = Lineage()
+    s.setup()
+    s.run(**{**PLAIN, "how": "auto", "saves": [False, False]}, crash=None)
+    s.run(**{**PLAIN, "how": "older"}, crash=None)
+    s.run(**{**PLAIN, "how": "abandoned"}, crash=None)
+    s.lose_journal(pick=0, how="an older copy, journal.last too")
+    s.lineage_holds()
+    s.run(**PLAIN, crash=None)
     s.lineage_holds()
     s = Lineage()
     s.setup()

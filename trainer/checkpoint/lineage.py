@@ -226,9 +226,10 @@ def gone(view: View) -> str | None:
 
 def unrecorded(view: View) -> list[Entry]:
     """Checkpoints here the journal never recorded, off its current line (which adopts the one commit a
-    crash can leave unrecorded: renamed into place, its record not yet appended): the journal is older
-    than they are (a copy restored from a backup, journal.last with it). Reading on would resume an older
-    checkpoint, or another line, and set the newer ones aside."""
+    crash can leave unrecorded: renamed into place, its record not yet appended), and checkpoints it recorded
+    committed that sit in abandoned/ or damaged/ where no record of it moved them: the journal is older than
+    they are (a copy restored from a backup, journal.last with it). Reading on would resume an older
+    checkpoint, or another line, and set the newer ones aside (or say one gone that a rollback set aside)."""
     if not view.records:
         return []
     named = set(view.index["commit"]) | set(view.index["import_prev"]) | set(view.index["source"])
@@ -237,10 +238,23 @@ def unrecorded(view: View) -> list[Entry]:
     odd = [
         e for e in view.disk if e.state is not None and e.lineage("line") is not None and e.id not in named
     ]
-    if not odd:
-        return []
-    on = {i for i, _ in view.chain(view.current()[1])}
-    return [e for e in odd if e.id not in on]
+    on = {i for i, _ in view.chain(view.current()[1])} if odd else set()
+    return [e for e in odd if e.id not in on] + _moved_unrecorded(view)
+
+
+def _moved_unrecorded(view: View) -> list[Entry]:
+    """Checkpoints the journal records committed, in a directory of abandoned/ or damaged/ no record of it
+    made (a fork's or an aside's `to`: each is appended before its move). Those of a journal started since
+    (the old one deleted) are none of its commits, and exempt."""
+    made = {r.get("to") for r in view.events("fork", "aside")}
+    fs, root, out = view.fs, view.root, []
+    for kind in (ABANDONED, DAMAGED):
+        for d in fs.listdir(root / kind):
+            if f"{kind}/{d}" in made:
+                continue
+            found = (entry(root / kind / d / n, fs, any_name=True) for n in fs.listdir(root / kind / d))
+            out += [e for e in found if e is not None and e.id is not None and e.id in view.index["commit"]]
+    return out
 
 
 def new_line() -> str:
@@ -269,6 +283,12 @@ class Decision:
     skipped: list[Entry] = field(default_factory=list)  # newer on the line, damaged: set aside at start
 
 
+def _here(view: View, e: Entry) -> str:
+    """A checkpoint the journal never saw as it is: its tag here, its path in abandoned/ or damaged/."""
+    rel = e.path.relative_to(view.root) if e.path.is_relative_to(view.root) else e.path
+    return str(rel) + (" set aside" if len(rel.parts) > 1 else "")
+
+
 def _said(e: Entry, why: list[str] | str) -> str:
     text = why if isinstance(why, str) else "; ".join(why[:3])
     return f"checkpoint {e.path} is damaged ({text}); skipping it"
@@ -289,7 +309,7 @@ def plain(view: View) -> Decision:
             if gone(view)
             else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
             if journal.cut_short(view.log)
-            else f"it is older than the checkpoints here (it never recorded {', '.join(e.tag for e in unrecorded(view)[:3])}"
+            else f"it is older than the checkpoints here (it never recorded {', '.join(_here(view, e) for e in unrecorded(view)[:3])}"
             ", off the line it names: a copy restored from a backup?)"
         )  # fmt: skip
         raise UserError(
