@@ -426,6 +426,26 @@ def test_a_journal_older_than_a_rollback_is_refused_naming_the_checkpoint_it_nev
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
 
 
+def test_a_line_cut_by_a_damaged_record_and_a_damaged_manifest_is_refused_not_called_empty(tmp_path):
+    """Issue 69, found by the stateful test's random series: 2 and 4 saved, the journal's record of 4 damaged, a
+    resume of 4 by path (a fork from it), then 4's trainer_state.json damaged. Its parent was in both, so the line
+    below 4 cannot be told: a plain resume said 'nothing to resume: no complete checkpoint' with step 2 intact.
+    It says why, and the way on (--resume PATH)."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    commit(root, 2, cd)
+    four = commit(root, 4, cd)
+    lines = (root / journal.JOURNAL).read_bytes().splitlines(keepends=True)
+    lines[1] = b"{" + b"x" * (len(lines[1]) - 2) + b"\n"
+    (root / journal.JOURNAL).write_bytes(b"".join(lines))
+    CheckpointDir(root).start(four, explicit=True)
+    state = root / "step_00000004" / STATE
+    state.write_bytes(b"\x8d" + state.read_bytes()[1:])
+    with pytest.raises(UserError, match=r"journal.jsonl: line 2 is damaged .* so a plain resume cannot tell which "
+                                        r"checkpoints are below step_00000004 on its line.*--resume PATH"):  # fmt: skip
+        resolve.resolve("latest", "never", tmp_path)
+
+
 def test_a_slurm_requeue_continues_its_job_and_a_second_command_in_the_allocation_is_a_new_one(
     tmp_path, monkeypatch
 ):

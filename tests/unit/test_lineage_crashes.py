@@ -855,7 +855,8 @@ def test_the_world_between_processes():
     checkpoint', nothing moved; (4) an export leases what it read; the job's prune keeps it (past keep_last),
     a rollback moves it (said by the export, never another's bytes); (5) the journal and journal.last deleted
     after a rollback into abandoned/: refused (abandoned/ holds a checkpoint of a line), not step 2 resumed; (6)
-    restored from before that rollback: refused (it never saw step 4 set aside), not step 2 resumed."""
+    restored from before that rollback: refused (it never saw step 4 set aside), not step 2 resumed; (7) a line
+    cut by a damaged record and a damaged manifest: refused, not 'nothing to resume'."""
     for clock in ((5 * 3600, 0, -400 * 86400, 0), (0, -9 * 3600, 3600, 0)):
         s = Lineage()
         s.setup()
@@ -891,6 +892,15 @@ def test_the_world_between_processes():
     s.lose_journal(pick=0, how="an older copy, journal.last too")
     s.lineage_holds()
     s.run(**PLAIN, crash=None)
+    s.lineage_holds()
+    # (7, a random series of 5,000) the journal's record of 4 damaged, 4 resumed by name, then 4's manifest
+    # damaged: the line below 4 cannot be told; refused, where a plain resume found nothing at all
+    s = Lineage()
+    s.setup()
+    s.export(by_path=False, pick=0, racing=0)
+    s.damage(pick=0, truncate=False, what="journal")
+    s.run(**{**PLAIN, "how": "head"}, crash=None)
+    s.damage(pick=17, truncate=False, what="checkpoint")
     s.lineage_holds()
     s = Lineage()
     s.setup()

@@ -329,6 +329,16 @@ def plain(view: View) -> Decision:
             break
         out.skipped.append(e)
         out.warnings.append(_said(e, why))
+    last = chain[-1][1] if chain else None
+    if out.found is None and last is not None and last.state is None and view.log.damaged:
+        n = view.log.damaged
+        lines = f"line {n[0]} is" if len(n) == 1 else f"lines {', '.join(map(str, n))} are"
+        raise UserError(
+            f"{view.root / journal.JOURNAL}: {lines} damaged (not as written), and so is {last.tag}'s "
+            f"state ({last.why}), so a plain resume cannot tell which checkpoints are below {last.tag} on its "
+            "line. Name the checkpoint to continue with --resume PATH (a step_* directory; that starts a new "
+            "line in the journal), or restore the journal from a backup"
+        )
     out.warnings[:0] = _gone_and_latest(view, chain, pruned, out.found)
     return out
 
