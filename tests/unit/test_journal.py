@@ -489,6 +489,35 @@ def test_a_power_loss_between_two_drops_never_keeps_the_older_line_set_aside():
             assert d not in left, (k, d, "kept after", dropped[n + 1 :], left)
 
 
+def test_a_journal_older_than_a_prune_adopts_no_unrecorded_checkpoint(tmp_path):
+    """Issue 69, found by the stateful test's random series: 2 and 4 saved and the journal copied; 6 saved, 2
+    pruned, then a rollback to 4 recorded and the power lost before it moved 6 away; the copy restored. The copy
+    says 2 then 4, and 6 (a child of 4 it never recorded) was adopted as a commit whose record a crash lost,
+    though such a crash comes before the prune of 2, which is gone: the rollback's line resumed 6. A recorded
+    checkpoint gone with no prune recorded beside an unrecorded one is a journal older than the disk: refused."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    commit(root, 2, cd)
+    commit(root, 4, cd)
+    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    commit(root, 6, cd)
+    cd.prune(2)
+    assert not (root / "step_00000002").exists()
+    for n, data in copy.items():
+        (root / n).write_bytes(data)
+    with pytest.raises(UserError, match=r"journal.jsonl: it is older than the checkpoints here \(it never recorded "
+                                        r"step_00000006.*--resume PATH"):  # fmt: skip
+        resolve.resolve("latest", "never", tmp_path)
+    crash = tmp_path / "crash" / "checkpoints"  # what the adoption is for: 4's record lost, 2 still there
+    cd = CheckpointDir(crash)
+    commit(crash, 2, cd)
+    copy = {n: (crash / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    commit(crash, 4, cd)
+    for n, data in copy.items():
+        (crash / n).write_bytes(data)
+    assert resolve.resolve("latest", "never", tmp_path / "crash")[0].found.step == 4
+
+
 def test_a_slurm_requeue_continues_its_job_and_a_second_command_in_the_allocation_is_a_new_one(
     tmp_path, monkeypatch
 ):

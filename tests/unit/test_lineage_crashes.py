@@ -856,7 +856,8 @@ def test_the_world_between_processes():
     a rollback moves it (said by the export, never another's bytes); (5) the journal and journal.last deleted
     after a rollback into abandoned/: refused (abandoned/ holds a checkpoint of a line), not step 2 resumed; (6)
     restored from before that rollback: refused (it never saw step 4 set aside), not step 2 resumed; (7) a line
-    cut by a damaged record and a damaged manifest: refused, not 'nothing to resume'."""
+    cut by a damaged record and a damaged manifest: refused, not 'nothing to resume'; (8) a journal older than a
+    prune adopts no unrecorded checkpoint."""
     for clock in ((5 * 3600, 0, -400 * 86400, 0), (0, -9 * 3600, 3600, 0)):
         s = Lineage()
         s.setup()
@@ -901,6 +902,15 @@ def test_the_world_between_processes():
     s.damage(pick=0, truncate=False, what="journal")
     s.run(**{**PLAIN, "how": "head"}, crash=None)
     s.damage(pick=17, truncate=False, what="checkpoint")
+    s.lineage_holds()
+    # (8, a random series of 5,000) 6 saved as an export leased 4 (2 pruned), a rollback to 4 recorded and killed
+    # before it moved 6 away, then the journal restored from before 6: 6 was adopted as a commit a crash left
+    # unrecorded, though 2 (which such a crash leaves) is gone unrecorded; refused, not the abandoned 6 resumed
+    s = Lineage()
+    s.setup()
+    s.export(by_path=False, pick=0, racing=1)
+    s.run(**{**PLAIN, "how": "older"}, crash=6, kill=True)
+    s.lose_journal(pick=0, how="an older copy, journal.last too")
     s.lineage_holds()
     s = Lineage()
     s.setup()

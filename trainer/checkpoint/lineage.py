@@ -226,7 +226,9 @@ def gone(view: View) -> str | None:
 
 def unrecorded(view: View) -> list[Entry]:
     """Checkpoints here the journal never recorded, off its current line (which adopts the one commit a
-    crash can leave unrecorded: renamed into place, its record not yet appended), and checkpoints it recorded
+    crash can leave unrecorded: renamed into place, its record not yet appended; not where a checkpoint
+    the journal records of the line is gone with no prune recorded, which a crash there could not have
+    made), and checkpoints it recorded
     committed that sit in abandoned/ or damaged/ where no record of it moved them: the journal is older than
     they are (a copy restored from a backup, journal.last with it). Reading on would resume an older
     checkpoint, or another line, and set the newer ones aside (or say one gone that a rollback set aside)."""
@@ -238,7 +240,12 @@ def unrecorded(view: View) -> list[Entry]:
     odd = [
         e for e in view.disk if e.state is not None and e.lineage("line") is not None and e.id not in named
     ]
-    on = {i for i, _ in view.chain(view.current()[1])} if odd else set()
+    chain = view.chain(view.current()[1]) if odd else []
+    # adopted (on the line) only as a crash leaves one: before the prune that follows its record, so every
+    # checkpoint the journal records of the line is still here, or recorded pruned
+    pruned, commits = view.pruned(), view.index["commit"]
+    older = any(where is None and i in commits and i not in pruned for i, where in chain)
+    on = set() if older else {i for i, _ in chain}
     return [e for e in odd if e.id not in on] + _moved_unrecorded(view)
 
 
