@@ -518,6 +518,33 @@ def test_a_journal_older_than_a_prune_adopts_no_unrecorded_checkpoint(tmp_path):
     assert resolve.resolve("latest", "never", tmp_path / "crash")[0].found.step == 4
 
 
+def test_a_line_cut_by_a_lost_record_and_a_pruned_manifest_is_refused_not_called_empty(tmp_path):
+    """Issue 69, found by the stateful test's random series: a journal restored from before 6 (6 adopted), then 8
+    and 10 saved, 4 and 6 pruned (2 kept: an export reads it), then 8 and 10 damaged. 8 names 6 as its parent; 6's
+    record went with the journal and its manifest with the prune, so the line below cannot be told: a plain resume
+    said 'nothing to resume: no complete checkpoint' with step 2 intact. It says why, and the way on."""
+    from trainer.checkpoint.lease import Lease
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    commit(root, 6, cd)
+    for n, data in copy.items():
+        (root / n).write_bytes(data)
+    with Lease(two.path, "an export"):
+        for step in (8, 10):
+            commit(root, step, cd)
+            cd.prune(2)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000008", "step_00000010"]
+    for step in (8, 10):
+        (root / f"step_{step:08d}" / "shard.pt").write_bytes(b"y")
+    with pytest.raises(UserError, match=r"journal.jsonl: checkpoint \w+, a parent on the line, is gone and the journal "
+                                        r"has no record of it, .* \(step_00000002 here may be\).*--resume PATH"):  # fmt: skip
+        resolve.resolve("latest", "never", tmp_path)
+
+
 def test_a_slurm_requeue_continues_its_job_and_a_second_command_in_the_allocation_is_a_new_one(
     tmp_path, monkeypatch
 ):

@@ -70,7 +70,8 @@ def evict(cd: CheckpointDir, protect: list[Path] = ()) -> list[str]:
         for name in names[: max(0, len(names) - keep)]:
             journal.append(cd.root, "drop", cd.fs, dir=f"{kind}/{name}")
             cd.fs.rmtree(cd.root / kind / name)
-            cd.fs.fsync_dir(cd.root / kind)  # gone before the next drop's record: a power loss keeps their order
+            # gone before the next drop's record: a power loss keeps their order
+            cd.fs.fsync_dir(cd.root / kind)
             out.append(f"{kind}/{name}")
     return out
 

@@ -33,7 +33,6 @@ from typing import Any
 
 from trainer.checkpoint import journal
 from trainer.checkpoint.disk import (
-    ABANDONED,
     DAMAGED,
     LATEST,
     STEP_DIR,
@@ -44,6 +43,7 @@ from trainer.checkpoint.disk import (
     scan,
     verify,
 )
+from trainer.checkpoint.doubt import gone, refuse_a_cut_line, refuse_unsure, unrecorded
 from trainer.checkpoint.fs import LOCAL, LocalFS
 from trainer.common.errors import UserError
 
@@ -201,69 +201,6 @@ class View:
         return ids
 
 
-def gone(view: View) -> str | None:
-    """The journal file is gone, where something says there was one (returned, for the message): `journal.last`
-    (written after every append); a checkpoint whose manifest names a parent (its parent's commit, or the fork
-    from it, was recorded durably before it was trained); a checkpoint of a line set aside in abandoned/ or
-    damaged/ (a fork's or an aside's record came first). (A line's first checkpoint may be here without a
-    journal: a crash between its rename and the journal's first record, which the next start adopts.)"""
-    if view.log.exists:
-        return None
-    if view.log.tail is not None:
-        return "journal.last names the last record appended to it"
-    if any(e.lineage("parent") is not None for e in view.disk):
-        return "a checkpoint here names its parent in its manifest, whose record a run keeping a journal wrote first"
-    fs, root = view.fs, view.root
-    for kind in (ABANDONED, DAMAGED):
-        for d in fs.listdir(root / kind):
-            if any(
-                (e := entry(root / kind / d / n, fs, any_name=True)) and e.lineage("line")
-                for n in fs.listdir(root / kind / d)
-            ):
-                return f"{kind}/{d} holds a checkpoint a journal's record set aside"
-    return None
-
-
-def unrecorded(view: View) -> list[Entry]:
-    """Checkpoints here the journal never recorded, off its current line (which adopts the one commit a
-    crash can leave unrecorded: renamed into place, its record not yet appended; not where a checkpoint
-    the journal records of the line is gone with no prune recorded, which a crash there could not have
-    made), and checkpoints it recorded
-    committed that sit in abandoned/ or damaged/ where no record of it moved them: the journal is older than
-    they are (a copy restored from a backup, journal.last with it). Reading on would resume an older
-    checkpoint, or another line, and set the newer ones aside (or say one gone that a rollback set aside)."""
-    if not view.records:
-        return []
-    named = set(view.index["commit"]) | set(view.index["import_prev"]) | set(view.index["source"])
-    for r in view.events("fork", "aside", "prune"):
-        named |= {i.get("id") for i in (r.get("leaving") or r.get("items") or [])}
-    odd = [
-        e for e in view.disk if e.state is not None and e.lineage("line") is not None and e.id not in named
-    ]
-    chain = view.chain(view.current()[1]) if odd else []
-    # adopted (on the line) only as a crash leaves one: before the prune that follows its record, so every
-    # checkpoint the journal records of the line is still here, or recorded pruned
-    pruned, commits = view.pruned(), view.index["commit"]
-    older = any(where is None and i in commits and i not in pruned for i, where in chain)
-    on = set() if older else {i for i, _ in chain}
-    return [e for e in odd if e.id not in on] + _moved_unrecorded(view)
-
-
-def _moved_unrecorded(view: View) -> list[Entry]:
-    """Checkpoints the journal records committed, in a directory of abandoned/ or damaged/ no record of it
-    made (a fork's or an aside's `to`: each is appended before its move). Those of a journal started since
-    (the old one deleted) are none of its commits, and exempt."""
-    made = {r.get("to") for r in view.events("fork", "aside")}
-    fs, root, out = view.fs, view.root, []
-    for kind in (ABANDONED, DAMAGED):
-        for d in fs.listdir(root / kind):
-            if f"{kind}/{d}" in made:
-                continue
-            found = (entry(root / kind / d / n, fs, any_name=True) for n in fs.listdir(root / kind / d))
-            out += [e for e in found if e is not None and e.id is not None and e.id in view.index["commit"]]
-    return out
-
-
 def new_line() -> str:
     return uuid.uuid4().hex[:12]
 
@@ -290,12 +227,6 @@ class Decision:
     skipped: list[Entry] = field(default_factory=list)  # newer on the line, damaged: set aside at start
 
 
-def _here(view: View, e: Entry) -> str:
-    """A checkpoint the journal never saw as it is: its tag here, its path in abandoned/ or damaged/."""
-    rel = e.path.relative_to(view.root) if e.path.is_relative_to(view.root) else e.path
-    return str(rel) + (" set aside" if len(rel.parts) > 1 else "")
-
-
 def _said(e: Entry, why: list[str] | str) -> str:
     text = why if isinstance(why, str) else "; ".join(why[:3])
     return f"checkpoint {e.path} is damaged ({text}); skipping it"
@@ -308,22 +239,7 @@ def plain(view: View) -> Decision:
         return legacy_latest(view)
     line, head, damaged = view.current()
     if view.unsure(damaged):
-        what = (
-            (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
-            + (" damaged (not as written) after the record that says which line of checkpoints is current")
-            if damaged
-            else f"it is missing ({gone(view)})"
-            if gone(view)
-            else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
-            if journal.cut_short(view.log)
-            else f"it is older than the checkpoints here (it never recorded {', '.join(_here(view, e) for e in unrecorded(view)[:3])}"
-            ", off the line it names: a copy restored from a backup?)"
-        )  # fmt: skip
-        raise UserError(
-            f"{view.root / journal.JOURNAL}: {what}, so a plain resume cannot tell which line to continue. Name "
-            "the checkpoint to continue with --resume PATH (a step_* directory; that starts a new line in the "
-            "journal), or restore the journal from a backup"
-        )
+        refuse_unsure(view, damaged)
     pruned = view.pruned()
     out = Decision(None)
     chain = view.chain(head)
@@ -336,16 +252,8 @@ def plain(view: View) -> Decision:
             break
         out.skipped.append(e)
         out.warnings.append(_said(e, why))
-    last = chain[-1][1] if chain else None
-    if out.found is None and last is not None and last.state is None and view.log.damaged:
-        n = view.log.damaged
-        lines = f"line {n[0]} is" if len(n) == 1 else f"lines {', '.join(map(str, n))} are"
-        raise UserError(
-            f"{view.root / journal.JOURNAL}: {lines} damaged (not as written), and so is {last.tag}'s "
-            f"state ({last.why}), so a plain resume cannot tell which checkpoints are below {last.tag} on its "
-            "line. Name the checkpoint to continue with --resume PATH (a step_* directory; that starts a new "
-            "line in the journal), or restore the journal from a backup"
-        )
+    if out.found is None:
+        refuse_a_cut_line(view, chain)
     out.warnings[:0] = _gone_and_latest(view, chain, pruned, out.found)
     return out
 
