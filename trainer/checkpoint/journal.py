@@ -122,13 +122,19 @@ def read(root: Path, fs: LocalFS = LOCAL) -> Parsed:
         raw = fs.read_bytes(path)
     except FileNotFoundError:
         raw = None
-    out = parse(raw)
+    return dataclasses.replace(parse(raw), tail=_tail(Path(root), fs))
+
+
+def _tail(root: Path, fs: LocalFS) -> tuple[str, int] | None:
     try:
-        last = json.loads(fs.read_bytes(Path(root) / LAST).decode())
-        out = dataclasses.replace(out, tail=(str(last["crc"]), int(last["end"])))
+        last = json.loads(fs.read_bytes(root / LAST).decode())
+        return str(last["crc"]), int(last["end"])
     except (OSError, ValueError, KeyError, TypeError):
-        pass  # none (a journal from before it), or damaged: the journal is read as it is
-    return out
+        return None  # none (a journal from before it), or damaged: the journal is read as it is
+
+
+def _write_tail(root: Path, fs: LocalFS, crc: str, end: int) -> None:
+    fs.durable_write(root / LAST, json.dumps({"crc": crc, "end": end}).encode(), tmp_name=f".{LAST}.tmp")
 
 
 def cut_short(parsed: Parsed) -> bool:
@@ -154,12 +160,19 @@ def append(root: Path, event: str, fs: LocalFS = LOCAL, **fields: Any) -> Record
     if now.torn:  # a crash during the last append: that record was never acknowledged
         raw = raw[: now.good_end]
         fs.durable_write(path, raw)
+    tail = _tail(root, fs)
+    newest = now.records[-1] if now.records else None
+    if newest is not None and (
+        tail is None or tail[1] < newest.end and not cut_short(dataclasses.replace(now, tail=tail))
+    ):
+        # journal.last behind (a crash after an append, before it was written): caught up first, so that it
+        # never lags more than the one append in flight (a journal cut short across several would read whole)
+        _write_tail(root, fs, newest.data.get("crc"), newest.end)
     line = encode(event, fields)
     fs.append(path, line)
     fs.fsync(path)
     if not now.exists:
         fs.fsync_dir(root)
-    end = len(raw or b"") + len(line)
-    tail = {"crc": decode(line[:-1])["crc"], "end": end}  # what the journal must hold there from now on
-    fs.durable_write(root / LAST, json.dumps(tail).encode(), tmp_name=f".{LAST}.tmp")
+    # what the journal must hold there from now on
+    _write_tail(root, fs, decode(line[:-1])["crc"], len(raw or b"") + len(line))
     return Record((raw or b"").count(b"\n") + 1, event, decode(line[:-1]) or {})
