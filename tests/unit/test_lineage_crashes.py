@@ -875,7 +875,7 @@ def test_the_world_between_processes():
     restored from before that rollback: refused (it never saw step 4 set aside), not step 2 resumed; (7) a line
     cut by a damaged record and a damaged manifest: refused, not 'nothing to resume'; (8) a journal older than a
     prune adopts no unrecorded checkpoint; (9) a line cut by a lost record and a pruned manifest: refused; (10) an
-    unrecorded commit a later power loss undid."""
+    unrecorded commit a later power loss undid; (11) an unrecorded commit below a line resumed from abandoned/."""
     for clock in ((5 * 3600, 0, -400 * 86400, 0), (0, -9 * 3600, 3600, 0)):
         s = Lineage()
         s.setup()
@@ -953,6 +953,17 @@ def test_the_world_between_processes():
     s.run(**{**PLAIN, "how": "head"}, crash=None)
     s.run(**{**PLAIN, "saves": [False, False]}, crash=96, kill=True)
     s.run(**PLAIN, crash=1)
+    s.lineage_holds()
+    # (11, a random series of 5,000) a resume of 8 in abandoned/ (its parent 6 there too, out of reach), then a
+    # save whose journal record a full disk stopped (renamed into place: adopted): no journal older than the disk
+    s = Lineage()
+    s.setup()
+    for how, pick, saves, fails in (("plain", 0, [], False), ("auto", 0, [False], False), ("plain", 0, [], False),
+                                     ("plain", 0, [False, False, True], True), ("stale", 1, [], False),
+                                     ("abandoned", 1, [], False), ("plain", 0, [], False)):  # fmt: skip
+        s.run(**{**PLAIN, "how": how, "pick": pick, "saves": saves, "fails": fails}, crash=None)
+        s.lineage_holds()
+    s.run(**{**PLAIN, "convert": True, "saves": [False]}, crash=None, full=65)
     s.lineage_holds()
     s = Lineage()
     s.setup()

@@ -42,24 +42,26 @@ def gone(view: View) -> str | None:
 def unrecorded(view: View) -> list[Entry]:
     """Checkpoints here the journal never recorded, off its current line (which adopts the one commit a
     crash can leave unrecorded: renamed into place, its record not yet appended; not where a checkpoint
-    the journal records of the line is gone with no prune recorded, which a crash there could not have
-    made), and checkpoints it recorded
-    committed that sit in abandoned/ or damaged/ where no record of it moved them: the journal is older than
-    they are (a copy restored from a backup, journal.last with it). Reading on would resume an older
-    checkpoint, or another line, and set the newer ones aside (or say one gone that a rollback set aside)."""
+    the journal records of the line is gone with no prune or set-aside recorded, which a crash there could
+    not have made), and checkpoints it recorded committed that sit in abandoned/ or damaged/ where no record
+    of it moved them: the journal is older than they are (a copy restored from a backup, journal.last with
+    it). Reading on would resume an older checkpoint, or another line, and set the newer ones aside (or say
+    one gone that a rollback set aside)."""
     if not view.records:
         return []
     named = set(view.index["commit"]) | set(view.index["import_prev"]) | set(view.index["source"])
+    moved = set()  # set aside or pruned by a record: gone from here as the journal says
     for r in view.events("fork", "aside", "prune"):
-        named |= {i.get("id") for i in (r.get("leaving") or r.get("items") or [])}
+        moved |= {i.get("id") for i in (r.get("leaving") or r.get("items") or [])}
+    named |= moved
     odd = [
         e for e in view.disk if e.state is not None and e.lineage("line") is not None and e.id not in named
     ]
     chain = view.chain(view.current()[1]) if odd else []
     # adopted (on the line) only as a crash leaves one: before the prune that follows its record, so every
-    # checkpoint the journal records of the line is still here, or recorded pruned
-    pruned, commits = view.pruned(), view.index["commit"]
-    older = any(where is None and i in commits and i not in pruned for i, where in chain)
+    # checkpoint the journal records of the line is still here, or recorded pruned or set aside
+    commits = view.index["commit"]
+    older = any(where is None and i in commits and i not in moved for i, where in chain)
     on = set() if older else {i for i, _ in chain}
     return [e for e in odd if e.id not in on] + _moved_unrecorded(view)
 
