@@ -63,21 +63,29 @@ def unrecorded(view: View) -> list[Entry]:
     commits = view.index["commit"]
     older = any(where is None and i in commits and i not in moved for i, where in chain)
     on = set() if older else {i for i, _ in chain}
-    return [e for e in odd if e.id not in on] + _moved_unrecorded(view)
+    return [e for e in odd if e.id not in on] + _moved_unrecorded(view, named)
 
 
-def _moved_unrecorded(view: View) -> list[Entry]:
-    """Checkpoints the journal records committed, in a directory of abandoned/ or damaged/ no record of it
-    made (a fork's or an aside's `to`: each is appended before its move). Those of a journal started since
-    (the old one deleted) are none of its commits, and exempt."""
+def _moved_unrecorded(view: View, named: set[str]) -> list[Entry]:
+    """Checkpoints in a directory of abandoned/ or damaged/ no record of the journal made (a fork's or an aside's
+    `to`: each is appended before its move) that the journal records committed, or that it never named though
+    their parent is one of its commits (trained on its line, then set aside: both recorded after the copy).
+    Those of a journal started since (the old one deleted) descend from none of its commits, and are exempt."""
     made = {r.get("to") for r in view.events("fork", "aside")}
+    commits = view.index["commit"]
     fs, root, out = view.fs, view.root, []
     for kind in (ABANDONED, DAMAGED):
         for d in fs.listdir(root / kind):
             if f"{kind}/{d}" in made:
                 continue
             found = (entry(root / kind / d / n, fs, any_name=True) for n in fs.listdir(root / kind / d))
-            out += [e for e in found if e is not None and e.id is not None and e.id in view.index["commit"]]
+            out += [
+                e
+                for e in found
+                if e is not None
+                and e.id is not None
+                and (e.id in commits or e.id not in named and e.lineage("parent") in commits)
+            ]
     return out
 
 
