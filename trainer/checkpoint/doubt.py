@@ -69,10 +69,12 @@ def unrecorded(view: View) -> list[Entry]:
 def _moved_unrecorded(view: View, named: set[str]) -> list[Entry]:
     """Checkpoints in a directory of abandoned/ or damaged/ no record of the journal made (a fork's or an aside's
     `to`: each is appended before its move) that the journal records committed, or that it never named though
-    their parent is one of its commits (trained on its line, then set aside: both recorded after the copy).
+    their parent is one of its commits, or one it adopts (trained on its line, then set aside: both recorded
+    after the copy).
     Those of a journal started since (the old one deleted) descend from none of its commits, and are exempt."""
     made = {r.get("to") for r in view.events("fork", "aside")}
     commits = view.index["commit"]
+    ours = set(commits) | {i for i, _ in view.chain(view.current()[1])}  # with a commit it adopts
     fs, root, out = view.fs, view.root, []
     for kind in (ABANDONED, DAMAGED):
         for d in fs.listdir(root / kind):
@@ -84,7 +86,7 @@ def _moved_unrecorded(view: View, named: set[str]) -> list[Entry]:
                 for e in found
                 if e is not None
                 and e.id is not None
-                and (e.id in commits or e.id not in named and e.lineage("parent") in commits)
+                and (e.id in commits or e.id not in named and e.lineage("parent") in ours)
             ]
     return out
 
