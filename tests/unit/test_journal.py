@@ -441,9 +441,21 @@ def test_a_line_cut_by_a_damaged_record_and_a_damaged_manifest_is_refused_not_ca
     CheckpointDir(root).start(four, explicit=True)
     state = root / "step_00000004" / STATE
     state.write_bytes(b"\x8d" + state.read_bytes()[1:])
+    # the fork records its source's parent (review of issue 69): the line goes on below 4
+    assert resolve.resolve("latest", "never", tmp_path)[0].found.step == 2
+    root = tmp_path / "cut" / "checkpoints"  # no fork: 6 over 4, 4's record and manifest damaged, 6's too
+    cd = CheckpointDir(root)
+    for step in (2, 4, 6):
+        commit(root, step, cd)
+    lines = (root / journal.JOURNAL).read_bytes().splitlines(keepends=True)
+    lines[1] = b"{" + b"x" * (len(lines[1]) - 2) + b"\n"
+    (root / journal.JOURNAL).write_bytes(b"".join(lines))
+    for step in (4, 6):
+        state = root / f"step_{step:08d}" / STATE
+        state.write_bytes(b"\x8d" + state.read_bytes()[1:])
     with pytest.raises(UserError, match=r"journal.jsonl: line 2 is damaged .* so a plain resume cannot tell which "
-                                        r"checkpoints are below step_00000004 on its line.*--resume PATH"):  # fmt: skip
-        resolve.resolve("latest", "never", tmp_path)
+                                        r"checkpoints are below .* on its line \(step_00000002 here may be\).*--resume PATH"):  # fmt: skip
+        resolve.resolve("latest", "never", root.parent)
 
 
 def test_a_power_loss_between_two_drops_never_keeps_the_older_line_set_aside():
@@ -521,8 +533,9 @@ def test_a_journal_older_than_a_prune_adopts_no_unrecorded_checkpoint(tmp_path):
 def test_a_line_cut_by_a_lost_record_and_a_pruned_manifest_is_refused_not_called_empty(tmp_path):
     """Issue 69, found by the stateful test's random series: a journal restored from before 6 (6 adopted), then 8
     and 10 saved, 4 and 6 pruned (2 kept: an export reads it), then 8 and 10 damaged. 8 names 6 as its parent; 6's
-    record went with the journal and its manifest with the prune, so the line below cannot be told: a plain resume
-    said 'nothing to resume: no complete checkpoint' with step 2 intact. It says why, and the way on."""
+    record went with the journal and its manifest with the prune: a plain resume said 'nothing to resume: no
+    complete checkpoint' with step 2 intact. A prune's record now names each one's parent, and 2 is resumed (a
+    journal written before that is refused with the reason: doubt.refuse_a_cut_line)."""
     from trainer.checkpoint.lease import Lease
 
     root = tmp_path / "checkpoints"
@@ -540,9 +553,8 @@ def test_a_line_cut_by_a_lost_record_and_a_pruned_manifest_is_refused_not_called
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000008", "step_00000010"]
     for step in (8, 10):
         (root / f"step_{step:08d}" / "shard.pt").write_bytes(b"y")
-    with pytest.raises(UserError, match=r"journal.jsonl: checkpoint \w+, a parent on the line, is gone and the journal "
-                                        r"has no record of it, .* \(step_00000002 here may be\).*--resume PATH"):  # fmt: skip
-        resolve.resolve("latest", "never", tmp_path)
+    # a prune records each one's parent (review of issue 69): the line is followed below 6 to the intact 2
+    assert resolve.resolve("latest", "never", tmp_path)[0].found.step == 2
 
 
 def test_journal_last_lags_at_most_the_append_in_flight_so_a_cut_across_two_power_losses_is_seen():
@@ -584,6 +596,87 @@ def test_journal_last_lags_at_most_the_append_in_flight_so_a_cut_across_two_powe
     fork = journal.read(root, fs).records[2]
     fs.durable_write(root / journal.JOURNAL, fs.read_bytes(root / journal.JOURNAL)[: fork.end - 10])
     assert journal.cut_short(journal.read(root, fs))
+
+
+def _resumes(run_dir: Path) -> str:
+    found = resolve.resolve("latest", "never", run_dir)[0].found
+    return found.path.name if found else "nothing"
+
+
+def test_the_way_out_of_a_refusal_clears_it_and_damage_before_the_line_is_read_around(tmp_path):
+    """Review of issue 69 (this session's change), F1 and F2: after the journal was deleted (or restored from before
+    a rollback), the refusal's way on, --resume PATH, was refused again at every start after it (a checkpoint of
+    the old journal in abandoned/ descended from the new line's source, or no record named its directory), and
+    nothing was pruned; a fork record damaged in place before the current line's commits was read as a journal
+    older than the disk, where damage there is read around. A fork records the set-aside directories it saw."""
+    for how in ("deleted", "restored"):
+        root = tmp_path / how / "checkpoints"
+        cd = CheckpointDir(root, background_deletes=False)
+        commit(root, 2, cd)
+        four = commit(root, 4, cd)
+        commit(root, 6, cd)
+        copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+        CheckpointDir(root).start(four, explicit=True)  # 6 to abandoned/
+        for n, data in copy.items():
+            if how == "deleted":
+                (root / n).unlink()
+            else:
+                (root / n).write_bytes(data)
+        with pytest.raises(UserError, match="--resume PATH"):
+            resolve.resolve("latest", "never", root.parent)
+        found = resolve.resolve(str(root / "step_00000004"), "never", root.parent)[0].found
+        cd = CheckpointDir(root, background_deletes=False)
+        cd.start(found, explicit=True)
+        for step in (6, 8, 10):
+            commit(root, step, cd)
+            cd.prune(2)
+        assert _resumes(root.parent) == "step_00000010", how
+        assert sorted(p.name for p in root.glob("step_*")) == ["step_00000008", "step_00000010"], how
+    root = tmp_path / "damaged" / "checkpoints"
+    cd = CheckpointDir(root)
+    two = commit(root, 2, cd)
+    commit(root, 4, cd)
+    commit(root, 6, cd)
+    cd = CheckpointDir(root)
+    cd.start(two, explicit=True)
+    commit(root, 4, cd)
+    commit(root, 6, cd)
+    lines = (root / journal.JOURNAL).read_bytes().split(b"\n")
+    assert b'"event":"fork"' in lines[3]
+    lines[3] = lines[3].replace(b'"job":null', b'"job":nulL')
+    (root / journal.JOURNAL).write_bytes(b"\n".join(lines))
+    assert _resumes(root.parent) == "step_00000006"
+
+
+def test_a_crash_after_a_damaged_head_was_set_aside_adopts_the_new_commit(tmp_path):
+    """Review of issue 69, F3: a head whose trainer_state.json cannot be read is set aside as damaged by a resume,
+    recorded by its tag alone (no id); the next save of that step killed between its rename and its record was
+    not adopted (the line's head stayed the damaged one, not here) and a plain resume refused it as a journal
+    older than the disk. The damaged head of that tag is passed over; the new step 6 is resumed."""
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    for step in (2, 4, 6):
+        commit(root, step, cd)
+    (root / "step_00000006" / STATE).write_text("{garbage")
+    d = resolve.resolve("latest", "never", tmp_path)[0]
+    cd = CheckpointDir(root)
+    cd.start(d.found, explicit=False, skipped=d.skipped)  # 6 to damaged/
+    assert _resumes(tmp_path) == "step_00000004"
+
+    class Killed(Exception):
+        pass
+
+    def killed():
+        raise Killed
+
+    stage = cd.prepare("step_00000006")
+    stage.mkdir(parents=True, exist_ok=True)
+    (stage / "shard.pt").write_bytes(b"y")
+    with pytest.raises(Killed):
+        cd.commit(
+            stage, "step_00000006", cd.write_manifest(stage, {"step": 6}, {}, "exp: 1\n"), renamed=killed
+        )
+    assert _resumes(tmp_path) == "step_00000006"
 
 
 def test_a_slurm_requeue_continues_its_job_and_a_second_command_in_the_allocation_is_a_new_one(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import journal
-from trainer.checkpoint.disk import ABANDONED, DAMAGED, Entry
+from trainer.checkpoint.disk import ABANDONED, DAMAGED, Entry, entry
 
 CheckpointDir = Any  # trainer/checkpoint/directory.py's, which imports this module
 
@@ -57,15 +57,26 @@ def move(cd: CheckpointDir, entries: list[Entry], to: Path) -> None:
     fs.fsync_dir(cd.root)
 
 
-def evict(cd: CheckpointDir, protect: list[Path] = ()) -> list[str]:
+def evict(cd: CheckpointDir, protect: list[Path] = (), ids: set[str] = frozenset()) -> list[str]:
     """Keep `keep_abandoned` lines in abandoned/ and `keep_damaged` checkpoints in damaged/ (the
     newest), never one holding a `protect`ed checkpoint (the current line's: a rollback to a checkpoint
-    in abandoned/ continues from there); each deletion recorded first. Returns what was deleted."""
+    in abandoned/ continues from there) nor one whose id is in `ids` (the line's, where no record says where
+    it is: the journal that did was lost); each deletion recorded first. Returns what was deleted."""
     out = []
     for kind, keep in ((ABANDONED, cd.keep_abandoned), (DAMAGED, cd.keep_damaged)):
         guarded = {Path(p).resolve() for p in protect}
+
+        def holds_line(d: Path) -> bool:
+            return any(
+                (e := entry(d / n, cd.fs, any_name=True)) is not None and e.id in ids
+                for n in cd.fs.listdir(d)
+            )
+
         names = [
-            n for n in held(cd, kind) if not any((cd.root / kind / n).resolve() in q.parents for q in guarded)
+            n
+            for n in held(cd, kind)
+            if not any((cd.root / kind / n).resolve() in q.parents for q in guarded)
+            and not (ids and holds_line(cd.root / kind / n))
         ]
         for name in names[: max(0, len(names) - keep)]:
             journal.append(cd.root, "drop", cd.fs, dir=f"{kind}/{name}")
@@ -93,6 +104,13 @@ def held(cd: CheckpointDir, kind: str) -> list[str]:
         return made.get(name, 0), *((m.group("time"), m.group("uid") or "") if m else ("", name))
 
     return sorted(names, key=order)
+
+
+def set_aside_dirs(cd: CheckpointDir) -> list[str]:
+    """What abandoned/ and damaged/ hold ('abandoned/<name>'), for a fork's record: a line chosen by the user
+    (--resume PATH) vouches for the directories set aside before it, whatever journal made them (one lost, or
+    restored from a backup since), so that they are no evidence of a journal older than the disk after it."""
+    return [f"{kind}/{n}" for kind in (ABANDONED, DAMAGED) for n in sorted(cd.fs.listdir(cd.root / kind))]
 
 
 def describe(cd: CheckpointDir) -> str | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import journal
-from trainer.checkpoint.aside import aside_dir, describe, evict, move, set_aside
+from trainer.checkpoint.aside import aside_dir, describe, evict, move, set_aside, set_aside_dirs
 from trainer.checkpoint.disk import ABANDONED, DAMAGED, STAGING_PREFIX, STEP_DIR, TRASH_PREFIX, Entry, Found
 from trainer.checkpoint.lineage import Lineage, View, is_head, new_line
 
@@ -49,7 +49,8 @@ def start(cd: CheckpointDir, found: Found | None, *, explicit: bool, skipped: li
     if found is None:
         line = new_line()
         if view.journaled:  # a fresh start where a journal is: the line changes here
-            journal.append(root, "fork", fs, line=line, source=None, leaving=[], to=None, job=job)
+            journal.append(root, "fork", fs, line=line, source=None, leaving=[], to=None, job=job,
+                           seen=set_aside_dirs(cd))  # fmt: skip
         cd.lineage = Lineage(line, None, job)
         cd.write_latest(None)
     elif explicit and not is_head(view, found):
@@ -60,8 +61,9 @@ def start(cd: CheckpointDir, found: Found | None, *, explicit: bool, skipped: li
         found is not None
     ):  # `latest` names committed checkpoints only (not a staging directory resumed by name)
         cd.write_latest(found.tag if here and STEP_DIR.match(found.tag) else None)
-    line = [e.path for _, e in View.read(root, fs).chain(found.id if found else None) if e is not None]
-    dropped = evict(cd, protect=line)  # never a directory holding a checkpoint of the line
+    chain = View.read(root, fs).chain(found.id if found else None)
+    # never a directory holding a checkpoint of the line
+    dropped = evict(cd, protect=[e.path for _, e in chain if e is not None], ids={i for i, _ in chain})
     if dropped:
         notes.append(f"deleted {', '.join(dropped)} (checkpoint.keep_abandoned / keep_damaged)")
     held = describe(cd)
@@ -85,9 +87,11 @@ def _fork(cd: CheckpointDir, view: View, found: Found, on_rollback: str, job: st
     keep = on_rollback == "keep"
     to = aside_dir(cd, ABANDONED, found.tag) if keep and leaving else None
     journal.append(root, "fork", fs, line=line, job=job,
-                   source={"id": found.id, "tag": found.tag, "step": found.step, "path": _where(found.path, root)},
+                   source={"id": found.id, "tag": found.tag, "step": found.step, "path": _where(found.path, root),
+                           "parent": found.lineage("parent")},
                    leaving=[{"id": e.id, "tag": e.tag, "step": e.step} for e in leaving],
-                   to=str(to.relative_to(root)) if to else ("removed" if leaving else None))  # fmt: skip
+                   to=str(to.relative_to(root)) if to else ("removed" if leaving else None),
+                   seen=set_aside_dirs(cd))  # fmt: skip
     said = []
     if bad:
         where = set_aside(cd, bad, DAMAGED, "unreadable, passed over by a rollback")

@@ -154,7 +154,10 @@ class CheckpointDir:
         if not old:
             return []
         journal.append(
-            self.root, "prune", self.fs, items=[{"id": e.id, "tag": e.tag, "step": e.step} for e in old]
+            self.root,
+            "prune",
+            self.fs,
+            items=[{"id": e.id, "tag": e.tag, "step": e.step, "parent": e.lineage("parent")} for e in old],
         )
         trash = []
         for e in old:

@@ -58,23 +58,43 @@ def unrecorded(view: View) -> list[Entry]:
         e for e in view.disk if e.state is not None and e.lineage("line") is not None and e.id not in named
     ]
     chain = view.chain(view.current()[1]) if odd else []
-    # adopted (on the line) only as a crash leaves one: before the prune that follows its record, so every
-    # checkpoint the journal records of the line is still here, or recorded pruned or set aside
+    # adopted (above the line's newest record) only as a crash leaves one: before the prune that follows its
+    # record, so every checkpoint the journal records of the line is still here, or recorded pruned or set aside
     commits = view.index["commit"]
-    older = any(where is None and i in commits and i not in moved for i, where in chain)
-    on = set() if older else {i for i, _ in chain}
+    above = []  # the line above its newest fork's source: a line chosen since vouches for what is below it
+    for i, where in chain:
+        if i in view.index["source"]:
+            break
+        above.append((i, where))
+    older = any(where is None and i in commits and i not in moved for i, where in above)
+    on = {i for i, _ in chain} - (_adopted(view, chain) if older else set())
     return [e for e in odd if e.id not in on] + _moved_unrecorded(view, named)
+
+
+def _adopted(view: View, chain: list[tuple[str, Entry | None]]) -> set[str]:
+    """The ids a plain resume adopts: the line's checkpoints above its newest record (a commit, a fork's source,
+    an import)."""
+    out = set()
+    for i, _ in chain:
+        if i in view.index["commit"] or i in view.index["source"] or i in view.index["import_prev"]:
+            break
+        out.add(i)
+    return out
 
 
 def _moved_unrecorded(view: View, named: set[str]) -> list[Entry]:
     """Checkpoints in a directory of abandoned/ or damaged/ no record of the journal made (a fork's or an aside's
     `to`: each is appended before its move) that the journal records committed, or that it never named though
     their parent is one of its commits, or one it adopts (trained on its line, then set aside: both recorded
-    after the copy).
-    Those of a journal started since (the old one deleted) descend from none of its commits, and are exempt."""
+    after the copy). A fork records the directories set aside when it was made (`seen`): a line the user chose
+    since (--resume PATH, as the refusal asks) vouches for them, as for those of a journal deleted before it."""
+    if view.log.damaged:
+        return []  # a damaged record may be the one that made them (damage before the current line is read around)
     made = {r.get("to") for r in view.events("fork", "aside")}
+    for r in view.events("fork"):  # the line chosen since vouches for what was set aside before it
+        made |= set(r.get("seen") or [])
     commits = view.index["commit"]
-    ours = set(commits) | {i for i, _ in view.chain(view.current()[1])}  # with a commit it adopts
+    ours = set(commits) | _adopted(view, view.chain(view.current()[1]))  # ...and the commits it adopts
     fs, root, out = view.fs, view.root, []
     for kind in (ABANDONED, DAMAGED):
         for d in fs.listdir(root / kind):

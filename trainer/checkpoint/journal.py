@@ -161,6 +161,12 @@ def append(root: Path, event: str, fs: LocalFS = LOCAL, **fields: Any) -> Record
         raw = raw[: now.good_end]
         fs.durable_write(path, raw)
     tail = _tail(root, fs)
+    if (
+        not now.exists and tail is not None
+    ):  # a deleted journal's: this one starts over (a fork the user chose)
+        fs.unlink(root / LAST)
+        fs.fsync_dir(root)
+        tail = None
     newest = now.records[-1] if now.records else None
     if newest is not None and (
         tail is None or tail[1] < newest.end and not cut_short(dataclasses.replace(now, tail=tail))

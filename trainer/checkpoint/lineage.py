@@ -98,21 +98,10 @@ class View:
     @functools.cached_property
     def index(self) -> dict[str, dict[str, Any]]:
         """The journal and the scan by id, built once: by_id (here), commit (its record), import_prev,
-        tag (what a record names it), source (a fork's path), unreadable (here, by tag)."""
-        out: dict[str, dict[str, Any]] = {k: {} for k in ("by_id", "commit", "import_prev", "tag", "source")}
-        out["by_id"] = {e.id: e for e in self.disk if e.id is not None}
-        out["unreadable"] = {e.tag: e for e in self.disk if e.state is None}
-        for r in self.records:
-            if r.event == "commit":
-                out["commit"][r.get("id")] = r
-                out["tag"][r.get("id")] = r.get("tag")
-            elif r.event == "import":
-                ids = [c["id"] for c in r.get("chain") or []]
-                out["import_prev"].update({i: (ids[n - 1] if n else None) for n, i in enumerate(ids)})
-                out["tag"].update({c["id"]: c["tag"] for c in r.get("chain") or []})
-            elif r.event == "fork" and (r.get("source") or {}).get("path"):
-                out["source"][r.get("source")["id"]] = r.get("source")["path"]
-        return out
+        tag (what a record names it), source (a fork's path), source_parent (the parent a fork's source or a
+        pruned one had: the line below it when it is gone), moved (where a record set one aside), unreadable
+        (here, by tag)."""
+        return _index(self)
 
     def by_id(self) -> dict[str, Entry]:
         return self.index["by_id"]
@@ -130,10 +119,13 @@ class View:
                 chain = r.get("chain") or []
                 line, head, at = r.get("line"), chain[-1]["id"] if chain else None, r.n
         # a head set aside as damaged by a resume: the line goes on below it
-        passed = {
-            i.get("id") for r in self.events("aside") if r.get("kind") == DAMAGED for i in r.get("items", [])
-        }
-        while head is not None and head in passed:
+        items = [i for r in self.events("aside") if r.get("kind") == DAMAGED for i in r.get("items", [])]
+        passed = {i.get("id") for i in items}
+        # one whose state could not be read is recorded by its tag alone: the head of that tag, not here
+        unread = {i.get("tag") for i in items if i.get("id") is None}
+        while head is not None and (
+            head in passed or self.index["tag"].get(head) in unread and self.locate(head) is None
+        ):
             head = self.parent_of(head, self.locate(head))
         recorded = set(self.index["commit"])
         while line is not None:  # committed here, its journal record lost to a crash: adopted
@@ -152,6 +144,8 @@ class View:
             return rec.get("parent")
         if located is not None and located.state is not None and located.lineage("line") is not None:
             return located.lineage("parent")
+        if ident in self.index["source_parent"]:
+            return self.index["source_parent"][ident]
         if ident in self.index["import_prev"]:
             return self.index["import_prev"][ident]
         if located is not None and located.state is not None and located.path.parent == self.root:
@@ -173,6 +167,13 @@ class View:
         if path is not None:
             e = entry(self.root / path, self.fs, any_name=True)  # an absolute path stays what it is
             if e is not None and e.id in (ident, None):
+                return e
+        moved = self.index["moved"].get(
+            ident
+        )  # set aside by a record (one the journal never saw committed too)
+        if moved is not None:
+            e = entry(self.root / moved, self.fs, any_name=True)
+            if e is not None and e.id == ident:
                 return e
         tag = self.index["tag"].get(ident)  # its manifest damaged: known by its tag, where it was committed
         if tag is not None and tag in self.index["unreadable"] and path in (None, tag):
@@ -199,6 +200,35 @@ class View:
         if found.lineage("line") is None:  # from before lineages: the older ones here
             ids |= {e.id for e in self.disk if e.id is not None and e.step < found.step}
         return ids
+
+
+def _index(view: View) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {
+        k: {} for k in ("by_id", "commit", "import_prev", "tag", "source", "source_parent", "moved")
+    }
+    out["by_id"] = {e.id: e for e in view.disk if e.id is not None}
+    out["unreadable"] = {e.tag: e for e in view.disk if e.state is None}
+    for r in view.records:
+        if r.event == "commit":
+            out["commit"][r.get("id")] = r
+            out["tag"][r.get("id")] = r.get("tag")
+        elif r.event == "import":
+            ids = [c["id"] for c in r.get("chain") or []]
+            out["import_prev"].update({i: (ids[n - 1] if n else None) for n, i in enumerate(ids)})
+            out["tag"].update({c["id"]: c["tag"] for c in r.get("chain") or []})
+        if r.event == "fork" and (r.get("source") or {}).get("path"):
+            out["source"][r.get("source")["id"]] = r.get("source")["path"]
+            if "parent" in r.get("source"):  # the line below a source pruned since, or elsewhere and gone
+                out["source_parent"][r.get("source")["id"]] = r.get("source")["parent"]
+        if r.event == "prune":  # the line below one pruned whose commit another journal recorded
+            for i in r.get("items") or []:
+                if i.get("id") and "parent" in i:
+                    out["source_parent"].setdefault(i["id"], i["parent"])
+        if r.event in ("fork", "aside") and r.get("to") not in (None, "removed"):
+            for i in r.get("leaving") or r.get("items") or []:
+                if i.get("id"):
+                    out["moved"][i["id"]] = f"{r.get('to')}/{i.get('tag')}"
+    return out
 
 
 def new_line() -> str:
