@@ -23,6 +23,16 @@ def commit(root: Path, step: int, cd: CheckpointDir) -> Found:
     return Found(cd.commit(stage, f"step_{step:08d}", state), state)
 
 
+def journal_copy(root: Path) -> dict[str, bytes]:
+    """The journal and journal.last as a backup would take them."""
+    return {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+
+
+def restore(root: Path, copy: dict[str, bytes]) -> None:
+    for n, data in copy.items():
+        (root / n).write_bytes(data)
+
+
 def test_a_torn_last_record_is_ignored_and_cut_before_the_next(tmp_path):
     root = tmp_path / "checkpoints"
     cd = CheckpointDir(root)
@@ -391,12 +401,11 @@ def test_a_journal_restored_from_an_older_copy_is_refused_naming_what_it_never_r
     cd = CheckpointDir(root)
     two = commit(root, 2, cd)
     commit(root, 4, cd)
-    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    copy = journal_copy(root)
     cd = CheckpointDir(root)
     cd.start(two, explicit=True)  # a rollback: 4 to abandoned/
     commit(root, 4, cd)
-    for n, data in copy.items():
-        (root / n).write_bytes(data)
+    restore(root, copy)
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     with pytest.raises(UserError, match=r"journal.jsonl: it is older than the checkpoints here \(it never recorded "
                                         r"step_00000004.*--resume PATH"):  # fmt: skip
@@ -413,12 +422,11 @@ def test_a_journal_older_than_a_rollback_is_refused_naming_the_checkpoint_it_nev
     cd = CheckpointDir(root)
     two = commit(root, 2, cd)
     commit(root, 4, cd)
-    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    copy = journal_copy(root)
     CheckpointDir(root).start(two, explicit=True)  # a rollback: 4 to abandoned/
     away = next(root.glob("abandoned/*/step_00000004"))
     CheckpointDir(root).start(Found(away, json.loads((away / STATE).read_text())), explicit=True)
-    for n, data in copy.items():
-        (root / n).write_bytes(data)
+    restore(root, copy)
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     with pytest.raises(UserError, match=r"journal.jsonl: it is older than the checkpoints here \(it never recorded "
                                         r"abandoned/step_\d+-[^/]+/step_00000004 set aside.*--resume PATH"):  # fmt: skip
@@ -511,22 +519,20 @@ def test_a_journal_older_than_a_prune_adopts_no_unrecorded_checkpoint(tmp_path):
     cd = CheckpointDir(root)
     commit(root, 2, cd)
     commit(root, 4, cd)
-    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    copy = journal_copy(root)
     commit(root, 6, cd)
     cd.prune(2)
     assert not (root / "step_00000002").exists()
-    for n, data in copy.items():
-        (root / n).write_bytes(data)
+    restore(root, copy)
     with pytest.raises(UserError, match=r"journal.jsonl: it is older than the checkpoints here \(it never recorded "
                                         r"step_00000006.*--resume PATH"):  # fmt: skip
         resolve.resolve("latest", "never", tmp_path)
     crash = tmp_path / "crash" / "checkpoints"  # what the adoption is for: 4's record lost, 2 still there
     cd = CheckpointDir(crash)
     commit(crash, 2, cd)
-    copy = {n: (crash / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    copy = journal_copy(crash)
     commit(crash, 4, cd)
-    for n, data in copy.items():
-        (crash / n).write_bytes(data)
+    restore(crash, copy)
     assert resolve.resolve("latest", "never", tmp_path / "crash")[0].found.step == 4
 
 
@@ -542,10 +548,9 @@ def test_a_line_cut_by_a_lost_record_and_a_pruned_manifest_is_refused_not_called
     cd = CheckpointDir(root)
     two = commit(root, 2, cd)
     commit(root, 4, cd)
-    copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+    copy = journal_copy(root)
     commit(root, 6, cd)
-    for n, data in copy.items():
-        (root / n).write_bytes(data)
+    restore(root, copy)
     with Lease(two.path, "an export"):
         for step in (8, 10):
             commit(root, step, cd)
@@ -615,13 +620,13 @@ def test_the_way_out_of_a_refusal_clears_it_and_damage_before_the_line_is_read_a
         commit(root, 2, cd)
         four = commit(root, 4, cd)
         commit(root, 6, cd)
-        copy = {n: (root / n).read_bytes() for n in (journal.JOURNAL, journal.LAST)}
+        copy = journal_copy(root)
         CheckpointDir(root).start(four, explicit=True)  # 6 to abandoned/
-        for n, data in copy.items():
-            if how == "deleted":
+        if how == "deleted":
+            for n in copy:
                 (root / n).unlink()
-            else:
-                (root / n).write_bytes(data)
+        else:
+            restore(root, copy)
         with pytest.raises(UserError, match="--resume PATH"):
             resolve.resolve("latest", "never", root.parent)
         found = resolve.resolve(str(root / "step_00000004"), "never", root.parent)[0].found

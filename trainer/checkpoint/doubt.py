@@ -57,7 +57,7 @@ def unrecorded(view: View) -> list[Entry]:
     odd = [
         e for e in view.disk if e.state is not None and e.lineage("line") is not None and e.id not in named
     ]
-    chain = view.chain(view.current()[1]) if odd else []
+    chain = view.chain(view.current()[1])  # (plain's own walk of the line; the set-aside check's too)
     # adopted (above the line's newest record) only as a crash leaves one: before the prune that follows its
     # record, so every checkpoint the journal records of the line is still here, or recorded pruned or set aside
     commits = view.index["commit"]
@@ -68,7 +68,7 @@ def unrecorded(view: View) -> list[Entry]:
         above.append((i, where))
     older = any(where is None and i in commits and i not in moved for i, where in above)
     on = {i for i, _ in chain} - (_adopted(view, chain) if older else set())
-    return [e for e in odd if e.id not in on] + _moved_unrecorded(view, named)
+    return [e for e in odd if e.id not in on] + _moved_unrecorded(view, named, chain)
 
 
 def _adopted(view: View, chain: list[tuple[str, Entry | None]]) -> set[str]:
@@ -82,7 +82,7 @@ def _adopted(view: View, chain: list[tuple[str, Entry | None]]) -> set[str]:
     return out
 
 
-def _moved_unrecorded(view: View, named: set[str]) -> list[Entry]:
+def _moved_unrecorded(view: View, named: set[str], chain: list[tuple[str, Entry | None]]) -> list[Entry]:
     """Checkpoints in a directory of abandoned/ or damaged/ no record of the journal made (a fork's or an aside's
     `to`: each is appended before its move) that the journal records committed, or that it never named though
     their parent is one of its commits, or one it adopts (trained on its line, then set aside: both recorded
@@ -94,7 +94,7 @@ def _moved_unrecorded(view: View, named: set[str]) -> list[Entry]:
     for r in view.events("fork"):  # the line chosen since vouches for what was set aside before it
         made |= set(r.get("seen") or [])
     commits = view.index["commit"]
-    ours = set(commits) | _adopted(view, view.chain(view.current()[1]))  # ...and the commits it adopts
+    ours = set(commits) | _adopted(view, chain)  # ...and the commits it adopts
     fs, root, out = view.fs, view.root, []
     for kind in (ABANDONED, DAMAGED):
         for d in fs.listdir(root / kind):
@@ -117,8 +117,8 @@ def refuse_unsure(view: View, damaged: list[int]) -> None:
         (f"line {damaged[0]} is" if len(damaged) == 1 else f"lines {', '.join(map(str, damaged))} are")
         + (" damaged (not as written) after the record that says which line of checkpoints is current")
         if damaged
-        else f"it is missing ({gone(view)})"
-        if gone(view)
+        else f"it is missing ({why})"
+        if (why := gone(view))
         else "its end is missing (journal.last holds a record it no longer has: cut short or damaged)"
         if journal.cut_short(view.log)
         else f"it is older than the checkpoints here (it never recorded {', '.join(_here(view, e) for e in unrecorded(view)[:3])}"
