@@ -396,3 +396,39 @@ def line_for(loc: tuple, lines: dict[tuple, int | str]) -> int | None:
             return lines[loc]
         loc = loc[:-1]
     return None
+
+
+@contradiction
+def _axes(exp: Experiment) -> list[tuple[str, str]]:
+    """Tensor and expert parallelism (docs/strategies.md): what they have been trained against one rank with."""
+    s, t, out = exp.strategy, exp.train, []
+    for key, name in (("tensor_parallel", "tensor parallelism"), ("expert_parallel", "expert parallelism")):
+        n = getattr(s, key)
+        if n == "auto" or n == 1:
+            continue
+        if n == 0:
+            out.append((f"strategy.{key}", "0 ranks cannot hold a model: give 1 (off), a degree, or auto"))
+            continue
+        if exp.model.factory is not None:
+            out.append((f"strategy.{key}", f"{name} divides a transformers model's layers; a factory's model is "
+                        "its own: set 1"))  # fmt: skip
+        elif t.objective != "sft":
+            out.append(
+                (f"strategy.{key}", f"{t.objective} with {name} is not verified yet (sft is); set 1 or auto")
+            )
+        elif exp.model.lora is not None:
+            out.append(
+                (f"strategy.{key}", f"LoRA with {name} is refused: {AXES_LORA}; set 1, or model.lora: null")
+            )
+        if key == "expert_parallel" and t.precision == "fp32":
+            out.append((f"strategy.{key}", "AutoEP trains in bf16 (its grouped expert kernels): set "
+                        "train.precision: bf16"))  # fmt: skip
+    return out
+
+
+# Why LoRA is refused under tensor and expert parallelism (measured, issue 70)
+AXES_LORA = (
+    "DeepSpeed's AutoTP and AutoEP replace the layers peft wraps (their Linear and expert modules are swapped "
+    "for sharded ones after the adapters are attached), so the adapters would be trained on the whole layer's "
+    "input or lost; not verified here"
+)

@@ -344,6 +344,18 @@ class StrategySection(Section):
         "seq_len / N of it; attention heads exchanged by all-to-all); 1 = off; auto = when the plan needs it "
         "(docs/strategies.md: the activation levers)",
     )
+    tensor_parallel: auto_or(int, "a whole number") = Field(
+        "auto",
+        description="tensor parallelism (DeepSpeed's AutoTP): ranks of a node that divide every layer's "
+        "attention and MLP (and the LM head) between them, reading the same rows; 1 = off; auto = inside a node "
+        "over NVLink-class links, where the plan finds it fastest or nothing fits without it (docs/strategies.md)",
+    )
+    expert_parallel: auto_or(int, "a whole number") = Field(
+        "auto",
+        description="expert parallelism (DeepSpeed's AutoEP) for a mixture of experts: ranks that divide each "
+        "layer's experts between them, tokens sent to their experts by all-to-all; bf16; 1 = off; auto = as "
+        "tensor_parallel (docs/strategies.md)",
+    )
     on_oom: choice("fail", "escalate") = Field(
         "fail",
         description="escalate = on out-of-memory, restart from the last checkpoint on what the plan ranks next "

@@ -121,12 +121,19 @@ def announce(run: Run) -> None:
         ),
         f"strategy: ZeRO stage {plan.candidate.stage}, offload {plan.candidate.offload}"
         + (f", sequence parallel {plan.sp} (data-parallel world {plan.dp_world})" if plan.sp > 1 else "")
+        + (f", tensor parallel {plan.tp} (data-parallel world {plan.dp_world})" if plan.tp > 1 else "")
+        + (f", expert parallel {plan.ep}" if plan.ep > 1 else "")
         + f" -- {plan.reason}",
+        *(
+            [f"layout: {strategy.layout(plan.world_size, plan.sp, plan.tp, plan.ep)}"]
+            if plan.levers.mp * plan.ep > 1
+            else []
+        ),
         f"activation levers: {plan.levers.describe()} ({plan.levers_reason})",
         f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
         f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)}, "
         f"step {format_size(est.step)})",
-        f"batch: micro {t.micro_batch_size} x {'data-parallel ' if plan.sp > 1 else ''}world {plan.dp_world} x "
+        f"batch: micro {t.micro_batch_size} x {'data-parallel ' if plan.levers.mp > 1 else ''}world {plan.dp_world} x "
         f"grad_accum {t.grad_accum} = {samples} "
         f"sequences = {samples * exp.data.seq_len:,} tokens per step"
         + (f" ({planned.batch.why})" if planned.batch is not None and planned.batch.why else ""),

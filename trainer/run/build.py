@@ -273,11 +273,11 @@ def data_for_rank(
     from trainer import data as data_mod
     from trainer.run.loop import Evaluator
 
-    env, t, sp = runtime.env, exp.train, planned.plan.sp
+    env, t, sp, mp = runtime.env, exp.train, planned.plan.sp, planned.plan.levers.mp
     fixed = sp > 1 or (planned.model or exp.model).tiled_mlp is True  # every rank's rows as long: seq_len
-    where = {
-        "rank": env.rank // sp,
-        "world": env.world_size // sp,
+    where = {  # a sequence- or tensor-parallel group's ranks (consecutive) read the same rows
+        "rank": env.rank // mp,
+        "world": env.world_size // mp,
         "micro": t.micro_batch_size,
         "device_type": runtime.device_type,
         # fine-tuning batches are as wide as their longest row; under torch.compile a multiple of 64, so
@@ -313,7 +313,9 @@ def make_metrics(
         exp.run_dir,
         is_main=runtime.is_main,
         world_size=env.world_size,
-        loss_ranks=planned.plan.dp_world,
+        # the ranks whose losses sum to the step's: the data-parallel ones (a sequence-parallel group's shards sum to
+        # its rows'); a tensor-parallel group's ranks each hold its rows' whole loss
+        loss_ranks=planned.plan.dp_world * planned.plan.tp,
         log_every=t.log_every,
         max_steps=max_steps,
         samples_per_step=samples,
@@ -331,6 +333,8 @@ def make_metrics(
             "grad_accum": t.grad_accum,
             "seq_len": exp.data.seq_len,
             **({"sequence_parallel": planned.plan.sp} if planned.plan.sp > 1 else {}),
+            **({"tensor_parallel": planned.plan.tp} if planned.plan.tp > 1 else {}),
+            **({"expert_parallel": planned.plan.ep} if planned.plan.ep > 1 else {}),
         },
     )
 

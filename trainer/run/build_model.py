@@ -90,6 +90,13 @@ def sequence_levers(exp: Experiment, env: Any, planned: Any, module: Any, one_ro
         mpu = sequence.register_ulysses(module, sp, rows, tokens)
     if section.tiled_mlp is True:
         sequence.tile_mlps(module, tokens // sp)
+    if planned.plan.tp > 1:
+        # AutoTP's groups: consecutive ranks form a tensor-parallel group (DeepSpeed's (data, tensor) mesh), whose
+        # ranks read the same rows (build.py's data_for_rank); DeepSpeed counts the batch over the data-parallel ones
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=planned.plan.tp)
+        mpu = groups
     return {"sp": (sp, env.rank % sp, mpu), "offload": (section.offload_activations is True, gpu_present())}
 
 

@@ -315,8 +315,17 @@ class GradDump:
         from deepspeed.utils import safe_get_full_grad
 
         grads = {}
+        dims = {}
+        if _axes(engine)[0] > 1:  # tensor parallelism: each rank's shard joined with its group's
+            from trainer.model.axes import shard_dims
+
+            dims = shard_dims(ds.module)
         for name, p in ds.module.named_parameters():
             g = safe_get_full_grad(p)
+            if g is not None and name in dims:
+                from trainer.model.axes import whole
+
+                g = whole(g, dims[name])
             if g is not None:
                 grads[name] = g.detach().float().cpu().clone()
         if self.rank == 0:
@@ -376,7 +385,18 @@ def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> 
         return [f"preflight: weights {when}: ZeRO-3 partitions differ by design; not compared"]
     fp = fingerprint(engine.module).cpu().numpy().tobytes()
     prints = all_gather(fp, world_size)
-    odd = _odd_ranks(prints)
+    # tensor and expert parallelism: a rank holds its group's shard; it is compared with the ranks of the same
+    # shards (the same place in their tensor- and expert-parallel groups: consecutive ranks, trainer/strategy/
+    # planning/axes.py's layout)
+    tp, ep = _axes(engine)
+    odd = []
+    for key in {(r % tp, r % ep) for r in range(world_size)}:
+        same = [r for r in range(world_size) if (r % tp, r % ep) == key]
+        odd += [same[i] for i in _odd_ranks([prints[r] for r in same])]
+    odd.sort()
+    if tp * ep > 1 and not odd:
+        return [f"preflight: weights identical {when} on the ranks of each shard ({world_size} ranks, tensor "
+                f"parallel {tp}, expert parallel {ep})"]  # fmt: skip
     if odd:
         who = ", ".join(f"rank {r} ({hosts[r] if r < len(hosts) else '?'})" for r in odd)
         raise CheckFailed(
@@ -384,6 +404,15 @@ def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> 
             "weights (same seed, same checkpoint) and stay in step"
         )
     return [f"preflight: weights identical on all {world_size} ranks {when}"]
+
+
+def _axes(engine: Any) -> tuple[int, int]:
+    """The engine's tensor- and expert-parallel degrees (1, 1 without them)."""
+    cfg = getattr(engine, "ds_config", {}) or {}
+    tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size") or 1)
+    ep_section = cfg.get("expert_parallel") or {}
+    ep = int(ep_section.get("autoep_size") or 1) if ep_section.get("enabled", False) else 1
+    return max(1, tp), max(1, ep)
 
 
 def after_first_step(engine: Any, world_size: int, hosts: list[str]) -> list[str]:

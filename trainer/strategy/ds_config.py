@@ -301,10 +301,11 @@ def ds_config(
 def _batch_and_precision(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan) -> None:
     t, world = exp.train, plan_.dp_world
     why_batch = f"micro {t.micro_batch_size} x world {world} x grad_accum {t.grad_accum}"
-    if plan_.sp > 1:  # DeepSpeed counts the batch over the data-parallel ranks: world / sequence parallel
+    if plan_.levers.mp > 1:  # DeepSpeed counts the batch over the data-parallel ranks: world / sp or tp
         why_batch = f"micro {t.micro_batch_size} x data-parallel world {world} x grad_accum {t.grad_accum}"
     if plan_.sp > 1 or "sequence_parallel_size" in d:
         f.own(d, "sequence_parallel_size", plan_.sp, why="strategy.sequence_parallel / the plan")
+    _axes(f, d, plan_)
     f.own(d, "train_micro_batch_size_per_gpu", t.micro_batch_size, why="train.micro_batch_size")
     f.own(d, "gradient_accumulation_steps", t.grad_accum, why="train.grad_accum")
     f.own(d, "train_batch_size", t.sequences_per_step(world), why=why_batch)
@@ -321,6 +322,18 @@ def _batch_and_precision(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: 
         f.own(d, "fp16.enabled", precision == "fp16", why=why)
     if "bfloat16" in d:  # old alias of bf16
         f.own(d, "bfloat16.enabled", precision == "bf16", why=why)
+
+
+def _axes(f: _Filler, d: dict[str, Any], plan_: Plan) -> None:
+    """AutoTP's and AutoEP's sections: the plan's degrees (a template's must agree with them)."""
+    if plan_.tp > 1 or "tensor_parallel" in d:
+        f.own(d, "tensor_parallel.autotp_size", plan_.tp, why="strategy.tensor_parallel / the plan")
+    if plan_.ep > 1 or "expert_parallel" in d:
+        ep = d.get("expert_parallel")
+        if plan_.ep > 1 or (isinstance(ep, dict) and ep.get("enabled") is not False):
+            f.own(d, "expert_parallel.enabled", plan_.ep > 1, why="strategy.expert_parallel / the plan")
+        if plan_.ep > 1 or (isinstance(ep, dict) and "autoep_size" in ep):
+            f.own(d, "expert_parallel.autoep_size", plan_.ep, why="strategy.expert_parallel / the plan")
 
 
 def _optimizer(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: Plan, sched: Schedule) -> None:

@@ -26,6 +26,7 @@ from trainer.strategy.planning.activations import (
     activations_for,
     layer_bytes_per_token,
 )
+from trainer.strategy.planning.axes import layout
 from trainer.strategy.planning.buffers import (
     CUDA_CONTEXT,
     DEEPSPEED_DEFAULTS,
@@ -85,6 +86,7 @@ __all__ = [
     "estimate_all",
     "flops_per_token",
     "host_needs",
+    "layout",
     "is_number",
     "layer_bytes_per_token",
     "low_precision_bytes",

@@ -95,8 +95,11 @@ def estimate_all(
     template: Mapping[str, Any] | None,
     host_activations: int = 0,
     generation: int = 0,
+    states: tuple[ModelInfo, float] | None = None,
 ) -> list[Estimate]:
-    """An estimate per candidate of the table."""
+    """An estimate per candidate of the table. `states`: one rank's model and the ranks ZeRO partitions it
+    over, under tensor or expert parallelism (axes.py; None: the model over the world)."""
+    local, n = states or (info, world_size)
     want_offload = pinned[1]
     state_bytes = OPTIMIZERS[exp.optim.name].state_bytes
     table = list(TABLE)
@@ -104,29 +107,29 @@ def estimate_all(
     # what the optimizer step allocates (`step_bytes`) depends on the candidate through its offload
     sub_group = _number(zero_section(template).get("sub_group_size"), SUB_GROUP_SIZE)
     adam = OPTIMIZERS[exp.optim.name].adam
-    trainable = info.params if info.trainable is None else info.trainable
-    largest_tensor = max(info.param_sizes, default=info.largest_layer)
+    trainable = local.params if local.trainable is None else local.trainable
+    largest_tensor = max(local.param_sizes, default=local.largest_layer)
     for c in table:
         persistent = 0
         if c.stage == 3:
             threshold = zero_sizes(info, zero_section(template))["stage3_param_persistence_threshold"]
-            persistent = _persistent(info, lp, threshold)
+            persistent = _persistent(local, lp, threshold)
         par, grad, opt = model_states(
             c,
-            info.params,
-            info.largest_layer,
-            world_size,
+            local.params,
+            local.largest_layer,
+            n,
             lp,
             exp.train.grad_accum,
             state_bytes,
-            info.trainable,
+            local.trainable,
             persistent,
-            info.quantized,
+            local.quantized,
         )
         buf = buffers(c, info, lp, on_gpu, template) + reward_model_bytes(exp, lp)  # grpo: reward models
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
         fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
-        step = step_bytes(c, trainable, world_size, lp, fused_wrapper, largest_tensor, sub_group)
+        step = step_bytes(c, trainable, n, lp, fused_wrapper, largest_tensor, sub_group)
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable,
                           info.quantized)  # fmt: skip
         host += host_activations  # model.offload_activations: the checkpointed layer inputs, per node
@@ -148,7 +151,7 @@ def estimate_all(
         e = Estimate(
             c, par, grad, opt, act, buf, host + snap,
             fits_host=host_memory is None or need <= host_memory,  # None: a target machine, not known
-            gather=(4 * info.largest_layer if c.stage == 3 else 0) + (lp * info.quantized.largest if info.quantized else 0),
+            gather=(4 * local.largest_layer if c.stage == 3 else 0) + (lp * info.quantized.largest if info.quantized else 0),
             snapshot=snap,
             step=step, generation=generation, refused=refused, usable=nvme_ok,
         )  # fmt: skip

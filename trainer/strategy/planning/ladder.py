@@ -15,6 +15,7 @@ from trainer.config import Experiment, format_size
 from trainer.strategy.batch import accumulation
 from trainer.strategy.planning import pins
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
+from trainer.strategy.planning.axes import degrees, local_info, zero_world
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all, with_activations
 from trainer.strategy.planning.generation import generation_bytes, host_bytes, row_length
@@ -59,9 +60,18 @@ class Plan:
         return self.levers.sp
 
     @property
+    def tp(self) -> int:
+        return self.levers.tp
+
+    @property
+    def ep(self) -> int:
+        return self.levers.ep
+
+    @property
     def dp_world(self) -> int:
-        """The data-parallel world: the ranks that hold different sequences (world / sequence parallel)."""
-        return self.world_size // self.levers.sp
+        """The data-parallel world: the ranks that hold different sequences (world / sequence or tensor
+        parallel: the ranks of a group read the same rows)."""
+        return self.world_size // self.levers.mp
 
     def next_after(self) -> tuple[Levers, Candidate] | None:
         """What the run-time escalation tries after an out-of-memory here (`escalation_after`)."""
@@ -100,6 +110,8 @@ class Plan:
             "offload": self.candidate.offload,
             "levers": self.levers.describe(),
             "sequence_parallel": self.levers.sp,
+            "tensor_parallel": self.levers.tp,
+            "expert_parallel": self.levers.ep,
             "offload_params": self.candidate.offload_params,
             "reason": self.reason,
             "pinned": self.pinned,
@@ -235,7 +247,8 @@ def _plan(
     estimates_for = _estimator(exp, info, pinned, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
                                on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory,
                                template=template)  # fmt: skip
-    settings = list(lever_sets(exp, info, world_size, device_type, precision))
+    axes = degrees(exp, info, world_size, gpus_per_node, hardware.peers, precision, template)
+    settings = list(lever_sets(exp, info, world_size, device_type, precision, axes))
     times: dict[tuple[Levers, Candidate], StepTime] = {}
     timer = Timer(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, lp=lp, hardware=hardware)
 
@@ -292,23 +305,25 @@ def _estimator(
     every rung, which no lever changes but the accumulation (ZeRO-1/2 keep more gradients with it; a global
     batch's accumulation follows the sequence-parallel degree: `accumulation`), counted once each, and each
     setting's activations beside them."""
-    bases: dict[bool, list[Estimate]] = {}
+    bases: dict[tuple[bool, int, int], list[Estimate]] = {}
 
-    def base_for(accum: int) -> list[Estimate]:
-        if (accum > 1) not in bases:
+    def base_for(accum: int, tp: int, ep: int) -> list[Estimate]:
+        if (accum > 1, tp, ep) not in bases:
             e = exp.model_copy(update={"train": exp.train.model_copy(update={"grad_accum": accum})})
-            bases[accum > 1] = estimate_all(
+            local = local_info(info, tp, ep)  # one rank's model under tensor/expert parallelism (axes.py)
+            bases[accum > 1, tp, ep] = estimate_all(
                 e, info, pinned, act=0, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node, on_gpu=on_gpu,
                 budget=budget, host_memory=host_memory, template=template,
-                host_activations=host_bytes(e) * gpus_per_node, generation=generation_bytes(e, info, lp),
+                host_activations=host_bytes(e) * gpus_per_node, generation=generation_bytes(e, local, lp),
+                states=(local, zero_world(info, local, world_size, tp, ep)),
             )  # fmt: skip
-        return bases[accum > 1]
+        return bases[accum > 1, tp, ep]
 
     def estimates_for(levers: Levers) -> list[Estimate]:
         # sequence parallelism runs sdpa where auto would have picked eager (CPU, bf16, short sequences)
-        sp_info = info
+        sp_info = local_info(info, levers.tp, levers.ep)
         if levers.sp > 1 and info.attn_implementation == "eager" and exp.model.attn_implementation == "auto":
-            sp_info = dataclasses.replace(info, attn_implementation="sdpa")
+            sp_info = dataclasses.replace(sp_info, attn_implementation="sdpa")
         act = activations_for(exp, sp_info, lp, levers, "cuda" if on_gpu else "cpu")
         extra = (
             host_activations(info, rows_per_micro(exp), row_length(exp), lp, levers.sp)
@@ -316,7 +331,7 @@ def _estimator(
             else 0
         )
         copy = exp.checkpoint.async_ is True
-        base = base_for(accumulation(exp, world_size, levers.sp))
+        base = base_for(accumulation(exp, world_size, levers.mp), levers.tp, levers.ep)
         return with_activations(base, act, extra * gpus_per_node, budget, host_memory, copy)
 
     return estimates_for

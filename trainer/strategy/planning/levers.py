@@ -35,7 +35,9 @@ UNTILED = (
     "recorded shard by shard, without their gradient)"
 )
 # the levers' costs, cheapest first (their order among settings with as many levers on)
-COST = {"chunked_loss": 1, "tiled_mlp": 2, "sp": 3, "checkpointing": 4, "offload": 5}
+COST = {"chunked_loss": 1, "tiled_mlp": 2, "sp": 3, "checkpointing": 4, "offload": 5, "ep": 6, "tp": 7}
+# the model-parallel axes (axes.py): degrees, not switches
+DEGREE = {"sp": "sequence parallel", "tp": "tensor parallel", "ep": "expert parallel"}
 __all__ = ["COST", "SP_DEGREES", "Levers", "lever_sets", "sp_problem", "tiled_loss_by_default"]
 
 
@@ -48,32 +50,43 @@ class Levers:
     tiled_mlp: bool = False
     checkpointing: bool = False
     offload: bool = False  # checkpointed activations on the host (needs checkpointing)
+    tp: int = 1  # tensor parallelism (AutoTP): a group of tp ranks divides each layer, reading the same rows
+    ep: int = 1  # expert parallelism (AutoEP): a group of ep ranks divides each MoE layer's experts
 
     @property
     def on(self) -> list[str]:
-        return [k for k in COST if (self.sp > 1 if k == "sp" else getattr(self, k))]
+        return [k for k in COST if (getattr(self, k) > 1 if k in DEGREE else getattr(self, k))]
+
+    @property
+    def mp(self) -> int:
+        """The ranks that read the same rows: a sequence-parallel group x a tensor-parallel group."""
+        return self.sp * self.tp
 
     @property
     def cost(self) -> tuple[int, int, int]:
-        return len(self.on), sum(COST[k] for k in self.on), self.sp
+        return len(self.on), sum(COST[k] for k in self.on), self.sp * self.tp * self.ep
 
     def covers(self, other: Levers) -> bool:
-        """Every lever `other` has on is on here too, at least at its degree."""
-        return self.sp >= other.sp and all(getattr(self, k) for k in other.on if k != "sp")
+        """Every lever `other` has on is on here too, at least at its degree (a model-parallel degree: the same)."""
+        return (self.sp >= other.sp and (self.tp, self.ep) == (other.tp, other.ep)
+                and all(getattr(self, k) for k in other.on if k not in DEGREE))  # fmt: skip
 
     def describe(self) -> str:
         names = {"chunked_loss": "tiled loss", "tiled_mlp": "tiled MLP", "checkpointing": "activation checkpointing",
                  "offload": "checkpointed activations on the host"}  # fmt: skip
-        parts = [f"sequence parallel {self.sp}" if k == "sp" else names[k] for k in self.on]
+        parts = [f"{DEGREE[k]} {getattr(self, k)}" if k in DEGREE else names[k] for k in self.on]
         return ", ".join(parts) or "none"
 
     def overrides(self) -> list[str]:
         """The --set overrides the supervisor's escalation adds for this setting: the levers on (a
         lever off keeps what the experiment says, so a later attempt may still climb to it)."""
         pins = [f"strategy.sequence_parallel={self.sp}"] if self.sp > 1 else []
+        pins += [
+            f"strategy.{DEGREE[k].replace(' ', '_')}={getattr(self, k)}" for k in ("tp", "ep") if k in self.on
+        ]
         keys = {"chunked_loss": "model.chunked_loss", "tiled_mlp": "model.tiled_mlp",
                 "checkpointing": "model.activation_checkpointing", "offload": "model.offload_activations"}  # fmt: skip
-        return pins + [f"{keys[k]}=true" for k in self.on if k != "sp"]
+        return pins + [f"{keys[k]}=true" for k in self.on if k not in DEGREE]
 
 
 def sp_problem(info: ModelInfo, sp: int, world_size: int, seq_len: int, attn: str | None) -> str | None:
@@ -141,9 +154,11 @@ def _keeping(exp: Experiment, world_size: int, sps: list[int]) -> list[int]:
 
 
 def lever_sets(
-    exp: Experiment, info: ModelInfo, world_size: int, device_type: str, precision: str = ""
-) -> Iterator[Levers]:
-    """Every setting of the levers the experiment allows, cheapest first (see the module docstring)."""
+    exp: Experiment, info: ModelInfo, world_size: int, device_type: str, precision: str = "",
+    axes: tuple[list[int], list[int]] = ([1], [1]),
+) -> Iterator[Levers]:  # fmt: skip
+    """Every setting of the levers the experiment allows, cheapest first (see the module docstring);
+    `axes`: the tensor- and expert-parallel degrees it may take (axes.py's `degrees`)."""
     m, s = exp.model, exp.strategy
     transformers_model = m.factory is None
     chunked = (
@@ -174,10 +189,22 @@ def lever_sets(
                 else "give a degree that divides the ranks, the attention heads and data.seq_len, or 1 (off), or auto"
             )
             raise UserError(f"strategy.sequence_parallel: {sps[0]} cannot run this job: {problem}; {fix}")
+    tps, eps = axes
+    if sps[0] > 1 and (tps[0] > 1 or eps[0] > 1):
+        key = "strategy.tensor_parallel" if tps[0] > 1 else "strategy.expert_parallel"
+        raise UserError(f"{key}: {max(tps[0], eps[0])} with strategy.sequence_parallel: {sps[0]} is not verified "
+                        "here (each axis is trained against one rank alone); set one of them to 1")  # fmt: skip
     sps = _keeping(exp, world_size, sps)
+    micro = exp.train.micro_batch_size if isinstance(exp.train.micro_batch_size, int) else 1
     sets = {
-        Levers(sp, c, t, k, o)
-        for sp, c, t, k, o in itertools.product(sps, chunked, tiled, checkpointing, offload)
-        if k or not o  # the host copy is of checkpointed activations
+        Levers(sp, c, t, k, o, tp, ep)
+        for sp, c, t, k, o, tp, ep in itertools.product(sps, chunked, tiled, checkpointing, offload, tps, eps)
+        if (k or not o)  # the host copy is of checkpointed activations
+        and (sp == 1 or tp == ep == 1)  # one model-parallel axis at a time (verified alone)
+        and (tp == 1 or keeps(exp, world_size, sp * tp, micro))
     }
+    if not sets:
+        raise UserError(f"train.global_batch_size {exp.train.global_batch_size} is not a multiple of micro_batch_size "
+                        f"{micro} x the data-parallel ranks of world {world_size} / strategy.tensor_parallel "
+                        f"{tps[0]}; give a global batch they divide, or micro_batch_size: auto")  # fmt: skip
     yield from sorted(sets, key=lambda x: x.cost)

@@ -158,6 +158,9 @@ class Timer:
         self.tensors = len(info.param_sizes) or 2 * (info.layers or 0)
 
     def __call__(self, levers: Any, c: Candidate) -> StepTime:
+        tp, ep = getattr(levers, "tp", 1), getattr(levers, "ep", 1)
+        if tp > 1 or ep > 1:
+            return self._axes(levers, c, tp, ep)
         m, info, lp, world, node, grads, share, link = (self.m, self.info, self.lp, self.world, self.node,
                                                         self.grads, self.share, self.link)  # fmt: skip
         sp = max(1, levers.sp)
@@ -208,6 +211,36 @@ class Timer:
             optimizer=optimizer,
             reductions=a * reductions + step_reductions,
         )
+
+    def _axes(self, levers: Any, c: Candidate, tp: int, ep: int) -> StepTime:
+        """Under tensor or expert parallelism (axes.py): one rank's model on its rows, ZeRO's collectives over the
+        ranks it partitions over (world / tp: a tensor-parallel group's ranks hold one copy of the model), the
+        step's tokens those of the data-parallel ranks, and the axes' own collectives each micro step."""
+        import dataclasses
+
+        from trainer.strategy.planning.axes import axes_seconds, local_info
+
+        key = (tp, ep)
+        sub = self.__dict__.setdefault("_subs", {}).get(key)
+        if sub is None:
+            sub = object.__new__(Timer)
+            sub.__dict__.update(self.__dict__, _subs={})
+            local = local_info(self.info, tp, ep)
+            sub.info, sub.world = local, max(1, self.world // tp)
+            sub.node = max(1, min(self.node, sub.world))
+            sub.trainable = local.params if local.trainable is None else local.trainable
+            sub.stored, sub.grads = _stored_bytes(local, self.lp), sub.trainable * self.lp
+            sub.share = (sub.world - 1) / sub.world
+            sub.launches = self.launches  # as many operators a layer, on smaller shapes
+            self._subs[key] = sub
+        plain = dataclasses.replace(levers, tp=1, ep=1)
+        t = Timer.__call__(sub, plain, c)
+        passes = 2 + (1 if levers.checkpointing else 0)
+        accum = self.accum if self.exp is None else accumulation(self.exp, self.world, levers.mp)
+        extra = accum * axes_seconds(
+            self.info, tp, ep, self.rows * self.s, passes, self.lp, self.m, self.node
+        )
+        return dataclasses.replace(t, seconds=t.seconds + extra, transfers=t.transfers + extra)
 
 
 def _flops_per_token(info: ModelInfo, levers: Any, s: int) -> float:

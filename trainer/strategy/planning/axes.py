@@ -1,0 +1,236 @@
+"""The model-parallel axes: tensor parallelism through DeepSpeed's AutoTP and expert parallelism through its
+AutoEP, what each divides, what each costs, and when the plan may take it.
+
+What AutoTP divides (DeepSpeed 0.19.8 in training mode, read from the shards it makes; tests/dist/test_axes.py
+holds these counts to its real partitioning): every decoder layer's attention projections (q, k, v by their
+heads, o by its input) and MLP projections (gate and up by their outputs, down by its input), and the LM
+head by the vocabulary, its logits gathered whole again (`gather_output`); a tied input embedding shares the
+head's shard. Norms, an untied input embedding and the routers stay whole on every rank. A rank of a tensor-
+parallel group is a model of heads / tp, key/value heads / tp and an MLP of intermediate / tp, on the whole
+batch of its group (every rank of the group reads the same rows); ZeRO partitions what it holds over the
+data-parallel ranks, world / tp.
+
+What AutoEP divides: each MoE layer's routed experts, routed / ep a rank; everything else stays whole. ZeRO
+partitions the experts over the ranks holding the same experts (world / ep) and the rest over the world, so
+that the partitioned states (ZeRO-1 and up) are those of the model without it, and only what every rank
+holds whole (its parameters at stages 0-2, its gradients at 0-1, the gathered layer at 3) shrinks. Every rank
+still reads its own rows (the data-parallel world is unchanged); the routed tokens travel to their experts and
+back by all-to-all.
+
+The rule (the seed's): tensor parallelism for very large models across fast interconnects. `auto` offers a
+degree only inside a node whose link between devices is NVLink-class, and the plan takes it only where it is
+the fastest setting that fits or nothing fits without it (search.py's rules, as for every costlier setting);
+expert parallelism likewise inside a node over NVLink-class links. A pinned degree runs where it can, and is
+refused, with the key and the fix, where it cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainer.common.errors import UserError
+from trainer.strategy.planning.candidates import ModelInfo
+
+DEGREES = (2, 4, 8)  # the degrees `auto` tries (inside a node)
+NVLINK_CLASS = 100e9  # bytes a second between a node's devices from which a link counts as NVLink-class
+
+# Families AutoTP shards as transformers builds them, checked on two CPU ranks (the one-rank losses): the
+# decoder layers' q/k/v/o and gate/up/down projections by name. GPT-2 is refused by DeepSpeed itself ("AutoTP
+# not supported for model. Please use kernel injection": it has an inference container policy).
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# AutoEP's presets (deepspeed/module_inject/auto_ep_presets) this project has trained against one rank
+EP_FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def _attention(info: ModelInfo) -> int:
+    """A layer's attention projection weights: queries, keys, values, output."""
+    h = info.hidden or 0
+    kv = info.kv_count * info.qk_head_dim + info.kv_count * info.value_head_dim
+    return h * info.q_width + h * kv + (info.heads or 1) * info.value_head_dim * h
+
+
+def tp_divided(info: ModelInfo) -> int:
+    """The parameters AutoTP divides among a tensor-parallel group (the module docstring): the layers'
+    attention and MLP projections and the LM head (with a tied embedding, which shares it)."""
+    h, layers = info.hidden or 0, info.layers or 0
+    mlp = (3 if info.intermediate else 2) * h * (info.intermediate or 4 * h)
+    return layers * (_attention(info) + mlp) + (info.vocab or 0) * h
+
+
+def expert_params(info: ModelInfo) -> int:
+    """A mixture's routed experts' parameters (gated: gate, up, down a expert)."""
+    e = info.experts
+    return 0 if e is None else e.layers * e.routed * 3 * (info.hidden or 0) * e.width
+
+
+def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
+    """One rank's model under tensor parallelism `tp` and expert parallelism `ep` (the module docstring):
+    its parameters, its heads and MLP width (what its activations and FLOPs are counted from)."""
+    if tp == 1 and ep == 1:
+        return info
+    params = info.params - tp_divided(info) * (tp - 1) // tp - expert_params(info) * (ep - 1) // ep
+    h = info.hidden or 0
+    sizes = tuple(sorted(s if s <= h else s // tp for s in info.param_sizes)) if tp > 1 else info.param_sizes
+    experts = info.experts
+    if ep > 1 and experts is not None:
+        experts = dataclasses.replace(experts, routed=experts.routed // ep)
+    largest = info.largest_layer // tp
+    if ep > 1 and info.experts is not None:  # the largest module: a layer's experts, now routed / ep of them
+        largest = max(info.largest_layer - expert_params(info) // info.experts.layers * (ep - 1) // ep,
+                      (info.vocab or 0) * h)  # fmt: skip
+    local = dataclasses.replace(
+        info, params=params, largest_layer=max(1, largest), param_sizes=sizes, experts=experts,
+        heads=(info.heads or 0) // tp or None, kv_heads=(info.kv_heads // tp if info.kv_heads else None),
+        intermediate=(info.intermediate // tp if info.intermediate else None),
+    )  # fmt: skip
+    # (a token's active parameters, a mixture's top-k experts, are as many under expert parallelism; the looked-up
+    # embeddings, `idle`, stay whole under tensor parallelism unless tied to the head, which multiplies)
+    return local
+
+
+def zero_world(info: ModelInfo, local: ModelInfo, world: int, tp: int, ep: int) -> float:
+    """The ranks ZeRO partitions one rank's model over, as one figure for states.py (P_local / n = what a
+    rank holds partitioned): world / tp under tensor parallelism; under expert parallelism the experts are
+    partitioned over world / ep ranks and the rest over the world, which is the model's own parameters over
+    the world: n = world x P_local / P."""
+    if ep > 1:
+        return world * local.params / max(1, info.params)
+    return max(1, world // tp)
+
+
+def nvlink_class(peers: float) -> bool:
+    return peers >= NVLINK_CLASS
+
+
+def tp_problem(info: ModelInfo, tp: int, world: int, gpus_per_node: int) -> str | None:
+    """Why tensor parallelism of degree `tp` cannot run this job (None: it can)."""
+    if info.model_type not in TP_FAMILIES:
+        return (
+            f"model type '{info.model_type}' is not one AutoTP has been verified on here "
+            f"({', '.join(TP_FAMILIES)}; GPT-2 DeepSpeed refuses, a mixture's experts are expert parallelism's)"
+        )
+    if info.experts is not None:
+        return "a mixture of experts is divided by expert parallelism (strategy.expert_parallel), not AutoTP"
+    for what, n in (("attention heads", info.heads), ("key/value heads", info.kv_heads or info.heads),
+                    ("MLP's intermediate size", info.intermediate)):  # fmt: skip
+        if n and n % tp:
+            return f"the model's {n} {what} do not divide by {tp}"
+    if world % tp:
+        return f"{world} rank(s) are not a multiple of {tp}"
+    if tp > gpus_per_node or gpus_per_node % tp:
+        return (
+            f"a tensor-parallel group of {tp} would cross nodes of {gpus_per_node} rank(s) (its all-reduces run "
+            "twice a layer in each pass: inside a node only)"
+        )
+    return None
+
+
+def ep_problem(info: ModelInfo, ep: int, world: int, precision: str) -> str | None:
+    """Why expert parallelism of degree `ep` cannot run this job (None: it can)."""
+    if info.experts is None:
+        return f"model type '{info.model_type}' is dense: it has no experts to divide"
+    if info.model_type not in EP_FAMILIES:
+        return (
+            f"model type '{info.model_type}' has no AutoEP preset verified here ({', '.join(EP_FAMILIES)}; "
+            "DeepSpeed's presets also name Qwen3.5-MoE and DeepSeek-V2/V3, untrained here)"
+        )
+    if info.experts.routed % ep:
+        return f"the model's {info.experts.routed} experts a layer do not divide by {ep}"
+    if world % ep:
+        return f"{world} rank(s) are not a multiple of {ep}"
+    if precision != "bf16":
+        return (
+            f"AutoEP trains in bf16 (its grouped expert kernels), and train.precision resolves to {precision}"
+        )
+    return None
+
+
+def degrees(
+    exp: Any,
+    info: ModelInfo,
+    world: int,
+    gpus_per_node: int,
+    peers: float,
+    precision: str,
+    template: Any = None,
+) -> tuple[list[int], list[int]]:
+    """The tensor- and expert-parallel degrees the plan may choose from: a pinned degree (the experiment's,
+    else its DeepSpeed template's), checked; under auto 1, and inside a node over NVLink-class links each
+    degree of DEGREES that can run this job. A UserError names the key and the fix for a pin that cannot."""
+    s = exp.strategy
+    tp_pin, ep_pin = s.tensor_parallel, s.expert_parallel
+    section = template or {}
+    if tp_pin == "auto" and isinstance(section.get("tensor_parallel"), dict):
+        tp_pin = section["tensor_parallel"].get("autotp_size", "auto") or "auto"
+    if ep_pin == "auto" and isinstance(section.get("expert_parallel"), dict):
+        ep_section = section["expert_parallel"]
+        ep_pin = ep_section.get("autoep_size", "auto") if ep_section.get("enabled", True) else 1
+    fast = nvlink_class(peers) and exp.train.objective == "sft" and exp.model.lora is None
+    out = []
+    for key, pin, problem in (
+        ("strategy.tensor_parallel", tp_pin, lambda d: tp_problem(info, d, world, gpus_per_node)),
+        ("strategy.expert_parallel", ep_pin, lambda d: ep_problem(info, d, world, precision)),
+    ):
+        if pin == "auto":
+            inside = [d for d in DEGREES if d <= min(world, gpus_per_node) and gpus_per_node % d == 0]
+            out.append([1] + ([d for d in inside if not problem(d)] if fast else []))
+            continue
+        pin = int(pin)
+        why = problem(pin) if pin > 1 else None
+        if why:
+            raise UserError(
+                f"{key}: {pin} cannot run this job: {why}; give a degree that divides them, or 1 (off)"
+            )
+        out.append([pin])
+    return out[0], out[1]
+
+
+def axes_seconds(
+    info: ModelInfo, tp: int, ep: int, tokens: float, passes: int, lp: int, m: Any, node: int
+) -> float:
+    """The seconds a micro step's tensor- and expert-parallel collectives take (`tokens`: a rank's), on
+    `m`'s links (`node`: ranks a node). AutoTP: two all-reduces of a token's hidden state a layer in each
+    pass (after the attention's output projection and the MLP's down projection; the column layers' input
+    gradients in backward), and the LM head's logits gathered in the forward (and their gradient's shard
+    in backward). AutoEP: a layer's routed tokens (top-k copies of the hidden state) to their experts and
+    back, an all-to-all each way in each pass."""
+    h, layers, seconds = info.hidden or 0, info.layers or 0, 0.0
+    if tp > 1:
+        volume = 2 * layers * passes * tokens * h * lp * 2 * (tp - 1) / tp  # ring all-reduce: twice the data
+        volume += 2 * tokens * (info.vocab or 0) * lp * (tp - 1) / tp
+        seconds += volume / m.peers + (2 * layers * passes + 2) * m.collective_s
+    if ep > 1 and info.experts is not None:
+        e = info.experts
+        volume = 2 * e.layers * passes * tokens * e.per_token * h * lp * (ep - 1) / ep
+        link = m.peers if ep <= node and node % ep == 0 else m.network
+        seconds += volume / link + 2 * e.layers * passes * m.collective_s
+    return seconds
+
+
+def layout(world: int, sp: int = 1, tp: int = 1, ep: int = 1) -> str:
+    """'dp D x tp T x ep E x sp S' and the process groups: a sequence- or tensor-parallel group is consecutive
+    ranks (DeepSpeed's (data, tensor) mesh and Ulysses' groups); the data-parallel ranks are one of each; an
+    expert-parallel group is consecutive ranks too (DeepSpeed's expert groups), its experts' data-parallel
+    ranks one of each group."""
+    mp = sp * tp
+    dp = world // mp
+    text = f"dp {dp} x tp {tp} x ep {ep} x sp {sp}"
+
+    def groups(size: int, stride: int) -> str:
+        if stride == 1:
+            made = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+        else:
+            made = [list(range(g, world, stride)) for g in range(stride)]
+        shown = ", ".join(str(x).replace(" ", "") for x in made[:4])
+        return shown + (f", ... ({len(made)})" if len(made) > 4 else "")
+
+    parts = []
+    if mp > 1:
+        parts.append(f"{'tensor' if tp > 1 else 'sequence'}-parallel groups {groups(mp, 1)}")
+        parts.append(f"data-parallel groups {groups(dp, mp)}")
+    if ep > 1:
+        parts.append(
+            f"expert-parallel groups {groups(ep, 1)}; expert data-parallel groups {groups(world // ep, ep)}"
+        )
+    return text + (f" ({'; '.join(parts)})" if parts else "")
