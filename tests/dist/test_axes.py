@@ -10,7 +10,7 @@ launchers, gloo), each against the same global batch without it:
 - a checkpoint saved under tensor parallel 2 resumes at 2 bit for bit.
 """
 
-import json
+import re
 
 import pytest
 import torch
@@ -20,7 +20,11 @@ pytestmark = pytest.mark.dist
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
-QWEN3 = {**LLAMA, "model_type": "qwen3", "head_dim": 32}  # its own head size: 4 x 32 where hidden / heads is 16
+QWEN3 = {
+    **LLAMA,
+    "model_type": "qwen3",
+    "head_dim": 32,
+}  # its own head size: 4 x 32 where hidden / heads is 16
 MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
 QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4,
              "num_experts_per_tok": 2}  # fmt: skip
@@ -68,6 +72,23 @@ def worst_gradient(a, b):
     return max(((ga[k] - gb[k]).abs().max() / ga[k].abs().max().clamp_min(1e-30)).item() for k in ga)
 
 
+def held(run, config, tp, ep):
+    """The parameters rank 0 holds (the preflight's count after AutoTP or AutoEP divided the model) are the plan's
+    one-rank model (trainer/strategy/planning/axes.py's local_info), to the parameter."""
+    from trainer.config.schema import ModelSection
+    from trainer.model.create import info as count
+    from trainer.strategy.planning.axes import local_info
+
+    measured = int(re.search(r"rank 0 holds ([\d,]+) parameters", run.output)[1].replace(",", ""))
+    total = int(re.search(r"model: ([\d,]+) parameters", run.output)[1].replace(",", ""))
+    section = ModelSection(config=config, attn_implementation="sdpa")
+    info = next(i for v in range(256, 264) if (i := count(section, vocab_size=v)).params == total)
+    print(
+        f"rank 0 holds {measured:,} of {info.params:,} parameters; the plan counts {local_info(info, tp, ep).params:,}"
+    )
+    assert local_info(info, tp, ep).params == measured
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tensor_parallel_2_trains_as_1_on_the_same_global_batch(runs, family):
     config = {"llama": LLAMA, "qwen3": QWEN3}[family]
@@ -75,9 +96,26 @@ def test_tensor_parallel_2_trains_as_1_on_the_same_global_batch(runs, family):
     tp = runs(f"{family}-tp2", config, 2, **{"strategy.tensor_parallel": 2})
     assert "tensor parallel 2 (data-parallel world 1)" in tp.output, tp.output[-3000:]
     assert "layout: dp 1 x tp 2 x ep 1 x sp 1 (tensor-parallel groups [0,1]" in tp.output
+    held(tp, config, 2, 1)
     worst = worst_gradient(ref, tp)
     print(f"{family}: largest gradient difference {worst:.1e} of the gradient's largest value")
     assert worst <= 1e-5
     assert ref.losses.keys() == tp.losses.keys() == set(range(1, 2 * K + 1))
     for step, loss in ref.losses.items():
         assert tp.losses[step] == pytest.approx(loss, rel=1e-6), (family, step)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_expert_parallel_2_trains_as_1_in_bf16(runs, family):
+    """Two data-parallel ranks of micro 1 either way; under expert parallel 2 each holds 2 of a layer's 4 experts
+    and the routed tokens cross by all-to-all. bf16 (AutoEP's), so within its rounding over the steps."""
+    config = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}[family]
+    bf16 = {"train.precision": "bf16", "model.chunked_loss": False}
+    ref = runs(f"{family}-ep1", config, 1, **bf16, **{"strategy.expert_parallel": 1})
+    ep = runs(f"{family}-ep2", config, 1, **bf16, **{"strategy.expert_parallel": 2})
+    assert "expert parallel 2" in ep.output and "expert-parallel groups [0,1]" in ep.output, ep.output[-3000:]
+    held(ep, config, 1, 2)
+    assert ref.losses.keys() == ep.losses.keys() == set(range(1, 2 * K + 1))
+    worst = max(abs(ep.losses[s] - loss) / loss for s, loss in ref.losses.items())
+    print(f"{family}: largest loss difference {worst:.1e} relative")
+    assert worst <= 2e-3

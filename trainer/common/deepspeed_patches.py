@@ -116,3 +116,28 @@ def read_cpu_info_once() -> None:
 
     get_cpu_info._once = True  # type: ignore[attr-defined]
     cpuinfo.get_cpu_info = get_cpu_info
+
+
+def string_keys_in_output_registry() -> None:
+    """AutoEP (DeepSpeed 0.19.8) moves a mixture's router-logit recorders to its own router by reading and
+    restoring transformers' output-capture registry as a dict: `registry.get(key)` and `registry.get(key,
+    default)` with the class's name as the key. transformers 5.24's `_CanRecordRegistry.get` takes a model and
+    no default (`get() takes 2 positional arguments but 3 were given`: every AutoEP run of Mixtral or Qwen3-MoE
+    stopped there). A name (a str) is looked up as the dict it is; a model as transformers does. (If
+    transformers renames the registry, or its get takes a default again, nothing changes.)"""
+    try:
+        capturing = importlib.import_module("transformers.utils.output_capturing")
+    except ImportError:
+        return
+    registry = getattr(capturing, "_CanRecordRegistry", None)
+    get = getattr(registry, "get", None)
+    if registry is None or get is None or getattr(get, "_string_keys", False):
+        return
+
+    def string_or_model_get(self: Any, key: Any, *default: Any) -> Any:
+        if isinstance(key, str):
+            return dict.get(self, key, *default)
+        return get(self, key)
+
+    string_or_model_get._string_keys = True  # type: ignore[attr-defined]
+    registry.get = string_or_model_get

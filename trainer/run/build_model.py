@@ -49,6 +49,9 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
             if env.rank == 0:
                 (log.warning if line.startswith("warning") else log.info)(line)
     groups = model.param_groups(module, exp.optim.weight_decay)
+    if planned.plan.ep > 1:  # DeepSpeed splits each group into its experts' and the rest by the group's name
+        for group, name in zip(groups, ("decay", "no_decay"), strict=False):
+            group["name"] = name
     layout = names_and_aliases(module, groups)  # before DeepSpeed wraps the parameters
     section = planned.model or exp.model
     one_row = data.supervised and section.attn_implementation == "flash_attention_2"
@@ -56,6 +59,8 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode,
         one_row=one_row, sequence=sequence_levers(exp, env, planned, module, one_row), objective=objectives.make(exp),
     )  # fmt: skip
+    if planned.plan.tp > 1 or planned.plan.ep > 1:  # AutoTP and AutoEP replaced layers: their names now
+        layout = names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout
 
@@ -90,6 +95,10 @@ def sequence_levers(exp: Experiment, env: Any, planned: Any, module: Any, one_ro
         mpu = sequence.register_ulysses(module, sp, rows, tokens)
     if section.tiled_mlp is True:
         sequence.tile_mlps(module, tokens // sp)
+    if planned.plan.ep > 1:
+        from trainer.common.deepspeed_patches import string_keys_in_output_registry
+
+        string_keys_in_output_registry()  # AutoEP's router recorders with transformers 5.24
     if planned.plan.tp > 1:
         # AutoTP's groups: consecutive ranks form a tensor-parallel group (DeepSpeed's (data, tensor) mesh), whose
         # ranks read the same rows (build.py's data_for_rank); DeepSpeed counts the batch over the data-parallel ones

@@ -395,8 +395,9 @@ def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> 
         odd += [same[i] for i in _odd_ranks([prints[r] for r in same])]
     odd.sort()
     if tp * ep > 1 and not odd:
+        held = sum(p.numel() for p in engine.module.parameters())
         return [f"preflight: weights identical {when} on the ranks of each shard ({world_size} ranks, tensor "
-                f"parallel {tp}, expert parallel {ep})"]  # fmt: skip
+                f"parallel {tp}, expert parallel {ep}; rank 0 holds {held:,} parameters)"]  # fmt: skip
     if odd:
         who = ", ".join(f"rank {r} ({hosts[r] if r < len(hosts) else '?'})" for r in odd)
         raise CheckFailed(

@@ -69,8 +69,12 @@ def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
     its parameters, its heads and MLP width (what its activations and FLOPs are counted from)."""
     if tp == 1 and ep == 1:
         return info
-    params = info.params - tp_divided(info) * (tp - 1) // tp - expert_params(info) * (ep - 1) // ep
     h = info.hidden or 0
+    head = (info.vocab or 0) * h  # divided by the vocabulary, unevenly where it does not divide (the first
+    # ranks a row more: 257 as 129 and 128): the largest share, rank 0's
+    layers = tp_divided(info) - head
+    params = info.params - layers + layers // tp - head + -(-(info.vocab or 0) // tp) * h
+    params -= expert_params(info) * (ep - 1) // ep
     sizes = tuple(sorted(s if s <= h else s // tp for s in info.param_sizes)) if tp > 1 else info.param_sizes
     experts = info.experts
     if ep > 1 and experts is not None:
