@@ -119,3 +119,53 @@ def test_expert_parallel_2_trains_as_1_in_bf16(runs, family):
     worst = max(abs(ep.losses[s] - loss) / loss for s, loss in ref.losses.items())
     print(f"{family}: largest loss difference {worst:.1e} relative")
     assert worst <= 2e-3
+
+
+def test_a_tensor_parallel_checkpoint_resumes_at_2_bit_for_bit_and_at_1(runs, chat, tmp_path):
+    """From TP 2's checkpoint at step K (ZeRO-1): at tensor parallel 2, its losses bit for bit; at 1 on one rank
+    (the same global batch), through DeepSpeed's universal checkpoint (the shards merged), within fp32 rounding,
+    the change said in the log; at 1 on two data-parallel ranks and ZeRO-2 likewise."""
+    tp = runs("llama-tp2", LLAMA, 2, **{"strategy.tensor_parallel": 2})
+    after = {k: v for k, v in tp.losses.items() if k > K}
+    step = str(tp.run_dir / "checkpoints" / f"step_{K:08d}")
+    cases = (("again", 2, 2, "torchrun", 1, True), ("to1", 1, 2, "none", 1, False),
+             ("to-dp2-zero2", 1, 1, "torchrun", 2, False))  # fmt: skip
+    for name, degree, micro, launcher, stage, exact in cases:
+        kw = {"strategy.tensor_parallel": degree, "strategy.zero_stage": stage, "checkpoint.resume": "auto"}
+        resumed = train(tmp_path / name, sets(chat, LLAMA, micro, **kw), launcher=launcher, extra_args=["--resume", step])
+        assert sorted(k for k in resumed.losses if k > K) == list(range(K + 1, 2 * K + 1)), resumed.output[-2000:]
+        if degree != 2:
+            assert "the model-parallel degrees change (tensor parallel 2 -> 1, expert parallel 1 -> 1)" in resumed.output
+        for s, loss in after.items():
+            if exact:
+                assert resumed.losses[s] == loss, (name, s)
+            else:
+                assert resumed.losses[s] == pytest.approx(loss, rel=1e-5), (name, s)
+
+
+def test_checkpoints_cross_the_degrees_the_other_way_and_for_experts(runs, chat, tmp_path):
+    """TP 1's checkpoint (one rank) resumes at tensor parallel 2 (the universal checkpoint sliced for each rank)
+    with its losses; EP 2's resumes at expert parallel 2 and ZeRO-2 (another stage) with its losses,
+    and at expert parallel 1 is refused before anything starts (exit 2: AutoEP's names are not transformers')."""
+    bf16 = {"train.precision": "bf16", "model.chunked_loss": False}
+    ep2 = runs("mixtral-ep2", MIXTRAL, 1, **bf16, **{"strategy.expert_parallel": 2})
+    cases = (
+        ("tp1-to-tp2", runs("llama-tp1", LLAMA, 2, launcher="none", **{"strategy.tensor_parallel": 1}), LLAMA, 2,
+         {"strategy.tensor_parallel": 2}, "tensor parallel 1 -> 2", 1e-5),
+        ("ep2-zero2", ep2, MIXTRAL, 1, {**bf16, "strategy.expert_parallel": 2, "strategy.zero_stage": 2},
+         "resumed with changed settings: checkpoint.resume, run_dir, strategy.zero_stage", 2e-3),
+    )  # fmt: skip
+    for name, source, config, micro, kw, said, rel in cases:
+        step = str(source.run_dir / "checkpoints" / f"step_{K:08d}")
+        resumed = train(tmp_path / name, sets(chat, config, micro, **kw, **{"checkpoint.resume": "auto"}),
+                        launcher="torchrun", extra_args=["--resume", step])  # fmt: skip
+        assert said in resumed.output, resumed.output[-3000:]
+        for s, loss in source.losses.items():
+            if s > K:
+                assert resumed.losses[s] == pytest.approx(loss, rel=rel), (name, s)
+    step = str(ep2.run_dir / "checkpoints" / f"step_{K:08d}")
+    refused = train(tmp_path / "ep2-to-ep1", sets(chat, MIXTRAL, 1, **bf16, **{"strategy.expert_parallel": 1}),
+                    launcher="torchrun", extra_args=["--resume", step], check=False)  # fmt: skip
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert "was saved at expert parallel 2, and this run is at 1" in refused.output + refused.stderr
+    assert "trainer/" not in refused.stderr  # no traceback of ours (torchrun prints its own for the exit code)

@@ -88,6 +88,46 @@ def saved_layout(ckpt: Path) -> tuple[int, int]:
     return int(sd["ds_config"].get("zero_optimization", {}).get("stage", 0)), int(sd["dp_world_size"])
 
 
+def saved_axes(ckpt: Path) -> tuple[int, int]:
+    """(tensor parallel, expert parallel) a checkpoint was written with: its model-states files (one a tensor-
+    parallel rank) and its DeepSpeed JSON's expert_parallel."""
+    files = glob.glob(str(ckpt / "mp_rank_*_model_states.pt")) or glob.glob(
+        str(ckpt / "zero_pp_rank_0_mp_rank_*_model_states.pt")
+    )
+    ep = 1
+    with contextlib.suppress(OSError, ValueError):
+        section = json.loads((ckpt / "ds_config.json").read_text()).get("expert_parallel") or {}
+        ep = int(section.get("autoep_size") or 1) if section.get("enabled", False) else 1
+    return max(1, len(files)), ep
+
+
+def axes_change(ckpt: Path, src: tuple[int, int], dst: tuple[int, int], stages: tuple[int, int]) -> str:
+    """The log line for a resume whose tensor- or expert-parallel degree changes ('' when neither does);
+    a ResumeError where the change cannot be converted: a side at ZeRO stage 0 under tensor or expert parallelism
+    (the stage-0 conversion, stage0.py, reads and writes whole tensors and knows no shards)."""
+    if src == dst:
+        return ""
+    said = f"tensor parallel {src[0]} -> {dst[0]}, expert parallel {src[1]} -> {dst[1]}"
+    if src[1] != dst[1]:
+        raise ResumeError(
+            f"checkpoint.resume: {ckpt} was saved at expert parallel {src[1]}, and this run is at {dst[1]}: AutoEP's "
+            "layers hold a mixture's experts under their own names (mlp.experts.w1/w2/w3, mlp.router.gate) where "
+            "transformers' hold them fused (gate_up_proj, down_proj) and a universal checkpoint maps neither to "
+            f"the other. Resume at strategy.expert_parallel: {src[1]} (any data-parallel size or ZeRO stage 1-3), "
+            "or export the weights (bin/export) and start from them"
+        )
+    if (stages[0] == 0 and src != (1, 1)) or (stages[1] == 0 and dst != (1, 1)):
+        raise ResumeError(
+            f"checkpoint.resume: {ckpt} was saved at tensor parallel {src[0]}, expert parallel {src[1]} and ZeRO "
+            f"stage {stages[0]}; this run is at tensor parallel {dst[0]}, expert parallel {dst[1]}, stage "
+            f"{stages[1]}: a change of these degrees goes through DeepSpeed's universal checkpoint, whose "
+            "stage-0 side (trainer/checkpoint/stage0.py) knows no tensor- or expert-parallel shards. Resume at "
+            "the saved degrees (strategy.tensor_parallel / expert_parallel), or at ZeRO stage 1 or more where a "
+            "side is sharded"
+        )
+    return f"resume: the model-parallel degrees change ({said}): the checkpoint is converted (universal)"
+
+
 def needs_conversion(src: tuple[int, int], dst: tuple[int, int]) -> bool:
     (s_stage, s_dp), (d_stage, d_dp) = src, dst
     if s_stage == d_stage == 0:
@@ -134,6 +174,11 @@ def load(
     ds = engine.ds
     src = saved_layout(ckpt)
     dst = (ds.zero_optimization_stage(), ds.dp_world_size)
+    ep_cfg = ds._config.expert_parallel_config
+    axes = (max(1, ds.autotp_size()), ep_cfg.autoep_size if ep_cfg is not None and ep_cfg.enabled else 1)
+    change = axes_change(ckpt, saved_axes(ckpt), axes, (src[0], dst[0]))
+    if change and rank == 0:
+        log.info(change)
 
     def load_tag(root: Path, tag: str) -> Any:
         return ds.load_checkpoint(
@@ -141,7 +186,7 @@ def load(
             custom_load_fn=custom_load_fn,
         )  # fmt: skip
 
-    if not needs_conversion(src, dst):
+    if not change and not needs_conversion(src, dst):
         path, _ = load_tag(ckpt.parent, ckpt.name)
         if path is None:
             raise ResumeError(f"DeepSpeed found no checkpoint in {ckpt}")
