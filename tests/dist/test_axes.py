@@ -132,10 +132,17 @@ def test_a_tensor_parallel_checkpoint_resumes_at_2_bit_for_bit_and_at_1(runs, ch
              ("to-dp2-zero2", 1, 1, "torchrun", 2, False))  # fmt: skip
     for name, degree, micro, launcher, stage, exact in cases:
         kw = {"strategy.tensor_parallel": degree, "strategy.zero_stage": stage, "checkpoint.resume": "auto"}
-        resumed = train(tmp_path / name, sets(chat, LLAMA, micro, **kw), launcher=launcher, extra_args=["--resume", step])
-        assert sorted(k for k in resumed.losses if k > K) == list(range(K + 1, 2 * K + 1)), resumed.output[-2000:]
+        resumed = train(
+            tmp_path / name, sets(chat, LLAMA, micro, **kw), launcher=launcher, extra_args=["--resume", step]
+        )
+        assert sorted(k for k in resumed.losses if k > K) == list(range(K + 1, 2 * K + 1)), resumed.output[
+            -2000:
+        ]
         if degree != 2:
-            assert "the model-parallel degrees change (tensor parallel 2 -> 1, expert parallel 1 -> 1)" in resumed.output
+            assert (
+                "the model-parallel degrees change (tensor parallel 2 -> 1, expert parallel 1 -> 1)"
+                in resumed.output
+            )
         for s, loss in after.items():
             if exact:
                 assert resumed.losses[s] == loss, (name, s)
@@ -169,3 +176,37 @@ def test_checkpoints_cross_the_degrees_the_other_way_and_for_experts(runs, chat,
     assert refused.returncode == 2, refused.output[-3000:]
     assert "was saved at expert parallel 2, and this run is at 1" in refused.output + refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_bin_export_of_a_sharded_checkpoint_equals_the_export_without_the_axis(runs, tmp_path):
+    """bin/export joins the shards (tensor parallel: the universal checkpoint's merge; expert parallel: AutoEP's
+    experts and router under transformers' names again): the model equals the one trained without the axis, to
+    fp32's rounding (TP) and bf16's (EP, whose runs differ by bf16's rounding at every step)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, env_for
+    from safetensors.torch import load_file
+
+    bf16 = {"train.precision": "bf16", "model.chunked_loss": False}
+    pairs = (
+        (runs("llama-tp1", LLAMA, 2, launcher="none", **{"strategy.tensor_parallel": 1}),
+         runs("llama-tp2", LLAMA, 2, **{"strategy.tensor_parallel": 2}), 1e-6),
+        (runs("mixtral-ep1", MIXTRAL, 1, **bf16, **{"strategy.expert_parallel": 1}),
+         runs("mixtral-ep2", MIXTRAL, 1, **bf16, **{"strategy.expert_parallel": 2}), 1e-2),
+    )  # fmt: skip
+    args = [str(x) for i, r in enumerate(r for p in pairs for r in p[:2])
+            for x in (r.run_dir / "checkpoints" / f"step_{2 * K:08d}", tmp_path / f"export-{i}")]  # fmt: skip
+    script = (
+        "import sys\nfrom trainer.checkpoint.export import main\nfor a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    assert main([a, b]) == 0, a\n"
+    )  # fmt: skip  (bin/export's main, its start-up once)
+    p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    for i, (_, _, rel) in enumerate(pairs):
+        a, b = (load_file(tmp_path / f"export-{2 * i + j}" / "model.safetensors") for j in (0, 1))
+        assert a.keys() == b.keys()
+        worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
+        print(f"largest weight difference {worst:.1e} of the weight's largest value")
+        assert worst <= rel

@@ -62,7 +62,14 @@ def _saved_weights(
     import torch
 
     from trainer.checkpoint import stage0
+    from trainer.checkpoint.reshard import saved_axes
 
+    if saved_axes(ckpt) != (1, 1):  # tensor or expert parallelism: shards, joined (sharded.py)
+        from trainer.checkpoint.sharded import whole_weights
+
+        return whole_weights(
+            ckpt, stage, layout or (state.get("param_groups") or [], state.get("tied") or {})
+        )
     if stage == 0:
         sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         if layout is None:
