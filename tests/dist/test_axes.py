@@ -3,8 +3,9 @@ launchers, gloo), each against the same global batch without it:
 
 - tensor parallel 2 (one data-parallel rank of micro 2, both ranks on the same rows) against tensor parallel 1 on
   one rank (micro 2): the first step's gradients (every parameter's, gathered whole: TRAINER_DEBUG_GRADS) and the
-  per-step losses, on packed chat data, fp32, gradient clipping on, for a grouped-query Llama and a Qwen3 of its
-  own head size; each rank holds the shards the plan counts (axes.py: what AutoTP divides), measured;
+  per-step losses, on packed chat data, fp32, gradient clipping on, for a grouped-query Llama at ZeRO-1 and a
+  Qwen3 of its own head size at ZeRO-3; each rank holds the shards the plan counts (axes.py: what AutoTP
+  divides), measured;
 - expert parallel 2 (two data-parallel ranks of micro 1, each holding 2 of 4 experts a layer) against expert
   parallel 1 on the same 2 ranks, bf16, a tiny Mixtral and a tiny Qwen3-MoE: the losses within bf16's rounding;
 - a checkpoint saved under tensor parallel 2 resumes at 2 bit for bit.
@@ -89,11 +90,14 @@ def held(run, config, tp, ep):
     assert local_info(info, tp, ep).params == measured
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_tensor_parallel_2_trains_as_1_on_the_same_global_batch(runs, family):
+@pytest.mark.parametrize(("family", "stage"), [("llama", 1), ("qwen3", 3)])
+def test_tensor_parallel_2_trains_as_1_on_the_same_global_batch(runs, family, stage):
+    """At ZeRO-1 (a grouped-query Llama) and ZeRO-3 (a Qwen3 of its own head size: built partitioned by zero.Init,
+    then divided by AutoTP), against one rank at the same stage (zero.Init draws other initial weights)."""
     config = {"llama": LLAMA, "qwen3": QWEN3}[family]
-    ref = runs(f"{family}-tp1", config, 2, launcher="none", **{"strategy.tensor_parallel": 1})
-    tp = runs(f"{family}-tp2", config, 2, **{"strategy.tensor_parallel": 2})
+    at = {"strategy.zero_stage": stage}
+    ref = runs(f"{family}-tp1", config, 2, launcher="none", **at, **{"strategy.tensor_parallel": 1})
+    tp = runs(f"{family}-tp2", config, 2, **at, **{"strategy.tensor_parallel": 2})
     assert "tensor parallel 2 (data-parallel world 1)" in tp.output, tp.output[-3000:]
     assert "layout: dp 1 x tp 2 x ep 1 x sp 1 (tensor-parallel groups [0,1]" in tp.output
     held(tp, config, 2, 1)

@@ -22,7 +22,9 @@ def shard_dims(model: Any) -> dict[str, int]:
         for name, p in module.named_parameters(recurse=False):
             if row and name != "weight":
                 continue
-            out[f"{prefix}.{name}" if prefix else name] = 1 if row and p.dim() > 1 else 0
+            out[f"{prefix}.{name}" if prefix else name] = (
+                1 if row and len(getattr(p, "ds_shape", p.shape)) > 1 else 0
+            )
     return out
 
 

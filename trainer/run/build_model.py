@@ -24,12 +24,17 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
     if data.supervised and exp.data.packing and not data.pairs:
         data.packing = packing_verdict(exp, planned.model or exp.model, data)
     dist.seed_all(exp.seed)
+    built = dict(planned.ds_config)
+    if (
+        planned.plan.tp > 1
+    ):  # zero.Init (stage 3) reads the batch over the world, before AutoTP's mesh exists:
+        built.pop("train_batch_size", None)  # DeepSpeed derives it there (micro x accumulation x its world)
     module = model.build(
         planned.model or exp.model,
         vocab_size=data.vocab_size,
         eos_id=data.eos_id,
         seq_len=exp.data.seq_len,
-        ds_config=planned.ds_config,
+        ds_config=built,
     )
     if exp.train.objective != "sft" and getattr(
         module.config.get_text_config(), "output_router_logits", False

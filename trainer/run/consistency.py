@@ -381,21 +381,26 @@ def preflight(engine: Any, world_size: int, hosts: list[str]) -> list[str]:
 
 
 def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> list[str]:
+    tp, ep = _axes(engine)
+    held = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     if engine.ds.zero_optimization_stage() == 3:
-        return [f"preflight: weights {when}: ZeRO-3 partitions differ by design; not compared"]
+        axes = (
+            f" (tensor parallel {tp}, expert parallel {ep}; rank 0 holds {held:,} parameters)"
+            if tp * ep > 1
+            else ""
+        )
+        return [f"preflight: weights {when}: ZeRO-3 partitions differ by design; not compared{axes}"]
     fp = fingerprint(engine.module).cpu().numpy().tobytes()
     prints = all_gather(fp, world_size)
     # tensor and expert parallelism: a rank holds its group's shard; it is compared with the ranks of the same
     # shards (the same place in their tensor- and expert-parallel groups: consecutive ranks, trainer/strategy/
     # planning/axes.py's layout)
-    tp, ep = _axes(engine)
     odd = []
     for key in {(r % tp, r % ep) for r in range(world_size)}:
         same = [r for r in range(world_size) if (r % tp, r % ep) == key]
         odd += [same[i] for i in _odd_ranks([prints[r] for r in same])]
     odd.sort()
     if tp * ep > 1 and not odd:
-        held = sum(p.numel() for p in engine.module.parameters())
         return [f"preflight: weights identical {when} on the ranks of each shard ({world_size} ranks, tensor "
                 f"parallel {tp}, expert parallel {ep}; rank 0 holds {held:,} parameters)"]  # fmt: skip
     if odd:

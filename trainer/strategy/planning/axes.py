@@ -158,10 +158,14 @@ def degrees(
     peers: float,
     precision: str,
     template: Any = None,
+    large: bool = True,
 ) -> tuple[list[int], list[int]]:
     """The tensor- and expert-parallel degrees the plan may choose from: a pinned degree (the experiment's,
     else its DeepSpeed template's), checked; under auto 1, and inside a node over NVLink-class links each
-    degree of DEGREES that can run this job. A UserError names the key and the fix for a pin that cannot."""
+    degree of DEGREES that can run this job, tensor parallelism only for a `large` model (the seed's "very
+    large models": one whose states at ZeRO-0 do not fit a device; a smaller one's layers would be split
+    into narrower products for what data parallelism does without). A UserError names the key and the fix
+    for a pin that cannot."""
     s = exp.strategy
     tp_pin, ep_pin = s.tensor_parallel, s.expert_parallel
     section = template or {}
@@ -172,13 +176,18 @@ def degrees(
         ep_pin = ep_section.get("autoep_size", "auto") if ep_section.get("enabled", True) else 1
     fast = nvlink_class(peers) and exp.train.objective == "sft" and exp.model.lora is None
     out = []
-    for key, pin, problem in (
-        ("strategy.tensor_parallel", tp_pin, lambda d: tp_problem(info, d, world, gpus_per_node)),
-        ("strategy.expert_parallel", ep_pin, lambda d: ep_problem(info, d, world, precision)),
+    for key, pin, problem, offered in (
+        (
+            "strategy.tensor_parallel",
+            tp_pin,
+            lambda d: tp_problem(info, d, world, gpus_per_node),
+            fast and large,
+        ),
+        ("strategy.expert_parallel", ep_pin, lambda d: ep_problem(info, d, world, precision), fast),
     ):
         if pin == "auto":
             inside = [d for d in DEGREES if d <= min(world, gpus_per_node) and gpus_per_node % d == 0]
-            out.append([1] + ([d for d in inside if not problem(d)] if fast else []))
+            out.append([1] + ([d for d in inside if not problem(d)] if offered else []))
             continue
         pin = int(pin)
         why = problem(pin) if pin > 1 else None

@@ -24,7 +24,7 @@ from trainer.strategy.planning.hints import fit_hint
 from trainer.strategy.planning.levers import Levers, lever_sets, tiled_loss_by_default
 from trainer.strategy.planning.search import Search, rung_reason, search
 from trainer.strategy.planning.speed import StepTime, Timer
-from trainer.strategy.planning.states import low_precision_bytes
+from trainer.strategy.planning.states import low_precision_bytes, model_states
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,8 @@ def _plan(
     estimates_for = _estimator(exp, info, pinned, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
                                on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory,
                                template=template)  # fmt: skip
-    axes = degrees(exp, info, world_size, gpus_per_node, hardware.peers, precision, template)
+    large = sum(model_states(Candidate(0), info.params, info.largest_layer, world_size, lp)) > budget
+    axes = degrees(exp, info, world_size, gpus_per_node, hardware.peers, precision, template, large)
     settings = list(lever_sets(exp, info, world_size, device_type, precision, axes))
     times: dict[tuple[Levers, Candidate], StepTime] = {}
     timer = Timer(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, lp=lp, hardware=hardware)
