@@ -189,6 +189,8 @@ def plan_for(info, ranks, micro, seq, checkpointing, host=2048 * GiB, device=80 
         "model.tiled_mlp": "false",
         "model.offload_activations": "false",
         "strategy.sequence_parallel": 1,
+        "strategy.tensor_parallel": 1,
+        "strategy.expert_parallel": 1,
         "model.chunked_loss": "false",
     }
     overrides += [f"{k}={v}" for k, v in {**levers, **sets}.items()]
