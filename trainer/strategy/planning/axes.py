@@ -76,19 +76,17 @@ def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
     params = info.params - layers + layers // tp - head + -(-(info.vocab or 0) // tp) * h
     params -= expert_params(info) * (ep - 1) // ep
     sizes = tuple(sorted(s if s <= h else s // tp for s in info.param_sizes)) if tp > 1 else info.param_sizes
-    experts = info.experts
-    if ep > 1 and experts is not None:
-        experts = dataclasses.replace(experts, routed=experts.routed // ep)
     largest = info.largest_layer // tp
     if ep > 1 and info.experts is not None:  # the largest module: a layer's experts, now routed / ep of them
         largest = max(info.largest_layer - expert_params(info) // info.experts.layers * (ep - 1) // ep,
                       (info.vocab or 0) * h)  # fmt: skip
     local = dataclasses.replace(
-        info, params=params, largest_layer=max(1, largest), param_sizes=sizes, experts=experts,
+        info, params=params, largest_layer=max(1, largest), param_sizes=sizes,
         heads=(info.heads or 0) // tp or None, kv_heads=(info.kv_heads // tp if info.kv_heads else None),
         intermediate=(info.intermediate // tp if info.intermediate else None),
     )  # fmt: skip
-    # (a token's active parameters, a mixture's top-k experts, are as many under expert parallelism; the looked-up
+    # (a token's active parameters, a mixture's top-k experts, are as many under expert parallelism, and a rank's
+    # experts see as many routed tokens on average: the experts' activations are the model's; the looked-up
     # embeddings, `idle`, stay whole under tensor parallelism unless tied to the head, which multiplies)
     return local
 
