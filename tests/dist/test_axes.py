@@ -26,10 +26,13 @@ QWEN3 = {
     "model_type": "qwen3",
     "head_dim": 32,
 }  # its own head size: 4 x 32 where hidden / heads is 16
-MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+           "output_router_logits": True}  # the router's auxiliary loss, and each expert's and rank's load logged
 QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4,
              "num_experts_per_tok": 2}  # fmt: skip
 K = 3  # a checkpoint at step K of 2K
+# AutoEP's precision; rows unpacked (the router's auxiliary loss, on for Mixtral, mixes a packed row's examples)
+BF16 = {"train.precision": "bf16", "model.chunked_loss": False, "data.packing": False}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +117,7 @@ def test_expert_parallel_2_trains_as_1_in_bf16(runs, family):
     """Two data-parallel ranks of micro 1 either way; under expert parallel 2 each holds 2 of a layer's 4 experts
     and the routed tokens cross by all-to-all. bf16 (AutoEP's), so within its rounding over the steps."""
     config = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}[family]
-    bf16 = {"train.precision": "bf16", "model.chunked_loss": False}
+    bf16 = BF16
     ref = runs(f"{family}-ep1", config, 1, **bf16, **{"strategy.expert_parallel": 1})
     ep = runs(f"{family}-ep2", config, 1, **bf16, **{"strategy.expert_parallel": 2})
     assert "expert parallel 2" in ep.output and "expert-parallel groups [0,1]" in ep.output, ep.output[-3000:]
@@ -123,6 +126,10 @@ def test_expert_parallel_2_trains_as_1_in_bf16(runs, family):
     worst = max(abs(ep.losses[s] - loss) / loss for s, loss in ref.losses.items())
     print(f"{family}: largest loss difference {worst:.1e} relative")
     assert worst <= 2e-3
+    if family == "mixtral":  # router logits on: each expert-parallel rank's share of the routed tokens, logged
+        loads = [m["expert_rank_load"] for m in ep.metrics if "expert_rank_load" in m]
+        assert loads and all(len(x) == 2 and sum(x) == pytest.approx(2, abs=2e-3) for x in loads), loads
+        assert not any("expert_rank_load" in m for m in ref.metrics)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_at_2_bit_for_bit_and_at_1(runs, chat, tmp_path):
@@ -158,7 +165,7 @@ def test_checkpoints_cross_the_degrees_the_other_way_and_for_experts(runs, chat,
     """TP 1's checkpoint (one rank) resumes at tensor parallel 2 (the universal checkpoint sliced for each rank)
     with its losses; EP 2's resumes at expert parallel 2 and ZeRO-2 (another stage) with its losses,
     and at expert parallel 1 is refused before anything starts (exit 2: AutoEP's names are not transformers')."""
-    bf16 = {"train.precision": "bf16", "model.chunked_loss": False}
+    bf16 = BF16
     ep2 = runs("mixtral-ep2", MIXTRAL, 1, **bf16, **{"strategy.expert_parallel": 2})
     cases = (
         ("tp1-to-tp2", runs("llama-tp1", LLAMA, 2, launcher="none", **{"strategy.tensor_parallel": 1}), LLAMA, 2,
@@ -192,7 +199,7 @@ def test_bin_export_of_a_sharded_checkpoint_equals_the_export_without_the_axis(r
     from helpers import ROOT, env_for
     from safetensors.torch import load_file
 
-    bf16 = {"train.precision": "bf16", "model.chunked_loss": False}
+    bf16 = BF16
     pairs = (
         (runs("llama-tp1", LLAMA, 2, launcher="none", **{"strategy.tensor_parallel": 1}),
          runs("llama-tp2", LLAMA, 2, **{"strategy.tensor_parallel": 2}), 1e-6),

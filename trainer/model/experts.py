@@ -13,7 +13,8 @@ router's auxiliary loss normalised as the main loss is, and how evenly the exper
   target-weighted mean of its forwards', counted once, not once per shard and per micro batch.
 - **Expert load** (`ExpertLoad`): where the model returns router logits, the tokens routed to each
   expert of each layer, summed over the log interval and every rank: max / mean per layer (1.0 is
-  even; a collapsed router shows as E / k).
+  even; a collapsed router shows as E / k); under expert parallelism also each expert-parallel rank's
+  share (`expert_rank_load`, its experts' tokens over the mean rank's: the all-to-all waits for the busiest).
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ def router_loss(loss: Any, out: Any, coef: float | None, targets: Any, num_items
 class ExpertLoad:
     """Tokens routed to each expert of each layer since the last flush (on the device: no sync)."""
 
-    def __init__(self, k: int, experts: int) -> None:
-        self.k, self.experts, self.counts = k, experts, None
+    def __init__(self, k: int, experts: int, ep: int = 1) -> None:
+        # ep: expert parallelism's degree (AutoEP): rank r of an expert-parallel group holds experts
+        # r * E / ep ... (r + 1) * E / ep - 1, whose tokens it receives by all-to-all
+        self.k, self.experts, self.counts, self.ep = k, experts, None, ep
 
     def update(self, out: Any) -> None:
         import torch
@@ -95,4 +98,11 @@ class ExpertLoad:
         if dist.is_initialized() and world_size > 1:
             dist.all_reduce(counts)
         ratio = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)).tolist()
-        return {"expert_load": [round(r, 3) for r in ratio], "expert_load_worst": round(max(ratio), 3)}
+        out = {"expert_load": [round(r, 3) for r in ratio], "expert_load_worst": round(max(ratio), 3)}
+        if self.ep > 1 and self.experts % self.ep == 0:
+            # each expert-parallel rank's tokens (its experts' together) over the mean rank's, per layer then
+            # averaged over the layers: 1.0 is even; the all-to-all waits for the busiest rank
+            ranks = counts.reshape(counts.shape[0], self.ep, -1).sum(dim=2)
+            share = (ranks / ranks.mean(dim=1, keepdim=True).clamp(min=1e-9)).mean(dim=0).tolist()
+            out["expert_rank_load"] = [round(r, 3) for r in share]
+        return out
