@@ -26,8 +26,13 @@ QWEN3 = {
     "model_type": "qwen3",
     "head_dim": 32,
 }  # its own head size: 4 x 32 where hidden / heads is 16
-MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
-           "output_router_logits": True}  # the router's auxiliary loss, and each expert's and rank's load logged
+MIXTRAL = {
+    **LLAMA,
+    "model_type": "mixtral",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "output_router_logits": True,
+}  # the router's auxiliary loss, and each expert's and rank's load logged
 QWEN3_MOE = {**QWEN3, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4,
              "num_experts_per_tok": 2}  # fmt: skip
 K = 3  # a checkpoint at step K of 2K
@@ -54,10 +59,10 @@ def sets(chat, config, micro, **kw):
 def runs(tmp_path_factory, chat):
     made = {}
 
-    def run(name, config, micro, launcher="torchrun", **kw):
+    def run(name, config, micro, launcher="torchrun", nproc=2, **kw):
         if name not in made:
             tmp = tmp_path_factory.mktemp(name)
-            made[name] = train(tmp, sets(chat, config, micro, **kw), launcher=launcher,
+            made[name] = train(tmp, sets(chat, config, micro, **kw), launcher=launcher, nproc=nproc,
                                env={"TRAINER_DEBUG_GRADS": "1"})  # fmt: skip
         return made[name]
 
@@ -126,7 +131,9 @@ def test_expert_parallel_2_trains_as_1_in_bf16(runs, family):
     worst = max(abs(ep.losses[s] - loss) / loss for s, loss in ref.losses.items())
     print(f"{family}: largest loss difference {worst:.1e} relative")
     assert worst <= 2e-3
-    if family == "mixtral":  # router logits on: each expert-parallel rank's share of the routed tokens, logged
+    if (
+        family == "mixtral"
+    ):  # router logits on: each expert-parallel rank's share of the routed tokens, logged
         loads = [m["expert_rank_load"] for m in ep.metrics if "expert_rank_load" in m]
         assert loads and all(len(x) == 2 and sum(x) == pytest.approx(2, abs=2e-3) for x in loads), loads
         assert not any("expert_rank_load" in m for m in ref.metrics)
@@ -221,3 +228,21 @@ def test_bin_export_of_a_sharded_checkpoint_equals_the_export_without_the_axis(r
         worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
         print(f"largest weight difference {worst:.1e} of the weight's largest value")
         assert worst <= rel
+
+
+def test_tensor_parallel_2_by_data_parallel_2_on_4_ranks_trains_as_data_parallel_4(runs):
+    """4 ranks: TP 2 x DP 2 (two groups of consecutive ranks, each on its own rows, micro 2) against DP 4 (micro 1),
+    the same global batch of 4 rows, ZeRO-1 (its partitions over the data-parallel ranks of each shard)."""
+    four = {"strategy.zero_stage": 1}
+    dp4 = runs("llama-dp4", LLAMA, 1, nproc=4, **four, **{"strategy.tensor_parallel": 1})
+    tp2 = runs("llama-tp2-dp2", LLAMA, 2, nproc=4, **four, **{"strategy.tensor_parallel": 2})
+    assert (
+        "layout: dp 2 x tp 2 x ep 1 x sp 1 (tensor-parallel groups [0,1], [2,3]; data-parallel groups [0,2], [1,3])"
+        in tp2.output
+    )  # noqa: E501
+    assert "batch: micro 2 x data-parallel world 2 x grad_accum 1 = 4 sequences" in tp2.output
+    worst = worst_gradient(dp4, tp2)
+    print(f"TP 2 x DP 2: largest gradient difference {worst:.1e} of the gradient's largest value")
+    assert worst <= 1e-5
+    for step, loss in dp4.losses.items():
+        assert tp2.losses[step] == pytest.approx(loss, rel=1e-6), step
