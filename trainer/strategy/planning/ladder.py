@@ -371,6 +371,21 @@ def _levers_reason(levers: Levers, settings: list[Levers], found: Search, budget
         + f"; without levers the smallest candidate ({best.candidate.name}) "
         f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
         f"{format_size(budget)}"
+        + _axes_reason(levers, found)
+    )
+
+
+def _axes_reason(levers: Levers, found: Search) -> str:
+    """The seed's 'always justify' for a model-parallel axis the plan took: the fastest setting without it."""
+    if levers.tp == 1 and levers.ep == 1:
+        return ""
+    plain = next((f for f in found.fits if f.levers.tp == f.levers.ep == 1
+                  and not (found.device_only and f.offloads)), None)  # fmt: skip
+    if plain is None:
+        return "; nothing fits without tensor or expert parallelism"
+    return (
+        f"; without tensor or expert parallelism the fastest that fits is {plain.candidate.name} with "
+        f"{plain.levers.describe()}, {plain.time.per_token * 1e6:.1f} us a token"
     )
 
 
