@@ -1,7 +1,9 @@
 """The planner's order against measured steps (issue 61 item 3): on CPU with 2 ranks, every setting of a job --
 each ZeRO rung (0, 1, 2, 3, 2 + optimizer offload, 3 + optimizer offload, 3 + parameter offload) without
-levers, each activation lever on ZeRO-0 (checkpointing, the tiled loss, the tiled MLP, sequence parallel 2) and
-checkpointing on ZeRO-3 -- for two small models (a GPT-2 and a grouped-query Llama shape) at two shapes, run
+levers, each activation lever on ZeRO-0 (checkpointing, the tiled loss, the tiled MLP, sequence parallel 2),
+checkpointing on ZeRO-3 and (the Llama) tensor parallel 2 on ZeRO 0-2 -- for two small models (a GPT-2 and a
+grouped-query Llama shape) at two shapes, and a small Mixtral in bf16 at ZeRO 0-3 with and without expert
+parallel 2, run
 through bin/train under the deepspeed launcher, in interleaved rounds (every setting once a round, the order
 reversed on odd rounds). Every setting trains the same global batch (sequence parallelism accumulates twice).
 
@@ -38,12 +40,16 @@ GPT2 = {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 8, "n_posit
         "resid_pdrop": 0, "embd_pdrop": 0, "attn_pdrop": 0}  # fmt: skip
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}  # fmt: skip
+# a small Mixtral (8 experts, 2 a token), trained in bf16 as AutoEP needs; rows unpacked (text blocks here anyway)
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "intermediate_size": 256, "num_local_experts": 8,
+           "num_experts_per_tok": 2}  # fmt: skip
 # name -> (model config, seq_len, micro batch, global batch): two models at two shapes
 JOBS = {
     "gpt2-256": (GPT2, 256, 4, 8),
     "gpt2-1024": (GPT2, 1024, 1, 2),
     "llama-256": (LLAMA, 256, 4, 8),
     "llama-1024": (LLAMA, 1024, 1, 2),
+    "mixtral-256": (MIXTRAL, 256, 2, 4),
 }
 RUNGS = {
     "zero0": {"strategy.zero_stage": 0, "strategy.offload": "none"},
@@ -61,10 +67,26 @@ LEVERS = {
     "tiled loss": {"model.chunked_loss": True},
     "tiled MLP": {"model.tiled_mlp": True},
     "sequence parallel 2": {"strategy.sequence_parallel": 2},
+    "tensor parallel 2": {"strategy.tensor_parallel": 2},
+    "expert parallel 2": {"strategy.expert_parallel": 2},
 }
-SETTINGS = [(r, "none") for r in RUNGS] + [("zero0", lv) for lv in LEVERS if lv != "none"]
+AXES = (
+    "tensor parallel 2",
+    "expert parallel 2",
+)  # the model-parallel axes (issue 70): the jobs whose model takes them
+SETTINGS = [(r, "none") for r in RUNGS] + [("zero0", lv) for lv in LEVERS if lv != "none" and lv not in AXES]
 SETTINGS.append(("zero3", "activation checkpointing"))
 NPROC = 2
+
+
+def settings(name: str) -> list[tuple[str, str]]:
+    """The settings a job is measured at: every rung and lever; tensor parallel 2 at ZeRO 0-2 for the Llamas
+    (AutoTP does not take GPT-2); the Mixtral at ZeRO 0-3 without and with expert parallel 2."""
+    if name.startswith("mixtral"):
+        return [(r, lv) for lv in ("none", "expert parallel 2") for r in ("zero0", "zero1", "zero2", "zero3")]
+    if name.startswith("llama"):
+        return SETTINGS + [(r, "tensor parallel 2") for r in ("zero0", "zero1", "zero2")]
+    return SETTINGS
 
 
 def job_sets(name: str) -> dict[str, Any]:
@@ -74,7 +96,7 @@ def job_sets(name: str) -> dict[str, Any]:
         "model.attn_implementation": "sdpa",
         "data.seq_len": seq,
         "train.micro_batch_size": micro,
-        "train.precision": "fp32",
+        "train.precision": "bf16" if cfg is MIXTRAL else "fp32",
         "train.eval_prompts": [],
         # planned as the same machine whatever runs the test: every setting fits in these
         "strategy.device_memory": "8GB",
@@ -84,6 +106,8 @@ def job_sets(name: str) -> dict[str, Any]:
         "model.tiled_mlp": False,
         "model.offload_activations": False,
         "strategy.sequence_parallel": 1,
+        "strategy.tensor_parallel": 1,
+        "strategy.expert_parallel": 1,
         "strategy.justification": "benchmark",
     }
 
@@ -91,8 +115,10 @@ def job_sets(name: str) -> dict[str, Any]:
 def setting_sets(name: str, rung: str, levers: str) -> dict[str, Any]:
     """The setting's overrides, and the accumulation that trains the job's global batch at its degree."""
     _, _, micro, global_batch = JOBS[name]
-    sp = LEVERS[levers].get("strategy.sequence_parallel", 1)
-    return {**RUNGS[rung], **LEVERS[levers], "train.grad_accum": global_batch // (micro * (NPROC // sp))}
+    mp = LEVERS[levers].get("strategy.sequence_parallel", 1) * LEVERS[levers].get(
+        "strategy.tensor_parallel", 1
+    )
+    return {**RUNGS[rung], **LEVERS[levers], "train.grad_accum": global_batch // (micro * (NPROC // mp))}
 
 
 def label(rung: str, levers: str) -> str:
@@ -185,8 +211,8 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         "jobs": {},
     }
     for name in a.jobs.split(","):
-        sides = [label(r, lv) for r, lv in SETTINGS]
-        by_label = dict(zip(sides, SETTINGS, strict=True))
+        sides = [label(r, lv) for r, lv in settings(name)]
+        by_label = dict(zip(sides, settings(name), strict=True))
 
         def run(side: str, r: int, name: str = name, by_label: dict = by_label) -> float:
             rung, levers = by_label[side]
@@ -204,7 +230,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
 
         results = interleave(sides, a.rounds, run, alternate=True)
         rows = []
-        for side, (rung, levers) in zip(sides, SETTINGS, strict=True):
+        for side, (rung, levers) in zip(sides, settings(name), strict=True):
             est = planned(name, rung, levers)
             rows.append({"setting": side, "rung": rung, "levers": levers, "measured": results[side],
                          "measured_s": statistics.median(results[side]), "planned_s": est["seconds"],

@@ -106,3 +106,14 @@ def test_the_eval_loss_of_a_mixture_of_experts_leaves_the_auxiliary_loss_out():
     assert got.item() == pytest.approx((out.loss - 0.5 * out.aux_loss).item())
     plain = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
     assert got.item() == pytest.approx(plain.item(), rel=1e-5)
+
+
+def test_expert_parallel_ranks_load_is_each_ranks_experts_tokens_over_the_mean_ranks():
+    """Under expert parallel 2 rank 0 holds experts 0-1 and rank 1 experts 2-3 (AutoEP's consecutive split): a layer
+    routing 30 tokens to rank 0's experts and 10 to rank 1's gives shares 1.5 and 0.5; averaged over the layers."""
+    load = ExpertLoad(2, 4, ep=2)
+    load.counts = torch.tensor([[20.0, 10.0, 5.0, 5.0], [10.0, 10.0, 10.0, 10.0]])
+    got = load.flush(1)
+    assert got["expert_rank_load"] == [round((1.5 + 1.0) / 2, 3), round((0.5 + 1.0) / 2, 3)]
+    load.counts = torch.ones(2, 4)
+    assert "expert_rank_load" not in ExpertLoad(2, 4).flush(1) and "expert_rank_load" in load.flush(1)
