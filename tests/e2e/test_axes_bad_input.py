@@ -88,6 +88,22 @@ CASES = {
         lambda t: plan(t, MIXTRAL, "strategy.expert_parallel=2", "train.precision=fp32"),
         ["strategy.expert_parallel", "AutoEP trains in bf16", "set train.precision: bf16"],
     ),
+    "tensor parallel with the tiled loss": (
+        lambda t: plan(t, LLAMA, "strategy.tensor_parallel=2", "model.chunked_loss=true"),
+        ["model.chunked_loss", "AutoTP divides by the vocabulary", "set model.chunked_loss: false"],
+    ),
+    "tensor parallel at ZeRO-3": (
+        lambda t: plan(
+            t, LLAMA, "strategy.tensor_parallel=2", "strategy.zero_stage=3", "strategy.justification=x"
+        ),
+        ["tensor parallelism at ZeRO-3 writes checkpoints DeepSpeed 0.19.8 cannot read whole"],
+    ),
+    "a template's expert parallel size without enabled": (
+        lambda t: plan(
+            t, MIXTRAL, "train.precision=bf16", template(t, {"expert_parallel": {"autoep_size": 2}})
+        ),
+        ["expert_parallel.autoep_size 2 without expert_parallel.enabled", '"enabled": true'],
+    ),
     "a template's degree that disagrees with the experiment's": (
         lambda t: plan(
             t, LLAMA, "strategy.tensor_parallel=2", template(t, {"tensor_parallel": {"autotp_size": 4}})
@@ -106,6 +122,20 @@ def test_an_axis_that_cannot_run_the_job_exits_2_naming_the_key_and_the_fix(tmp_
     assert "Traceback" not in out, out
     for needle in needles:
         assert needle in out, f"{needle!r} not in:\n{out}"
+
+
+def test_deepspeeds_own_defaults_in_a_template_say_off(tmp_path):
+    """`"tensor_parallel": {"autotp_size": 0}` and `"expert_parallel": {"enabled": false, "autoep_size": 2}` are
+    DeepSpeed's ways of saying off (review of issue 70: both were refused as disagreeing with the experiment)."""
+    for i, d in enumerate(
+        ({"tensor_parallel": {"autotp_size": 0}}, {"expert_parallel": {"enabled": False, "autoep_size": 2}})
+    ):
+        (tmp_path / str(i)).mkdir()
+        p = bin_train(
+            *plan(tmp_path / str(i), MIXTRAL, "train.precision=bf16", template(tmp_path / str(i), d))
+        )
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "layout: dp 2 x tp 1 x ep 1 x sp 1" in p.stdout
 
 
 def test_a_templates_expert_parallel_is_the_plans_and_changes_it(tmp_path):

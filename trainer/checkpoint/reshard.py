@@ -101,11 +101,15 @@ def saved_axes(ckpt: Path) -> tuple[int, int]:
     return max(1, len(files)), ep
 
 
-def axes_change(ckpt: Path, src: tuple[int, int], dst: tuple[int, int], stages: tuple[int, int]) -> str:
-    """The log line for a resume whose tensor- or expert-parallel degree changes ('' when neither does);
-    a ResumeError where the change cannot be converted: a side at ZeRO stage 0 under tensor or expert parallelism
-    (the stage-0 conversion, stage0.py, reads and writes whole tensors and knows no shards)."""
-    if src == dst:
+def axes_change(
+    ckpt: Path, src: tuple[int, int], dst: tuple[int, int], stages: tuple[int, int], convert: bool
+) -> str:
+    """The log line for a resume whose tensor- or expert-parallel degree changes ('' when neither does). A
+    ResumeError where the checkpoint cannot be converted for this run (`convert`: the stage or the data-parallel
+    size asks for a conversion too): another expert-parallel degree; a conversion with a sharded side at ZeRO
+    stage 0 (the stage-0 conversion, stage0.py, knows no shards) or 3 (DeepSpeed 0.19.8's ds_to_universal stops
+    on a ZeRO-3 tensor-parallel checkpoint: "start (0) + length (16448) exceeds dimension size (8224)", measured)."""
+    if src == dst and not convert:
         return ""
     said = f"tensor parallel {src[0]} -> {dst[0]}, expert parallel {src[1]} -> {dst[1]}"
     if src[1] != dst[1]:
@@ -113,18 +117,22 @@ def axes_change(ckpt: Path, src: tuple[int, int], dst: tuple[int, int], stages: 
             f"checkpoint.resume: {ckpt} was saved at expert parallel {src[1]}, and this run is at {dst[1]}: AutoEP's "
             "layers hold a mixture's experts under their own names (mlp.experts.w1/w2/w3, mlp.router.gate) where "
             "transformers' hold them fused (gate_up_proj, down_proj) and a universal checkpoint maps neither to "
-            f"the other. Resume at strategy.expert_parallel: {src[1]} (any data-parallel size or ZeRO stage 1-3), "
+            f"the other. Resume at strategy.expert_parallel: {src[1]} (any data-parallel size or ZeRO stage 1-2), "
             "or export the weights (bin/export) and start from them"
         )
-    if (stages[0] == 0 and src != (1, 1)) or (stages[1] == 0 and dst != (1, 1)):
+    sharded = src != (1, 1) or dst != (1, 1)
+    if sharded and set(stages) & {0, 3}:
         raise ResumeError(
             f"checkpoint.resume: {ckpt} was saved at tensor parallel {src[0]}, expert parallel {src[1]} and ZeRO "
             f"stage {stages[0]}; this run is at tensor parallel {dst[0]}, expert parallel {dst[1]}, stage "
-            f"{stages[1]}: a change of these degrees goes through DeepSpeed's universal checkpoint, whose "
-            "stage-0 side (trainer/checkpoint/stage0.py) knows no tensor- or expert-parallel shards. Resume at "
-            "the saved degrees (strategy.tensor_parallel / expert_parallel), or at ZeRO stage 1 or more where a "
-            "side is sharded"
+            f"{stages[1]}: the checkpoint would be converted (another degree, stage or data-parallel size), and a "
+            "sharded checkpoint converts only between ZeRO stages 1 and 2 (the stage-0 conversion knows no shards; "
+            "DeepSpeed 0.19.8's universal conversion stops on a ZeRO-3 tensor-parallel checkpoint). Resume at the "
+            "saved degrees, stage and data-parallel size, or with both sides at ZeRO stage 1 or 2; bin/export "
+            "writes its weights whole at any stage"
         )
+    if src == dst:
+        return ""
     return f"resume: the model-parallel degrees change ({said}): the checkpoint is converted (universal)"
 
 
@@ -176,7 +184,7 @@ def load(
     dst = (ds.zero_optimization_stage(), ds.dp_world_size)
     ep_cfg = ds._config.expert_parallel_config
     axes = (max(1, ds.autotp_size()), ep_cfg.autoep_size if ep_cfg is not None and ep_cfg.enabled else 1)
-    change = axes_change(ckpt, saved_axes(ckpt), axes, (src[0], dst[0]))
+    change = axes_change(ckpt, saved_axes(ckpt), axes, (src[0], dst[0]), needs_conversion(src, dst))
     if change and rank == 0:
         log.info(change)
 

@@ -1,12 +1,13 @@
 """The whole weights of a checkpoint saved under tensor or expert parallelism (export.py's `consolidated_state_dict`
 calls `whole_weights` where reshard.py's `saved_axes` says a checkpoint holds shards).
 
-- ZeRO stages 1-3: DeepSpeed's universal checkpoint (`ds_to_universal`, the conversion a resume at another degree
-  makes) merges each parameter's shards from the universal-checkpoint metadata AutoTP attaches to the model
-  states, and AutoEP's experts from every expert-parallel rank; its `zero/<name>/fp32.pt` are the master weights.
-- ZeRO stage 0: each tensor-parallel rank's file holds its shards whole (stage0.py reads the master weights of
-  each), joined as that metadata says: replicated, by rows (the row-parallel output projections: dimension 1),
-  else by columns (dimension 0).
+- Tensor parallelism: each tensor-parallel rank's files are read as a checkpoint of their own (stage 0: stage0.py's
+  master weights; stages 1-3: DeepSpeed's zero_to_fp32 over the data-parallel partitions), and the ranks' shards
+  joined as the universal-checkpoint metadata AutoTP attaches to the model states says: replicated, by rows (the
+  row-parallel output projections: dimension 1), else by columns (dimension 0). (DeepSpeed's universal
+  conversion leaves a tied head one rank's shard at ZeRO-1 and stops on a ZeRO-3 checkpoint: review of issue 70.)
+- Expert parallelism: DeepSpeed's universal checkpoint (`ds_to_universal`) merges AutoEP's experts from every
+  expert-parallel rank; its `zero/<name>/fp32.pt` are the master weights.
 
 AutoEP's layers name a mixture's experts their own way; `transformers_names` gives them transformers' names
 back (its fused gate_up_proj is the gate's rows, then the up projection's: w1 then w3 in AutoEP's terms).
@@ -25,25 +26,78 @@ def whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[st
     """Every parameter of `ckpt` whole, in fp32, under transformers' names."""
     import torch
 
-    if stage == 0:
-        from trainer.checkpoint import stage0
-
-        files = sorted(glob.glob(str(ckpt / "mp_rank_*_model_states.pt")))
-        states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-        info = states[0].get("universal_checkpoint_info") or {}
-        parts = [stage0.master_weights(sd, *layout) for sd in states]
-        return transformers_names({k: _joined([p[k] for p in parts], k, info) for k in parts[0]})
+    files = sorted(glob.glob(str(ckpt / "mp_rank_*_model_states.pt"))) or sorted(
+        glob.glob(str(ckpt / "zero_pp_rank_0_mp_rank_*_model_states.pt"))
+    )
+    if (
+        len(files) > 1
+    ):  # tensor parallelism: each rank's shards whole over the data-parallel ranks, then joined
+        info = (
+            torch.load(files[0], map_location="cpu", weights_only=False).get("universal_checkpoint_info")
+            or {}
+        )
+        parts = [_tp_rank(ckpt, r, stage, layout) for r in range(len(files))]
+        # a tied head is an alias some ranks' files name and others' do not: the parameter is its embedding's
+        names = [k for k in parts[0] if all(k in p for p in parts)]
+        out = {k: _joined([p[k] for p in parts], k, info) for k in names}
+        out.update({alias: out[name] for alias, name in layout[1].items() if alias not in out and name in out})
+        return transformers_names(out)
     from trainer.checkpoint.universal import ds_to_universal
 
-    with tempfile.TemporaryDirectory(prefix="export-universal-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="export-universal-") as tmp:  # expert parallelism: AutoEP's merge
         out = Path(tmp) / "universal"
         ds_to_universal(ckpt, out, workers=2)
         weights = {}
+        states = torch.load(files[0], map_location="cpu", weights_only=False)
+        shapes = {k: v for group in states.get("param_shapes") or [] for k, v in group.items()}
         for d in sorted((out / "zero").iterdir()):
             if (d / "fp32.pt").is_file():
                 t = torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)
-                weights[d.name] = (t["param"] if isinstance(t, dict) else t).float()
+                t = (t["param"] if isinstance(t, dict) else t).float()
+                shape = shapes.get(d.name)
+                if (
+                    t.dim() == 1 and shape is not None and len(shape) > 1
+                ):  # ZeRO-3's flat tensors, shaped (the
+                    t = t.view(
+                        -1, *shape[1:]
+                    )  # experts' first dimension whole: every expert-parallel rank's)
+                weights[d.name] = t
     return transformers_names(weights)
+
+
+def _tp_rank(
+    ckpt: Path, r: int, stage: int, layout: tuple[list[list[str]], dict[str, str]]
+) -> dict[str, Any]:
+    """Tensor-parallel rank `r`'s weights whole over its data-parallel ranks: its files (`*mp_rank_RR*`) seen as
+    a checkpoint of one tensor-parallel rank (links named `mp_rank_00`), read as any checkpoint of that stage
+    (stage 0: stage0.py's master weights; 1-3: DeepSpeed's zero_to_fp32)."""
+    import os
+
+    import torch
+
+    from trainer.checkpoint import stage0
+
+    mine = f"mp_rank_{r:02d}"
+    with tempfile.TemporaryDirectory(prefix="export-tp-") as tmp:
+        step = Path(tmp) / ckpt.name
+        step.mkdir()
+        for f in ckpt.iterdir():
+            if mine in f.name:
+                os.symlink(f, step / f.name.replace(mine, "mp_rank_00"))
+        if stage == 0:
+            sd = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+            return stage0.master_weights(sd, *layout)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        out = dict(get_fp32_state_dict_from_zero_checkpoint(str(step.parent), tag=step.name))
+        if (
+            stage == 1
+        ):  # the frozen ones (none under tensor parallelism: LoRA is refused) from the module, as export.py
+            module = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)[
+                "module"
+            ]
+            out.update({k: v.float() for k, v in module.items() if k not in out and v.is_floating_point()})
+        return {k: v.float() for k, v in out.items()}
 
 
 def _joined(shards: list[Any], name: str, info: dict[str, Any]) -> Any:

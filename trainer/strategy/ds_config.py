@@ -325,14 +325,17 @@ def _batch_and_precision(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: 
 
 
 def _axes(f: _Filler, d: dict[str, Any], plan_: Plan) -> None:
-    """AutoTP's and AutoEP's sections: the plan's degrees (a template's must agree with them)."""
-    if plan_.tp > 1 or "tensor_parallel" in d:
+    """AutoTP's and AutoEP's sections: the plan's degrees (a template's must agree with them; DeepSpeed's own
+    defaults, autotp_size 0 and enabled false, say off)."""
+    tp = d.get("tensor_parallel")
+    off = plan_.tp == 1 and isinstance(tp, dict) and tp.get("autotp_size") == 0
+    if (plan_.tp > 1 or "tensor_parallel" in d) and not off:
         f.own(d, "tensor_parallel.autotp_size", plan_.tp, why="strategy.tensor_parallel / the plan")
-    if plan_.ep > 1 or "expert_parallel" in d:
-        ep = d.get("expert_parallel")
-        if plan_.ep > 1 or (isinstance(ep, dict) and ep.get("enabled") is not False):
-            f.own(d, "expert_parallel.enabled", plan_.ep > 1, why="strategy.expert_parallel / the plan")
-        if plan_.ep > 1 or (isinstance(ep, dict) and "autoep_size" in ep):
+    ep = d.get("expert_parallel")
+    on = isinstance(ep, dict) and ep.get("enabled") is True  # DeepSpeed's default: off
+    if plan_.ep > 1 or on:
+        f.own(d, "expert_parallel.enabled", plan_.ep > 1, why="strategy.expert_parallel / the plan")
+        if plan_.ep > 1 or "autoep_size" in ep:
             f.own(d, "expert_parallel.autoep_size", plan_.ep, why="strategy.expert_parallel / the plan")
 
 

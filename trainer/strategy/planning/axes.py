@@ -33,6 +33,13 @@ from trainer.common.errors import UserError
 from trainer.strategy.planning.candidates import ModelInfo
 
 DEGREES = (2, 4, 8)  # the degrees `auto` tries (inside a node)
+# Why ZeRO-3 is not taken under tensor parallelism (review of issue 70, measured with DeepSpeed 0.19.8): it trains
+# (TP 2 = TP 1 at ZeRO-3 to 4e-7), but its checkpoints cannot be read back whole or converted
+TP_ZERO3 = (
+    "tensor parallelism at ZeRO-3 writes checkpoints DeepSpeed 0.19.8 cannot read whole (zero_to_fp32: "
+    '"consumed 61888 numels out of 53504"; ds_to_universal: "start (0) + length (16448) exceeds dimension size '
+    '(8224)"), so bin/export and a resume at another degree would fail'
+)
 NVLINK_CLASS = 100e9  # bytes a second between a node's devices from which a link counts as NVLink-class
 
 # Families AutoTP shards as transformers builds them, checked on two CPU ranks (the one-rank losses): the
@@ -89,6 +96,14 @@ def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
     # experts see as many routed tokens on average: the experts' activations are the model's; the looked-up
     # embeddings, `idle`, stay whole under tensor parallelism unless tied to the head, which multiplies)
     return local
+
+
+def refuse_zero3(estimates: list[Any], tp: int) -> list[Any]:
+    """The ZeRO-3 rungs refused under tensor parallelism (TP_ZERO3), the others as they are."""
+    if tp == 1:
+        return estimates
+    return [dataclasses.replace(e, refused=TP_ZERO3, fits_device=False) if e.candidate.stage == 3 else e
+            for e in estimates]  # fmt: skip
 
 
 def zero_world(info: ModelInfo, local: ModelInfo, world: int, tp: int, ep: int) -> float:
@@ -157,6 +172,7 @@ def degrees(
     precision: str,
     template: Any = None,
     large: bool = True,
+    device_type: str = "cuda",
 ) -> tuple[list[int], list[int]]:
     """The tensor- and expert-parallel degrees the plan may choose from: a pinned degree (the experiment's,
     else its DeepSpeed template's), checked; under auto 1, and inside a node over NVLink-class links each
@@ -168,11 +184,23 @@ def degrees(
     tp_pin, ep_pin = s.tensor_parallel, s.expert_parallel
     section = template or {}
     if tp_pin == "auto" and isinstance(section.get("tensor_parallel"), dict):
-        tp_pin = section["tensor_parallel"].get("autotp_size", "auto") or "auto"
+        tp_pin = section["tensor_parallel"].get("autotp_size", "auto")
+        tp_pin = 1 if tp_pin == 0 else tp_pin  # DeepSpeed's own default, 0: off
     if ep_pin == "auto" and isinstance(section.get("expert_parallel"), dict):
         ep_section = section["expert_parallel"]
-        ep_pin = ep_section.get("autoep_size", "auto") if ep_section.get("enabled", True) else 1
-    fast = nvlink_class(peers) and exp.train.objective == "sft" and exp.model.lora is None
+        if "enabled" not in ep_section and ep_section.get("autoep_size", 1) != 1:
+            raise UserError(
+                f"strategy.deepspeed: expert_parallel.autoep_size {ep_section['autoep_size']} without "
+                "expert_parallel.enabled, which DeepSpeed reads as false (it would ignore the size); add "
+                '"enabled": true, or remove the section and set strategy.expert_parallel'
+            )
+        ep_pin = ep_section.get("autoep_size", "auto") if ep_section.get("enabled") is True else 1
+    fast = (
+        device_type == "cuda"
+        and nvlink_class(peers)
+        and exp.train.objective == "sft"
+        and exp.model.lora is None
+    )
     out = []
     for key, pin, problem, offered in (
         (
@@ -190,9 +218,13 @@ def degrees(
         pin = int(pin)
         why = problem(pin) if pin > 1 else None
         if why:
-            raise UserError(
-                f"{key}: {pin} cannot run this job: {why}; give a degree that divides them, or 1 (off)"
+            divides = "divide" in why or "nodes" in why or "multiple" in why
+            fix = (
+                "give a degree that divides them inside a node, or 1 (off)"
+                if divides
+                else "set it to 1 (off)"
             )
+            raise UserError(f"{key}: {pin} cannot run this job: {why}; {fix}")
         out.append([pin])
     return out[0], out[1]
 

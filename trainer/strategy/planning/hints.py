@@ -32,6 +32,7 @@ def chunked_loss_hint(
     change nothing."""
     if (
         levers.chunked_loss
+        or levers.tp > 1  # the tiled loss needs the LM head whole (levers.py's TP_TILED)
         or exp.model.factory is not None
         or info.chunked_problem
         or chunked_loss_problem(info.model_type)

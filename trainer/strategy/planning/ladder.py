@@ -15,7 +15,7 @@ from trainer.config import Experiment, format_size
 from trainer.strategy.batch import accumulation
 from trainer.strategy.planning import pins
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
-from trainer.strategy.planning.axes import degrees, local_info, zero_world
+from trainer.strategy.planning.axes import degrees, local_info, refuse_zero3, zero_world
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all, with_activations
 from trainer.strategy.planning.generation import generation_bytes, host_bytes, row_length
@@ -248,7 +248,9 @@ def _plan(
                                on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory,
                                template=template)  # fmt: skip
     large = sum(model_states(Candidate(0), info.params, info.largest_layer, world_size, lp)) > budget
-    axes = degrees(exp, info, world_size, gpus_per_node, hardware.peers, precision, template, large)
+    axes = degrees(
+        exp, info, world_size, gpus_per_node, hardware.peers, precision, template, large, device_type
+    )
     settings = list(lever_sets(exp, info, world_size, device_type, precision, axes))
     times: dict[tuple[Levers, Candidate], StepTime] = {}
     timer = Timer(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, lp=lp, hardware=hardware)
@@ -318,6 +320,7 @@ def _estimator(
                 host_activations=host_bytes(e) * gpus_per_node, generation=generation_bytes(e, local, lp),
                 states=(local, zero_world(info, local, world_size, tp, ep)),
             )  # fmt: skip
+            bases[accum > 1, tp, ep] = refuse_zero3(bases[accum > 1, tp, ep], tp)
         return bases[accum > 1, tp, ep]
 
     def estimates_for(levers: Levers) -> list[Estimate]:
@@ -370,8 +373,7 @@ def _levers_reason(levers: Levers, settings: list[Levers], found: Search, budget
         )  # fmt: skip
         + f"; without levers the smallest candidate ({best.candidate.name}) "
         f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
-        f"{format_size(budget)}"
-        + _axes_reason(levers, found)
+        f"{format_size(budget)}" + _axes_reason(levers, found)
     )
 
 

@@ -34,6 +34,12 @@ UNTILED = (
     "Qwen3-MoE's and Mixtral's blocks cannot take, gpt-oss's returns a tuple, and the routers' logits would be "
     "recorded shard by shard, without their gradient)"
 )
+# Why the tiled loss is not taken under tensor parallelism (review of issue 70: every rank stopped at the first step,
+# "index 256 is out of bounds for dimension 1 with size 129")
+TP_TILED = (
+    "the tiled loss multiplies by the LM head's weight, which AutoTP divides by the vocabulary (a rank holds 129 of "
+    "257 rows), and looks its targets up in the whole vocabulary"
+)
 # the levers' costs, cheapest first (their order among settings with as many levers on)
 COST = {"chunked_loss": 1, "tiled_mlp": 2, "sp": 3, "checkpointing": 4, "offload": 5, "ep": 6, "tp": 7}
 # the model-parallel axes (axes.py): degrees, not switches
@@ -190,6 +196,13 @@ def lever_sets(
             )
             raise UserError(f"strategy.sequence_parallel: {sps[0]} cannot run this job: {problem}; {fix}")
     tps, eps = axes
+    if tps[0] > 1 and m.chunked_loss is True:
+        raise UserError(f"model.chunked_loss: {TP_TILED}; set model.chunked_loss: false (or auto), or "
+                        "strategy.tensor_parallel: 1")  # fmt: skip
+    if tps[0] > 1 and m.chunked_loss == "auto":
+        chunked = [
+            False
+        ]  # the tiled loss by default on CPU in bf16 (tiled_loss_by_default): not under AutoTP
     if sps[0] > 1 and (tps[0] > 1 or eps[0] > 1):
         key = "strategy.tensor_parallel" if tps[0] > 1 else "strategy.expert_parallel"
         raise UserError(f"{key}: {max(tps[0], eps[0])} with strategy.sequence_parallel: {sps[0]} is not verified "
@@ -201,6 +214,7 @@ def lever_sets(
         for sp, c, t, k, o, tp, ep in itertools.product(sps, chunked, tiled, checkpointing, offload, tps, eps)
         if (k or not o)  # the host copy is of checkpointed activations
         and (sp == 1 or tp == ep == 1)  # one model-parallel axis at a time (verified alone)
+        and not (tp > 1 and c)  # the tiled loss needs the LM head whole (TP_TILED)
         and (tp == 1 or keeps(exp, world_size, sp * tp, micro))
     }
     if not sets:
