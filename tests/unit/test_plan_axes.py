@@ -249,3 +249,15 @@ def test_a_resume_across_the_axes_converts_only_what_deepspeed_can_read(
     else:
         with pytest.raises(ResumeError, match=refused):
             axes_change(tmp_path, src, dst, stages, convert)
+
+
+def test_qwen2s_query_key_and_value_biases_are_divided_with_their_projections():
+    """Review of issue 70: a Qwen2 rank of tensor parallel 2 held 62,016 parameters (measured on 2 CPU ranks), the
+    plan counted 62,144: AutoTP divides the q/k/v biases (128 a layer here) with their projections."""
+    from trainer.config.schema import ModelSection
+    from trainer.model.create import info as count
+
+    cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+    qwen2 = count(ModelSection(config=cfg, attn_implementation="sdpa"), vocab_size=257)
+    assert qwen2.qkv_bias == 64 + 32 + 32 and local_info(qwen2, tp=2).params == 62_016

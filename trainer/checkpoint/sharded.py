@@ -40,7 +40,9 @@ def whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[st
         # a tied head is an alias some ranks' files name and others' do not: the parameter is its embedding's
         names = [k for k in parts[0] if all(k in p for p in parts)]
         out = {k: _joined([p[k] for p in parts], k, info) for k in names}
-        out.update({alias: out[name] for alias, name in layout[1].items() if alias not in out and name in out})
+        out.update(
+            {alias: out[name] for alias, name in layout[1].items() if alias not in out and name in out}
+        )
         return transformers_names(out)
     from trainer.checkpoint.universal import ds_to_universal
 

@@ -94,7 +94,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 15,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14-15: the layers' shape
+        "v": 16,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14-15: the layers' shape; 16: qkv_bias
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,

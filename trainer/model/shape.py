@@ -83,8 +83,11 @@ def structure(module: Any, cfg: Any) -> dict[str, Any]:
 
     lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList)]
     layers = list(max(lists, key=len)) if lists else []
-    qk_norm = None
+    qk_norm, qkv_bias = None, 0
     for layer in layers[:1]:
+        # the query, key and value projections' biases of a layer (Qwen2's), elements: AutoTP divides them too
+        qkv_bias = sum(getattr(getattr(m, "bias", None), "numel", lambda: 0)() for n, m in layer.named_modules()
+                       if n.endswith(("q_proj", "k_proj", "v_proj")))  # fmt: skip
         norm = next((m for n, m in layer.named_modules() if n.endswith(("q_norm", "q_layernorm"))), None)
         weight = getattr(norm, "weight", None)
         if weight is not None:
@@ -99,7 +102,7 @@ def structure(module: Any, cfg: Any) -> dict[str, Any]:
     head_weight = getattr(head, "weight", None)
     embeddings = {id(m.weight): m.weight for m in module.modules() if isinstance(m, torch.nn.Embedding)}
     return {
-        "qk_norm": qk_norm, "tied": head_weight is not None and id(head_weight) in embeddings,
+        "qk_norm": qk_norm, "qkv_bias": qkv_bias, "tied": head_weight is not None and id(head_weight) in embeddings,
         "experts": _experts(layers, cfg), "idle": _idle(module, decoder, head_weight, embeddings),
     }  # fmt: skip
 

@@ -59,10 +59,11 @@ def _attention(info: ModelInfo) -> int:
 
 def tp_divided(info: ModelInfo) -> int:
     """The parameters AutoTP divides among a tensor-parallel group (the module docstring): the layers'
-    attention and MLP projections and the LM head (with a tied embedding, which shares it)."""
+    attention and MLP projections (the query, key and value biases with them) and the LM head (with a tied
+    embedding, which shares it)."""
     h, layers = info.hidden or 0, info.layers or 0
     mlp = (3 if info.intermediate else 2) * h * (info.intermediate or 4 * h)
-    return layers * (_attention(info) + mlp) + (info.vocab or 0) * h
+    return layers * (_attention(info) + mlp + info.qkv_bias) + (info.vocab or 0) * h
 
 
 def expert_params(info: ModelInfo) -> int:

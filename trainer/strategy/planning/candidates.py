@@ -48,6 +48,9 @@ class ModelInfo:
     latent: tuple[int, int, int] | None = None  # DeepSeek's latent attention: q and kv ranks, rotary dims
     router_logits: bool = False  # output_router_logits: the routers' logits kept for the auxiliary loss
     idle: int = 0  # parameters a text token never multiplies by: looked-up embeddings, a vision tower
+    qkv_bias: int = (
+        0  # a layer's query, key and value biases, elements (Qwen2's; tensor parallelism divides them)
+    )
 
     @property
     def q_width(self) -> int:
