@@ -78,9 +78,10 @@ class Engine:
         if objective is not None:
             objective.device = self.device
         self.experts = router(model)  # a mixture of experts returning router logits: (aux coef, ExpertLoad)
-        ep = self.ds_config.get("expert_parallel") or {}
-        if self.experts is not None and ep.get("enabled"):
-            self.experts[1].ep = int(ep.get("autoep_size") or 1)  # each expert-parallel rank's load, logged
+        if self.experts is not None:  # each expert-parallel rank's load, logged
+            from trainer.strategy.planning.axes import parallel_degrees
+
+            self.experts[1].ep = parallel_degrees(self.ds_config)[1]
         # varlen attention: each micro batch's example lengths, from its position ids on the host
         self.varlen = getattr(getattr(model, "config", None), "_attn_implementation", None) == "varlen"
         self._record_fp32_grad_norm()

@@ -59,21 +59,26 @@ def consolidated_state_dict(
 def _saved_weights(
     ckpt: Path, stage: int, state: dict[str, Any], layout: tuple[list[list[str]], dict[str, str]] | None
 ) -> dict[str, Any]:
-    import torch
-
-    from trainer.checkpoint import stage0
     from trainer.checkpoint.reshard import saved_axes
 
+    if layout is None:
+        layout = (state.get("param_groups") or [], state.get("tied") or {})
     if saved_axes(ckpt) != (1, 1):  # tensor or expert parallelism: shards, joined (sharded.py)
         from trainer.checkpoint.sharded import whole_weights
 
-        return whole_weights(
-            ckpt, stage, layout or (state.get("param_groups") or [], state.get("tied") or {})
-        )
+        return whole_weights(ckpt, stage, layout, read=_whole_weights)
+    return _whole_weights(ckpt, stage, layout)
+
+
+def _whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[str, str]]) -> dict[str, Any]:
+    """The fp32 master weights of a checkpoint of one tensor-parallel rank (or a tensor-parallel rank's files seen
+    as one: sharded.py)."""
+    import torch
+
+    from trainer.checkpoint import stage0
+
     if stage == 0:
         sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        if layout is None:
-            layout = (state.get("param_groups") or [], state.get("tied") or {})
         return stage0.master_weights(sd, *layout)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -75,13 +75,18 @@ def names_and_aliases(module: Any, groups: list[dict[str, Any]]) -> tuple[list[l
     return names, aliases
 
 
+def model_state_files(ckpt: Path) -> list[str]:
+    """The model states of data-parallel rank 0, a file a tensor-parallel rank (ZeRO-3's: zero_pp_rank_0_...)."""
+    return sorted(glob.glob(str(ckpt / "mp_rank_*_model_states.pt"))) or sorted(
+        glob.glob(str(ckpt / "zero_pp_rank_0_mp_rank_*_model_states.pt"))
+    )
+
+
 def saved_layout(ckpt: Path) -> tuple[int, int]:
     """(ZeRO stage, data-parallel size) a checkpoint was written with; no tensor read (mmap, but legacy)."""
     import torch
 
-    files = sorted(glob.glob(str(ckpt / "mp_rank_*_model_states.pt"))) or sorted(
-        glob.glob(str(ckpt / "zero_pp_rank_0_mp_rank_*_model_states.pt"))
-    )
+    files = model_state_files(ckpt)
     if not files:
         raise FileNotFoundError(f"no DeepSpeed model states in {ckpt}")
     sd = torch.load(files[0], map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(files[0]))
@@ -91,14 +96,12 @@ def saved_layout(ckpt: Path) -> tuple[int, int]:
 def saved_axes(ckpt: Path) -> tuple[int, int]:
     """(tensor parallel, expert parallel) a checkpoint was written with: its model-states files (one a tensor-
     parallel rank) and its DeepSpeed JSON's expert_parallel."""
-    files = glob.glob(str(ckpt / "mp_rank_*_model_states.pt")) or glob.glob(
-        str(ckpt / "zero_pp_rank_0_mp_rank_*_model_states.pt")
-    )
+    from trainer.strategy.planning.axes import parallel_degrees
+
     ep = 1
     with contextlib.suppress(OSError, ValueError):
-        section = json.loads((ckpt / "ds_config.json").read_text()).get("expert_parallel") or {}
-        ep = int(section.get("autoep_size") or 1) if section.get("enabled", False) else 1
-    return max(1, len(files)), ep
+        ep = parallel_degrees(json.loads((ckpt / "ds_config.json").read_text()))[1]
+    return max(1, len(model_state_files(ckpt))), ep
 
 
 def axes_change(
@@ -182,8 +185,9 @@ def load(
     ds = engine.ds
     src = saved_layout(ckpt)
     dst = (ds.zero_optimization_stage(), ds.dp_world_size)
-    ep_cfg = ds._config.expert_parallel_config
-    axes = (max(1, ds.autotp_size()), ep_cfg.autoep_size if ep_cfg is not None and ep_cfg.enabled else 1)
+    from trainer.strategy.planning.axes import parallel_degrees
+
+    axes = parallel_degrees(engine.ds_config)
     change = axes_change(ckpt, saved_axes(ckpt), axes, (src[0], dst[0]), needs_conversion(src, dst))
     if change and rank == 0:
         log.info(change)

@@ -15,28 +15,35 @@ back (its fused gate_up_proj is the gate's rows, then the up projection's: w1 th
 
 from __future__ import annotations
 
-import glob
+import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+Layout = tuple[
+    list[list[str]], dict[str, str]
+]  # parameter names per optimizer group, tied aliases (export.py)
 
-def whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[str, str]]) -> dict[str, Any]:
-    """Every parameter of `ckpt` whole, in fp32, under transformers' names."""
+
+def whole_weights(
+    ckpt: Path, stage: int, layout: Layout, read: Callable[[Path, int, Layout], dict[str, Any]]
+) -> dict[str, Any]:
+    """Every parameter of `ckpt` whole, in fp32, under transformers' names. `read`: export.py's reader of a
+    checkpoint of one tensor-parallel rank (its stage-0 master weights, or zero_to_fp32's)."""
     import torch
 
-    files = sorted(glob.glob(str(ckpt / "mp_rank_*_model_states.pt"))) or sorted(
-        glob.glob(str(ckpt / "zero_pp_rank_0_mp_rank_*_model_states.pt"))
-    )
-    if (
-        len(files) > 1
-    ):  # tensor parallelism: each rank's shards whole over the data-parallel ranks, then joined
+    from trainer.checkpoint.reshard import model_state_files
+
+    files = model_state_files(ckpt)
+    # tensor parallelism: each rank's shards whole over the data-parallel ranks, then joined
+    if len(files) > 1:
         info = (
             torch.load(files[0], map_location="cpu", weights_only=False).get("universal_checkpoint_info")
             or {}
         )
-        parts = [_tp_rank(ckpt, r, stage, layout) for r in range(len(files))]
+        parts = [_tp_rank(ckpt, r, stage, layout, read) for r in range(len(files))]
         # a tied head is an alias some ranks' files name and others' do not: the parameter is its embedding's
         names = [k for k in parts[0] if all(k in p for p in parts)]
         out = {k: _joined([p[k] for p in parts], k, info) for k in names}
@@ -44,41 +51,37 @@ def whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[st
             {alias: out[name] for alias, name in layout[1].items() if alias not in out and name in out}
         )
         return transformers_names(out)
+    return transformers_names(_expert_parallel(ckpt, files[0]))
+
+
+def _expert_parallel(ckpt: Path, states: str) -> dict[str, Any]:
+    """Expert parallelism: DeepSpeed's universal checkpoint merges AutoEP's experts from every expert-parallel
+    rank; its fp32 weights, ZeRO-3's flat ones shaped by the model states' shapes (the experts' first dimension
+    whole: every expert-parallel rank's)."""
+    import torch
+
     from trainer.checkpoint.universal import ds_to_universal
 
-    with tempfile.TemporaryDirectory(prefix="export-universal-") as tmp:  # expert parallelism: AutoEP's merge
+    shapes = {k: v for group in torch.load(states, map_location="cpu", weights_only=False).get("param_shapes") or []
+              for k, v in group.items()}  # fmt: skip
+    weights = {}
+    with tempfile.TemporaryDirectory(prefix="export-universal-") as tmp:
         out = Path(tmp) / "universal"
         ds_to_universal(ckpt, out, workers=2)
-        weights = {}
-        states = torch.load(files[0], map_location="cpu", weights_only=False)
-        shapes = {k: v for group in states.get("param_shapes") or [] for k, v in group.items()}
         for d in sorted((out / "zero").iterdir()):
             if (d / "fp32.pt").is_file():
                 t = torch.load(d / "fp32.pt", map_location="cpu", weights_only=False)
                 t = (t["param"] if isinstance(t, dict) else t).float()
                 shape = shapes.get(d.name)
-                if (
-                    t.dim() == 1 and shape is not None and len(shape) > 1
-                ):  # ZeRO-3's flat tensors, shaped (the
-                    t = t.view(
-                        -1, *shape[1:]
-                    )  # experts' first dimension whole: every expert-parallel rank's)
-                weights[d.name] = t
-    return transformers_names(weights)
+                weights[d.name] = t.view(-1, *shape[1:]) if t.dim() == 1 and shape and len(shape) > 1 else t
+    return weights
 
 
 def _tp_rank(
-    ckpt: Path, r: int, stage: int, layout: tuple[list[list[str]], dict[str, str]]
+    ckpt: Path, r: int, stage: int, layout: Layout, read: Callable[[Path, int, Layout], dict[str, Any]]
 ) -> dict[str, Any]:
     """Tensor-parallel rank `r`'s weights whole over its data-parallel ranks: its files (`*mp_rank_RR*`) seen as
-    a checkpoint of one tensor-parallel rank (links named `mp_rank_00`), read as any checkpoint of that stage
-    (stage 0: stage0.py's master weights; 1-3: DeepSpeed's zero_to_fp32)."""
-    import os
-
-    import torch
-
-    from trainer.checkpoint import stage0
-
+    a checkpoint of one tensor-parallel rank (links named `mp_rank_00`), read as any checkpoint of that stage."""
     mine = f"mp_rank_{r:02d}"
     with tempfile.TemporaryDirectory(prefix="export-tp-") as tmp:
         step = Path(tmp) / ckpt.name
@@ -86,20 +89,7 @@ def _tp_rank(
         for f in ckpt.iterdir():
             if mine in f.name:
                 os.symlink(f, step / f.name.replace(mine, "mp_rank_00"))
-        if stage == 0:
-            sd = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-            return stage0.master_weights(sd, *layout)
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        out = dict(get_fp32_state_dict_from_zero_checkpoint(str(step.parent), tag=step.name))
-        if (
-            stage == 1
-        ):  # the frozen ones (none under tensor parallelism: LoRA is refused) from the module, as export.py
-            module = torch.load(step / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)[
-                "module"
-            ]
-            out.update({k: v.float() for k, v in module.items() if k not in out and v.is_floating_point()})
-        return {k: v.float() for k, v in out.items()}
+        return {k: v.float() for k, v in read(step, stage, layout).items()}
 
 
 def _joined(shards: list[Any], name: str, info: dict[str, Any]) -> Any:

@@ -25,10 +25,9 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         data.packing = packing_verdict(exp, planned.model or exp.model, data)
     dist.seed_all(exp.seed)
     built = dict(planned.ds_config)
-    if (
-        planned.plan.tp > 1
-    ):  # zero.Init (stage 3) reads the batch over the world, before AutoTP's mesh exists:
-        built.pop("train_batch_size", None)  # DeepSpeed derives it there (micro x accumulation x its world)
+    # zero.Init (stage 3) reads the batch over the world, before AutoTP's mesh exists: DeepSpeed derives it there
+    if planned.plan.tp > 1:
+        built.pop("train_batch_size", None)
     module = model.build(
         planned.model or exp.model,
         vocab_size=data.vocab_size,

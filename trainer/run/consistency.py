@@ -382,7 +382,7 @@ def preflight(engine: Any, world_size: int, hosts: list[str]) -> list[str]:
 
 def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> list[str]:
     tp, ep = _axes(engine)
-    held = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    held = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()) if tp * ep > 1 else 0
     if engine.ds.zero_optimization_stage() == 3:
         axes = (
             f" (tensor parallel {tp}, expert parallel {ep}; rank 0 holds {held:,} parameters)"
@@ -414,11 +414,9 @@ def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> 
 
 def _axes(engine: Any) -> tuple[int, int]:
     """The engine's tensor- and expert-parallel degrees (1, 1 without them)."""
-    cfg = getattr(engine, "ds_config", {}) or {}
-    tp = int((cfg.get("tensor_parallel") or {}).get("autotp_size") or 1)
-    ep_section = cfg.get("expert_parallel") or {}
-    ep = int(ep_section.get("autoep_size") or 1) if ep_section.get("enabled", False) else 1
-    return max(1, tp), max(1, ep)
+    from trainer.strategy.planning.axes import parallel_degrees
+
+    return parallel_degrees(getattr(engine, "ds_config", None))
 
 
 def after_first_step(engine: Any, world_size: int, hosts: list[str]) -> list[str]:

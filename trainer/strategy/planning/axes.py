@@ -72,6 +72,16 @@ def expert_params(info: ModelInfo) -> int:
     return 0 if e is None else e.layers * e.routed * 3 * (info.hidden or 0) * e.width
 
 
+def parallel_degrees(config: Any) -> tuple[int, int]:
+    """(tensor parallel, expert parallel) a DeepSpeed JSON asks for: tensor_parallel.autotp_size (0 or absent:
+    off) and expert_parallel.autoep_size where expert_parallel.enabled is true (DeepSpeed's default: off)."""
+    config = config or {}
+    tp = int((config.get("tensor_parallel") or {}).get("autotp_size") or 1)
+    ep_section = config.get("expert_parallel") or {}
+    ep = int(ep_section.get("autoep_size") or 1) if ep_section.get("enabled") is True else 1
+    return max(1, tp), max(1, ep)
+
+
 def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
     """One rank's model under tensor parallelism `tp` and expert parallelism `ep` (the module docstring):
     its parameters, its heads and MLP width (what its activations and FLOPs are counted from)."""

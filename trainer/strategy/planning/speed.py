@@ -131,12 +131,8 @@ class Timer:
         self.rows = micro * (
             1 if t.objective in ("sft", "grpo") else 2
         )  # (grpo: generation's time not counted)
-        self.m, self.info, self.lp, self.s = m, info, lp, row_length(exp)
-        self.world = max(1, world_size)
-        self.node = max(1, min(gpus_per_node, self.world))
-        self.trainable = info.params if info.trainable is None else info.trainable
-        self.stored, self.grads = _stored_bytes(info, lp), self.trainable * lp
-        self.share = (self.world - 1) / self.world  # of a collective's bytes that cross to other ranks
+        self.m, self.lp, self.s = m, lp, row_length(exp)
+        self._model(info, world_size, gpus_per_node)
         self.link = m.peers if self.world <= self.node else m.network  # ZeRO's collectives span the world
         # the values a token's queries, keys, values and outputs hold (Ulysses' all-to-alls: the config's head sizes)
         self.exchanged = (
@@ -212,6 +208,14 @@ class Timer:
             reductions=a * reductions + step_reductions,
         )
 
+    def _model(self, info: ModelInfo, world_size: int, gpus_per_node: int) -> None:
+        """What depends on the model a rank holds and the ranks ZeRO partitions it over."""
+        self.info, self.world = info, max(1, world_size)
+        self.node = max(1, min(gpus_per_node, self.world))
+        self.trainable = info.params if info.trainable is None else info.trainable
+        self.stored, self.grads = _stored_bytes(info, self.lp), self.trainable * self.lp
+        self.share = (self.world - 1) / self.world  # of a collective's bytes that cross to other ranks
+
     def _axes(self, levers: Any, c: Candidate, tp: int, ep: int) -> StepTime:
         """Under tensor or expert parallelism (axes.py): one rank's model on its rows, ZeRO's collectives over the
         ranks it partitions over (world / tp: a tensor-parallel group's ranks hold one copy of the model), the
@@ -222,16 +226,10 @@ class Timer:
 
         key = (tp, ep)
         sub = self.__dict__.setdefault("_subs", {}).get(key)
-        if sub is None:
+        if sub is None:  # this Timer over one rank's model (as many operators a layer, on smaller shapes)
             sub = object.__new__(Timer)
             sub.__dict__.update(self.__dict__, _subs={})
-            local = local_info(self.info, tp, ep)
-            sub.info, sub.world = local, max(1, self.world // tp)
-            sub.node = max(1, min(self.node, sub.world))
-            sub.trainable = local.params if local.trainable is None else local.trainable
-            sub.stored, sub.grads = _stored_bytes(local, self.lp), sub.trainable * self.lp
-            sub.share = (sub.world - 1) / sub.world
-            sub.launches = self.launches  # as many operators a layer, on smaller shapes
+            sub._model(local_info(self.info, tp, ep), self.world // tp, self.node)
             self._subs[key] = sub
         plain = dataclasses.replace(levers, tp=1, ep=1)
         t = Timer.__call__(sub, plain, c)
