@@ -68,6 +68,8 @@ class Engine:
             model=model, model_parameters=param_groups, config=self.ds_config, mpu=mpu
         )
         start_schedule(self.scheduler)
+        # pipeline stages (trainer/model/stages.py): DeepSpeed's schedule runs a step's micro batches (`Pipeline`)
+        self.pipe = Pipeline(self.ds, self) if hasattr(self.ds, "train_batch") else None
         if compile:  # torch.compile of the module, wrapped so ZeRO's hooks still run
             self.ds.compile(compile_kwargs={} if compile_mode == "default" else {"mode": compile_mode})
         self.device = self.ds.device
@@ -87,13 +89,18 @@ class Engine:
         self._record_fp32_grad_norm()
 
     def _record_fp32_grad_norm(self) -> None:
-        """DeepSpeed's fp32 stage-0 path clips but drops the norm it computed; keep it for logging."""
+        """DeepSpeed's fp32 stage-0 path clips but drops the norm it computed; keep it for logging. Under pipeline
+        stages it clips each stage by its own norm (its pipeline grid's model-parallel group is the tensor-parallel
+        one, not the stages: PP 2 trained as if unclipped, measured): the norm over every stage instead."""
         ds = self.ds
         if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
             return
         from deepspeed.runtime.utils import clip_grad_norm_
 
         def clip_and_record() -> None:
+            if self.pipe is not None:
+                ds._global_grad_norm = self.pipe.clip(ds.gradient_clipping())
+                return
             ds._global_grad_norm = clip_grad_norm_(
                 parameters=ds.module.parameters(), max_norm=ds.gradient_clipping(), mpu=ds.mpu
             )
@@ -137,7 +144,11 @@ class Engine:
         return loss.detach()
 
     def step(self) -> None:
-        """DeepSpeed's step, once per micro batch: it updates only at the accumulation boundary."""
+        """DeepSpeed's step, once per micro batch: it updates only at the accumulation boundary (pipeline stages:
+        once a step, the update the schedule held back)."""
+        if self.pipe is not None:
+            self.pipe.step()
+            return
         self.ds.step()
 
     def backward_step(self, loss: Any) -> Any:
@@ -150,6 +161,10 @@ class Engine:
         """The summed loss of a batch's targets (`eval_weight` is their count)."""
         import torch
 
+        if (
+            self.pipe is not None
+        ):  # through the stages: the targets' summed loss, averaged over data-parallel ranks
+            return self.pipe.eval(batch)
         with torch.no_grad():
             if self.objective is not None:  # the pairs' losses, summed (eval_weight: the pairs)
                 return self.objective.forward(self.ds, batch.to(self.device), training=False, split="eval")
@@ -192,6 +207,80 @@ class Engine:
     @property
     def module(self) -> Any:
         return self.ds.module
+
+
+class Pipeline:
+    """The engine under pipeline stages (trainer/model/stages.py): DeepSpeed's 1F1B schedule runs a step's micro batches
+    at once (`run`), its optimizer step held back until the loop's agreement (`step`: a non-finite loss on any rank
+    stops before the update, as without stages)."""
+
+    def __init__(self, ds: Any, engine: Any) -> None:
+        from deepspeed.runtime.pipe import schedule
+
+        self.ds, self.engine, self.held = ds, engine, False
+        # the schedule's instructions run through the class's table (its methods unbound): this engine's own table
+        table = dict(type(ds)._INSTRUCTION_MAP)
+        self._update = table[schedule.OptimizerStep]
+        table[schedule.OptimizerStep] = self._hold
+        ds._INSTRUCTION_MAP = table
+
+    def _hold(self, ds: Any, lr_kwargs: Any = None) -> None:
+        self.held = True
+
+    def step(self) -> None:
+        if self.held:
+            self.held = False
+            self._update(self.ds)
+
+    @staticmethod
+    def feed(batches: list[Any]) -> Any:
+        """Micro batches as the pipeline takes them: ((input ids, position ids), labels)."""
+        import torch
+
+        for b in batches:
+            if b.dim() == 3:  # fine-tuning rows: [input_ids, labels, position_ids]
+                yield (b[:, 0], b[:, 2]), b[:, 1]
+            else:  # token blocks: every token a target
+                yield (b, torch.arange(b.shape[1]).expand_as(b)), b
+
+    def run(self, batches: list[Any], num_items: float | None) -> Any:
+        """A step's micro batches through the stages: the loss every rank logs (the mean over micro batches and
+        data-parallel ranks of each micro batch's summed target loss over `num_items`; DeepSpeed broadcasts it from
+        the last stage), x the micro batches (the loop's sum of micro losses)."""
+        b = batches[0]
+        self.ds.module.loss_fn.num_items = (
+            num_items if num_items is not None else float(b.shape[0] * (b.shape[-1] - 1))
+        )
+        loss = self.ds.train_batch(self.feed(batches))
+        if self.engine.on_backward is not None:  # (tests) the reduced gradients, before the held update
+            self.ds._force_grad_boundary = True
+            try:
+                self.engine.on_backward(self.engine)
+            finally:
+                self.ds._force_grad_boundary = False
+        return loss * len(batches)
+
+    def eval(self, batch: Any) -> Any:
+        self.ds.module.loss_fn.num_items = 1.0  # the sum (Evaluator divides by the targets)
+        return self.ds.eval_batch(self.feed([batch]), num_micro_batches=1).detach()
+
+    def clip(self, max_norm: float) -> Any:
+        """The gradients' norm over every stage (a tied weight's second copy counted once), clipped to `max_norm`."""
+        import torch
+        import torch.distributed as dist
+
+        params = [p for p in self.ds.module.parameters() if p.grad is not None]
+        own = [
+            p.grad.detach().float().norm() ** 2 for p in params if not getattr(p, "ds_pipe_replicated", False)
+        ]
+        total = torch.stack(own).sum() if own else torch.zeros((), device=self.ds.device)
+        dist.all_reduce(total, group=self.ds.grid.get_pipe_parallel_group())
+        norm = total.sqrt()
+        coef = max_norm / (norm + 1e-6)
+        if max_norm > 0 and coef < 1:
+            for p in params:
+                p.grad.detach().mul_(coef)
+        return norm
 
 
 def complete(

@@ -59,10 +59,14 @@ def consolidated_state_dict(
 def _saved_weights(
     ckpt: Path, stage: int, state: dict[str, Any], layout: tuple[list[list[str]], dict[str, str]] | None
 ) -> dict[str, Any]:
+    from trainer.checkpoint import stages
     from trainer.checkpoint.reshard import saved_axes
 
     if layout is None:
         layout = (state.get("param_groups") or [], state.get("tied") or {})
+    if stages.saved_stages(ckpt) > 1:  # pipeline stages: the layer files, by the model's names
+        weights = {k: v.float() for k, v in stages.whole_weights(ckpt).items()}
+        return {**weights, **{alias: weights[name] for alias, name in layout[1].items() if name in weights}}
     if saved_axes(ckpt) != (1, 1):  # tensor or expert parallelism: shards, joined (sharded.py)
         from trainer.checkpoint.sharded import whole_weights
 

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import seal, stage0, universal
-from trainer.common.errors import UserError
+from trainer.checkpoint.stages import check_resume, saved_stages
+from trainer.common.errors import ResumeError
 from trainer.common.faults import Faults
 
 log = logging.getLogger("trainer")
@@ -56,10 +57,6 @@ TMP_PREFIX = ".convert-tmp-"
 FAILED_PREFIX = ".convert-failed-"
 LOCK = ".convert.lock"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout that holds trainer/ (for a subprocess)
-
-
-class ResumeError(UserError):
-    """A checkpoint cannot be loaded into this job: a restart would fail the same way."""
 
 
 def names_and_aliases(module: Any, groups: list[dict[str, Any]]) -> tuple[list[list[str]], dict[str, str]]:
@@ -101,7 +98,7 @@ def saved_axes(ckpt: Path) -> tuple[int, int]:
     ep = 1
     with contextlib.suppress(OSError, ValueError):
         ep = parallel_degrees(json.loads((ckpt / "ds_config.json").read_text()))[1]
-    return max(1, len(model_state_files(ckpt))), ep
+    return max(1, len(model_state_files(ckpt)) // saved_stages(ckpt)), ep  # (pipeline stages: a file a stage)
 
 
 def axes_change(
@@ -183,8 +180,8 @@ def load(
     without the frozen weights, which the engine keeps as built). `journal_root`: the run's checkpoints
     directory, whose journal records a conversion."""
     ds = engine.ds
-    src = saved_layout(ckpt)
-    dst = (ds.zero_optimization_stage(), ds.dp_world_size)
+    src, dst = saved_layout(ckpt), (ds.zero_optimization_stage(), ds.dp_world_size)
+    check_resume(ckpt, engine, src, dst)  # pipeline stages: the same layout only (checkpoint/stages.py)
     from trainer.strategy.planning.axes import parallel_degrees
 
     axes = parallel_degrees(engine.ds_config)

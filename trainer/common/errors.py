@@ -61,6 +61,10 @@ class UserError(Exception):
         return f"error: {self}"
 
 
+class ResumeError(UserError):
+    """A checkpoint cannot be loaded into this job: a restart would fail the same way."""
+
+
 class ConfigError(UserError):
     """One or more problems in an experiment file (all of them, reported at once)."""
 

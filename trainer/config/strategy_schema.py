@@ -52,6 +52,12 @@ class StrategySection(Section):
         "layer's experts between them, tokens sent to their experts by all-to-all; bf16; 1 = off; auto = as "
         "tensor_parallel (docs/strategies.md)",
     )
+    pipeline_stages: auto_or(int, "a whole number") = Field(
+        "auto",
+        description="pipeline stages (DeepSpeed's pipeline engine, 1F1B): the model's layers split into N stages "
+        "on N ranks, the accumulation's micro batches flowing through them; ZeRO 0-1; 1 = off; auto = on GPUs, "
+        "where nothing fits without it or the plan finds it fastest, stages across nodes first (docs/strategies.md)",
+    )
     on_oom: choice("fail", "escalate") = Field(
         "fail",
         description="escalate = on out-of-memory, restart from the last checkpoint on what the plan ranks next "

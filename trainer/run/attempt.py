@@ -227,10 +227,12 @@ def debug_report(run: Run) -> None:
 
 
 def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
-    """Tests: the engine's logits on the first two training sequences (compared with an export); not under SP."""
+    """Tests: the engine's logits on the first two training sequences (compared with an export); not under SP or stages."""
     import torch
 
-    if getattr(engine, "sp", 1) > 1:
+    if (
+        getattr(engine, "sp", 1) > 1 or getattr(engine, "pipe", None) is not None
+    ):  # (no rank holds the model whole)
         return
     rows = data.train[:2]
     rows = rows.reshape(-1, *rows.shape[2:]) if rows.ndim == 4 else rows  # preference pairs: their rows

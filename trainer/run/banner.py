@@ -123,12 +123,14 @@ def announce(run: Run) -> None:
         + (f", sequence parallel {plan.sp} (data-parallel world {plan.dp_world})" if plan.sp > 1 else "")
         + (f", tensor parallel {plan.tp} (data-parallel world {plan.dp_world})" if plan.tp > 1 else "")
         + (f", expert parallel {plan.ep}" if plan.ep > 1 else "")
+        + (f", pipeline stages {plan.pp} (data-parallel world {plan.dp_world})" if plan.pp > 1 else "")
         + f" -- {plan.reason}",
         *(
-            [f"layout: {strategy.layout(plan.world_size, plan.sp, plan.tp, plan.ep)}"]
+            [f"layout: {strategy.layout(plan.world_size, plan.sp, plan.tp, plan.ep, plan.pp)}"]
             if plan.levers.mp * plan.ep > 1
             else []
         ),
+        *([strategy.stages_line(planned.info, plan.pp, exp)] if plan.pp > 1 else []),
         f"activation levers: {plan.levers.describe()} ({plan.levers_reason})",
         f"memory per rank (estimate): {format_size(est.total)} (params {format_size(est.params)}, grads "
         f"{format_size(est.grads)}, optimizer {format_size(est.optimizer)}, activations {format_size(est.activations)}, "

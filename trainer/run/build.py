@@ -116,7 +116,7 @@ def build(
     )
     store = Store(
         checkpoints_dir(exp.run_dir), engine=engine, stream=stream, exp=exp, rank=env.rank,
-        world_size=env.world_size, plan=planned.plan.summary(), layout=layout, faults=faults,
+        world_size=env.world_size, plan={**planned.plan.summary(), **stages_record(engine)}, layout=layout, faults=faults,
         data_fingerprint=data.fingerprint, recent=lambda: {"metrics": mets.recent(), "wandb_run_id": mets.wandb_id},
         resumed_from=str(resume.found.path.resolve()) if resume is not None else None, disk=disk,
     )  # fmt: skip
@@ -264,6 +264,15 @@ def eval_prompts(exp: Experiment, data: Any) -> list[str]:
 WIDTH_MULTIPLE_COMPILED = 64
 
 
+def stages_record(engine: Any) -> dict[str, Any]:
+    """Pipeline stages: where the model is cut and each layer file's names as the model has them (bin/export and a
+    resume without stages read the layer files by them)."""
+    if getattr(engine, "pipe", None) is None:
+        return {}
+    module = engine.module
+    return {"pipeline": {"parts": list(module.parts), "names": {str(i): n for i, n in module.names.items()}}}
+
+
 def data_for_rank(
     exp: Experiment, runtime: Any, data: Any, one_off: bool, planned: Planned
 ) -> tuple[Any, Any]:
@@ -275,9 +284,11 @@ def data_for_rank(
 
     env, t, sp, mp = runtime.env, exp.train, planned.plan.sp, planned.plan.levers.mp
     fixed = sp > 1 or (planned.model or exp.model).tiled_mlp is True  # every rank's rows as long: seq_len
-    where = {  # a sequence- or tensor-parallel group's ranks (consecutive) read the same rows
-        "rank": env.rank // mp,
-        "world": env.world_size // mp,
+    dp = env.world_size // mp
+    where = {  # a sequence- or tensor-parallel group's ranks (consecutive) read the same rows; a pipeline's stages
+        # are world / pp ranks apart (DeepSpeed's topology: stages outermost), its first and last read the same rows
+        "rank": env.rank % dp if planned.plan.pp > 1 else env.rank // mp,
+        "world": dp,
         "micro": t.micro_batch_size,
         "device_type": runtime.device_type,
         # fine-tuning batches are as wide as their longest row; under torch.compile a multiple of 64, so
@@ -315,7 +326,9 @@ def make_metrics(
         world_size=env.world_size,
         # the ranks whose losses sum to the step's: the data-parallel ones (a sequence-parallel group's shards sum to
         # its rows'); a tensor-parallel group's ranks each hold its rows' whole loss
-        loss_ranks=planned.plan.dp_world * planned.plan.tp,
+        loss_ranks=planned.plan.dp_world
+        * planned.plan.tp
+        * planned.plan.pp,  # every stage logs the step's loss
         log_every=t.log_every,
         max_steps=max_steps,
         samples_per_step=samples,
@@ -335,6 +348,7 @@ def make_metrics(
             **({"sequence_parallel": planned.plan.sp} if planned.plan.sp > 1 else {}),
             **({"tensor_parallel": planned.plan.tp} if planned.plan.tp > 1 else {}),
             **({"expert_parallel": planned.plan.ep} if planned.plan.ep > 1 else {}),
+            **({"pipeline_stages": planned.plan.pp} if planned.plan.pp > 1 else {}),
         },
     )
 

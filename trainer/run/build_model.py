@@ -52,6 +52,8 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         for line in check_built(module, lora, planned.info.quantized):
             if env.rank == 0:
                 (log.warning if line.startswith("warning") else log.info)(line)
+    if planned.plan.pp > 1:  # the model as stages: this rank keeps its own (trainer/model/stages.py)
+        module = pipeline_stages(exp, planned, module, env)
     groups = model.param_groups(module, exp.optim.weight_decay)
     if planned.plan.ep > 1:  # DeepSpeed splits each group into its experts' and the rest by the group's name
         for group, name in zip(groups, ("decay", "no_decay"), strict=False):
@@ -67,6 +69,17 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         layout = names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout
+
+
+def pipeline_stages(exp: Experiment, planned: Any, module: Any, env: Any) -> Any:
+    """The transformers model as the plan's pipeline stages, cut where the plan cuts them (planning/stages.py)."""
+    from trainer.model.stages import pipeline
+    from trainer.strategy.planning import stages
+
+    parts = stages.bounds(planned.info, planned.plan.pp, exp.data.seq_len)
+    if env.rank == 0:
+        log.info(stages.stages_line(planned.info, planned.plan.pp, exp))
+    return pipeline(module, planned.plan.pp, parts)
 
 
 def sequence_levers(exp: Experiment, env: Any, planned: Any, module: Any, one_row: bool) -> dict[str, Any]:

@@ -328,6 +328,15 @@ class GradDump:
                 g = whole(g, dims[name])
             if g is not None:
                 grads[name] = g.detach().float().cpu().clone()
+        if getattr(engine, "pipe", None) is not None:  # each stage's, by the model's names, joined on rank 0
+            import torch.distributed as dist
+
+            from trainer.model.stages import model_names
+
+            grads = {model_names(ds.module).get(n, n): g for n, g in grads.items()}
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, grads)
+            grads = {k: v for part in every for k, v in part.items()}
         if self.rank == 0:
             Path(self.directory).mkdir(parents=True, exist_ok=True)
             torch.save(grads, Path(self.directory) / f"grads_step{self.step}.pt")
@@ -395,14 +404,16 @@ def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> 
     # tensor and expert parallelism: a rank holds its group's shard; it is compared with the ranks of the same
     # shards (the same place in their tensor- and expert-parallel groups: consecutive ranks, trainer/strategy/
     # planning/axes.py's layout)
-    odd = []
-    for key in {(r % tp, r % ep) for r in range(world_size)}:
-        same = [r for r in range(world_size) if (r % tp, r % ep) == key]
+    # planning/axes.py's layout); a pipeline's stage is world / pp consecutive ranks (DeepSpeed's topology)
+    odd, per_stage = [], world_size // _stages(engine)
+    for key in {(r % tp, r % ep, r // per_stage) for r in range(world_size)}:
+        same = [r for r in range(world_size) if (r % tp, r % ep, r // per_stage) == key]
         odd += [same[i] for i in _odd_ranks([prints[r] for r in same])]
     odd.sort()
-    if tp * ep > 1 and not odd:
+    if tp * ep * _stages(engine) > 1 and not odd:
         return [f"preflight: weights identical {when} on the ranks of each shard ({world_size} ranks, tensor "
-                f"parallel {tp}, expert parallel {ep}; rank 0 holds {held:,} parameters)"]  # fmt: skip
+                f"parallel {tp}, expert parallel {ep}, pipeline stages {_stages(engine)}; rank 0 holds "
+                f"{sum(p.numel() for p in engine.module.parameters()):,} parameters)"]  # fmt: skip
     if odd:
         who = ", ".join(f"rank {r} ({hosts[r] if r < len(hosts) else '?'})" for r in odd)
         raise CheckFailed(
@@ -410,6 +421,11 @@ def _same_weights(engine: Any, world_size: int, hosts: list[str], when: str) -> 
             "weights (same seed, same checkpoint) and stay in step"
         )
     return [f"preflight: weights identical on all {world_size} ranks {when}"]
+
+
+def _stages(engine: Any) -> int:
+    """The engine's pipeline stages (1 without them)."""
+    return int(engine.ds.num_stages) if getattr(engine, "pipe", None) is not None else 1
 
 
 def _axes(engine: Any) -> tuple[int, int]:

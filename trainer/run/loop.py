@@ -85,6 +85,34 @@ class Evaluator:
         return complete(engine, tok, prompts, max_new, synced, rendered=bool(rendered and rendered[0]))
 
 
+def micro_steps(
+    engine: Any, stream: Any, grad_accum: int, per_micro: Any, control: Any, metrics: Any, step: int
+) -> tuple[Any, float, Any]:
+    """A step's micro batches, forward and backward (the optimizer's update is the loop's): their summed loss, the
+    seconds spent waiting for data, whether every loss was finite."""
+    loss, wait, finite = 0.0, 0.0, None
+    if (
+        getattr(engine, "pipe", None) is not None
+    ):  # pipeline stages: DeepSpeed's 1F1B schedule runs every micro batch at once
+        t = time.perf_counter()
+        batches = [stream.next() for _ in range(grad_accum)]
+        wait += time.perf_counter() - t
+        loss = control.faults.loss(engine.pipe.run(batches, per_micro), step)
+        return loss, wait, control.finite(loss, None)
+    for i in range(grad_accum):
+        t = time.perf_counter()
+        batch = stream.next()
+        wait += time.perf_counter() - t
+        with metrics.forward:  # this rank's own compute, no collectives (stragglers)
+            micro_loss = control.faults.loss(engine.forward(batch, per_micro), step)  # tests
+        micro_loss = engine.backward(micro_loss)
+        finite = control.finite(micro_loss, finite)
+        loss = loss + micro_loss
+        if i < grad_accum - 1:
+            engine.step()  # between micro batches DeepSpeed only counts; the update is below
+    return loss, wait, finite
+
+
 def train(
     *,
     max_steps: int,
@@ -109,20 +137,11 @@ def train(
     wall0 = state.wall_time
     while state.step < max_steps:
         control.before_step(state.step + 1)  # injected faults (tests), watchdog heartbeat
-        loss, wait, finite = 0.0, 0.0, None
         per_micro = stream.loss_denominator(grad_accum)  # fine-tuning: the step's targets, all ranks
         fed = stream.step_tokens(grad_accum)  # fine-tuning: batches are as wide as their longest row
-        for i in range(grad_accum):
-            t = time.perf_counter()
-            batch = stream.next()
-            wait += time.perf_counter() - t
-            with metrics.forward:  # this rank's own compute, no collectives (stragglers)
-                micro_loss = control.faults.loss(engine.forward(batch, per_micro), state.step + 1)  # tests
-            micro_loss = engine.backward(micro_loss)
-            finite = control.finite(micro_loss, finite)
-            loss = loss + micro_loss
-            if i < grad_accum - 1:
-                engine.step()  # between micro batches DeepSpeed only counts; the update is below
+        loss, wait, finite = micro_steps(
+            engine, stream, grad_accum, per_micro, control, metrics, state.step + 1
+        )
         # One collective per step, on every rank: a non-finite loss on any rank raises here, before
         # the optimizer update (the weights stay as after the previous step); stop, a timed save, and
         # whether every rank has written its part of a checkpoint in flight (then it is committed).

@@ -33,6 +33,7 @@ from trainer.strategy.planning import (
     next_rung,
     plan,
     resolve_precision,
+    stages_line,
     step_bytes,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "flops_per_token",
     "host_needs",
     "layout",
+    "stages_line",
     "load_template",
     "low_precision_bytes",
     "model_states",

@@ -54,6 +54,7 @@ from trainer.strategy.planning.estimate import Estimate, estimate_all
 from trainer.strategy.planning.host import HOST_BUFFER_FACTOR, host_needs, snapshot_bytes
 from trainer.strategy.planning.ladder import Plan, describe_plan, plan
 from trainer.strategy.planning.layers import flops_per_token
+from trainer.strategy.planning.stages import stages_line
 from trainer.strategy.planning.states import (
     low_precision_bytes,
     model_states,
@@ -87,6 +88,7 @@ __all__ = [
     "flops_per_token",
     "host_needs",
     "layout",
+    "stages_line",
     "is_number",
     "layer_bytes_per_token",
     "low_precision_bytes",

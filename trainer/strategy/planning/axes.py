@@ -109,6 +109,29 @@ def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
     return local
 
 
+def rank_model(info: ModelInfo, tp: int, ep: int, pp: int, seq_len: int) -> ModelInfo:
+    """One rank's model: under tensor or expert parallelism (`local_info`), or the largest pipeline stage."""
+    if pp > 1:
+        from trainer.strategy.planning.stages import stage_info
+
+        return stage_info(info, pp, seq_len)
+    return local_info(info, tp, ep)
+
+
+def axes_reason(levers: Any, found: Any) -> str:
+    """The seed's 'always justify' for a model-parallel axis the plan took: the fastest setting without it."""
+    if levers.tp == levers.ep == levers.pp == 1:
+        return ""
+    plain = next((f for f in found.fits if f.levers.tp == f.levers.ep == f.levers.pp == 1
+                  and not (found.device_only and f.offloads)), None)  # fmt: skip
+    if plain is None:
+        return "; nothing fits without tensor or expert parallelism or pipeline stages"
+    return (
+        f"; without tensor or expert parallelism or pipeline stages the fastest that fits is {plain.candidate.name} "
+        f"with {plain.levers.describe()}, {plain.time.per_token * 1e6:.1f} us a token"
+    )
+
+
 def refuse_zero3(estimates: list[Any], tp: int) -> list[Any]:
     """The ZeRO-3 rungs refused under tensor parallelism (TP_ZERO3), the others as they are."""
     if tp == 1:
@@ -262,14 +285,14 @@ def axes_seconds(
     return seconds
 
 
-def layout(world: int, sp: int = 1, tp: int = 1, ep: int = 1) -> str:
+def layout(world: int, sp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1) -> str:
     """'dp D x tp T x ep E x sp S' and the process groups: a sequence- or tensor-parallel group is consecutive
     ranks (DeepSpeed's (data, tensor) mesh and Ulysses' groups); the data-parallel ranks are one of each; an
     expert-parallel group is consecutive ranks too (DeepSpeed's expert groups), its experts' data-parallel
     ranks one of each group."""
     mp = sp * tp
-    dp = world // mp
-    text = f"dp {dp} x tp {tp} x ep {ep} x sp {sp}"
+    dp = world // (mp * pp)
+    text = f"dp {dp} x tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f" x ep {ep} x sp {sp}"
 
     def groups(size: int, stride: int) -> str:
         if stride == 1:
@@ -280,6 +303,10 @@ def layout(world: int, sp: int = 1, tp: int = 1, ep: int = 1) -> str:
         return shown + (f", ... ({len(made)})" if len(made) > 4 else "")
 
     parts = []
+    if (
+        pp > 1
+    ):  # DeepSpeed's pipe-data topology: the stages outermost, a stage's data-parallel ranks consecutive
+        parts.append(f"pipelines {groups(pp, dp)}; data-parallel groups (a stage's) {groups(dp, 1)}")
     if mp > 1:
         parts.append(f"{'tensor' if tp > 1 else 'sequence'}-parallel groups {groups(mp, 1)}")
         parts.append(f"data-parallel groups {groups(dp, mp)}")

@@ -13,9 +13,9 @@ from typing import Any
 from trainer.common.errors import UserError
 from trainer.config import Experiment, format_size
 from trainer.strategy.batch import accumulation
-from trainer.strategy.planning import pins
+from trainer.strategy.planning import pins, stages
 from trainer.strategy.planning.activations import activations_for, host_activations, rows_per_micro
-from trainer.strategy.planning.axes import degrees, local_info, refuse_zero3, zero_world
+from trainer.strategy.planning.axes import axes_reason, degrees, rank_model, refuse_zero3, zero_world
 from trainer.strategy.planning.candidates import LADDER, Candidate, ModelInfo, pinned_choice
 from trainer.strategy.planning.estimate import Estimate, estimate_all, with_activations
 from trainer.strategy.planning.generation import generation_bytes, host_bytes, row_length
@@ -68,6 +68,10 @@ class Plan:
         return self.levers.ep
 
     @property
+    def pp(self) -> int:
+        return self.levers.pp
+
+    @property
     def dp_world(self) -> int:
         """The data-parallel world: the ranks that hold different sequences (world / sequence or tensor
         parallel: the ranks of a group read the same rows)."""
@@ -112,6 +116,7 @@ class Plan:
             "sequence_parallel": self.levers.sp,
             "tensor_parallel": self.levers.tp,
             "expert_parallel": self.levers.ep,
+            "pipeline_stages": self.levers.pp,
             "offload_params": self.candidate.offload_params,
             "reason": self.reason,
             "pinned": self.pinned,
@@ -248,9 +253,8 @@ def _plan(
                                on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory,
                                template=template)  # fmt: skip
     large = sum(model_states(Candidate(0), info.params, info.largest_layer, world_size, lp)) > budget
-    axes = degrees(
-        exp, info, world_size, gpus_per_node, hardware.peers, precision, template, large, device_type
-    )
+    axes = (*degrees(exp, info, world_size, gpus_per_node, hardware.peers, precision, template, large, device_type),
+            stages.degrees(exp, info, world_size, device_type, large))  # fmt: skip
     settings = list(lever_sets(exp, info, world_size, device_type, precision, axes))
     times: dict[tuple[Levers, Candidate], StepTime] = {}
     timer = Timer(exp, info, world_size=world_size, gpus_per_node=gpus_per_node, lp=lp, hardware=hardware)
@@ -308,34 +312,41 @@ def _estimator(
     every rung, which no lever changes but the accumulation (ZeRO-1/2 keep more gradients with it; a global
     batch's accumulation follows the sequence-parallel degree: `accumulation`), counted once each, and each
     setting's activations beside them."""
-    bases: dict[tuple[bool, int, int], list[Estimate]] = {}
+    bases: dict[tuple[bool, int, int, int], list[Estimate]] = {}
 
-    def base_for(accum: int, tp: int, ep: int) -> list[Estimate]:
-        if (accum > 1, tp, ep) not in bases:
+    def base_for(accum: int, tp: int, ep: int, pp: int) -> list[Estimate]:
+        if (accum > 1, tp, ep, pp) not in bases:
             e = exp.model_copy(update={"train": exp.train.model_copy(update={"grad_accum": accum})})
-            local = local_info(info, tp, ep)  # one rank's model under tensor/expert parallelism (axes.py)
-            bases[accum > 1, tp, ep] = estimate_all(
+            # one rank's model under the axes (axes.py)
+            local = rank_model(info, tp, ep, pp, exp.data.seq_len)
+            made = estimate_all(
                 e, info, pinned, act=0, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node, on_gpu=on_gpu,
                 budget=budget, host_memory=host_memory, template=template,
                 host_activations=host_bytes(e) * gpus_per_node, generation=generation_bytes(e, local, lp),
-                states=(local, zero_world(info, local, world_size, tp, ep)),
+                states=(local, zero_world(info, local, world_size, tp * pp, ep)),
             )  # fmt: skip
-            bases[accum > 1, tp, ep] = refuse_zero3(bases[accum > 1, tp, ep], tp)
-        return bases[accum > 1, tp, ep]
+            bases[accum > 1, tp, ep, pp] = stages.refuse_sharded(refuse_zero3(made, tp), pp)
+        return bases[accum > 1, tp, ep, pp]
 
     def estimates_for(levers: Levers) -> list[Estimate]:
         # sequence parallelism runs sdpa where auto would have picked eager (CPU, bf16, short sequences)
-        sp_info = local_info(info, levers.tp, levers.ep)
+        sp_info = rank_model(info, levers.tp, levers.ep, levers.pp, exp.data.seq_len)
         if levers.sp > 1 and info.attn_implementation == "eager" and exp.model.attn_implementation == "auto":
             sp_info = dataclasses.replace(sp_info, attn_implementation="sdpa")
-        act = activations_for(exp, sp_info, lp, levers, "cuda" if on_gpu else "cpu")
+        accum = accumulation(exp, world_size, levers.mp)
+        act = stages.stage_activations(
+            lambda i: activations_for(exp, i, lp, levers, "cuda" if on_gpu else "cpu"),
+            sp_info,
+            levers.pp,
+            accum,
+        )  # (pipeline stages: the micro batches in flight)
         extra = (
             host_activations(info, rows_per_micro(exp), row_length(exp), lp, levers.sp)
             if levers.offload
             else 0
         )
         copy = exp.checkpoint.async_ is True
-        base = base_for(accumulation(exp, world_size, levers.mp), levers.tp, levers.ep)
+        base = base_for(accum, levers.tp, levers.ep, levers.pp)
         return with_activations(base, act, extra * gpus_per_node, budget, host_memory, copy)
 
     return estimates_for
@@ -373,21 +384,7 @@ def _levers_reason(levers: Levers, settings: list[Levers], found: Search, budget
         )  # fmt: skip
         + f"; without levers the smallest candidate ({best.candidate.name}) "
         f"needs {format_size(best.total)} per rank ({format_size(best.activations)} of activations) of "
-        f"{format_size(budget)}" + _axes_reason(levers, found)
-    )
-
-
-def _axes_reason(levers: Levers, found: Search) -> str:
-    """The seed's 'always justify' for a model-parallel axis the plan took: the fastest setting without it."""
-    if levers.tp == 1 and levers.ep == 1:
-        return ""
-    plain = next((f for f in found.fits if f.levers.tp == f.levers.ep == 1
-                  and not (found.device_only and f.offloads)), None)  # fmt: skip
-    if plain is None:
-        return "; nothing fits without tensor or expert parallelism"
-    return (
-        f"; without tensor or expert parallelism the fastest that fits is {plain.candidate.name} with "
-        f"{plain.levers.describe()}, {plain.time.per_token * 1e6:.1f} us a token"
+        f"{format_size(budget)}" + axes_reason(levers, found)
     )
 
 

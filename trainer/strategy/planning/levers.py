@@ -41,9 +41,23 @@ TP_TILED = (
     "257 rows), and looks its targets up in the whole vocabulary"
 )
 # the levers' costs, cheapest first (their order among settings with as many levers on)
-COST = {"chunked_loss": 1, "tiled_mlp": 2, "sp": 3, "checkpointing": 4, "offload": 5, "ep": 6, "tp": 7}
+COST = {
+    "chunked_loss": 1,
+    "tiled_mlp": 2,
+    "sp": 3,
+    "checkpointing": 4,
+    "offload": 5,
+    "ep": 6,
+    "tp": 7,
+    "pp": 8,
+}
 # the model-parallel axes (axes.py): degrees, not switches
-DEGREE = {"sp": "sequence parallel", "tp": "tensor parallel", "ep": "expert parallel"}
+DEGREE = {
+    "sp": "sequence parallel",
+    "tp": "tensor parallel",
+    "ep": "expert parallel",
+    "pp": "pipeline stages",
+}
 __all__ = ["COST", "SP_DEGREES", "Levers", "lever_sets", "sp_problem", "tiled_loss_by_default"]
 
 
@@ -58,6 +72,7 @@ class Levers:
     offload: bool = False  # checkpointed activations on the host (needs checkpointing)
     tp: int = 1  # tensor parallelism (AutoTP): a group of tp ranks divides each layer, reading the same rows
     ep: int = 1  # expert parallelism (AutoEP): a group of ep ranks divides each MoE layer's experts
+    pp: int = 1  # pipeline stages (DeepSpeed's pipeline engine): pp ranks hold the layers in sequence
 
     @property
     def on(self) -> list[str]:
@@ -65,16 +80,17 @@ class Levers:
 
     @property
     def mp(self) -> int:
-        """The ranks that read the same rows: a sequence-parallel group x a tensor-parallel group."""
-        return self.sp * self.tp
+        """The ranks that read the same rows: a sequence-parallel group x a tensor-parallel group x a pipeline's
+        stages (its first stage reads the inputs, its last the labels)."""
+        return self.sp * self.tp * self.pp
 
     @property
     def cost(self) -> tuple[int, int, int]:
-        return len(self.on), sum(COST[k] for k in self.on), self.sp * self.tp * self.ep
+        return len(self.on), sum(COST[k] for k in self.on), self.sp * self.tp * self.ep * self.pp
 
     def covers(self, other: Levers) -> bool:
         """Every lever `other` has on is on here too, at least at its degree (a model-parallel degree: the same)."""
-        return (self.sp >= other.sp and (self.tp, self.ep) == (other.tp, other.ep)
+        return (self.sp >= other.sp and (self.tp, self.ep, self.pp) == (other.tp, other.ep, other.pp)
                 and all(getattr(self, k) for k in other.on if k not in DEGREE))  # fmt: skip
 
     def describe(self) -> str:
@@ -88,7 +104,9 @@ class Levers:
         lever off keeps what the experiment says, so a later attempt may still climb to it)."""
         pins = [f"strategy.sequence_parallel={self.sp}"] if self.sp > 1 else []
         pins += [
-            f"strategy.{DEGREE[k].replace(' ', '_')}={getattr(self, k)}" for k in ("tp", "ep") if k in self.on
+            f"strategy.{DEGREE[k].replace(' ', '_')}={getattr(self, k)}"
+            for k in ("tp", "ep", "pp")
+            if k in self.on
         ]
         keys = {"chunked_loss": "model.chunked_loss", "tiled_mlp": "model.tiled_mlp",
                 "checkpointing": "model.activation_checkpointing", "offload": "model.offload_activations"}  # fmt: skip
@@ -161,10 +179,11 @@ def _keeping(exp: Experiment, world_size: int, sps: list[int]) -> list[int]:
 
 def lever_sets(
     exp: Experiment, info: ModelInfo, world_size: int, device_type: str, precision: str = "",
-    axes: tuple[list[int], list[int]] = ([1], [1]),
+    axes: tuple[list[int], ...] = ([1], [1]),
 ) -> Iterator[Levers]:  # fmt: skip
     """Every setting of the levers the experiment allows, cheapest first (see the module docstring);
-    `axes`: the tensor- and expert-parallel degrees it may take (axes.py's `degrees`)."""
+    `axes`: the tensor- and expert-parallel degrees it may take (axes.py's `degrees`), and the stage counts
+    (stages.py's)."""
     m, s = exp.model, exp.strategy
     transformers_model = m.factory is None
     chunked = (
@@ -195,14 +214,13 @@ def lever_sets(
                 else "give a degree that divides the ranks, the attention heads and data.seq_len, or 1 (off), or auto"
             )
             raise UserError(f"strategy.sequence_parallel: {sps[0]} cannot run this job: {problem}; {fix}")
-    tps, eps = axes
+    tps, eps, pps = (*axes, [1])[:3]
     if tps[0] > 1 and m.chunked_loss is True:
         raise UserError(f"model.chunked_loss: {TP_TILED}; set model.chunked_loss: false (or auto), or "
                         "strategy.tensor_parallel: 1")  # fmt: skip
-    if tps[0] > 1 and m.chunked_loss == "auto":
-        chunked = [
-            False
-        ]  # the tiled loss by default on CPU in bf16 (tiled_loss_by_default): not under AutoTP
+    if (tps[0] > 1 or pps[0] > 1) and m.chunked_loss == "auto":
+        # the tiled loss by default on CPU in bf16 (tiled_loss_by_default): not under AutoTP or pipeline stages
+        chunked = [False]
     if sps[0] > 1 and (tps[0] > 1 or eps[0] > 1):
         key = "strategy.tensor_parallel" if tps[0] > 1 else "strategy.expert_parallel"
         raise UserError(f"{key}: {max(tps[0], eps[0])} with strategy.sequence_parallel: {sps[0]} is not verified "
@@ -210,15 +228,19 @@ def lever_sets(
     sps = _keeping(exp, world_size, sps)
     micro = exp.train.micro_batch_size if isinstance(exp.train.micro_batch_size, int) else 1
     sets = {
-        Levers(sp, c, t, k, o, tp, ep)
-        for sp, c, t, k, o, tp, ep in itertools.product(sps, chunked, tiled, checkpointing, offload, tps, eps)
+        Levers(sp, c, t, k, o, tp, ep, pp)
+        for sp, c, t, k, o, tp, ep, pp in itertools.product(
+            sps, chunked, tiled, checkpointing, offload, tps, eps, pps
+        )
         if (k or not o)  # the host copy is of checkpointed activations
         and (sp == 1 or tp == ep == 1)  # one model-parallel axis at a time (verified alone)
-        and not (tp > 1 and c)  # the tiled loss needs the LM head whole (TP_TILED)
-        and (tp == 1 or keeps(exp, world_size, sp * tp, micro))
+        and (pp == 1 or sp == tp == ep == 1)
+        and not ((tp > 1 or pp > 1) and c)  # the tiled loss needs the LM head whole (TP_TILED) and the logits
+        and (tp == pp == 1 or keeps(exp, world_size, sp * tp * pp, micro))
     }
     if not sets:
         raise UserError(f"train.global_batch_size {exp.train.global_batch_size} is not a multiple of micro_batch_size "
                         f"{micro} x the data-parallel ranks of world {world_size} / strategy.tensor_parallel "
-                        f"{tps[0]}; give a global batch they divide, or micro_batch_size: auto")  # fmt: skip
+                        f"{tps[0]} / strategy.pipeline_stages {pps[0]}; give a global batch they divide, or "
+                        "micro_batch_size: auto")  # fmt: skip
     yield from sorted(sets, key=lambda x: x.cost)

@@ -154,9 +154,9 @@ class Timer:
         self.tensors = len(info.param_sizes) or 2 * (info.layers or 0)
 
     def __call__(self, levers: Any, c: Candidate) -> StepTime:
-        tp, ep = getattr(levers, "tp", 1), getattr(levers, "ep", 1)
-        if tp > 1 or ep > 1:
-            return self._axes(levers, c, tp, ep)
+        tp, ep, pp = getattr(levers, "tp", 1), getattr(levers, "ep", 1), getattr(levers, "pp", 1)
+        if tp > 1 or ep > 1 or pp > 1:
+            return self._axes(levers, c, tp, ep, pp)
         m, info, lp, world, node, grads, share, link = (self.m, self.info, self.lp, self.world, self.node,
                                                         self.grads, self.share, self.link)  # fmt: skip
         sp = max(1, levers.sp)
@@ -216,28 +216,36 @@ class Timer:
         self.stored, self.grads = _stored_bytes(info, self.lp), self.trainable * self.lp
         self.share = (self.world - 1) / self.world  # of a collective's bytes that cross to other ranks
 
-    def _axes(self, levers: Any, c: Candidate, tp: int, ep: int) -> StepTime:
-        """Under tensor or expert parallelism (axes.py): one rank's model on its rows, ZeRO's collectives over the
-        ranks it partitions over (world / tp: a tensor-parallel group's ranks hold one copy of the model), the
-        step's tokens those of the data-parallel ranks, and the axes' own collectives each micro step."""
+    def _axes(self, levers: Any, c: Candidate, tp: int, ep: int, pp: int = 1) -> StepTime:
+        """Under tensor or expert parallelism (axes.py) or pipeline stages (stages.py): one rank's model (the largest
+        stage's) on its rows, ZeRO's collectives over the ranks it partitions over (world / tp / pp: a group's ranks
+        hold one copy of the model), the step's tokens those of the data-parallel ranks, the axes' own collectives
+        each micro step, and a pipeline's bubble ((p - 1) micro steps of its largest stage) and transfers."""
         import dataclasses
 
-        from trainer.strategy.planning.axes import axes_seconds, local_info
+        from trainer.strategy.planning import stages
+        from trainer.strategy.planning.axes import axes_seconds, rank_model
 
-        key = (tp, ep)
+        key = (tp, ep, pp)
         sub = self.__dict__.setdefault("_subs", {}).get(key)
         if sub is None:  # this Timer over one rank's model (as many operators a layer, on smaller shapes)
             sub = object.__new__(Timer)
             sub.__dict__.update(self.__dict__, _subs={})
-            sub._model(local_info(self.info, tp, ep), self.world // tp, self.node)
+            sub._model(rank_model(self.info, tp, ep, pp, self.s), self.world // (tp * pp), self.node)
+            sub.launches = self.launches * (sub.info.layers or 0) / max(1, self.info.layers or 1)
             self._subs[key] = sub
-        plain = dataclasses.replace(levers, tp=1, ep=1)
+        plain = dataclasses.replace(levers, tp=1, ep=1, pp=1)
         t = Timer.__call__(sub, plain, c)
         passes = 2 + (1 if levers.checkpointing else 0)
         accum = self.accum if self.exp is None else accumulation(self.exp, self.world, levers.mp)
         extra = accum * axes_seconds(
             self.info, tp, ep, self.rows * self.s, passes, self.lp, self.m, self.node
         )
+        if pp > 1:  # ZeRO 0-1: every reduction is the step's, after the micro steps
+            micro = (t.seconds - t.optimizer - t.reductions) / max(1, accum)
+            extra += micro * (pp - 1) + stages.p2p_seconds(
+                self.info, pp, accum, self.rows * self.s, self.lp, self.m, self.world, self.node
+            )
         return dataclasses.replace(t, seconds=t.seconds + extra, transfers=t.transfers + extra)
 
 

@@ -82,7 +82,7 @@ def describe(plan_: Any) -> str:
     from trainer.strategy.planning.axes import layout
 
     lv = plan_.levers
-    ranks = f"\nlayout: {layout(plan_.world_size, lv.sp, lv.tp, lv.ep)}"
+    ranks = f"\nlayout: {layout(plan_.world_size, lv.sp, lv.tp, lv.ep, lv.pp)}"
     return (
         f"{plan_.table()}\n\n{mem}; {host}; world size {plan_.world_size} ({plan_.gpus_per_node} per node); "
         f"precision {plan_.precision}{ranks}{levers}\ndecision: {plan_.candidate.name}: {plan_.reason}{speed}"

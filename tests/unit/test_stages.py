@@ -1,0 +1,146 @@
+"""Pipeline stages in one process (the two-rank half: tests/dist/test_stages.py): every family of the matrix that
+trains in stages runs its pipeline items one after the other to the model's own loss and gradients, bit for bit
+(packed rows, sliding windows, Gemma 3's layer types, tied heads, experts); the partition by time; the plan's stage,
+bubble and refusals (trainer/strategy/planning/stages.py)."""
+
+import pytest
+import torch
+from helpers import MATRIX, MATRIX_BASE, TINY, matrix_config, matrix_rows
+
+from trainer import config, strategy
+from trainer.common.errors import UserError
+from trainer.model.stages import items
+from trainer.strategy.planning import stages
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("family", [f for f in MATRIX if f in stages.FAMILIES])
+def test_the_items_in_sequence_are_the_model(family):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = matrix_config(family)
+    lm = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if family == "gpt_oss" else "sdpa")
+    rows = matrix_rows()
+    ids, labels, pos = rows[:, 0], rows[:, 1], rows[:, 2]
+    n = int((labels[:, 1:] != -100).sum())
+    ref = lm(input_ids=ids, labels=labels, position_ids=pos, use_cache=False, num_items_in_batch=n).loss
+    ref.backward()
+    want = {k: p.grad.clone() for k, p in lm.named_parameters()}
+    lm.zero_grad()
+    layers, names = items(lm)
+    x = (ids, pos)
+    for item in layers:
+        if hasattr(item, "typename"):  # a tied embedding (TiedLayerSpec): the embedding, or the head over it
+            module = item.build()
+            x = item.forward_fn(module, x) if item.forward_fn else module(x)
+        else:
+            x = item(x)
+    loss = lm.loss_function(x, labels, vocab_size=cfg.get_text_config().vocab_size, num_items_in_batch=n)
+    loss.backward()
+    assert loss.item() == ref.item()
+    for k, p in lm.named_parameters():
+        assert torch.equal(p.grad, want[k]), k
+    every = {v for m in names.values() for v in m.values()}
+    assert every == {
+        k for k, _ in lm.named_parameters()
+    }  # each weight in one layer file, by the model's name
+    assert len(layers) == len(stages.kinds(_info(family)))
+
+
+def _info(family):
+    from trainer.config.schema import ModelSection
+    from trainer.model.create import info
+
+    attn = "eager" if family == "gpt_oss" else "sdpa"
+    section = ModelSection(
+        config={**MATRIX_BASE, **MATRIX[family], "model_type": family}, attn_implementation=attn
+    )
+    return info(section, vocab_size=97)
+
+
+def test_the_partition_balances_time_not_count():
+    assert stages.balanced([1, 1, 1, 1], 2) == [0, 2, 4]
+    assert stages.balanced([0, 5, 5, 5, 9], 2) == [0, 3, 5]  # a heavy head takes fewer layers with it
+    assert stages.balanced([3, 1, 1, 1, 1, 1, 1], 3) == [0, 1, 4, 7]
+    with pytest.raises(ValueError):
+        stages.balanced([1, 1], 3)
+    info = _info("llama")
+    parts = stages.bounds(info, 2, 32)
+    assert parts[0] == 0 and parts[-1] == len(stages.kinds(info))
+    assert "stage 0: tokens" in stages.describe(info, parts) and "norm, head" in stages.describe(info, parts)
+
+
+def test_the_bubble_and_the_micro_batches_in_flight():
+    assert stages.bubble(2, 4) == pytest.approx(1 / 5)
+    assert stages.bubble(4, 4) == pytest.approx(3 / 7)
+    assert stages.bubble(1, 8) == 0
+    assert stages.in_flight(4, 2) == 2 and stages.in_flight(2, 8) == 2
+
+
+def plan(info, ranks=8, **sets):
+    overrides = ["train.precision=bf16", "strategy.justification=test", "train.eval_prompts=[]",
+                 "strategy.hardware.gpu=h100", "train.micro_batch_size=1", "data.seq_len=4096", "model.config.n_positions=8192"]  # fmt: skip
+    exp = config.load(TINY, overrides + [f"{k}={v}" for k, v in sets.items()])
+    return strategy.plan(exp, info, world_size=ranks, gpus_per_node=8, device_type="cuda", device_memory=80 * GiB,
+                         host_memory=2048 * GiB, precision="bf16")  # fmt: skip
+
+
+def test_a_stage_holds_its_share_and_pays_the_bubble():
+    """Llama-3-8B's shape on 8 H100s: two stages hold about half the parameters a rank, and the step pays the
+    bubble ((p - 1) / (m + p - 1) of it) on top of the stage's own micro steps; ZeRO-2 and 3 refused."""
+    from test_plan_axes import L1
+
+    one = plan(L1, **{"strategy.pipeline_stages": 1, "strategy.zero_stage": 1, "train.global_batch_size": 32})
+    two = plan(L1, **{"strategy.pipeline_stages": 2, "strategy.zero_stage": 1, "train.global_batch_size": 32})
+    assert two.pp == 2 and two.dp_world == 4
+    held = stages.stage_info(L1, 2, 4096).params
+    # the larger stage: over half, the tied embedding (a fifth of this model) held by both the first and the last
+    assert 0.5 < held / L1.params < 0.75
+    assert two.estimate.params < one.estimate.params
+    assert "pipeline stages 2" in two.levers.describe()
+    assert "pp 2" in strategy.describe_plan(two)
+    by = {e.candidate.name: e for e in two.estimates}
+    assert by["zero2"].refused and by["zero3"].refused and not by["zero1"].refused
+    # the step: the stage's micro steps, (p - 1) more of them (the bubble), and the transfers
+    assert two.speed.seconds > one.speed.seconds / 2
+
+
+def test_auto_never_offers_stages_on_cpu_and_pins_are_checked():
+    info = _info("llama")
+    exp = config.load(TINY, ["train.eval_prompts=[]"])
+    assert stages.degrees(exp, info, 2, "cpu", True) == [1]
+    assert stages.degrees(exp, info, 8, "cuda", True) == [
+        1,
+        2,
+        4,
+    ]  # (2 layers: 5 items, 8 stages would not fit)
+    assert stages.degrees(exp, info, 8, "cuda", False) == [1]  # a model whose states fit: data parallelism
+    with pytest.raises(UserError, match="pipeline_stages: 8 cannot run this job: the model has 2 layers"):
+        stages.degrees(
+            config.load(TINY, ["train.eval_prompts=[]", "strategy.pipeline_stages=8"]), info, 8, "cuda", True
+        )
+    with pytest.raises(UserError, match="not a multiple of 2"):
+        stages.degrees(
+            config.load(TINY, ["train.eval_prompts=[]", "strategy.pipeline_stages=2"]), info, 3, "cuda", True
+        )
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        ({"strategy.zero_stage": 2}, "takes ZeRO 0 and 1 only"),
+        ({"strategy.zero_stage": 3}, "takes ZeRO 0 and 1 only"),
+        ({"strategy.sequence_parallel": 2}, "are not verified here"),
+        ({"model.chunked_loss": "true"}, "tiled loss"),
+        ({"train.eval_prompts": "[hello]"}, "eval_prompts"),
+        ({"model.lora.r": 4}, "LoRA with pipeline stages is refused"),
+        ({"train.objective": "dpo"}, "dpo with pipeline stages is not verified"),
+    ],
+)
+def test_what_stages_cannot_take_is_refused_with_the_key(sets, says):
+    base = {"strategy.pipeline_stages": 2, "train.eval_prompts": "[]"}
+    with pytest.raises(UserError) as e:
+        config.load(TINY, [f"{k}={v}" for k, v in {**base, **sets}.items()])
+    assert "strategy.pipeline_stages" in str(e.value) and says in str(e.value)
