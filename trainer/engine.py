@@ -42,6 +42,26 @@ def as_one_row(batch: Any) -> Any:
     return batch.transpose(0, 1).reshape(batch.shape[1], -1).unsqueeze(0)
 
 
+def record_fp32_grad_norm(engine: Any) -> None:
+    """DeepSpeed's fp32 stage-0 path clips but drops the norm it computed; keep it for logging. Under pipeline
+    stages it clips each stage by its own norm (its pipeline grid's model-parallel group is the tensor-parallel
+    one, not the stages: PP 2 trained as if unclipped, measured): the norm over every stage instead."""
+    ds = engine.ds
+    if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_record() -> None:
+        if engine.pipe is not None:
+            ds._global_grad_norm = engine.pipe.clip(ds.gradient_clipping())
+            return
+        ds._global_grad_norm = clip_grad_norm_(
+            parameters=ds.module.parameters(), max_norm=ds.gradient_clipping(), mpu=ds.mpu
+        )
+
+    ds.clip_fp32_gradients = clip_and_record
+
+
 class Engine:
     def __init__(
         self,
@@ -86,26 +106,7 @@ class Engine:
             self.experts[1].ep = parallel_degrees(self.ds_config)[1]
         # varlen attention: each micro batch's example lengths, from its position ids on the host
         self.varlen = getattr(getattr(model, "config", None), "_attn_implementation", None) == "varlen"
-        self._record_fp32_grad_norm()
-
-    def _record_fp32_grad_norm(self) -> None:
-        """DeepSpeed's fp32 stage-0 path clips but drops the norm it computed; keep it for logging. Under pipeline
-        stages it clips each stage by its own norm (its pipeline grid's model-parallel group is the tensor-parallel
-        one, not the stages: PP 2 trained as if unclipped, measured): the norm over every stage instead."""
-        ds = self.ds
-        if ds.zero_optimization() or ds.fp16_enabled() or ds.bfloat16_enabled():
-            return
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        def clip_and_record() -> None:
-            if self.pipe is not None:
-                ds._global_grad_norm = self.pipe.clip(ds.gradient_clipping())
-                return
-            ds._global_grad_norm = clip_grad_norm_(
-                parameters=ds.module.parameters(), max_norm=ds.gradient_clipping(), mpu=ds.mpu
-            )
-
-        ds.clip_fp32_gradients = clip_and_record
+        record_fp32_grad_norm(self)
 
     def forward(self, batch: Any, num_items: float | None = None) -> Any:
         """The loss of one micro batch (kept in the graph for backward). `batch`: token blocks (text,

@@ -144,3 +144,14 @@ def test_what_stages_cannot_take_is_refused_with_the_key(sets, says):
     with pytest.raises(UserError) as e:
         config.load(TINY, [f"{k}={v}" for k, v in {**base, **sets}.items()])
     assert "strategy.pipeline_stages" in str(e.value) and says in str(e.value)
+
+
+def test_fewer_micro_batches_than_stages_are_refused_unless_justified():
+    info = _info("llama")
+    sets = ["train.eval_prompts=[]", "strategy.pipeline_stages=2", "train.grad_accum=1",
+            "train.global_batch_size=null", "strategy.justification="]  # fmt: skip
+    with pytest.raises(UserError, match=r"leaves 50% of each step idle.*at least 2 micro batches"):
+        stages.degrees(config.load(TINY, sets), info, 2, "cuda", True)
+    justified = config.load(TINY, [*sets, "strategy.justification=a test"])
+    assert stages.degrees(justified, info, 2, "cuda", True) == [2]
+    assert stages.degrees(config.load(TINY, [*sets, "train.grad_accum=2"]), info, 2, "cuda", True) == [2]

@@ -220,6 +220,8 @@ def degrees(exp: Any, info: ModelInfo, world: int, device_type: str, large: bool
         )
     pin = int(pin)
     why = problem(info, pin, world, seq) if pin > 1 else None
+    if not why and pin > 1:
+        _bubble_pin(exp, pin, world)
     if why:
         fix = (
             "set it to 1 (off)"
@@ -230,6 +232,20 @@ def degrees(exp: Any, info: ModelInfo, world: int, device_type: str, large: bool
             fix = "set model.config.output_router_logits: false (the routers train on the loss alone), or 1 (off)"
         raise UserError(f"strategy.pipeline_stages: {pin} cannot run this job: {why}; {fix}")
     return [pin]
+
+
+def _bubble_pin(exp: Any, pp: int, world: int) -> None:
+    """Fewer micro batches a step than stages leave most of each step idle: refused unless justified."""
+    from trainer.strategy.batch import accumulation
+
+    m = accumulation(exp, world, pp)
+    if m < pp and not exp.strategy.justification.strip():
+        raise UserError(
+            f"strategy.pipeline_stages: {pp} with {m} micro batch(es) a step: the pipeline's bubble, (p - 1) / "
+            f"(m + p - 1), leaves {100 * bubble(pp, m):.0f}% of each step idle on every stage; raise train.grad_accum "
+            f"(or train.global_batch_size) to at least {pp} micro batches (4 x {pp} keeps the bubble under 20%), or "
+            "say why in strategy.justification"
+        )
 
 
 def refuse_sharded(estimates: list[Any], pp: int) -> list[Any]:
