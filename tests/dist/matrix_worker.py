@@ -6,7 +6,9 @@ own attention and masks (bin/train's loss functions, trainer/engine.py, normalis
 - sequence parallel 2: the project's Ulysses attention (trainer/model/sequence.py: the masks dropped,
   each example and window kept by its core), each rank half of every row, gradients summed over the
   group; or the family check's refusal (ulysses_verdict);
-- ZeRO-3 on 2 ranks: DeepSpeed's engine, each rank one row, the gathered gradients after backward.
+- ZeRO-3 on 2 ranks: DeepSpeed's engine, each rank one row, the gathered gradients after backward;
+- pipeline stages 2 (trainer/model/stages.py): DeepSpeed's pipeline engine, each row a micro batch through both
+  stages, the stages' gradients by the model's names.
 
 Rank 0 writes {family: {"sp": {...} or {"refused": why}, "zero3": {...}}} to argv[1] as JSON."""
 
@@ -36,7 +38,11 @@ ATTENTION = {"gpt_oss": "eager"}  # no sdpa path for its sinks in transformers
 def build(model_type: str) -> torch.nn.Module:
     torch.manual_seed(0)
     kernel = ATTENTION.get(model_type, "sdpa")
-    return AutoModelForCausalLM.from_config(matrix_config(model_type), attn_implementation=kernel).float().train()
+    return (
+        AutoModelForCausalLM.from_config(matrix_config(model_type), attn_implementation=kernel)
+        .float()
+        .train()
+    )
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -90,6 +96,37 @@ def zero3(model_type: str, rows: torch.Tensor, targets: float, ref: tuple, rank:
     return compare(mean.item() / 2, g, *ref)
 
 
+def pipeline(model_type: str, rows: torch.Tensor, targets: float, ref: tuple, rank: int) -> dict:
+    """Two pipeline stages (trainer/model/stages.py) through DeepSpeed's pipeline engine, each row a micro batch:
+    the first stage's ranks send hidden states, the last computes the loss; the gradients by the model's names."""
+    import deepspeed
+
+    from trainer.engine import Pipeline
+    from trainer.model.stages import items, model_names, pipeline
+
+    model = build(model_type)
+    if getattr(model.config.get_text_config(), "output_router_logits", False):
+        return {"refused": "router logits"}
+    parts = [0, len(items(model)[0]) // 2, len(items(model)[0])]
+    module = pipeline(model, 2, parts)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "train_batch_size": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10**9}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+    pipe = Pipeline(engine, type("Stub", (), {"on_backward": None})())
+    loss = pipe.run([rows[:1], rows[1:]], targets / 2) / 2  # (the micro losses' mean, summed back over 2)
+    names = model_names(engine.module)
+    mine = {
+        names[n]: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None
+    }
+    every: list = [None, None]
+    dist.all_gather_object(every, mine)
+    engine.destroy()
+    from deepspeed.utils import groups
+
+    groups.mpu = None  # (the pipeline's grid, which DeepSpeed keeps for the next engine of this process)
+    return compare(loss.item(), {k: v for part in every for k, v in part.items()}, *ref)
+
+
 def main() -> None:
     from trainer.cluster import dist as trainer_dist
 
@@ -105,7 +142,8 @@ def main() -> None:
         loss.backward()
         ref = (loss.item(), grads(reference))
         out[model_type] = {"sp": sequence_parallel(model_type, rows, targets, ref, rank),
-                           "zero3": zero3(model_type, rows, targets, ref, rank)}  # fmt: skip
+                           "zero3": zero3(model_type, rows, targets, ref, rank),
+                           "pp": pipeline(model_type, rows, targets, ref, rank)}  # fmt: skip
         if rank == 0:
             print(model_type, json.dumps(out[model_type]), flush=True)
     if rank == 0:

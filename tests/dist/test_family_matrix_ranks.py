@@ -1,7 +1,8 @@
 """The family matrix's two-rank half (the one-process half: tests/unit/test_family_matrix.py): every
 family of helpers.MATRIX, in one torchrun launch of 2 ranks (tests/dist/matrix_worker.py, each family
 in turn, so that the matrix costs one start-up): sequence parallel 2 = 1 rank and ZeRO-3 on 2 ranks
-= 1 rank, in the loss and every gradient, or the family check's refusal with its measured reason."""
+= 1 rank, and pipeline stages 2 = 1 rank, in the loss and every gradient, or the family check's refusal with its
+measured reason."""
 
 import json
 import subprocess
@@ -18,7 +19,7 @@ SP_REFUSED = {
 }
 
 
-def test_each_family_trains_alike_at_sequence_parallel_2_and_at_zero3_on_two_ranks(tmp_path):
+def test_each_family_trains_alike_at_sequence_parallel_2_zero3_and_pipeline_stages_2_on_two_ranks(tmp_path):
     out = tmp_path / "matrix.json"
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "dist" / "matrix_worker.py"), str(out)]  # fmt: skip
@@ -27,12 +28,22 @@ def test_each_family_trains_alike_at_sequence_parallel_2_and_at_zero3_on_two_ran
     got = json.loads(out.read_text())
     assert list(got) == list(MATRIX)
     for family, r in got.items():
-        for prop in ("sp", "zero3"):
+        for prop in ("sp", "zero3", "pp"):
             x = r[prop]
-            shown = x.get("refused") or f"loss {x['loss']:.1e}, gradients {x['grads']:.1e} relative ({x['params']} tensors)"
+            shown = (
+                x.get("refused")
+                or f"loss {x['loss']:.1e}, gradients {x['grads']:.1e} relative ({x['params']} tensors)"
+            )
             print(f"{family:12} {prop:5} {shown}")
         if family in SP_REFUSED:
             assert SP_REFUSED[family] in r["sp"].get("refused", ""), r
         else:
-            assert "refused" not in r["sp"] and r["sp"]["loss"] <= 1e-6 and r["sp"]["grads"] <= 1e-5, (family, r)
+            assert "refused" not in r["sp"] and r["sp"]["loss"] <= 1e-6 and r["sp"]["grads"] <= 1e-5, (
+                family,
+                r,
+            )
         assert r["zero3"]["loss"] <= 1e-6 and r["zero3"]["grads"] <= 1e-5, (family, r)
+        assert r["pp"]["loss"] <= 1e-6 and r["pp"]["grads"] <= 1e-5, (
+            family,
+            r,
+        )  # every family stages (FAMILIES)

@@ -34,8 +34,8 @@ from trainer.common.errors import UserError
 from trainer.strategy.planning.candidates import ModelInfo
 
 DEGREES = (2, 4, 8)  # the stage counts `auto` tries
-# the families whose stages train as the whole model does (PP 2 = PP 1 on two CPU ranks, tests/dist/test_stages.py;
-# one rank's items against the model's forward, tests/unit/test_stages.py): their decoder layers take the hidden
+# the families whose stages train as the whole model does (PP 2 = PP 1 on two CPU ranks, tests/dist/test_pipeline.py;
+# one rank's items against the model's forward, tests/unit/test_pipeline_plan.py): their decoder layers take the hidden
 # states, the position ids and the family's own masks and rotary embeddings, which each layer recomputes
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "phi3", "gpt2", "olmo2",
             "gpt_oss", "deepseek_v3")  # fmt: skip

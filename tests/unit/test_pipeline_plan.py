@@ -1,4 +1,4 @@
-"""Pipeline stages in one process (the two-rank half: tests/dist/test_stages.py): every family of the matrix that
+"""Pipeline stages in one process (the two-rank half: tests/dist/test_pipeline.py): every family of the matrix that
 trains in stages runs its pipeline items one after the other to the model's own loss and gradients, bit for bit
 (packed rows, sliding windows, Gemma 3's layer types, tied heads, experts); the partition by time; the plan's stage,
 bubble and refusals (trainer/strategy/planning/stages.py)."""

@@ -1,0 +1,141 @@
+"""Pipeline stages (DeepSpeed's pipeline engine, 1F1B) through bin/train on CPU ranks (real launchers, gloo), each
+against the same global batch without stages (trainer/model/stages.py, trainer/strategy/planning/stages.py):
+
+- 2 stages on 2 ranks against 1 rank, accumulation 4 (the pipeline's micro batches), gradient clipping on, packed
+  chat rows as wide as their longest (a shape a micro batch): a grouped-query Llama at ZeRO-1 and a GPT-2, its head
+  tied to the embedding (the tied layer on both ends), at ZeRO-0 in fp32 (where DeepSpeed's clipping of a pipeline
+  reads each stage's norm alone: trainer/engine.py clips by the whole norm); the first step's gradients, by the
+  model's names, and every step's loss;
+- 2 stages x 2 data-parallel ranks on 4 ranks against 4 data-parallel ranks;
+- a checkpoint resumes at 2 stages bit for bit, and with 1 is refused before anything starts (exit 2, the fix);
+- bin/export of a checkpoint of stages equals the export of the run without them.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, chat_data, env_for, train
+
+pytestmark = pytest.mark.dist
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 256, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+K = 2  # a checkpoint at step K of 2K
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    return chat_data(tmp_path_factory.mktemp("stages") / "chat.jsonl", rows=120)
+
+
+def sets(chat, config, micro, accum, **kw):
+    return {
+        "model.config": config, "model.attn_implementation": "sdpa", "data.train.files": str(chat),
+        "data.train.kind": "chat", "data.seq_len": 128, "data.eval_fraction": 0, "data.num_workers": 0,
+        "train.micro_batch_size": micro, "train.grad_accum": accum, "train.max_steps": 2 * K, "train.log_every": 1,
+        "train.eval_every": 0, "train.eval_prompts": [], "train.grad_clip": 1.0, "optim.warmup_steps": 0,
+        "strategy.zero_stage": 1, "strategy.justification": "test", "checkpoint.every_steps": K,
+        "checkpoint.save_final": False, "checkpoint.async": False, **kw,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, chat):
+    made = {}
+
+    def run(name, config, micro, accum, launcher="torchrun", nproc=2, **kw):
+        if name not in made:
+            tmp = tmp_path_factory.mktemp(name)
+            made[name] = train(tmp, sets(chat, config, micro, accum, **kw), launcher=launcher, nproc=nproc,
+                               env={"TRAINER_DEBUG_GRADS": "1"})  # fmt: skip
+        return made[name]
+
+    return run
+
+
+def worst_gradient(a, b):
+    ga, gb = (torch.load(r.debug_dir / "grads_step1.pt") for r in (a, b))
+    assert ga.keys() == gb.keys() and len(ga) > 10, (sorted(ga), sorted(gb))
+    return max(((ga[k] - gb[k]).abs().max() / ga[k].abs().max().clamp_min(1e-30)).item() for k in ga)
+
+
+@pytest.mark.parametrize(("family", "stage"), [("llama", 1), ("gpt2", 0)])
+def test_two_stages_train_as_one_rank(runs, family, stage):
+    config = {"llama": LLAMA, "gpt2": GPT2}[family]
+    at = {"strategy.zero_stage": stage}
+    ref = runs(f"{family}-pp1", config, 1, 4, launcher="none", **at, **{"strategy.pipeline_stages": 1})
+    pp = runs(f"{family}-pp2", config, 1, 4, **at, **{"strategy.pipeline_stages": 2})
+    assert "pipeline stages 2 (data-parallel world 1)" in pp.output, pp.output[-3000:]
+    assert "layout: dp 1 x tp 1 x pp 2 x ep 1 x sp 1 (pipelines [0,1]" in pp.output
+    assert "pipeline: stage 0: tokens" in pp.output and "bubble 20% of a step" in pp.output
+    worst = worst_gradient(ref, pp)
+    print(f"{family}: largest gradient difference {worst:.1e} of the gradient's largest value")
+    assert worst <= 1e-5
+    assert ref.losses.keys() == pp.losses.keys() == set(range(1, 2 * K + 1))
+    for step, loss in ref.losses.items():
+        assert pp.losses[step] == pytest.approx(loss, rel=1e-6), (family, step)
+
+
+def test_two_stages_by_two_data_parallel_ranks_train_as_four(runs):
+    """4 ranks: PP 2 x DP 2 (the stages outermost: ranks 0-1 the first stage, 2-3 the second; a pipeline's ranks
+    read the same rows) against DP 4, micro 1 x accumulation 4 x 2 against micro 1 x accumulation 2 x 4: the same
+    global batch of 8 rows, ZeRO-1 (a stage's optimizer states over its data-parallel ranks)."""
+    dp4 = runs("llama-dp4", LLAMA, 1, 2, nproc=4, **{"strategy.pipeline_stages": 1})
+    pp2 = runs("llama-pp2-dp2", LLAMA, 1, 4, nproc=4, **{"strategy.pipeline_stages": 2})
+    assert "layout: dp 2 x tp 1 x pp 2 x ep 1 x sp 1 (pipelines [0,2], [1,3]" in pp2.output, pp2.output[
+        -3000:
+    ]
+    for step, loss in dp4.losses.items():
+        assert pp2.losses[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_a_checkpoint_of_stages_resumes_bit_for_bit_and_elsewhere_is_refused(runs, chat, tmp_path):
+    pp = runs("llama-pp2", LLAMA, 1, 4, **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 2})
+    step = pp.run_dir / "checkpoints" / f"step_{K:08d}"
+    assert sorted(p.name for p in step.glob("layer_*-model_states.pt")) == [f"layer_{i:02d}-model_states.pt"
+                                                                              for i in range(7)]  # fmt: skip
+    kw = {"strategy.pipeline_stages": 2, "checkpoint.resume": "auto"}
+    again = train(
+        tmp_path / "again",
+        sets(chat, LLAMA, 1, 4, **kw),
+        launcher="torchrun",
+        extra_args=["--resume", str(step)],
+    )
+    for s in range(K + 1, 2 * K + 1):
+        assert again.losses[s] == pp.losses[s], s
+    one = train(tmp_path / "one", sets(chat, LLAMA, 1, 4, **{**kw, "strategy.pipeline_stages": 1}), launcher="none",
+                extra_args=["--resume", str(step)], check=False)  # fmt: skip
+    assert one.returncode == 2, one.output[-3000:]
+    assert "was saved with 2 pipeline stage(s)" in one.output and "strategy.pipeline_stages: 2" in one.output
+    assert "Traceback" not in one.output
+
+
+def test_bin_export_of_stages_equals_the_export_without_them(runs, tmp_path):
+    """The layer files by the model's names (a tied head: the embedding again) against the run without stages at the
+    same step: the Llama's to the bit; GPT-2's within Adam's amplification of its tied weight's gradient, summed from
+    two stages by an all-reduce where one rank sums it in its backward (2e-7 apart at step 1: an update of a weight
+    whose gradient is near zero then moves by up to the learning rate either way)."""
+    from safetensors.torch import load_file
+
+    pairs = [(runs(f"{f}-pp1", c, 1, 4, launcher="none", **{"strategy.zero_stage": z, "strategy.pipeline_stages": 1}),
+              runs(f"{f}-pp2", c, 1, 4, **{"strategy.zero_stage": z, "strategy.pipeline_stages": 2}))
+             for f, c, z in (("llama", LLAMA, 1), ("gpt2", GPT2, 0))]  # fmt: skip
+    args = [str(x) for i, r in enumerate(r for p in pairs for r in p)
+            for x in (r.run_dir / "checkpoints" / f"step_{2 * K:08d}", tmp_path / f"export-{i}")]  # fmt: skip
+    script = (
+        "import sys\nfrom trainer.checkpoint.export import main\nfor a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    assert main([a, b]) == 0, a\n"
+    )  # fmt: skip  (bin/export's main, its start-up once)
+    p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    for i, rel in enumerate((0.0, 1e-3)):
+        a, b = (load_file(tmp_path / f"export-{2 * i + j}" / "model.safetensors") for j in (0, 1))
+        assert a.keys() == b.keys()
+        worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
+        print(f"largest weight difference {worst:.1e} of the weight's largest value")
+        assert worst <= rel
