@@ -1,7 +1,7 @@
 """The planner's order against measured steps (issue 61 item 3): on CPU with 2 ranks, every setting of a job --
 each ZeRO rung (0, 1, 2, 3, 2 + optimizer offload, 3 + optimizer offload, 3 + parameter offload) without
 levers, each activation lever on ZeRO-0 (checkpointing, the tiled loss, the tiled MLP, sequence parallel 2),
-checkpointing on ZeRO-3 and (the Llama) tensor parallel 2 on ZeRO 0-2 -- for two small models (a GPT-2 and a
+checkpointing on ZeRO-3, (the Llama) tensor parallel 2 on ZeRO 0-2 and pipeline stages 2 on ZeRO 0-1 -- for two small models (a GPT-2 and a
 grouped-query Llama shape) at two shapes, and a small Mixtral in bf16 at ZeRO 0-3 with and without expert
 parallel 2, run
 through bin/train under the deepspeed launcher, in interleaved rounds (every setting once a round, the order
@@ -69,11 +69,13 @@ LEVERS = {
     "sequence parallel 2": {"strategy.sequence_parallel": 2},
     "tensor parallel 2": {"strategy.tensor_parallel": 2},
     "expert parallel 2": {"strategy.expert_parallel": 2},
+    "pipeline stages 2": {"strategy.pipeline_stages": 2},
 }
 AXES = (
     "tensor parallel 2",
     "expert parallel 2",
-)  # the model-parallel axes (issue 70): the jobs whose model takes them
+    "pipeline stages 2",
+)  # the model-parallel axes (issues 70, 71): the jobs whose model takes them
 SETTINGS = [(r, "none") for r in RUNGS] + [("zero0", lv) for lv in LEVERS if lv != "none" and lv not in AXES]
 SETTINGS.append(("zero3", "activation checkpointing"))
 NPROC = 2
@@ -81,12 +83,14 @@ NPROC = 2
 
 def settings(name: str) -> list[tuple[str, str]]:
     """The settings a job is measured at: every rung and lever; tensor parallel 2 at ZeRO 0-2 for the Llamas
-    (AutoTP does not take GPT-2); the Mixtral at ZeRO 0-3 without and with expert parallel 2."""
+    (AutoTP does not take GPT-2); pipeline stages 2 at ZeRO 0-1 for the Llamas and GPT-2s (DeepSpeed's pipeline
+    engine takes no higher stage); the Mixtral at ZeRO 0-3 without and with expert parallel 2."""
     if name.startswith("mixtral"):
         return [(r, lv) for lv in ("none", "expert parallel 2") for r in ("zero0", "zero1", "zero2", "zero3")]
+    stages = [(r, "pipeline stages 2") for r in ("zero0", "zero1")]
     if name.startswith("llama"):
-        return SETTINGS + [(r, "tensor parallel 2") for r in ("zero0", "zero1", "zero2")]
-    return SETTINGS
+        return SETTINGS + [(r, "tensor parallel 2") for r in ("zero0", "zero1", "zero2")] + stages
+    return SETTINGS + stages
 
 
 def job_sets(name: str) -> dict[str, Any]:
@@ -108,6 +112,7 @@ def job_sets(name: str) -> dict[str, Any]:
         "strategy.sequence_parallel": 1,
         "strategy.tensor_parallel": 1,
         "strategy.expert_parallel": 1,
+        "strategy.pipeline_stages": 1,
         "strategy.justification": "benchmark",
     }
 
@@ -115,9 +120,9 @@ def job_sets(name: str) -> dict[str, Any]:
 def setting_sets(name: str, rung: str, levers: str) -> dict[str, Any]:
     """The setting's overrides, and the accumulation that trains the job's global batch at its degree."""
     _, _, micro, global_batch = JOBS[name]
-    mp = LEVERS[levers].get("strategy.sequence_parallel", 1) * LEVERS[levers].get(
-        "strategy.tensor_parallel", 1
-    )
+    lv = LEVERS[levers]
+    mp = (lv.get("strategy.sequence_parallel", 1) * lv.get("strategy.tensor_parallel", 1)
+          * lv.get("strategy.pipeline_stages", 1))  # fmt: skip
     return {**RUNGS[rung], **LEVERS[levers], "train.grad_accum": global_batch // (micro * (NPROC // mp))}
 
 

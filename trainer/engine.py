@@ -263,7 +263,8 @@ class Pipeline:
 
     def eval(self, batch: Any) -> Any:
         self.ds.module.loss_fn.num_items = 1.0  # the sum (Evaluator divides by the targets)
-        return self.ds.eval_batch(self.feed([batch]), num_micro_batches=1).detach()
+        # (DeepSpeed broadcasts the last stage's loss as a tensor of one element, which that stage holds as a scalar)
+        return self.ds.eval_batch(self.feed([batch]), num_micro_batches=1).detach().reshape(())
 
     def clip(self, max_norm: float) -> Any:
         """The gradients' norm over every stage (a tied weight's second copy counted once), clipped to `max_norm`."""

@@ -79,11 +79,11 @@ def test_the_bubble_and_the_micro_batches_in_flight():
     assert stages.in_flight(4, 2) == 2 and stages.in_flight(2, 8) == 2
 
 
-def plan(info, ranks=8, **sets):
+def plan(info, ranks=8, device=80 * GiB, **sets):
     overrides = ["train.precision=bf16", "strategy.justification=test", "train.eval_prompts=[]",
                  "strategy.hardware.gpu=h100", "train.micro_batch_size=1", "data.seq_len=4096", "model.config.n_positions=8192"]  # fmt: skip
     exp = config.load(TINY, overrides + [f"{k}={v}" for k, v in sets.items()])
-    return strategy.plan(exp, info, world_size=ranks, gpus_per_node=8, device_type="cuda", device_memory=80 * GiB,
+    return strategy.plan(exp, info, world_size=ranks, gpus_per_node=8, device_type="cuda", device_memory=device,
                          host_memory=2048 * GiB, precision="bf16")  # fmt: skip
 
 
@@ -155,3 +155,22 @@ def test_fewer_micro_batches_than_stages_are_refused_unless_justified():
     justified = config.load(TINY, [*sets, "strategy.justification=a test"])
     assert stages.degrees(justified, info, 2, "cuda", True) == [2]
     assert stages.degrees(config.load(TINY, [*sets, "train.grad_accum=2"]), info, 2, "cuda", True) == [2]
+
+
+def test_bf16_without_zero_is_not_a_rung_under_stages_and_no_hint_offers_the_tiled_loss():
+    """Review of issue 71: DeepSpeed's pipeline engine trains bf16 without ZeRO through its BF16_Optimizer (bf16
+    gradient accumulation: GPT-2's losses 1.5% off one rank's at step 3; its checkpoints fail to load, KeyError in
+    _load_legacy_checkpoint), so ZeRO-0 is refused in bf16 under stages and the plan takes ZeRO-1; the fit hint
+    never proposes the tiled loss, which stages refuse."""
+    from test_plan_axes import L1
+
+    two = plan(
+        L1, **{"strategy.pipeline_stages": 2, "train.global_batch_size": 32, "strategy.justification": ""}
+    )
+    by = {e.candidate.name: e for e in two.estimates}
+    assert "BF16_Optimizer" in by["zero0"].refused and not by["zero1"].refused
+    assert two.candidate.name == "zero1"
+    # 8 stages of this 1B in 20 GB: nothing fits, and no hint of the tiled loss
+    with pytest.raises(UserError) as e:
+        plan(L1, device=20 * GiB, **{"strategy.pipeline_stages": 8, "train.global_batch_size": 64})
+    assert "nothing fits" in str(e.value) and "chunked_loss" not in str(e.value)

@@ -33,6 +33,7 @@ def chunked_loss_hint(
     if (
         levers.chunked_loss
         or levers.tp > 1  # the tiled loss needs the LM head whole (levers.py's TP_TILED)
+        or levers.pp > 1  # and the logits where the pipeline's loss sees them (refused under stages)
         or exp.model.factory is not None
         or info.chunked_problem
         or chunked_loss_problem(info.model_type)

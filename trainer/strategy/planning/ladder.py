@@ -251,7 +251,7 @@ def _plan(
 
     estimates_for = _estimator(exp, info, pinned, lp=lp, world_size=world_size, gpus_per_node=gpus_per_node,
                                on_gpu=device_type == "cuda", budget=budget, host_memory=host_memory,
-                               template=template)  # fmt: skip
+                               template=template, bf16=precision == "bf16")  # fmt: skip
     large = sum(model_states(Candidate(0), info.params, info.largest_layer, world_size, lp)) > budget
     axes = (*degrees(exp, info, world_size, gpus_per_node, hardware.peers, precision, template, large, device_type),
             stages.degrees(exp, info, world_size, device_type, large))  # fmt: skip
@@ -306,7 +306,7 @@ def _plan(
 
 def _estimator(
     exp: Experiment, info: ModelInfo, pinned: Any, *, lp: int, world_size: int, gpus_per_node: int, on_gpu: bool,
-    budget: int, host_memory: int | None, template: Mapping[str, Any] | None,
+    budget: int, host_memory: int | None, template: Mapping[str, Any] | None, bf16: bool = False,
 ) -> Callable[[Levers], list[Estimate]]:  # fmt: skip
     """Every rung's estimate under one setting of the levers: the model states, buffers and host needs of
     every rung, which no lever changes but the accumulation (ZeRO-1/2 keep more gradients with it; a global
@@ -325,7 +325,7 @@ def _estimator(
                 host_activations=host_bytes(e) * gpus_per_node, generation=generation_bytes(e, local, lp),
                 states=(local, zero_world(info, local, world_size, tp * pp, ep)),
             )  # fmt: skip
-            bases[accum > 1, tp, ep, pp] = stages.refuse_sharded(refuse_zero3(made, tp), pp)
+            bases[accum > 1, tp, ep, pp] = stages.refuse_sharded(refuse_zero3(made, tp), pp, bf16)
         return bases[accum > 1, tp, ep, pp]
 
     def estimates_for(levers: Levers) -> list[Estimate]:

@@ -43,6 +43,13 @@ PP_ZERO = (
     "DeepSpeed's pipeline engine refuses ZeRO-2 and 3 (\"ZeRO-2 and ZeRO-3 are incompatible with pipeline "
     "parallelism\"): a stage's gradients are reduced once a step, after its micro batches"
 )
+# Why ZeRO-0 is not a rung in bf16 under stages (review of issue 71, measured on 2 CPU ranks): DeepSpeed's pipeline
+# engine then takes its BF16_Optimizer, whose gradients accumulate in bf16
+PP_BF16 = (
+    "without ZeRO DeepSpeed's pipeline engine trains bf16 through its BF16_Optimizer, which accumulates the micro "
+    "batches' gradients in bf16 (GPT-2's losses 1.5% off one rank's at step 3) and whose checkpoints do not load "
+    "back (KeyError in _load_legacy_checkpoint); ZeRO-1 trains as one rank does"
+)
 PP_ROUTER = (
     "a mixture's auxiliary loss sums every layer's router logits, which the stages hold apart (DeepSpeed's pipeline "
     "passes hidden states between them, not the routers' logits)"
@@ -248,12 +255,16 @@ def _bubble_pin(exp: Any, pp: int, world: int) -> None:
         )
 
 
-def refuse_sharded(estimates: list[Any], pp: int) -> list[Any]:
-    """ZeRO-2 and 3 refused under pipeline stages (PP_ZERO), the other rungs as they are."""
+def refuse_sharded(estimates: list[Any], pp: int, bf16: bool = False) -> list[Any]:
+    """ZeRO-2 and 3 refused under pipeline stages (PP_ZERO), and in bf16 ZeRO-0 (PP_BF16), the other rungs as they
+    are."""
     if pp == 1:
         return estimates
-    return [dataclasses.replace(e, refused=PP_ZERO, fits_device=False) if e.candidate.stage >= 2 else e
-            for e in estimates]  # fmt: skip
+    out = []
+    for e in estimates:
+        why = PP_ZERO if e.candidate.stage >= 2 else PP_BF16 if bf16 and e.candidate.stage == 0 else ""
+        out.append(dataclasses.replace(e, refused=why, fits_device=False) if why else e)
+    return out
 
 
 def stages_line(info: ModelInfo, pp: int, exp: Any) -> str:
