@@ -146,7 +146,7 @@ def test_bf16_stages_train_as_one_rank_at_zero1_and_resume_and_zero0_is_refused(
 
 def test_bin_export_of_stages_equals_the_export_without_them(runs, tmp_path):
     """The layer files by the model's names (a tied head: the embedding again) against the run without stages at the
-    same step: the Llama's to the bit; GPT-2's within Adam's amplification of its tied weight's gradient, summed from
+    same step: the Llama's within fp32's rounding; GPT-2's within Adam's amplification of its tied weight's gradient, summed from
     two stages by an all-reduce where one rank sums it in its backward (2e-7 apart at step 1: an update of a weight
     whose gradient is near zero then moves by up to the learning rate either way)."""
     from safetensors.torch import load_file
@@ -163,7 +163,7 @@ def test_bin_export_of_stages_equals_the_export_without_them(runs, tmp_path):
     p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
                        timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    for i, rel in enumerate((0.0, 1e-3)):
+    for i, rel in enumerate((1e-6, 1e-3)):
         a, b = (load_file(tmp_path / f"export-{2 * i + j}" / "model.safetensors") for j in (0, 1))
         assert a.keys() == b.keys()
         worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
