@@ -20,6 +20,7 @@ process group.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -64,14 +65,45 @@ def _saved_weights(
 
     if layout is None:
         layout = (state.get("param_groups") or [], state.get("tied") or {})
-    if stages.saved_stages(ckpt) > 1:  # pipeline stages: the layer files, by the model's names
-        weights = {k: v.float() for k, v in stages.whole_weights(ckpt).items()}
+    if stages.saved_stages(ckpt) > 1:  # pipeline stages: each stage's masters, by the model's names
+        weights = _stage_weights(ckpt, stage, layout, _whole_weights)
         return {**weights, **{alias: weights[name] for alias, name in layout[1].items() if name in weights}}
     if saved_axes(ckpt) != (1, 1):  # tensor or expert parallelism: shards, joined (sharded.py)
         from trainer.checkpoint.sharded import whole_weights
 
         return whole_weights(ckpt, stage, layout, read=_whole_weights)
     return _whole_weights(ckpt, stage, layout)
+
+
+def _stage_weights(ckpt: Path, stage: int, layout: Any, read: Any) -> dict[str, Any]:
+    """The fp32 master weights of a checkpoint of pipeline stages at ZeRO-1 (each stage's optimizer partitions over
+    its data-parallel ranks, read by `read`, the reader of one model-parallel rank, over each stage's files seen as
+    one rank's: its model states without a module, whose weights are in the layer files), by the model's names; at
+    ZeRO-0 (`stage`; fp32 only under stages) the layer files are the weights."""
+    import os
+    import tempfile
+
+    import torch
+
+    from trainer.checkpoint.stages import saved_stages, whole_weights
+    from trainer.model.stages import model_name
+
+    if stage == 0:
+        return {k: v.float() for k, v in whole_weights(ckpt).items()}
+    names = json.loads((Path(ckpt) / "trainer_state.json").read_text())["plan"]["pipeline"]["names"]
+    out: dict[str, Any] = {}
+    for s in range(saved_stages(ckpt)):
+        mine = f"mp_rank_{s:02d}"
+        with tempfile.TemporaryDirectory(prefix="export-stage-") as tmp:
+            view = Path(tmp) / ckpt.name
+            view.mkdir()
+            for f in ckpt.glob(f"*zero_pp_rank_*_{mine}_optim_states.pt"):  # (bf16: bf16_zero_pp_rank_...)
+                os.symlink(f, view / f.name.replace(mine, "mp_rank_00"))
+            states = torch.load(ckpt / f"{mine}_model_states.pt", map_location="cpu", weights_only=False)
+            torch.save({**states, "module": {}}, view / "mp_rank_00_model_states.pt")
+            for name, tensor in read(view, stage, layout).items():
+                out[model_name(names, name)] = tensor.float()
+    return out
 
 
 def _whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[str, str]]) -> dict[str, Any]:
@@ -91,9 +123,10 @@ def _whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[s
         # DeepSpeed rebuilds the weights from the optimizer's fp32 partitions, which hold only the
         # trainable ones, and saves the frozen ones (model.lora's base) apart only at stages 2-3. At
         # stage 1 every rank holds them whole in the module's state: take them from there.
-        module = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)[
-            "module"
-        ]
+        module = (
+            torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+            or {}
+        )  # (pipeline stages: the module's weights are in its layer files)
         sd.update({k: v.float() for k, v in module.items() if k not in sd and v.is_floating_point()})
     return sd
 

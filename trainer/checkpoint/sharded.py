@@ -43,7 +43,7 @@ def whole_weights(
             torch.load(files[0], map_location="cpu", weights_only=False).get("universal_checkpoint_info")
             or {}
         )
-        parts = [_tp_rank(ckpt, r, stage, layout, read) for r in range(len(files))]
+        parts = [one_rank(ckpt, r, stage, layout, read) for r in range(len(files))]
         # a tied head is an alias some ranks' files name and others' do not: the parameter is its embedding's
         names = [k for k in parts[0] if all(k in p for p in parts)]
         out = {k: _joined([p[k] for p in parts], k, info) for k in names}
@@ -77,7 +77,7 @@ def _expert_parallel(ckpt: Path, states: str) -> dict[str, Any]:
     return weights
 
 
-def _tp_rank(
+def one_rank(
     ckpt: Path, r: int, stage: int, layout: Layout, read: Callable[[Path, int, Layout], dict[str, Any]]
 ) -> dict[str, Any]:
     """Tensor-parallel rank `r`'s weights whole over its data-parallel ranks: its files (`*mp_rank_RR*`) seen as

@@ -214,11 +214,14 @@ def pipeline(lm: Any, pp: int, parts: list[int]) -> Any:
 def model_names(module: Any) -> dict[str, str]:
     """A PipelineModule's parameter names ('3.layer.mlp.up_proj.weight', 'tied_modules.embed.embed.weight') as the
     model without stages has them ('model.layers.1.mlp.up_proj.weight', 'model.embed_tokens.weight')."""
-    out = {}
-    for name, _ in module.named_parameters():
-        head, _, rest = name.partition(".")
-        if head == "tied_modules":
-            out[name] = module.names[0][rest.partition(".")[2]]
-        else:
-            out[name] = module.names[int(head)][rest]
-    return out
+    names = {str(i): n for i, n in module.names.items()}
+    return {name: model_name(names, name) for name, _ in module.named_parameters()}
+
+
+def model_name(names: dict[str, dict[str, str]], name: str) -> str:
+    """A PipelineModule's parameter name ('3.layer.mlp.up_proj.weight', 'tied_modules.embed.embed.weight') as the
+    model without stages has it, from a checkpoint's recorded names ({item index: {item's name: model's}})."""
+    head, _, rest = name.partition(".")
+    if head == "tied_modules":
+        return names["0"][rest.partition(".")[2]]
+    return names[head][rest]
