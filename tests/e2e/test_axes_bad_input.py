@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism that cannot run the job, through the real CLI (`--plan`: nothing starts): exit 2,
+"""Tensor and expert parallelism and pipeline stages that cannot run the job, through the real CLI (`--plan`: nothing starts): exit 2,
 no traceback, the key and the fix."""
 
 import json
@@ -110,6 +110,58 @@ CASES = {
         ),
         ["tensor_parallel.autotp_size", "template says 4, the experiment says 2"],
     ),
+    # pipeline stages (issue 71)
+    "more pipeline stages than the model has items": (
+        lambda t: plan(t, LLAMA, "strategy.pipeline_stages=8", "train.eval_prompts=[]", world=8),
+        ["strategy.pipeline_stages: 8 cannot run this job", "the model has 2 layers (5 pipeline items"],
+    ),
+    "fewer micro batches than stages": (
+        lambda t: plan(
+            t,
+            LLAMA,
+            "strategy.pipeline_stages=2",
+            "train.eval_prompts=[]",
+            "train.grad_accum=1",
+            "train.global_batch_size=null",
+            "strategy.justification=",
+        ),
+        [
+            "strategy.pipeline_stages: 2 with 1 micro batch(es) a step",
+            "leaves 50% of each step idle",
+            "strategy.justification",
+        ],
+    ),  # fmt: skip
+    "pipeline stages at ZeRO-2": (
+        lambda t: plan(
+            t, LLAMA, "strategy.pipeline_stages=2", "train.eval_prompts=[]", "strategy.zero_stage=2"
+        ),
+        ["strategy.pipeline_stages", "takes ZeRO 0 and 1 only", "set zero_stage: 1"],
+    ),
+    "pipeline stages with LoRA": (
+        lambda t: plan(t, LLAMA, "strategy.pipeline_stages=2", "train.eval_prompts=[]", "model.lora={r: 4}"),
+        ["strategy.pipeline_stages", "LoRA with pipeline stages is refused", "set 1"],
+    ),
+    "pipeline stages for a family not trained in stages": (
+        lambda t: plan(
+            t, LLAMA.replace("llama", "gemma"), "strategy.pipeline_stages=2", "train.eval_prompts=[]"
+        ),
+        [
+            "strategy.pipeline_stages: 2 cannot run this job",
+            "model type 'gemma' has not been trained in stages",
+            "set it to 1 (off)",
+        ],
+    ),  # fmt: skip
+    "pipeline stages in bf16 without ZeRO": (
+        lambda t: plan(
+            t,
+            LLAMA,
+            "strategy.pipeline_stages=2",
+            "train.eval_prompts=[]",
+            "train.precision=bf16",
+            "strategy.zero_stage=0",
+        ),
+        ["BF16_Optimizer"],
+    ),  # fmt: skip
 }
 
 
