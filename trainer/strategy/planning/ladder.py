@@ -272,7 +272,9 @@ def _plan(
     if found.chosen is not None:
         levers, chosen = found.chosen.levers, found.chosen.candidate
     else:
-        levers = min(found.estimates, key=lambda lv: min(e.total for e in found.estimates[lv]))
+        allowed = set(found.order)  # the closest setting on a rung the pins allow and the axes do not refuse
+        levers = min(found.estimates, key=lambda lv: min((e.total for e in found.estimates[lv] if (lv, e.candidate)
+                                                          in allowed and not e.refused), default=float("inf")))  # fmt: skip
         chosen = None
     estimates = found.estimates[levers]
     by = {e.candidate: e for e in estimates}
