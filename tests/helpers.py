@@ -425,6 +425,29 @@ def sigterm_rank_1(
     return proc.returncode, out, took, step
 
 
+def export_differences(pairs: list[tuple[Result, Result]], step: int, tmp: Path) -> list[float]:
+    """Each pair of runs' checkpoints at `step` through bin/export's main (in one process: its start-up once), and
+    for each pair the largest weight difference of the two exports, over the weight's largest value."""
+    from safetensors.torch import load_file
+
+    args = [str(x) for i, r in enumerate(r for p in pairs for r in p)
+            for x in (r.run_dir / "checkpoints" / f"step_{step:08d}", tmp / f"export-{i}")]  # fmt: skip
+    script = (
+        "import sys\nfrom trainer.checkpoint.export import main\nfor a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    assert main([a, b]) == 0, a\n"
+    )  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    worst = []
+    for i in range(len(pairs)):
+        a, b = (load_file(tmp / f"export-{2 * i + j}" / "model.safetensors") for j in (0, 1))
+        assert a.keys() == b.keys()
+        worst.append(max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a))
+        print(f"largest weight difference {worst[-1]:.1e} of the weight's largest value")
+    return worst
+
+
 def chat_data(path: Path, rows: int = 400) -> Path:
     """A chat JSONL made here (no download): additions asked two ways, with and without a system
     prompt, so that answers (the targets) have very different lengths."""

@@ -162,9 +162,7 @@ class Engine:
         """The summed loss of a batch's targets (`eval_weight` is their count)."""
         import torch
 
-        if (
-            self.pipe is not None
-        ):  # through the stages: the targets' summed loss, averaged over data-parallel ranks
+        if self.pipe is not None:  # through the stages: averaged over the data-parallel ranks
             return self.pipe.eval(batch)
         with torch.no_grad():
             if self.objective is not None:  # the pairs' losses, summed (eval_weight: the pairs)
@@ -248,10 +246,8 @@ class Pipeline:
         """A step's micro batches through the stages: the loss every rank logs (the mean over micro batches and
         data-parallel ranks of each micro batch's summed target loss over `num_items`; DeepSpeed broadcasts it from
         the last stage), x the micro batches (the loop's sum of micro losses)."""
-        b = batches[0]
-        self.ds.module.loss_fn.num_items = (
-            num_items if num_items is not None else float(b.shape[0] * (b.shape[-1] - 1))
-        )
+        # (token blocks: every token of a block a target)
+        self.ds.module.loss_fn.num_items = float(target_count(batches[0]) if num_items is None else num_items)
         loss = self.ds.train_batch(self.feed(batches))
         if self.engine.on_backward is not None:  # (tests) the reduced gradients, before the held update
             self.ds._force_grad_boundary = True

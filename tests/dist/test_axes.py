@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from helpers import chat_data, train
+from helpers import chat_data, export_differences, train
 
 pytestmark = pytest.mark.dist
 
@@ -194,12 +194,6 @@ def test_bin_export_of_a_sharded_checkpoint_equals_the_export_without_the_axis(r
     shards joined by AutoTP's metadata, a tied head and embedding too; expert parallel: AutoEP's experts and router
     under transformers' names again): the model equals the one trained without the axis, to fp32's rounding (TP)
     and bf16's (EP, whose runs differ by bf16's rounding at every step)."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT, env_for
-    from safetensors.torch import load_file
-
     bf16 = BF16
     z2 = {"strategy.zero_stage": 2}
     pairs = (
@@ -210,20 +204,9 @@ def test_bin_export_of_a_sharded_checkpoint_equals_the_export_without_the_axis(r
         (runs("mixtral-ep1", MIXTRAL, 1, **bf16, **{"strategy.expert_parallel": 1}),
          runs("mixtral-ep2", MIXTRAL, 1, **bf16, **{"strategy.expert_parallel": 2}), 1e-2),
     )  # fmt: skip
-    args = [str(x) for i, r in enumerate(r for p in pairs for r in p[:2])
-            for x in (r.run_dir / "checkpoints" / f"step_{2 * K:08d}", tmp_path / f"export-{i}")]  # fmt: skip
-    script = (
-        "import sys\nfrom trainer.checkpoint.export import main\nfor a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    assert main([a, b]) == 0, a\n"
-    )  # fmt: skip  (bin/export's main, its start-up once)
-    p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    for i, (_, _, rel) in enumerate(pairs):
-        a, b = (load_file(tmp_path / f"export-{2 * i + j}" / "model.safetensors") for j in (0, 1))
-        assert a.keys() == b.keys()
-        worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
-        print(f"largest weight difference {worst:.1e} of the weight's largest value")
+    for worst, (_, _, rel) in zip(
+        export_differences([p[:2] for p in pairs], 2 * K, tmp_path), pairs, strict=True
+    ):
         assert worst <= rel
 
 

@@ -12,12 +12,9 @@ against the same global batch without stages (trainer/model/stages.py, trainer/s
 - bin/export of a checkpoint of stages equals the export of the run without them.
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import ROOT, chat_data, env_for, train
+from helpers import chat_data, export_differences, train
 
 pytestmark = pytest.mark.dist
 
@@ -98,20 +95,20 @@ def test_two_stages_by_two_data_parallel_ranks_train_as_four(runs):
         assert pp2.losses[step] == pytest.approx(loss, rel=1e-5), step
 
 
+def resumes_bit_for_bit(run, step, settings, tmp):
+    """`run`'s checkpoint `step` resumed under torchrun at `settings`: its losses after it, bit for bit."""
+    again = train(tmp, settings, launcher="torchrun", extra_args=["--resume", str(step)])
+    for s in range(K + 1, 2 * K + 1):
+        assert again.losses[s] == run.losses[s], s
+
+
 def test_a_checkpoint_of_stages_resumes_bit_for_bit_and_elsewhere_is_refused(runs, chat, tmp_path):
     pp = runs("llama-pp2", LLAMA, 1, 4, **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 2})
     step = pp.run_dir / "checkpoints" / f"step_{K:08d}"
     assert sorted(p.name for p in step.glob("layer_*-model_states.pt")) == [f"layer_{i:02d}-model_states.pt"
                                                                               for i in range(7)]  # fmt: skip
     kw = {"strategy.pipeline_stages": 2, "checkpoint.resume": "auto"}
-    again = train(
-        tmp_path / "again",
-        sets(chat, LLAMA, 1, 4, **kw),
-        launcher="torchrun",
-        extra_args=["--resume", str(step)],
-    )
-    for s in range(K + 1, 2 * K + 1):
-        assert again.losses[s] == pp.losses[s], s
+    resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "again")
     one = train(tmp_path / "one", sets(chat, LLAMA, 1, 4, **{**kw, "strategy.pipeline_stages": 1}), launcher="none",
                 extra_args=["--resume", str(step)], check=False)  # fmt: skip
     assert one.returncode == 2, one.output[-3000:]
@@ -131,14 +128,7 @@ def test_bf16_stages_train_as_one_rank_at_zero1_and_resume_and_zero0_is_refused(
     assert worst <= 1e-6  # (measured: equal; the optimizer's fp32 masters are each stage's)
     step = pp.run_dir / "checkpoints" / f"step_{K:08d}"
     kw = {**bf16, "strategy.pipeline_stages": 2, "checkpoint.resume": "auto"}
-    again = train(
-        tmp_path / "again",
-        sets(chat, LLAMA, 1, 4, **kw),
-        launcher="torchrun",
-        extra_args=["--resume", str(step)],
-    )
-    for s in range(K + 1, 2 * K + 1):
-        assert again.losses[s] == pp.losses[s], s
+    resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "again")
     zero0 = train(tmp_path / "zero0", sets(chat, LLAMA, 1, 4, **{**kw, "strategy.zero_stage": 0}), launcher="none",
                   check=False, extra_args=["--plan", "--world-size", "2"])  # fmt: skip
     assert zero0.returncode == 2 and "BF16_Optimizer" in zero0.output, zero0.output[-3000:]
@@ -150,28 +140,12 @@ def test_bin_export_of_stages_equals_the_export_without_them(runs, tmp_path):
     two stages by an all-reduce where one rank sums it in its backward (2e-7 apart at step 1: an update of a weight
     whose gradient is near zero then moves by up to the learning rate either way); a bf16 run's, from each stage's
     fp32 masters as without stages (its layer files hold the bf16 weights)."""
-    from safetensors.torch import load_file
-
     pairs = [(runs(f"{f}-pp1", c, 1, 4, launcher="none", **{"strategy.zero_stage": z, "strategy.pipeline_stages": 1}),
               runs(f"{f}-pp2", c, 1, 4, **{"strategy.zero_stage": z, "strategy.pipeline_stages": 2}))
              for f, c, z in (("llama", LLAMA, 1), ("gpt2", GPT2, 0))]  # fmt: skip
     bf16 = {"train.precision": "bf16", "model.chunked_loss": False, "strategy.zero_stage": 1}
     pairs.append((runs("llama-bf16-pp1", LLAMA, 1, 4, launcher="none", **bf16, **{"strategy.pipeline_stages": 1}),
                   runs("llama-bf16-pp2", LLAMA, 1, 4, **bf16, **{"strategy.pipeline_stages": 2})))  # fmt: skip
-    args = [str(x) for i, r in enumerate(r for p in pairs for r in p)
-            for x in (r.run_dir / "checkpoints" / f"step_{2 * K:08d}", tmp_path / f"export-{i}")]  # fmt: skip
-    script = (
-        "import sys\nfrom trainer.checkpoint.export import main\nfor a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-        "    assert main([a, b]) == 0, a\n"
-    )  # fmt: skip  (bin/export's main, its start-up once)
-    p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    for i, rel in enumerate(
-        (1e-6, 1e-3, 1e-6)
-    ):  # (bf16: each stage's fp32 masters, not its bf16 layer files)
-        a, b = (load_file(tmp_path / f"export-{2 * i + j}" / "model.safetensors") for j in (0, 1))
-        assert a.keys() == b.keys()
-        worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a)
-        print(f"largest weight difference {worst:.1e} of the weight's largest value")
+    # (bf16: each stage's fp32 masters, not its bf16 layer files)
+    for worst, rel in zip(export_differences(pairs, 2 * K, tmp_path), (1e-6, 1e-3, 1e-6), strict=True):
         assert worst <= rel

@@ -20,7 +20,6 @@ process group.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -60,13 +59,13 @@ def consolidated_state_dict(
 def _saved_weights(
     ckpt: Path, stage: int, state: dict[str, Any], layout: tuple[list[list[str]], dict[str, str]] | None
 ) -> dict[str, Any]:
-    from trainer.checkpoint import stages
     from trainer.checkpoint.reshard import saved_axes
 
     if layout is None:
         layout = (state.get("param_groups") or [], state.get("tied") or {})
-    if stages.saved_stages(ckpt) > 1:  # pipeline stages: each stage's masters, by the model's names
-        weights = _stage_weights(ckpt, stage, layout, _whole_weights)
+    staged = (state.get("plan") or {}).get("pipeline")
+    if staged:  # pipeline stages: each stage's masters, by the model's names
+        weights = _stage_weights(ckpt, stage, layout, staged["names"])
         return {**weights, **{alias: weights[name] for alias, name in layout[1].items() if name in weights}}
     if saved_axes(ckpt) != (1, 1):  # tensor or expert parallelism: shards, joined (sharded.py)
         from trainer.checkpoint.sharded import whole_weights
@@ -75,34 +74,22 @@ def _saved_weights(
     return _whole_weights(ckpt, stage, layout)
 
 
-def _stage_weights(ckpt: Path, stage: int, layout: Any, read: Any) -> dict[str, Any]:
-    """The fp32 master weights of a checkpoint of pipeline stages at ZeRO-1 (each stage's optimizer partitions over
-    its data-parallel ranks, read by `read`, the reader of one model-parallel rank, over each stage's files seen as
-    one rank's: its model states without a module, whose weights are in the layer files), by the model's names; at
-    ZeRO-0 (`stage`; fp32 only under stages) the layer files are the weights."""
-    import os
-    import tempfile
-
-    import torch
-
-    from trainer.checkpoint.stages import saved_stages, whole_weights
+def _stage_weights(ckpt: Path, stage: int, layout: Any, names: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """The fp32 master weights of a checkpoint of pipeline stages (`names`: each layer file's names as the model has
+    them, trainer_state.json's), by the model's names: at ZeRO-1 each stage's optimizer partitions over its
+    data-parallel ranks, read as one rank's (sharded.one_rank); at ZeRO-0 (fp32 only under stages) the layer
+    files."""
+    from trainer.checkpoint.reshard import model_state_files
+    from trainer.checkpoint.sharded import one_rank
+    from trainer.checkpoint.stages import whole_weights
     from trainer.model.stages import model_name
 
     if stage == 0:
-        return {k: v.float() for k, v in whole_weights(ckpt).items()}
-    names = json.loads((Path(ckpt) / "trainer_state.json").read_text())["plan"]["pipeline"]["names"]
+        return {k: v.float() for k, v in whole_weights(ckpt, names).items()}
     out: dict[str, Any] = {}
-    for s in range(saved_stages(ckpt)):
-        mine = f"mp_rank_{s:02d}"
-        with tempfile.TemporaryDirectory(prefix="export-stage-") as tmp:
-            view = Path(tmp) / ckpt.name
-            view.mkdir()
-            for f in ckpt.glob(f"*zero_pp_rank_*_{mine}_optim_states.pt"):  # (bf16: bf16_zero_pp_rank_...)
-                os.symlink(f, view / f.name.replace(mine, "mp_rank_00"))
-            states = torch.load(ckpt / f"{mine}_model_states.pt", map_location="cpu", weights_only=False)
-            torch.save({**states, "module": {}}, view / "mp_rank_00_model_states.pt")
-            for name, tensor in read(view, stage, layout).items():
-                out[model_name(names, name)] = tensor.float()
+    for s in range(len(model_state_files(ckpt))):  # (a file a stage)
+        for name, tensor in one_rank(ckpt, s, stage, layout, _whole_weights, staged=True).items():
+            out[model_name(names, name)] = tensor
     return out
 
 

@@ -78,16 +78,28 @@ def _expert_parallel(ckpt: Path, states: str) -> dict[str, Any]:
 
 
 def one_rank(
-    ckpt: Path, r: int, stage: int, layout: Layout, read: Callable[[Path, int, Layout], dict[str, Any]]
-) -> dict[str, Any]:
-    """Tensor-parallel rank `r`'s weights whole over its data-parallel ranks: its files (`*mp_rank_RR*`) seen as
-    a checkpoint of one tensor-parallel rank (links named `mp_rank_00`), read as any checkpoint of that stage."""
+    ckpt: Path, r: int, stage: int, layout: Layout, read: Callable[[Path, int, Layout], dict[str, Any]],
+    staged: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Model-parallel rank `r`'s weights whole over its data-parallel ranks (a tensor-parallel rank; `staged`: a
+    pipeline stage): its files (`*mp_rank_RR*`) seen as a checkpoint of one rank (links named `mp_rank_00`), read as
+    any checkpoint of that stage. A stage's model states hold no module (its weights are the layer files): an
+    empty one in their copy, as zero_to_fp32 reads the module's buffers."""
+    import torch
+
     mine = f"mp_rank_{r:02d}"
-    with tempfile.TemporaryDirectory(prefix="export-tp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="export-rank-") as tmp:
         step = Path(tmp) / ckpt.name
         step.mkdir()
         for f in ckpt.iterdir():
-            if mine in f.name:
+            if mine not in f.name:
+                continue
+            if staged and f.name == f"{mine}_model_states.pt":
+                states = torch.load(f, map_location="cpu", weights_only=False)
+                torch.save(
+                    {**states, "module": states.get("module") or {}}, step / "mp_rank_00_model_states.pt"
+                )
+            else:
                 os.symlink(f, step / f.name.replace(mine, "mp_rank_00"))
         return {k: v.float() for k, v in read(step, stage, layout).items()}
 

@@ -41,18 +41,18 @@ def check_resume(ckpt: Path, engine: Any, src: tuple[int, int], dst: tuple[int, 
     )
 
 
-def whole_weights(ckpt: Path) -> dict[str, Any]:
-    """The model's weights from a checkpoint of pipeline stages, by the model's names (a tied head: the embedding,
-    which the model ties again), as the layer files hold them (the training precision)."""
+def whole_weights(ckpt: Path, names: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """The model's weights from a checkpoint of pipeline stages, by the model's names (`names`: each layer file's,
+    as trainer_state.json's plan records them; a tied head: the embedding, which the model ties again), as the layer
+    files hold them (the training precision)."""
     import torch
 
-    plan = json.loads((Path(ckpt) / "trainer_state.json").read_text())["plan"]
     out = {}
-    for index, names in plan["pipeline"]["names"].items():
+    for index, item in names.items():
         found = sorted(Path(ckpt).glob(f"layer_{int(index):02d}-*model_states.pt"))
         if not found:
             raise FileNotFoundError(f"{ckpt}: no layer file for pipeline item {index}")
         state = torch.load(found[0], map_location="cpu", weights_only=True)
-        for name, model_name in names.items():
+        for name, model_name in item.items():
             out[model_name] = state[name]
     return out

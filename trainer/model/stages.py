@@ -157,10 +157,10 @@ class Loss:
         return self.loss(logits, labels, vocab_size=self.vocab, num_items_in_batch=self.num_items)
 
 
-def items(lm: Any) -> tuple[list[Any], dict[int, dict[str, str]]]:
+def items(lm: Any) -> tuple[list[Any], dict[str, dict[str, str]]]:
     """The model's pipeline items in order (planning/stages.py's `kinds`), and each item's parameter names as the
-    model has them ({item index: {the item's name: the model's}}: what bin/export and a resume without stages
-    read the layer files by)."""
+    model has them ({item index, as trainer_state.json keys it: {the item's name: the model's}}: what bin/export
+    reads the layer files by)."""
     from deepspeed.pipe import TiedLayerSpec
 
     base = _base(lm)
@@ -175,12 +175,12 @@ def items(lm: Any) -> tuple[list[Any], dict[int, dict[str, str]]]:
     out.append(Norm(lm))
     out.append(spec(forward_fn=TiedHead(lm)) if tied else Head(lm))
     owner = {id(p): n for n, p in lm.named_parameters()}  # (a tied weight: its first name, the embedding's)
-    names: dict[int, dict[str, str]] = {}
+    names: dict[str, dict[str, str]] = {}
     for i, item in enumerate(out):
         module = Tokens(lm) if isinstance(item, TiedLayerSpec) else item
         if isinstance(item, TiedLayerSpec) and i > 0:
             continue  # the tied head holds no file of its own: the embedding's, on the first stage
-        names[i] = {n: owner[id(p)] for n, p in module.named_parameters()}
+        names[str(i)] = {n: owner[id(p)] for n, p in module.named_parameters()}
     return out, names
 
 
@@ -214,8 +214,7 @@ def pipeline(lm: Any, pp: int, parts: list[int]) -> Any:
 def model_names(module: Any) -> dict[str, str]:
     """A PipelineModule's parameter names ('3.layer.mlp.up_proj.weight', 'tied_modules.embed.embed.weight') as the
     model without stages has them ('model.layers.1.mlp.up_proj.weight', 'model.embed_tokens.weight')."""
-    names = {str(i): n for i, n in module.names.items()}
-    return {name: model_name(names, name) for name, _ in module.named_parameters()}
+    return {name: model_name(module.names, name) for name, _ in module.named_parameters()}
 
 
 def model_name(names: dict[str, dict[str, str]], name: str) -> str:

@@ -232,7 +232,7 @@ def probe_logits(directory: str, engine: Any, data: Any, rank: int) -> None:
 
     if (
         getattr(engine, "sp", 1) > 1 or getattr(engine, "pipe", None) is not None
-    ):  # (no rank holds the model whole)
+    ):  # no rank holds the model whole
         return
     rows = data.train[:2]
     rows = rows.reshape(-1, *rows.shape[2:]) if rows.ndim == 4 else rows  # preference pairs: their rows

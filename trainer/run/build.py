@@ -269,8 +269,7 @@ def stages_record(engine: Any) -> dict[str, Any]:
     resume without stages read the layer files by them)."""
     if getattr(engine, "pipe", None) is None:
         return {}
-    module = engine.module
-    return {"pipeline": {"parts": list(module.parts), "names": {str(i): n for i, n in module.names.items()}}}
+    return {"pipeline": {"parts": list(engine.module.parts), "names": engine.module.names}}
 
 
 def data_for_rank(
@@ -326,9 +325,8 @@ def make_metrics(
         world_size=env.world_size,
         # the ranks whose losses sum to the step's: the data-parallel ones (a sequence-parallel group's shards sum to
         # its rows'); a tensor-parallel group's ranks each hold its rows' whole loss
-        loss_ranks=planned.plan.dp_world
-        * planned.plan.tp
-        * planned.plan.pp,  # every stage logs the step's loss
+        # (every pipeline stage logs the step's loss)
+        loss_ranks=planned.plan.dp_world * planned.plan.tp * planned.plan.pp,
         log_every=t.log_every,
         max_steps=max_steps,
         samples_per_step=samples,

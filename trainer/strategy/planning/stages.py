@@ -196,7 +196,7 @@ def p2p_seconds(
     return 2 * (accum + pp - 1) * (volume / link + m.collective_s)
 
 
-def problem(info: ModelInfo, pp: int, world: int, seq_len: int) -> str | None:
+def problem(info: ModelInfo, pp: int, world: int) -> str | None:
     """Why `pp` stages cannot run this job (None: they can)."""
     if info.model_type not in FAMILIES:
         return (
@@ -219,25 +219,23 @@ def degrees(exp: Any, info: ModelInfo, world: int, device_type: str, large: bool
     """The stage counts the plan may choose from: a pinned count, checked (a UserError with the key and the fix);
     under auto 1, and on GPUs for a `large` model (its ZeRO-0 states do not fit a device) each of DEGREES that can
     run this job."""
-    pin, seq = exp.strategy.pipeline_stages, exp.data.seq_len
+    pin = exp.strategy.pipeline_stages
     if pin == "auto":
         offered = device_type == "cuda" and large and exp.train.objective == "sft" and exp.model.lora is None
-        return [1] + (
-            [d for d in DEGREES if d <= world and not problem(info, d, world, seq)] if offered else []
-        )
+        return [1] + ([d for d in DEGREES if d <= world and not problem(info, d, world)] if offered else [])
     pin = int(pin)
-    why = problem(info, pin, world, seq) if pin > 1 else None
-    if not why and pin > 1:
-        _bubble_pin(exp, pin, world)
+    why = problem(info, pin, world) if pin > 1 else None
     if why:
         fix = (
-            "set it to 1 (off)"
-            if why in (PP_ROUTER,) or "trained in stages" in why
+            "set model.config.output_router_logits: false (the routers train on the loss alone), or 1 (off)"
+            if why == PP_ROUTER
+            else "set it to 1 (off)"
+            if "trained in stages" in why
             else "give fewer stages that divide the ranks, or 1 (off)"
         )
-        if why == PP_ROUTER:
-            fix = "set model.config.output_router_logits: false (the routers train on the loss alone), or 1 (off)"
         raise UserError(f"strategy.pipeline_stages: {pin} cannot run this job: {why}; {fix}")
+    if pin > 1:
+        _bubble_pin(exp, pin, world)
     return [pin]
 
 
