@@ -1,7 +1,8 @@
 """Pipeline stages in one process (the two-rank half: tests/dist/test_pipeline.py): every family of the matrix that
-trains in stages runs its pipeline items one after the other to the model's own loss and gradients, bit for bit
-(packed rows, sliding windows, Gemma 3's layer types, tied heads, experts); the partition by time; the plan's stage,
-bubble and refusals (trainer/strategy/planning/stages.py)."""
+trains in stages runs its pipeline items one after the other to the model's own loss and gradients (packed rows,
+sliding windows, Gemma 3's layer types, tied heads, experts), to fp32's rounding (bit for bit here; one CI run saw
+gpt-oss's expert bias gradient differ in its last bits: the CPU's matrix products are not bit-reproducible across
+allocations); the partition by time; the plan's stage, bubble and refusals (trainer/strategy/planning/stages.py)."""
 
 import pytest
 import torch
@@ -39,9 +40,10 @@ def test_the_items_in_sequence_are_the_model(family):
             x = item(x)
     loss = lm.loss_function(x, labels, vocab_size=cfg.get_text_config().vocab_size, num_items_in_batch=n)
     loss.backward()
-    assert loss.item() == ref.item()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     for k, p in lm.named_parameters():
-        assert torch.equal(p.grad, want[k]), k
+        worst = ((p.grad - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-30)).item()
+        assert worst <= 1e-6, (k, worst)
     every = {v for m in names.values() for v in m.values()}
     assert every == {
         k for k, _ in lm.named_parameters()
