@@ -82,7 +82,9 @@ def test_two_stages_train_as_one_rank(runs, family, stage):
         assert pp.eval_losses[step] == pytest.approx(loss, rel=1e-6), (family, step)
 
 
-def test_two_stages_by_two_data_parallel_ranks_train_as_four(runs):
+def test_two_stages_by_two_data_parallel_ranks_train_as_four_and_resume_their_checkpoint(
+    runs, chat, tmp_path
+):
     """4 ranks: PP 2 x DP 2 (the stages outermost: ranks 0-1 the first stage, 2-3 the second; a pipeline's ranks
     read the same rows) against DP 4, micro 1 x accumulation 4 x 2 against micro 1 x accumulation 2 x 4: the same
     global batch of 8 rows, ZeRO-1 (a stage's optimizer states over its data-parallel ranks)."""
@@ -93,32 +95,73 @@ def test_two_stages_by_two_data_parallel_ranks_train_as_four(runs):
     ]
     for step, loss in dp4.losses.items():
         assert pp2.losses[step] == pytest.approx(loss, rel=1e-5), step
+    # DP 4's checkpoint resumed at PP 2 x DP 2 (the optimizer's partitions over 4 ranks, then over each stage's 2)
+    again = train(tmp_path, sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 2, "checkpoint.resume": "auto"}),
+                  launcher="torchrun", nproc=4, extra_args=["--resume", str(dp4.run_dir / "checkpoints" /
+                                                                             f"step_{K:08d}")])  # fmt: skip
+    assert "(pipeline stages 1 -> 2)" in again.output, again.output[-3000:]
+    for step in range(K + 1, 2 * K + 1):
+        assert again.losses[step] == pytest.approx(dp4.losses[step], rel=1e-5), step
 
 
-def resumes_bit_for_bit(run, step, settings, tmp):
-    """`run`'s checkpoint `step` resumed under torchrun at `settings`: its losses after it, bit for bit."""
-    again = train(tmp, settings, launcher="torchrun", extra_args=["--resume", str(step)])
+def resumes_bit_for_bit(run, step, settings, tmp, launcher="torchrun", nproc=2, layout=None):
+    """`run`'s checkpoint `step` resumed at `settings`: its losses after it bit for bit, or where the layouts' sums
+    differ in their last bits (GPT-2's tied weight, summed by an all-reduce in stages), the first with `run`'s (the
+    weights as saved) and all with `layout`'s (the uninterrupted run in the resumed layout: the optimizer's state as
+    saved)."""
+    again = train(tmp, settings, launcher=launcher, nproc=nproc, extra_args=["--resume", str(step)])
+    assert again.losses[K + 1] == run.losses[K + 1]
     for s in range(K + 1, 2 * K + 1):
-        assert again.losses[s] == run.losses[s], s
+        assert again.losses[s] == (layout or run).losses[s], s
+    return again
 
 
-def test_a_checkpoint_of_stages_resumes_bit_for_bit_and_elsewhere_is_refused(runs, chat, tmp_path):
+def test_a_checkpoint_of_stages_resumes_in_any_layout_bit_for_bit(runs, chat, tmp_path):
+    """A checkpoint resumes at the same stages as saved; in another layout through a universal directory by the
+    model's names (trainer/checkpoint/stages.py): 2 stages on 1 rank without stages at ZeRO-0 and in 4 stages on 4
+    ranks, one without stages in 2 (ZeRO-1 to 0); GPT-2, its tied head on both ends, from 2 stages at ZeRO-0 to
+    one rank at ZeRO-3 and back from one rank into 2 stages. Each continues with the saved run's losses, bit for
+    bit, or where the layouts' sums differ (GPT-2 into stages), with the stages' own from step K + 2."""
     pp = runs("llama-pp2", LLAMA, 1, 4, **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 2})
     step = pp.run_dir / "checkpoints" / f"step_{K:08d}"
     assert sorted(p.name for p in step.glob("layer_*-model_states.pt")) == [f"layer_{i:02d}-model_states.pt"
                                                                               for i in range(7)]  # fmt: skip
     kw = {"strategy.pipeline_stages": 2, "checkpoint.resume": "auto"}
     resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "again")
-    one = train(tmp_path / "one", sets(chat, LLAMA, 1, 4, **{**kw, "strategy.pipeline_stages": 1}), launcher="none",
-                extra_args=["--resume", str(step)], check=False)  # fmt: skip
-    assert one.returncode == 2, one.output[-3000:]
-    assert "was saved with 2 pipeline stage(s)" in one.output and "strategy.pipeline_stages: 2" in one.output
-    assert "Traceback" not in one.output
+    one = resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **{**kw, "strategy.pipeline_stages": 1,
+                              "strategy.zero_stage": 0}), tmp_path / "one", launcher="none")  # fmt: skip
+    assert "(pipeline stages 2 -> 1)" in one.output, one.output[-3000:]
+    four = resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **{**kw, "strategy.pipeline_stages": 4}),
+                               tmp_path / "four", nproc=4)  # fmt: skip
+    assert "(pipeline stages 2 -> 4)" in four.output and "layout: dp 1 x tp 1 x pp 4" in four.output
+    # one universal directory by the model's names, and what each layout loads made from it
+    assert sorted(p.name.split("-")[0] for p in step.iterdir() if p.is_dir()) == [
+        "stage0",
+        "stages4",
+        "universal",
+    ]
+    ref = runs(
+        "llama-pp1", LLAMA, 1, 4, launcher="none", **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 1}
+    )
+    start = ref.run_dir / "checkpoints" / f"step_{K:08d}"
+    resumes_bit_for_bit(
+        ref, start, sets(chat, LLAMA, 1, 4, **{**kw, "strategy.zero_stage": 0}), tmp_path / "in2"
+    )
+    gpt2 = runs("gpt2-pp2", GPT2, 1, 4, **{"strategy.zero_stage": 0, "strategy.pipeline_stages": 2})
+    tied = gpt2.run_dir / "checkpoints" / f"step_{K:08d}"
+    resumes_bit_for_bit(gpt2, tied, sets(chat, GPT2, 1, 4, **{**kw, "strategy.pipeline_stages": 1,
+                        "strategy.zero_stage": 3}), tmp_path / "gpt2-one", launcher="none")  # fmt: skip
+    gpt2_ref = runs(
+        "gpt2-pp1", GPT2, 1, 4, launcher="none", **{"strategy.zero_stage": 0, "strategy.pipeline_stages": 1}
+    )
+    into2 = sets(chat, GPT2, 1, 4, **{**kw, "strategy.zero_stage": 0})
+    start = gpt2_ref.run_dir / "checkpoints" / f"step_{K:08d}"
+    resumes_bit_for_bit(gpt2_ref, start, into2, tmp_path / "gpt2-in2", layout=gpt2)
 
 
 def test_bf16_stages_train_as_one_rank_at_zero1_and_resume_and_zero0_is_refused(runs, chat, tmp_path):
     """bf16 (review of issue 71): at ZeRO-1 two stages train as one rank within bf16's rounding and resume bit for
-    bit; ZeRO-0, where DeepSpeed's pipeline engine would take its BF16_Optimizer (gradients accumulated in bf16,
+    bit, in 2 stages and on one rank without them (from each stage's fp32 masters); ZeRO-0, where DeepSpeed's pipeline engine would take its BF16_Optimizer (gradients accumulated in bf16,
     checkpoints that do not load back), is refused before anything starts."""
     bf16 = {"train.precision": "bf16", "model.chunked_loss": False, "strategy.zero_stage": 1}
     ref = runs("llama-bf16-pp1", LLAMA, 1, 4, launcher="none", **bf16, **{"strategy.pipeline_stages": 1})
@@ -129,6 +172,8 @@ def test_bf16_stages_train_as_one_rank_at_zero1_and_resume_and_zero0_is_refused(
     step = pp.run_dir / "checkpoints" / f"step_{K:08d}"
     kw = {**bf16, "strategy.pipeline_stages": 2, "checkpoint.resume": "auto"}
     resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "again")
+    resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **{**kw, "strategy.pipeline_stages": 1}), tmp_path / "one",
+                        launcher="none")  # fmt: skip
     zero0 = train(tmp_path / "zero0", sets(chat, LLAMA, 1, 4, **{**kw, "strategy.zero_stage": 0}), launcher="none",
                   check=False, extra_args=["--plan", "--world-size", "2"])  # fmt: skip
     assert zero0.returncode == 2 and "BF16_Optimizer" in zero0.output, zero0.output[-3000:]

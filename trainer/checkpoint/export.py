@@ -84,13 +84,14 @@ def _stage_weights(ckpt: Path, stage: int, layout: Any, names: dict[str, dict[st
     from trainer.checkpoint.stages import whole_weights
     from trainer.model.stages import model_name
 
+    layers = {k: v.float() for k, v in whole_weights(ckpt, names).items()}
     if stage == 0:
-        return {k: v.float() for k, v in whole_weights(ckpt, names).items()}
+        return layers
     out: dict[str, Any] = {}
     for s in range(len(model_state_files(ckpt))):  # (a file a stage)
         for name, tensor in one_rank(ckpt, s, stage, layout, _whole_weights, staged=True).items():
             out[model_name(names, name)] = tensor
-    return out
+    return {**layers, **out}  # (the buffers: the layer files'; DeepSeek-V3's router bias)
 
 
 def _whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[str, str]]) -> dict[str, Any]:

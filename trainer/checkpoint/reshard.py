@@ -12,7 +12,7 @@ Three gaps in DeepSpeed 0.19 are bridged here:
 - a universal directory made from stage 1/2 does not load into stage 3 and vice versa (file names,
   flat vs shaped tensors, a missing `step.pt` / `optimizer_state_dict`): `_fix_for_any_target`;
 - a stage-3 universal load copies param group 0's hyperparameters (weight decay!) into every group:
-  `_restore_group_hparams` puts the saved per-group values back.
+  `universal.restore_group_hparams` puts the saved per-group values back.
 
 The conversion runs in a separate process that rank 0 starts (`python -m trainer.checkpoint.reshard`), with several
 worker processes, writing into a hidden directory renamed into place when complete. It is not inside a
@@ -44,8 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import seal, stage0, universal
-from trainer.checkpoint.stages import check_resume, saved_stages
+from trainer.checkpoint import seal, stage0, stages, universal
 from trainer.common.errors import ResumeError
 from trainer.common.faults import Faults
 
@@ -98,7 +97,9 @@ def saved_axes(ckpt: Path) -> tuple[int, int]:
     ep = 1
     with contextlib.suppress(OSError, ValueError):
         ep = parallel_degrees(json.loads((ckpt / "ds_config.json").read_text()))[1]
-    return max(1, len(model_state_files(ckpt)) // saved_stages(ckpt)), ep  # (pipeline stages: a file a stage)
+    return max(
+        1, len(model_state_files(ckpt)) // stages.saved_stages(ckpt)
+    ), ep  # (pipeline stages: a file a stage)
 
 
 def axes_change(
@@ -144,24 +145,32 @@ def needs_conversion(src: tuple[int, int], dst: tuple[int, int]) -> bool:
 
 
 def target_of(ds: Any) -> dict[str, Any]:
-    """What a converted checkpoint must look like for this engine to load it."""
+    """What a converted checkpoint must look like for this engine to load it (in stages: their cut and names)."""
+    staged = getattr(ds.module, "names", None)
+    pipeline = {"pipeline": {"parts": list(ds.module.parts), "names": staged}} if staged else {}
     if ds.zero_optimization_stage() != 0:
-        return {"stage0": False}
+        return {"stage0": False, **pipeline}
     return {
         "stage0": True,
         "kind": stage0.live_kind(ds.optimizer),
         "fields": stage0.wrapper_fields(ds.optimizer),
-        "torch_states": _uses_torch_optimizer(ds),
+        "torch_states": universal.uses_torch_optimizer(ds),
+        **pipeline,
     }
 
 
 def target_tag(target: dict[str, Any]) -> str:
     """The directory (inside the checkpoint) the engine loads: `universal`, or a stage-0 checkpoint
     per optimizer layout and loss-scaler settings (bf16 and fp16 engines need different ones)."""
-    if not target["stage0"]:
+    if not target["stage0"] and not target.get("pipeline"):
         return UNIVERSAL
     digest = hashlib.sha256(json.dumps(target, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return f"stage0-{target['kind']}-{digest}"
+    kind = target["kind"] if target["stage0"] else "zero"
+    return (
+        f"stage0-{kind}-{digest}"
+        if not target.get("pipeline")
+        else f"stages{len(target['pipeline']['parts']) - 1}-{kind}-{digest}"
+    )
 
 
 def load(
@@ -181,11 +190,13 @@ def load(
     directory, whose journal records a conversion."""
     ds = engine.ds
     src, dst = saved_layout(ckpt), (ds.zero_optimization_stage(), ds.dp_world_size)
-    check_resume(ckpt, engine, src, dst)  # pipeline stages: the same layout only (checkpoint/stages.py)
+    moved = stages.changed(ckpt, engine)  # another pipeline stage count (1: none): converted
+    if getattr(engine, "pipe", None) is not None:
+        stages.check_target(engine, names)
     from trainer.strategy.planning.axes import parallel_degrees
 
     axes = parallel_degrees(engine.ds_config)
-    change = axes_change(ckpt, saved_axes(ckpt), axes, (src[0], dst[0]), needs_conversion(src, dst))
+    change = axes_change(ckpt, saved_axes(ckpt), axes, (src[0], dst[0]), needs_conversion(src, dst) or moved)
     if change and rank == 0:
         log.info(change)
 
@@ -195,18 +206,23 @@ def load(
             custom_load_fn=custom_load_fn,
         )  # fmt: skip
 
-    if not change and not needs_conversion(src, dst):
+    if not change and not moved and not needs_conversion(src, dst):
         path, _ = load_tag(ckpt.parent, ckpt.name)
         if path is None:
             raise ResumeError(f"DeepSpeed found no checkpoint in {ckpt}")
         return
     target = target_of(ds)
     tag = target_tag(target)
-    what = f"converting {ckpt} (stage {src[0]}, {src[1]} ranks) for stage {dst[0]} on {dst[1]} ranks"
+    pp = (stages.saved_stages(ckpt), len(target["pipeline"]["parts"]) - 1 if "pipeline" in target else 1)
+    what = f"converting {ckpt} (stage {src[0]}, {src[1]} ranks) for stage {dst[0]} on {dst[1]} ranks" + (
+        f" (pipeline stages {pp[0]} -> {pp[1]})" if moved else ""
+    )
     token = [uuid.uuid4().hex[:12]]  # this job's conversion: names its failure report
-    if dst[1] > 1:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if (
+        dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    ):  # (stages: dp 1, world 2)
         dist.broadcast_object_list(token, src=0, group=group)  # quick: before the conversion starts
     converted(ckpt, tag, (names, aliases, target), token[0], rank, group, wait_s, what, journal_root)
     if dst[0] == 0:
@@ -217,8 +233,8 @@ def load(
             load_tag(ckpt, tag)
         finally:
             ds._config.load_universal_checkpoint = False
-        _restore_group_hparams(ds, ckpt / tag)
-    _normalize_steps(ds, _uses_torch_optimizer(ds))
+        universal.restore_group_hparams(ds, ckpt / tag)
+    universal.normalize_steps(ds, universal.uses_torch_optimizer(ds))
 
 
 def converted(
@@ -352,29 +368,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _normalize_steps(ds: Any, torch_states: bool) -> None:
-    """Adam's step counter as the live optimizer keeps it: its own tensor per parameter for torch's
-    AdamW, an int for DeepSpeed's kernels. DeepSpeed's universal loader hands every parameter the
-    same step object; torch increments it in place, so a shared tensor would count once per group."""
-    import torch
-
-    opt = getattr(ds, "basic_optimizer", None)
-    for st in getattr(opt, "state", {}).values():
-        if "step" in st:
-            step = float(st["step"])
-            st["step"] = torch.tensor(step) if torch_states else int(step)
-
-
-def _uses_torch_optimizer(ds: Any) -> bool:
-    import torch
-
-    opt = getattr(ds, "basic_optimizer", None)
-    return isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch.optim")
-
-
-# ----------------------------------------------------------------------------- the conversion process
-
-
 def convert(ckpt: Path, spec: dict[str, Any]) -> None:
     """Make (once) `<ckpt>/universal/` and, for a stage-0 target, `<ckpt>/<tag>/`. Each is built in a
     hidden directory and renamed into place with its completion marker inside; leftovers of an
@@ -388,15 +381,19 @@ def convert(ckpt: Path, spec: dict[str, Any]) -> None:
                 shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
         uni, rebuild = ckpt / UNIVERSAL, bool(spec.get("rebuild"))
 
-        def make_universal(out: Path) -> None:
+        def make_universal(out: Path) -> None:  # by the model's names, whatever the layout saved or loading
             src_stage, _ = saved_layout(ckpt)
-            if src_stage == 0:
-                universal.stage0_to_universal(ckpt, out, names, workers)
+            pipeline = target.get("pipeline")
+            if stages.saved_stages(ckpt) > 1:
+                stages.to_universal(ckpt, out, src_stage, aliases, workers)
+            elif src_stage == 0:  # (a run in stages: the model's groups from the saved weights)
+                by = (lambda m: stages.by_shape(stages.model_order(pipeline["names"]), lambda n: m[n].shape)) if pipeline else names  # fmt: skip
+                universal.stage0_to_universal(ckpt, out, by, workers)
             else:
                 universal.ds_to_universal(ckpt, out, workers)
                 universal.fix_for_any_target(out)
 
-        if not target["stage0"]:
+        if not target["stage0"] and not target.get("pipeline"):
             _build(uni, make_universal, force=rebuild)
             return
         final = ckpt / spec["tag"]
@@ -404,6 +401,9 @@ def convert(ckpt: Path, spec: dict[str, Any]) -> None:
             rebuild or seal.marker(final)[0] is None
         ):  # the stage-0 one is made from universal/: verified first
             _build(uni, make_universal, force=bool(seal.problems(uni)))
+        if target.get("pipeline"):
+            _build(final, lambda out: stages.from_universal(uni, out, target, workers), force=rebuild)
+            return
         _build(
             final,
             lambda out: universal.universal_to_stage0(uni, out, names, aliases, target, workers),
@@ -415,21 +415,6 @@ def _build(final: Path, make: Callable[[Path], None], force: bool = False) -> No
     """`final` made by `make`, sealed and renamed into place (seal.build_sealed); kept where its marker
     vouches for it, unless `force`."""
     seal.build_sealed(final, make, force, before_seal=Faults().conversion)  # tests: fail, slow or kill here
-
-
-def _restore_group_hparams(ds: Any, uni: Path) -> None:
-    """Undo DeepSpeed's stage-3 universal load copying group 0's hyperparameters into every group."""
-    import torch
-    from deepspeed.checkpoint.constants import PARAM_GROUPS
-
-    saved = torch.load(uni / "zero" / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
-    groups = ds.optimizer.param_groups
-    if len(saved) != len(groups):
-        raise RuntimeError(f"{uni}: {len(saved)} optimizer groups saved, {len(groups)} now")
-    for g, s in zip(groups, saved, strict=True):
-        for k, v in s.items():
-            if k not in ("params", "step"):
-                g[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,20 +93,39 @@ def fix_for_any_target(out: Path) -> None:
                 link_or_copy(f, out / f"mp_rank_{mp}_model_states.pt")
 
 
-def stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]], workers: int) -> None:
+def stage0_to_universal(
+    ckpt: Path, out: Path, names: list[list[str]] | Callable[[Any], list[list[str]]], workers: int
+) -> None:
     """The universal layout from a stage-0 checkpoint (any of stage0's optimizer layouts): the fp32
-    master weights, the optimizer's tensors and the step per parameter."""
+    master weights, the optimizer's tensors and the step per parameter. `names`: per group, or a function of the
+    saved module's state that gives them."""
+    import torch
+
+    sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    if callable(names):  # (names from the saved weights: a run in stages reads a checkpoint without them)
+        names = names(sd["module"])
+    try:
+        params, hparams = stage0.read(sd["optimizer"], sd["module"], names)
+    except (ValueError, KeyError, IndexError) as e:
+        raise RuntimeError(f"{ckpt}: cannot read its stage-0 optimizer state: {type(e).__name__}: {e}") from e
+    write_params(out, params, hparams, workers)
+    ms = {k: v for k, v in sd.items() if k != "optimizer"}
+    ms["optimizer"] = None
+    torch.save(ms, out / "mp_rank_00_model_states.pt")
+    link_or_copy(out / "mp_rank_00_model_states.pt", out / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def write_params(
+    out: Path, params: dict[str, stage0.ParamState], hparams: list[dict[str, Any]], workers: int
+) -> None:
+    """The universal layout's optimizer part: a directory a parameter (its fp32 weight, the optimizer's tensors, the
+    step) and the groups' hyperparameters."""
     import deepspeed
     import torch
     from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
 
     zdir = out / "zero"
     zdir.mkdir(parents=True)
-    sd = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    try:
-        params, hparams = stage0.read(sd["optimizer"], sd["module"], names)
-    except (ValueError, KeyError, IndexError) as e:
-        raise RuntimeError(f"{ckpt}: cannot read its stage-0 optimizer state: {type(e).__name__}: {e}") from e
 
     def write(item: tuple[str, stage0.ParamState]) -> None:
         name, p = item
@@ -127,10 +146,26 @@ def stage0_to_universal(ckpt: Path, out: Path, names: list[list[str]], workers: 
         },
         zdir / "optimizer_state.pt",
     )
-    ms = {k: v for k, v in sd.items() if k != "optimizer"}
-    ms["optimizer"] = None
-    torch.save(ms, out / "mp_rank_00_model_states.pt")
-    link_or_copy(out / "mp_rank_00_model_states.pt", out / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def read_param(zdir: Path, name: str) -> tuple[str, stage0.ParamState]:
+    """One parameter's fp32 weight, optimizer tensors and step from a universal directory's `zero/`."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM
+
+    parts = {f.stem: torch.load(f, weights_only=False) for f in sorted((zdir / name).glob("*.pt"))}
+    step = int(parts.pop("step"))
+    fp32 = parts.pop("fp32")[PARAM]
+    return name, stage0.ParamState(fp32, {k: v[PARAM] for k, v in parts.items()}, step)
+
+
+def hparams(uni: Path) -> list[dict[str, Any]]:
+    """Each optimizer group's hyperparameters (without its parameters) from a universal directory."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM_GROUPS
+
+    saved = torch.load(uni / "zero" / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
+    return [{k: v for k, v in g.items() if k != "params"} for g in saved]
 
 
 def universal_to_stage0(
@@ -145,26 +180,14 @@ def universal_to_stage0(
     engine that will load it (`target`: see target_of). The module gets the fp32 weights; a bf16 or
     fp16 engine rounds them on load exactly as it rounds its masters after each step."""
     import torch
-    from deepspeed.checkpoint.constants import PARAM, PARAM_GROUPS
 
-    zdir = uni / "zero"
     ms = torch.load(
         sorted(uni.glob("*mp_rank_00_model_states.pt"))[0], map_location="cpu", weights_only=False
     )
-    hparams = [
-        {k: v for k, v in g.items() if k != "params"}
-        for g in torch.load(zdir / "optimizer_state.pt", weights_only=False)[PARAM_GROUPS]
-    ]
-
-    def read(name: str) -> tuple[str, stage0.ParamState]:
-        parts = {f.stem: torch.load(f, weights_only=False) for f in sorted((zdir / name).glob("*.pt"))}
-        step = int(parts.pop("step"))
-        fp32 = parts.pop("fp32")[PARAM]
-        return name, stage0.ParamState(fp32, {k: v[PARAM] for k, v in parts.items()}, step)
-
-    params = dict(parallel(read, [n for g in names for n in g], workers))
+    params = dict(parallel(lambda n: read_param(uni / "zero", n), [n for g in names for n in g], workers))
+    hparams_ = hparams(uni)
     osd = stage0.build(
-        target["kind"], params, names, hparams, torch_states=target["torch_states"], fields=target["fields"]
+        target["kind"], params, names, hparams_, torch_states=target["torch_states"], fields=target["fields"]
     )
     full = dict(ms["module"])
     full.update({name: p.fp32 for name, p in params.items()})
@@ -173,3 +196,38 @@ def universal_to_stage0(
             full[alias] = params[target_name].fp32
     ms["module"], ms["optimizer"], ms["param_shapes"] = full, osd, None
     torch.save(ms, out / "mp_rank_00_model_states.pt")
+
+
+# ----------------------------------------------------------------------------- after a universal load
+
+
+def normalize_steps(ds: Any, torch_states: bool) -> None:
+    """Adam's step counter as the live optimizer keeps it: its own tensor per parameter for torch's
+    AdamW, an int for DeepSpeed's kernels. DeepSpeed's universal loader hands every parameter the
+    same step object; torch increments it in place, so a shared tensor would count once per group."""
+    import torch
+
+    opt = getattr(ds, "basic_optimizer", None)
+    for st in getattr(opt, "state", {}).values():
+        if "step" in st:
+            step = float(st["step"])
+            st["step"] = torch.tensor(step) if torch_states else int(step)
+
+
+def uses_torch_optimizer(ds: Any) -> bool:
+    import torch
+
+    opt = getattr(ds, "basic_optimizer", None)
+    return isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch.optim")
+
+
+# ----------------------------------------------------------------------------- the conversion process
+
+
+def restore_group_hparams(ds: Any, uni: Path) -> None:
+    """Undo DeepSpeed's stage-3 universal load copying group 0's hyperparameters into every group."""
+    saved, groups = hparams(uni), ds.optimizer.param_groups
+    if len(saved) != len(groups):
+        raise RuntimeError(f"{uni}: {len(saved)} optimizer groups saved, {len(groups)} now")
+    for g, s in zip(groups, saved, strict=True):
+        g.update({k: v for k, v in s.items() if k != "step"})

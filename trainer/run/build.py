@@ -269,7 +269,8 @@ def stages_record(engine: Any) -> dict[str, Any]:
     resume without stages read the layer files by them)."""
     if getattr(engine, "pipe", None) is None:
         return {}
-    return {"pipeline": {"parts": list(engine.module.parts), "names": engine.module.names}}
+    module = engine.module
+    return {"pipeline": {"parts": list(module.parts), "names": module.names, "aliases": module.aliases}}
 
 
 def data_for_rank(
