@@ -8,6 +8,7 @@ written in the DeepSpeed JSON.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -262,6 +263,27 @@ class Pipeline:
         # (DeepSpeed broadcasts the last stage's loss as a tensor of one element, which that stage holds as a scalar)
         return self.ds.eval_batch(self.feed([batch]), num_micro_batches=1).detach().reshape(())
 
+    def greedy(self, ids: Any, max_new_tokens: int) -> list[int]:
+        """`max_new_tokens` greedy tokens after `ids` (1 x n) through the stages: each the argmax of the last stage's
+        logits over the whole sequence again (no cache between stages), sent to every stage of the pipeline. Every
+        rank calls it as often (DeepSpeed's eval_batch holds a barrier over the world): no stop at the end token."""
+        import torch
+        import torch.distributed as dist
+
+        grid, last = self.ds.grid, self.ds.num_stages - 1
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            seq = torch.cat([ids, ids.new_tensor([new])], dim=1)
+            row = torch.stack([seq, seq, torch.arange(seq.shape[1], device=seq.device)[None]], dim=1)
+            self.ds.total_loss = None  # (DeepSpeed sums each forward's output there: the logits, here)
+            _, logits = self.ds.eval_batch(self.feed([row]), return_logits=True, compute_loss=False,
+                                           reduce_output=None, num_micro_batches=1)  # fmt: skip
+            token = logits[0, -1].argmax().reshape(1) if self.ds.is_last_stage() else ids.new_zeros(1)
+            dist.broadcast(token, grid.stage_to_global(last), group=grid.get_pipe_parallel_group())
+            new.append(int(token))
+        self.ds.total_loss = None
+        return new
+
     def clip(self, max_norm: float) -> Any:
         """The gradients' norm over every stage (a tied weight's second copy counted once), clipped to `max_norm`."""
         import torch
@@ -302,11 +324,18 @@ def complete(
         for prompt in prompts:
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([ids if ids[: len(bos)] == bos else bos + ids], device=engine.device)
-            gen = engine.ds.module.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,
-            )  # fmt: skip
-            new = gen[0, ids.shape[1] :].tolist()
+            if getattr(engine, "pipe", None) is not None:  # stages: the whole model is no rank's
+                said, engine.ds.module.unapplied = engine.ds.module.unapplied, []  # (said once a run)
+                if said and engine.ds.global_rank == 0:
+                    logging.getLogger("trainer").warning(f"warning: train.eval_prompts under pipeline stages: greedy samples without the "
+                                f"generation_config's {', '.join(said)} (transformers' generate applies them)")  # fmt: skip
+                new = engine.pipe.greedy(ids, max_new_tokens)
+            else:
+                gen = engine.ds.module.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                    synced_gpus=synced, pad_token_id=eos, eos_token_id=eos,
+                )  # fmt: skip
+                new = gen[0, ids.shape[1] :].tolist()
             ended = eos is not None and eos in new
             out.append(
                 {

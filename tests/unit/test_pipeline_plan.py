@@ -188,3 +188,15 @@ def test_bf16_without_zero_is_not_a_rung_under_stages_and_no_hint_offers_the_til
     with pytest.raises(UserError) as e:
         plan(L1, device=20 * GiB, **{"strategy.pipeline_stages": 8, "train.global_batch_size": 64})
     assert "nothing fits" in str(e.value) and "chunked_loss" not in str(e.value)
+
+
+def test_what_greedy_samples_under_stages_do_not_apply_is_said():
+    """A generation_config's settings that transformers' generate applies to greedy decoding, which the stages'
+    argmax does not, are named for the log (trainer/model/stages.py `unapplied`); the defaults are not."""
+    from transformers import GenerationConfig
+
+    from trainer.model.stages import unapplied
+
+    assert unapplied(None) == [] and unapplied(GenerationConfig()) == []
+    said = unapplied(GenerationConfig(repetition_penalty=1.05, no_repeat_ngram_size=3, top_k=20))
+    assert said == ["repetition_penalty=1.05", "no_repeat_ngram_size=3"]  # (top_k: sampling only)

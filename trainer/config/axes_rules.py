@@ -52,9 +52,6 @@ def _stages(exp: Experiment) -> list[tuple[str, str]]:
     if exp.model.chunked_loss is True:
         out.append((key, "the tiled loss multiplies by the LM head's weight, which the last stage holds, where the "
                     "pipeline's loss sees the logits; set model.chunked_loss: false (or auto)"))  # fmt: skip
-    if exp.train.eval_prompts:
-        out.append((key, "train.eval_prompts' samples generate with the whole model, which no rank holds under "
-                    "pipeline stages; remove train.eval_prompts (the eval loss is computed through the stages)"))  # fmt: skip
     return out
 
 

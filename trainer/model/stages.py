@@ -202,10 +202,13 @@ def pipeline(lm: Any, pp: int, parts: list[int]) -> Any:
     # dynamic_shape: fine-tuning batches are as wide as their longest row, which changes from one micro batch to the next
     module = Stages(layers, num_stages=pp, loss_fn=Loss(lm), dynamic_shape=True)
     module.names = names
-    owner = {id(p): n for n, p in lm.named_parameters()}  # the model's tied names (lm_head.weight: the embedding)
+    owner = {
+        id(p): n for n, p in lm.named_parameters()
+    }  # the model's tied names (lm_head.weight: the embedding)
     state = lm.state_dict(keep_vars=True)
     module.aliases = {k: owner[id(t)] for k, t in state.items() if owner.get(id(t), k) != k}
     module.config = lm.config  # (what the engine and the checkpoint read: the family, its router)
+    module.unapplied = unapplied(getattr(lm, "generation_config", None))
     for i, spec in enumerate(module._layer_specs):  # other stages' items: not held past the build
         if hasattr(spec, "module_args"):
             spec.module_args = ()
@@ -227,3 +230,21 @@ def model_name(names: dict[str, dict[str, str]], name: str) -> str:
     if head == "tied_modules":
         return names["0"][rest.partition(".")[2]]
     return names[head][rest]
+
+
+# What transformers' generate applies to greedy decoding from a model's generation_config, beyond the argmax
+GREEDY = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None,
+          "begin_suppress_tokens": None, "sequence_bias": None, "min_length": 0, "min_new_tokens": None,
+          "forced_bos_token_id": None, "forced_eos_token_id": None, "encoder_repetition_penalty": 1.0}  # fmt: skip
+
+
+def unapplied(generation_config: Any) -> list[str]:
+    """The settings of a model's generation_config that its greedy samples under stages do not apply (the engine's
+    Pipeline.greedy takes the argmax of the logits, where transformers' generate would apply them)."""
+    if generation_config is None:
+        return []
+    return [
+        f"{k}={getattr(generation_config, k, v)}"
+        for k, v in GREEDY.items()
+        if getattr(generation_config, k, v) not in (v, [], None)
+    ]
