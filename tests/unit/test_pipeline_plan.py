@@ -148,7 +148,6 @@ def test_auto_never_offers_stages_on_cpu_and_pins_are_checked():
         ({"strategy.zero_stage": 3}, "takes ZeRO 0 and 1 only"),
         ({"strategy.sequence_parallel": 2}, "are not verified here"),
         ({"model.chunked_loss": "true"}, "tiled loss"),
-        ({"train.eval_prompts": "[hello]"}, "eval_prompts"),
         ({"model.lora.r": 4}, "LoRA with pipeline stages is refused"),
         ({"train.objective": "dpo"}, "dpo with pipeline stages is not verified"),
     ],

@@ -258,7 +258,7 @@ class TrainSection(Section):
     eval_prompts: list[str] = Field(
         default_factory=list,
         description="prompts whose greedy completions are printed (rank 0) and logged at each eval; every "
-        "rank takes part (ZeRO-3)",
+        "rank takes part (ZeRO-3; under pipeline stages through the stages, docs/strategies.md)",
     )
     eval_max_new_tokens: int = Field(
         48, ge=1, le=4096, description="tokens generated per eval prompt at most"
