@@ -106,15 +106,14 @@ def test_two_stages_by_two_data_parallel_ranks_train_as_four_and_resume_their_ch
         assert again.losses[step] == pytest.approx(dp4.losses[step], rel=1e-5), step
 
 
-def resumes_bit_for_bit(run, step, settings, tmp, launcher="torchrun", nproc=2, layout=None):
+def resumes_bit_for_bit(run, step, settings, tmp, launcher="torchrun", nproc=2, rel=0.0):
     """`run`'s checkpoint `step` resumed at `settings`: its losses after it bit for bit, or where the layouts' sums
-    differ in their last bits (GPT-2's tied weight, summed by an all-reduce in stages), the first with `run`'s (the
-    weights as saved) and all with `layout`'s (the uninterrupted run in the resumed layout: the optimizer's state as
-    saved)."""
+    differ in their last bits (GPT-2's tied weight, summed by an all-reduce in stages), the first bit for bit (the
+    weights as saved) and the next within `rel`."""
     again = train(tmp, settings, launcher=launcher, nproc=nproc, extra_args=["--resume", str(step)])
     assert again.losses[K + 1] == run.losses[K + 1]
-    for s in range(K + 1, 2 * K + 1):
-        assert again.losses[s] == (layout or run).losses[s], s
+    for s in range(K + 2, 2 * K + 1):
+        assert again.losses[s] == pytest.approx(run.losses[s], rel=rel, abs=0), s
     return again
 
 
@@ -123,7 +122,9 @@ def test_a_checkpoint_of_stages_resumes_in_any_layout_bit_for_bit(runs, chat, tm
     model's names (trainer/checkpoint/stages.py): 2 stages on 1 rank without stages at ZeRO-0 and in 4 stages on 4
     ranks, one without stages in 2 (ZeRO-1 to 0); GPT-2, its tied head on both ends, from 2 stages at ZeRO-0 to
     one rank at ZeRO-3 and back from one rank into 2 stages. Each continues with the saved run's losses, bit for
-    bit, or where the layouts' sums differ (GPT-2 into stages), with the stages' own from step K + 2."""
+    bit; GPT-2 into stages the first step after bit for bit, the next within 1e-6 (its tied weight's two halves
+    summed by an all-reduce there: with one thread a rank its uninterrupted runs in and without stages differ at
+    step 3 by 1e-7)."""
     pp = runs("llama-pp2", LLAMA, 1, 4, **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 2})
     step = pp.run_dir / "checkpoints" / f"step_{K:08d}"
     assert sorted(p.name for p in step.glob("layer_*-model_states.pt")) == [f"layer_{i:02d}-model_states.pt"
@@ -142,6 +143,16 @@ def test_a_checkpoint_of_stages_resumes_in_any_layout_bit_for_bit(runs, chat, tm
         "stages4",
         "universal",
     ]
+    # damaged, universal/ is made again from the checkpoint's own files, stage0-*/ and stagesN-*/ beside it (review of
+    # issue 71: DeepSpeed's conversion lists its folder recursively and counted their model states as the checkpoint's)
+    with open(next((step / "universal" / "zero").glob("*/fp32.pt")), "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    again = resumes_bit_for_bit(pp, step, sets(chat, LLAMA, 1, 4, **{**kw, "strategy.pipeline_stages": 1}),
+                                tmp_path / "rebuilt", launcher="none")  # fmt: skip
+    assert "is damaged" in again.output, again.output[-3000:]
     ref = runs(
         "llama-pp1", LLAMA, 1, 4, launcher="none", **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 1}
     )
@@ -158,7 +169,7 @@ def test_a_checkpoint_of_stages_resumes_in_any_layout_bit_for_bit(runs, chat, tm
     )
     into2 = sets(chat, GPT2, 1, 4, **{**kw, "strategy.zero_stage": 0})
     start = gpt2_ref.run_dir / "checkpoints" / f"step_{K:08d}"
-    resumes_bit_for_bit(gpt2_ref, start, into2, tmp_path / "gpt2-in2", layout=gpt2)
+    resumes_bit_for_bit(gpt2_ref, start, into2, tmp_path / "gpt2-in2", rel=1e-6)
 
 
 def test_bf16_stages_train_as_one_rank_at_zero1_and_resume_and_zero0_is_refused(runs, chat, tmp_path):

@@ -91,7 +91,11 @@ def _stage_weights(ckpt: Path, stage: int, layout: Any, names: dict[str, dict[st
     for s in range(len(model_state_files(ckpt))):  # (a file a stage)
         for name, tensor in one_rank(ckpt, s, stage, layout, _whole_weights, staged=True).items():
             out[model_name(names, name)] = tensor
-    return {**layers, **out}  # (the buffers: the layer files'; DeepSeek-V3's router bias)
+    params = {m for item in names.values() for m in item.values()}
+    return {
+        **{k: v for k, v in layers.items() if k not in params},
+        **out,
+    }  # (buffers: DeepSeek-V3's router bias)
 
 
 def _whole_weights(ckpt: Path, stage: int, layout: tuple[list[list[str]], dict[str, str]]) -> dict[str, Any]:

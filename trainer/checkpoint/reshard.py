@@ -358,14 +358,25 @@ def convert_in_subprocess(
     return True
 
 
-def _die_with_parent() -> None:
-    """In the conversion process: receive SIGKILL when the rank that started it dies (Linux), so a
-    killed job leaves no conversion running; elsewhere nothing."""
+def _die_with_parent(parent: int | None = None) -> None:
+    """In the conversion process, and in each worker it forks (DeepSpeed's pools: `workers_die_with_it`): receive
+    SIGKILL when the process that started it dies (Linux), so a killed job leaves no conversion running, nor a worker
+    holding the checkpoint's conversion lock (review of issue 71); elsewhere nothing. `parent`: the forking process,
+    gone already if this one's parent is another."""
     import ctypes
     import signal
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def workers_die_with_it() -> None:
+    """Every process this one forks from now on dies with it."""
+    forker = [0]
+    os.register_at_fork(before=lambda: forker.__setitem__(0, os.getpid()),
+                        after_in_child=lambda: _die_with_parent(forker[0]))  # fmt: skip
 
 
 def convert(ckpt: Path, spec: dict[str, Any]) -> None:
@@ -424,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", required=True, help="JSON: names, aliases, target, tag, workers")
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a conversion needs no GPU
+    workers_die_with_it()
     convert(Path(args.checkpoint), json.loads(Path(args.spec).read_text()))
     return 0
 

@@ -31,7 +31,7 @@ def recorded(ckpt: Path) -> dict[str, Any]:
         plan = json.loads((Path(ckpt) / "trainer_state.json").read_text()).get("plan") or {}
     except (OSError, ValueError):
         return {}
-    return plan.get("pipeline") or {} if int(plan.get("pipeline_stages", 1) or 1) > 1 else {}
+    return (plan.get("pipeline") or {}) if int(plan.get("pipeline_stages", 1) or 1) > 1 else {}
 
 
 def saved_stages(ckpt: Path) -> int:
@@ -45,7 +45,7 @@ def changed(ckpt: Path, engine: Any) -> bool:
     count (1: none) than the engine runs. A ResumeError where a checkpoint of stages lacks the record of its cut."""
     saved, pipe = saved_stages(ckpt), getattr(engine, "pipe", None)
     now = int(engine.ds.num_stages) if pipe is not None else 1
-    if saved > 1 and not recorded(ckpt).get("names"):
+    if saved != now and saved > 1 and not recorded(ckpt).get("names"):
         raise ResumeError(f"checkpoint.resume: {ckpt} was saved with pipeline stages, and its trainer_state.json "
                           "holds no record of their names; resume it at the saved layout")  # fmt: skip
     return saved != now

@@ -26,19 +26,32 @@ def parallel(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> li
 
 
 def ds_to_universal(ckpt: Path, out: Path, workers: int) -> None:
+    """DeepSpeed's conversion of the checkpoint's own files: it lists its input folder recursively, so it reads a view
+    of the step directory's files (links), not the directories made beside them (stage0-*, stagesN-*: their model
+    states would count as the checkpoint's; review of issue 71). The view is a hidden directory in the checkpoint
+    (reshard.py's leftovers prefix), removed after."""
+    import tempfile
+
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     shards = len(glob.glob(str(ckpt / "*_optim_states.pt")))
-    args = argparse.Namespace(
-        input_folder=str(ckpt),
-        output_folder=str(out),
-        num_extract_workers=max(1, min(workers, shards)),
-        num_merge_workers=max(1, workers // 2),  # merging holds whole parameters: fewer at once
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,  # plain HF models carry no universal_checkpoint_info
-    )
-    ds_to_universal(args)
+    view = Path(tempfile.mkdtemp(prefix=".convert-tmp-view-", dir=ckpt))
+    try:
+        for f in ckpt.iterdir():
+            if f.is_file() and not f.name.startswith("."):
+                os.symlink(f.resolve(), view / f.name)
+        args = argparse.Namespace(
+            input_folder=str(view),
+            output_folder=str(out),
+            num_extract_workers=max(1, min(workers, shards)),
+            num_merge_workers=max(1, workers // 2),  # merging holds whole parameters: fewer at once
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,  # plain HF models carry no universal_checkpoint_info
+        )
+        ds_to_universal(args)
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
 
 
 def link_or_copy(src: Path, dst: Path) -> None:
