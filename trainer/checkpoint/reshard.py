@@ -166,11 +166,8 @@ def target_tag(target: dict[str, Any]) -> str:
         return UNIVERSAL
     digest = hashlib.sha256(json.dumps(target, sort_keys=True, default=str).encode()).hexdigest()[:8]
     kind = target["kind"] if target["stage0"] else "zero"
-    return (
-        f"stage0-{kind}-{digest}"
-        if not target.get("pipeline")
-        else f"stages{len(target['pipeline']['parts']) - 1}-{kind}-{digest}"
-    )
+    pipeline = target.get("pipeline")
+    return f"stages{len(pipeline['parts']) - 1}-{kind}-{digest}" if pipeline else f"stage0-{kind}-{digest}"
 
 
 def load(
@@ -191,8 +188,6 @@ def load(
     ds = engine.ds
     src, dst = saved_layout(ckpt), (ds.zero_optimization_stage(), ds.dp_world_size)
     moved = stages.changed(ckpt, engine)  # another pipeline stage count (1: none): converted
-    if getattr(engine, "pipe", None) is not None:
-        stages.check_target(engine, names)
     from trainer.strategy.planning.axes import parallel_degrees
 
     axes = parallel_degrees(engine.ds_config)
@@ -211,6 +206,8 @@ def load(
         if path is None:
             raise ResumeError(f"DeepSpeed found no checkpoint in {ckpt}")
         return
+    if getattr(engine, "pipe", None) is not None:
+        stages.check_target(engine, names)
     target = target_of(ds)
     tag = target_tag(target)
     pp = (stages.saved_stages(ckpt), len(target["pipeline"]["parts"]) - 1 if "pipeline" in target else 1)

@@ -43,9 +43,10 @@ def saved_stages(ckpt: Path) -> int:
 def changed(ckpt: Path, engine: Any) -> bool:
     """Whether a checkpoint loads into `engine` only through a conversion for the stages: saved with another stage
     count (1: none) than the engine runs. A ResumeError where a checkpoint of stages lacks the record of its cut."""
-    saved, pipe = saved_stages(ckpt), getattr(engine, "pipe", None)
+    rec, pipe = recorded(ckpt), getattr(engine, "pipe", None)
+    saved = len(rec["parts"]) - 1 if rec.get("parts") else 1
     now = int(engine.ds.num_stages) if pipe is not None else 1
-    if saved != now and saved > 1 and not recorded(ckpt).get("names"):
+    if saved != now and saved > 1 and not rec.get("names"):
         raise ResumeError(f"checkpoint.resume: {ckpt} was saved with pipeline stages, and its trainer_state.json "
                           "holds no record of their names; resume it at the saved layout")  # fmt: skip
     return saved != now

@@ -202,12 +202,6 @@ def pipeline(lm: Any, pp: int, parts: list[int]) -> Any:
     # dynamic_shape: fine-tuning batches are as wide as their longest row, which changes from one micro batch to the next
     module = Stages(layers, num_stages=pp, loss_fn=Loss(lm), dynamic_shape=True)
     module.names = names
-    owner = {
-        id(p): n for n, p in lm.named_parameters()
-    }  # the model's tied names (lm_head.weight: the embedding)
-    state = lm.state_dict(keep_vars=True)
-    module.aliases = {k: owner[id(t)] for k, t in state.items() if owner.get(id(t), k) != k}
-    module.config = lm.config  # (what the engine and the checkpoint read: the family, its router)
     module.unapplied = unapplied(getattr(lm, "generation_config", None))
     for i, spec in enumerate(module._layer_specs):  # other stages' items: not held past the build
         if hasattr(spec, "module_args"):

@@ -73,13 +73,18 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
 
 def pipeline_stages(exp: Experiment, planned: Any, module: Any, env: Any) -> Any:
     """The transformers model as the plan's pipeline stages, cut where the plan cuts them (planning/stages.py)."""
+    from trainer.checkpoint.reshard import names_and_aliases
     from trainer.model.stages import pipeline
     from trainer.strategy.planning import stages
 
     parts = stages.bounds(planned.info, planned.plan.pp, exp.data.seq_len)
     if env.rank == 0:
         log.info(stages.stages_line(planned.info, planned.plan.pp, exp))
-    return pipeline(module, planned.plan.pp, parts)
+    stages_module = pipeline(module, planned.plan.pp, parts)
+    stages_module.aliases = names_and_aliases(module, [])[
+        1
+    ]  # the model's tied names (lm_head.weight: the embedding)
+    return stages_module
 
 
 def sequence_levers(exp: Experiment, env: Any, planned: Any, module: Any, one_row: bool) -> dict[str, Any]:
