@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from helpers import chat_data, export_differences, train
+from helpers import chat_data, export_differences, family_sets, train
 
 pytestmark = pytest.mark.dist
 
@@ -231,3 +231,20 @@ def test_greedy_samples_through_the_stages_are_the_models(chat, tmp_path):
         got
     )  # (varied: a collapsed model would pass any greedy decoder)
     assert got[2, 2] == got[2, 4] == got[1, 1], got
+
+
+def test_a_head_heavier_than_the_layers_stays_with_the_norm(tmp_path):
+    """A 1-layer Llama with Qwen3's vocabulary of 151,669: its head outweighs the rest, and the partition by time
+    alone cut it into a stage of its own, one optimizer group, where DeepSpeed's pipeline engine hung at ZeRO-1 until
+    gloo's timeout. Now the head keeps the norm (both groups on each stage): 2 steps, a checkpoint, exit 0."""
+    data = chat_data(tmp_path / "chat.jsonl", rows=40)
+    settings = family_sets("qwen3", data, **{"strategy.pipeline_stages": 2, "strategy.zero_stage": 1,
+                           "strategy.justification": "test", "train.grad_accum": 2, "train.max_steps": 2,
+                           "checkpoint.every_steps": 2, "checkpoint.async": False})  # fmt: skip
+    settings["model.config"] = {**settings["model.config"], "model_type": "llama", "num_hidden_layers": 1,
+                                "tie_word_embeddings": False}  # fmt: skip
+    r = train(
+        tmp_path, settings, launcher="torchrun", timeout=300
+    )  # (a hang is a failure, not a 15-minute wait)
+    state = json.loads((r.run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["plan"]["pipeline"]["parts"] == [0, 2, 4]  # tokens, layer 0 | norm, head

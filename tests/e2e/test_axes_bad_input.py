@@ -113,7 +113,7 @@ CASES = {
     # pipeline stages (issue 71)
     "more pipeline stages than the model has items": (
         lambda t: plan(t, LLAMA, "strategy.pipeline_stages=8", "train.eval_prompts=[]", world=8),
-        ["strategy.pipeline_stages: 8 cannot run this job", "the model has 2 layers (5 pipeline items"],
+        ["strategy.pipeline_stages: 8 cannot run this job", "the model has 2 layers: 3 stages at most"],
     ),
     "fewer micro batches than stages": (
         lambda t: plan(

@@ -86,6 +86,26 @@ def test_the_partition_balances_time_not_count():
     assert "stage 0: tokens" in stages.describe(info, parts) and "norm, head" in stages.describe(info, parts)
 
 
+@pytest.mark.parametrize("family", [f for f in MATRIX if f in stages.FAMILIES])
+def test_every_stage_holds_both_weight_decay_groups(family):
+    """The embedding with the first layer, the norm with the head: a stage of the head alone (a large vocabulary's
+    head outweighs the layers) held one optimizer group and DeepSpeed's pipeline engine hung at ZeRO-1."""
+    import dataclasses
+
+    for vocab in (97, 150_000):
+        info = dataclasses.replace(_info(family), vocab=vocab)
+        ks, most = stages.kinds(info), info.layers + 1
+        world = most * (most + 1)
+        assert "stages at most" in stages.problem(info, most + 1, world) and not stages.problem(
+            info, most, world
+        )
+        for pp in range(2, most + 1):
+            parts = stages.bounds(info, pp, 32)
+            held = [ks[parts[s] : parts[s + 1]] for s in range(pp)]
+            assert all("layer" in h or h == ["norm", "head"] for h in held), (family, vocab, pp, held)
+            assert held[0][-1] == "layer" or held[0][:1] == ["tokens"] and "layer" in held[0], held
+
+
 def test_the_bubble_and_the_micro_batches_in_flight():
     assert stages.bubble(2, 4) == pytest.approx(1 / 5)
     assert stages.bubble(4, 4) == pytest.approx(3 / 7)
@@ -125,11 +145,8 @@ def test_auto_never_offers_stages_on_cpu_and_pins_are_checked():
     info = _info("llama")
     exp = config.load(TINY, ["train.eval_prompts=[]"])
     assert stages.degrees(exp, info, 2, "cpu", True) == [1]
-    assert stages.degrees(exp, info, 8, "cuda", True) == [
-        1,
-        2,
-        4,
-    ]  # (2 layers: 5 items, 8 stages would not fit)
+    # 2 layers: 3 stages at most (the embedding with the first layer, the norm with the head)
+    assert stages.degrees(exp, info, 8, "cuda", True) == [1, 2]
     assert stages.degrees(exp, info, 8, "cuda", False) == [1]  # a model whose states fit: data parallelism
     with pytest.raises(UserError, match="pipeline_stages: 8 cannot run this job: the model has 2 layers"):
         stages.degrees(

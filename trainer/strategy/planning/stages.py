@@ -5,7 +5,9 @@ The model as a pipeline (trainer/model/stages.py builds it from the transformers
 position embedding, each decoder layer, the final norm and the LM head, one item each, in order. A tied head is the
 embedding again on the last stage (DeepSpeed's TiedLayerSpec: both stages hold it, their gradients summed). The
 stages are contiguous runs of items balanced by each item's time (`item_weights`: the FLOPs a token, the layers'
-own attention windows and experts), never uniformly by count: a vocabulary's head weighs as several layers.
+own attention windows and experts), never uniformly by count: a vocabulary's head weighs as several layers. The
+embedding stays with the first layer and the final norm with the head (`units`), so every stage holds both
+weight-decay groups.
 
 What a stage holds: its items' parameters, their gradients, and at ZeRO-1 its optimizer states partitioned over the
 stage's data-parallel ranks (world / stages); ZeRO-2 and 3 DeepSpeed's engine refuses. Under 1F1B the first stage
@@ -122,8 +124,22 @@ def balanced(weights: list[float], parts: int) -> list[int]:
     return bounds[::-1]
 
 
+def units(info: ModelInfo) -> list[int]:
+    """The items a stage takes whole, as counts: the embeddings with the first layer, each other layer, the final norm
+    with the head. A stage then holds both of param_groups' groups, the matrices (decayed) and the norms (not): a
+    stage of the head alone, or of the norm alone, has one, and DeepSpeed's pipeline engine hangs at ZeRO-1 (its
+    checkpoint waits on the group the stage lacks; found by the review of issue 71: 1-layer Llama at 2 stages)."""
+    first = len(kinds(info)) - (info.layers or 0) - 2  # tokens (and GPT-2's positions)
+    layers = max(1, info.layers or 1)
+    return [first + 1, *([1] * (layers - 1)), 2]
+
+
 def bounds(info: ModelInfo, pp: int, seq_len: int) -> list[int]:
-    return balanced(item_weights(info, seq_len), pp)
+    """The stages' bounds over the items, balanced by time over `units` (whole)."""
+    sizes, weights = units(info), item_weights(info, seq_len)
+    starts = [sum(sizes[:u]) for u in range(len(sizes) + 1)]
+    grouped = [sum(weights[starts[u] : starts[u + 1]]) for u in range(len(sizes))]
+    return [starts[u] for u in balanced(grouped, pp)]
 
 
 def describe(info: ModelInfo, parts: list[int]) -> str:
@@ -205,10 +221,10 @@ def problem(info: ModelInfo, pp: int, world: int) -> str | None:
         )
     if info.router_logits:
         return PP_ROUTER
-    items = len(kinds(info))
-    if pp > items:
+    if pp > len(units(info)):
         return (
-            f"the model has {info.layers} layers ({items} pipeline items with its embedding, norm and head)"
+            f"the model has {info.layers} layers: {len(units(info))} stages at most (the embedding stays with the "
+            "first layer and the final norm with the head, so that each stage holds both weight-decay groups)"
         )
     if world % pp:
         return f"{world} rank(s) are not a multiple of {pp}"
