@@ -218,6 +218,10 @@ class Pipeline:
         from deepspeed.runtime.pipe import schedule
 
         self.ds, self.engine, self.held = ds, engine, False
+        if ds.autotp_size() > 1:  # tensor parallelism inside the stages (3D)
+            from trainer.model.stages import after_initialize
+
+            after_initialize(ds)
         # the schedule's instructions run through the class's table (its methods unbound): this engine's own table
         table = dict(type(ds)._INSTRUCTION_MAP)
         self._update = table[schedule.OptimizerStep]
@@ -285,16 +289,23 @@ class Pipeline:
         return new
 
     def clip(self, max_norm: float) -> Any:
-        """The gradients' norm over every stage (a tied weight's second copy counted once), clipped to `max_norm`."""
+        """The gradients' norm over every stage (a tied weight's second copy counted once) and, inside a stage,
+        over its tensor-parallel shards (a weight every shard holds whole counted once), clipped to `max_norm`."""
         import torch
         import torch.distributed as dist
+        from deepspeed.runtime.utils import is_model_parallel_parameter
 
         params = [p for p in self.ds.module.parameters() if p.grad is not None]
+        first = self.ds.grid.get_slice_parallel_rank() == 0
         own = [
-            p.grad.detach().float().norm() ** 2 for p in params if not getattr(p, "ds_pipe_replicated", False)
+            p.grad.detach().float().norm() ** 2
+            for p in params
+            if not getattr(p, "ds_pipe_replicated", False) and (first or is_model_parallel_parameter(p))
         ]
         total = torch.stack(own).sum() if own else torch.zeros((), device=self.ds.device)
-        dist.all_reduce(total, group=self.ds.grid.get_pipe_parallel_group())
+        dist.all_reduce(
+            total, group=self.ds.grid.get_model_parallel_group()
+        )  # (a pipeline's stages x slices)
         norm = total.sqrt()
         coef = max_norm / (norm + 1e-6)
         if max_norm > 0 and coef < 1:

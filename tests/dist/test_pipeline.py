@@ -248,3 +248,52 @@ def test_a_head_heavier_than_the_layers_stays_with_the_norm(tmp_path):
     )  # (a hang is a failure, not a 15-minute wait)
     state = json.loads((r.run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     assert state["plan"]["pipeline"]["parts"] == [0, 2, 4]  # tokens, layer 0 | norm, head
+
+
+def test_tensor_parallel_inside_the_stages_trains_as_one_rank_and_resumes_at_its_layout(runs, chat, tmp_path):
+    """3D: AutoTP inside each stage (DeepSpeed's pipe-data-model topology, a stage's tensor-parallel ranks
+    consecutive), its groups the pipeline grid's (trainer/model/stages.py's tensor_parallel):
+
+    - PP 2 x TP 2 on 4 ranks against one rank, ZeRO-1, gradient clipping on (its norm over the stages and the
+      shards): the losses, the eval losses and the first step's gradients (the shards joined), and its export
+      equal to TP 2's alone (the same arithmetic);
+    - at ZeRO-0 in fp32, a tied Llama (the tied head whole on both ends; trainer/engine.py's clip over the stages
+      and the shards) against one rank;
+    - PP 2 x TP 2 x DP 2 on 8 ranks against one rank with the same global batch;
+    - its checkpoint resumes at its layout bit for bit, and at another is refused before anything starts."""
+    kw = {"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 2}
+    ref = runs(
+        "llama-pp1", LLAMA, 1, 4, launcher="none", **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 1}
+    )
+    three = runs("llama-pp2-tp2", LLAMA, 1, 4, nproc=4, **kw)
+    assert (
+        "layout: dp 1 x tp 2 x pp 2 x ep 1 x sp 1 (pipelines [0,2], [1,3]; data-parallel groups (a stage's) [0], "
+        "[1], [2], [3]; tensor-parallel groups (a stage's) [0,1], [2,3])" in three.output
+    ), three.output[-3000:]
+    assert worst_gradient(ref, three) <= 1e-5
+    for got, want in ((three.losses, ref.losses), (three.eval_losses, ref.eval_losses)):
+        assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-6) for s in want)
+    tp2 = runs(
+        "llama-tp2", LLAMA, 1, 4, nproc=2, **{"strategy.tensor_parallel": 2, "strategy.pipeline_stages": 1}
+    )
+    assert export_differences([(tp2, three)], 2 * K, tmp_path / "export")[0] <= 1e-6
+    tied = {**LLAMA, "tie_word_embeddings": True}
+    fp32 = {"strategy.zero_stage": 0, "train.precision": "fp32"}
+    one = runs("tied-pp1-zero0", tied, 1, 4, launcher="none", **fp32, **{"strategy.pipeline_stages": 1})
+    zero0 = runs("tied-pp2-tp2-zero0", tied, 1, 4, nproc=4, **fp32, **kw)
+    norms = [{m["step"]: m["grad_norm"] for m in r.metrics if "grad_norm" in m} for r in (one, zero0)]
+    assert min(norms[0].values()) > 1.0  # (every step clipped: the norm is the whole model's)
+    for step, loss in one.losses.items():
+        assert zero0.losses[step] == pytest.approx(loss, rel=1e-6), step
+        assert norms[1][step] == pytest.approx(norms[0][step], rel=1e-5), step
+    dp = train(tmp_path / "dp2", sets(chat, LLAMA, 1, 4, **kw), launcher="torchrun", nproc=8)
+    wide = train(tmp_path / "one", sets(chat, LLAMA, 1, 8), launcher="none")
+    for step, loss in wide.losses.items():
+        assert dp.losses[step] == pytest.approx(loss, rel=1e-6), step
+    step = three.run_dir / "checkpoints" / f"step_{K:08d}"
+    resumes_bit_for_bit(three, step, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "again", nproc=4)
+    other = train(tmp_path / "other", sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 2}), launcher="torchrun",
+                  extra_args=["--resume", str(step)], check=False)  # fmt: skip
+    assert other.returncode != 0 and "tensor parallelism inside stages resumes only at the saved" in other.output, (
+        other.output[-3000:]
+    )

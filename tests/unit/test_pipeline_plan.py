@@ -141,6 +141,28 @@ def test_a_stage_holds_its_share_and_pays_the_bubble():
     assert two.speed.seconds > one.speed.seconds / 2
 
 
+def test_tensor_parallel_inside_the_stages_divides_each_stage():
+    """3D: Llama 3.2 1B's shape on 8 H100s at PP 2 x TP 2 x DP 2: a rank holds half its stage's layers and the
+    stage's tied embedding whole (trainer/model/stages.py keeps a tied head whole); the layout names the three
+    kinds of groups; a product that does not divide the ranks is refused with both keys."""
+    from test_plan_axes import L1
+
+    kw = {"strategy.zero_stage": 1, "train.global_batch_size": 32}
+    two = plan(L1, **kw, **{"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 1})
+    three = plan(L1, **kw, **{"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 2})
+    assert (three.pp, three.tp, three.dp_world) == (2, 2, 2)
+    e = L1.vocab * L1.hidden
+    assert L1.tied and three.estimate.params / two.estimate.params == pytest.approx(
+        (e + (stages.stage_info(L1, 2, 4096).params - e) / 2) / stages.stage_info(L1, 2, 4096).params,
+        rel=0.01,
+    )
+    assert "tensor-parallel groups (a stage's) [0,1], [2,3]" in strategy.describe_plan(three)
+    with pytest.raises(
+        UserError, match="strategy.pipeline_stages: 2 x strategy.tensor_parallel: 4 ranks hold one"
+    ):
+        plan(L1, ranks=4, **kw, **{"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 4})
+
+
 def test_auto_never_offers_stages_on_cpu_and_pins_are_checked():
     info = _info("llama")
     exp = config.load(TINY, ["train.eval_prompts=[]"])

@@ -107,7 +107,10 @@ def test_an_8b_on_16_h100s_takes_tensor_parallelism_only_where_it_is_the_fastest
     assert auto.speed.per_token <= without.speed.per_token * (1 + 1e-9)
     if seq == 2048:
         assert auto.tp == 4 and auto.speed.per_token < without.speed.per_token and auto.dp_world == 4
-        assert "without tensor or expert parallelism or pipeline stages the fastest that fits is zero1" in auto.levers_reason
+        assert (
+            "without tensor or expert parallelism or pipeline stages the fastest that fits is zero1"
+            in auto.levers_reason
+        )
 
 
 def test_a_1b_on_8_h100s_stays_data_parallel():
@@ -173,6 +176,11 @@ def test_the_layout_names_the_groups():
         == "dp 2 x tp 4 x ep 1 x sp 1 (tensor-parallel groups [0,1,2,3], [4,5,6,7]; data-parallel groups [0,4], [1,5], [2,6], [3,7])"
     )  # noqa: E501
     assert layout(2) == "dp 2 x tp 1 x ep 1 x sp 1"
+    # 3D (DeepSpeed's pipe-data-model topology: rank = stage x (dp x tp) + data x tp + tensor rank)
+    assert layout(8, tp=2, pp=2) == (
+        "dp 2 x tp 2 x pp 2 x ep 1 x sp 1 (pipelines [0,4], [1,5], [2,6], [3,7]; data-parallel groups (a stage's) "
+        "[0,2], [1,3], [4,6], [5,7]; tensor-parallel groups (a stage's) [0,1], [2,3], [4,5], [6,7])"
+    )
     assert layout(16, ep=8).startswith(
         "dp 16 x tp 1 x ep 8 x sp 1 (expert-parallel groups [0,1,2,3,4,5,6,7], [8,"
     )

@@ -81,16 +81,22 @@ def _stage_weights(ckpt: Path, stage: int, layout: Any, names: dict[str, dict[st
     files."""
     from trainer.checkpoint.reshard import model_state_files
     from trainer.checkpoint.sharded import one_rank
-    from trainer.checkpoint.stages import whole_weights
+    from trainer.checkpoint.stages import saved_stages, tensor_parallel_info, whole_weights
+    from trainer.checkpoint.universal import joined
     from trainer.model.stages import model_name
 
     layers = {k: v.float() for k, v in whole_weights(ckpt, names).items()}
     if stage == 0:
         return layers
     out: dict[str, Any] = {}
-    for s in range(len(model_state_files(ckpt))):  # (a file a stage)
-        for name, tensor in one_rank(ckpt, s, stage, layout, _whole_weights, staged=True).items():
-            out[model_name(names, name)] = tensor
+    pp, info = saved_stages(ckpt), tensor_parallel_info(ckpt)
+    tp = (
+        len(model_state_files(ckpt)) // pp
+    )  # (a file a stage's tensor-parallel rank: mp_rank_{stage x tp + rank})
+    for s in range(pp):
+        shards = [one_rank(ckpt, s * tp + t, stage, layout, _whole_weights, staged=True) for t in range(tp)]
+        for name in shards[0]:
+            out[model_name(names, name)] = joined([part[name] for part in shards], name, info)
     params = {m for item in names.values() for m in item.values()}
     return {
         **{k: v for k, v in layers.items() if k not in params},

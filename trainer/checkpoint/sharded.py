@@ -16,11 +16,12 @@ back (its fused gate_up_proj is the gate's rows, then the up projection's: w1 th
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from trainer.checkpoint import universal
 
 Layout = tuple[
     list[list[str]], dict[str, str]
@@ -46,7 +47,7 @@ def whole_weights(
         parts = [one_rank(ckpt, r, stage, layout, read) for r in range(len(files))]
         # a tied head is an alias some ranks' files name and others' do not: the parameter is its embedding's
         names = [k for k in parts[0] if all(k in p for p in parts)]
-        out = {k: _joined([p[k] for p in parts], k, info) for k in names}
+        out = {k: universal.joined([p[k] for p in parts], k, info) for k in names}
         out.update(
             {alias: out[name] for alias, name in layout[1].items() if alias not in out and name in out}
         )
@@ -102,18 +103,6 @@ def one_rank(
             else:
                 os.symlink(f, step / f.name.replace(mine, "mp_rank_00"))
         return {k: v.float() for k, v in read(step, stage, layout).items()}
-
-
-def _joined(shards: list[Any], name: str, info: dict[str, Any]) -> Any:
-    import torch
-
-    def matches(key: str) -> bool:
-        return any(re.match(p, name) for p in info.get(key, ()))
-
-    if len(shards) == 1 or matches("tp_replicated_parameter_patterns") or shards[0].dim() == 0:
-        return shards[0]
-    dim = 1 if matches("parameter_with_row_parallelism_patterns") and shards[0].dim() > 1 else 0
-    return torch.cat(shards, dim=dim)
 
 
 def transformers_names(weights: dict[str, Any]) -> dict[str, Any]:

@@ -117,16 +117,62 @@ def whole_weights(ckpt: Path, names: Names) -> dict[str, Any]:
     embedding, which the model ties again), as the layer files hold them (the training precision)."""
     import torch
 
-    prefixes = _prefixes(names)
+    from trainer.checkpoint.universal import joined
+
+    prefixes, info = _prefixes(names), tensor_parallel_info(ckpt)
     out = {}
     for index, item in names.items():
+        # one file a tensor-parallel rank in a stage (layer_NN-model_TT-model_states.pt: 3D), else one
         found = sorted(Path(ckpt).glob(f"layer_{int(index):02d}-*model_states.pt"))
         if not found:
             raise FileNotFoundError(f"{ckpt}: no layer file for pipeline item {index}")
         own, model = prefixes[index]
-        for name, tensor in torch.load(found[0], map_location="cpu", weights_only=True).items():
+        shards = [torch.load(f, map_location="cpu", weights_only=True) for f in found]
+        for name in shards[0]:
+            tensor = joined([s[name] for s in shards], f"{index}.{name}", info)
             out[item[name] if name in item else model + name[len(own) :]] = tensor
     return out
+
+
+def tensor_parallel_info(ckpt: Path) -> dict[str, Any]:
+    """The universal-checkpoint metadata AutoTP attached to each stage's model states (3D: which of the stage's
+    parameters are replicated, which divided by rows), merged over the stages ({} without tensor parallelism)."""
+    import torch
+
+    merged: dict[str, list[str]] = {}
+    for f in sorted(
+        Path(ckpt).glob("mp_rank_*_model_states.pt")
+    ):  # (stages: ZeRO 0-1, a file a stage's rank)
+        info = torch.load(f, map_location="cpu", weights_only=False).get("universal_checkpoint_info") or {}
+        for key in ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns"):
+            tied = [p.replace(TIED, "^0\\.") for p in info.get(key, ()) if p.startswith(TIED)]
+            merged.setdefault(key, []).extend(
+                [*info.get(key, ()), *tied]
+            )  # (a tied embedding: item 0's file)
+    return merged
+
+
+TIED = (
+    "^tied_modules\\.embed\\."  # a tied embedding's pipeline name (trainer/model/stages.py's TiedLayerSpec)
+)
+
+
+def refuse_three_d(ckpt: Path, saved_tp: int, tp: int, engine: Any) -> None:
+    """A checkpoint with tensor parallelism inside pipeline stages (3D), or a run with it, resumes only at the
+    saved layout: the conversions here read and write one layer file an item, not a stage's tensor-parallel
+    shards (bin/export joins them)."""
+    pp, now = (
+        saved_stages(ckpt),
+        int(engine.ds.num_stages) if getattr(engine, "pipe", None) is not None else 1,
+    )
+    if (pp > 1 and saved_tp > 1) or (now > 1 and tp > 1):
+        raise ResumeError(
+            f"checkpoint.resume: {ckpt} was saved at pipeline stages {pp} x tensor parallel {saved_tp}, and this run "
+            f"is at {now} x {tp} (or at another ZeRO stage or data-parallel size): a checkpoint would be converted, "
+            "and tensor parallelism inside stages resumes only at the saved stages, degree, ZeRO stage and "
+            "data-parallel size (the conversions do not join or divide a stage's tensor-parallel shards yet). "
+            "Resume at the saved layout, or export the weights (bin/export joins the shards) and start from them"
+        )
 
 
 # ----------------------------------------------------------------------------- the conversions (reshard.py's process

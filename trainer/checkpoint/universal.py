@@ -244,3 +244,19 @@ def restore_group_hparams(ds: Any, uni: Path) -> None:
         raise RuntimeError(f"{uni}: {len(saved)} optimizer groups saved, {len(groups)} now")
     for g, s in zip(groups, saved, strict=True):
         g.update({k: v for k, v in s.items() if k != "step"})
+
+
+def joined(shards: list[Any], name: str, info: dict[str, Any]) -> Any:
+    """A parameter's tensor-parallel shards (`shards`, by rank) whole, as the universal-checkpoint metadata AutoTP
+    attaches to the model states (`info`) says: replicated (one), by rows (dimension 1), else by columns (0)."""
+    import re
+
+    import torch
+
+    def matches(key: str) -> bool:
+        return any(re.match(p, name) for p in info.get(key, ()))
+
+    if len(shards) == 1 or matches("tp_replicated_parameter_patterns") or shards[0].dim() == 0:
+        return shards[0]
+    dim = 1 if matches("parameter_with_row_parallelism_patterns") and shards[0].dim() > 1 else 0
+    return torch.cat(shards, dim=dim)

@@ -45,7 +45,10 @@ def _stages(exp: Experiment) -> list[tuple[str, str]]:
         out.append((key, f"DeepSpeed's pipeline engine takes ZeRO 0 and 1 only (\"ZeRO-2 and ZeRO-3 are incompatible "
                     f"with pipeline parallelism\"), and strategy.zero_stage is {s.zero_stage}; set zero_stage: 1 "
                     "(the optimizer states partitioned over each stage's data-parallel ranks) or auto"))  # fmt: skip
-    for other in ("sequence_parallel", "tensor_parallel", "expert_parallel"):
+    for other in (
+        "sequence_parallel",
+        "expert_parallel",
+    ):  # (tensor parallelism inside a stage: 3D, verified)
         if getattr(s, other) not in ("auto", 1):
             out.append((key, f"pipeline stages with strategy.{other}: {getattr(s, other)} are not verified here "
                         "(each axis is trained against one rank alone); set one of them to 1"))  # fmt: skip

@@ -55,7 +55,8 @@ class StrategySection(Section):
     pipeline_stages: auto_or(int, "a whole number") = Field(
         "auto",
         description="pipeline stages (DeepSpeed's pipeline engine, 1F1B): the model's layers split into N stages "
-        "on N ranks, the accumulation's micro batches flowing through them; ZeRO 0-1; 1 = off; auto = on GPUs, "
+        "on N ranks (N x strategy.tensor_parallel with AutoTP inside each: 3D), the accumulation's micro batches "
+        "flowing through them; ZeRO 0-1; 1 = off; auto = on GPUs, "
         "where nothing fits without it or the plan finds it fastest, stages across nodes first (docs/strategies.md)",
     )
     on_oom: choice("fail", "escalate") = Field(

@@ -184,11 +184,13 @@ def items(lm: Any) -> tuple[list[Any], dict[str, dict[str, str]]]:
     return out, names
 
 
-def pipeline(lm: Any, pp: int, parts: list[int]) -> Any:
+def pipeline(lm: Any, pp: int, parts: list[int], tp: int = 1) -> Any:
     """The model as a PipelineModule of `pp` stages cut at `parts` (planning/stages.py's bounds), stages outermost
-    (DeepSpeed's pipe-data topology), with its loss (`Loss`) and the model's names of each item's parameters
+    (DeepSpeed's pipe-data topology; with `tp` > 1 its pipe-data-model one, a stage's tensor-parallel ranks
+    innermost: `tensor_parallel`), with its loss (`Loss`) and the model's names of each item's parameters
     (`.names`)."""
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     class Stages(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:
@@ -200,7 +202,13 @@ def pipeline(lm: Any, pp: int, parts: list[int]) -> Any:
     if len(parts) != pp + 1 or parts[-1] != len(layers):
         raise ValueError(f"bounds {parts} for {pp} stages of {len(layers)} items")
     # dynamic_shape: fine-tuning batches are as wide as their longest row, which changes from one micro batch to the next
-    module = Stages(layers, num_stages=pp, loss_fn=Loss(lm), dynamic_shape=True)
+    if tp > 1:
+        world = torch.distributed.get_world_size()
+        topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
+        module = Stages(layers, topology=topology, loss_fn=Loss(lm), dynamic_shape=True)
+        tensor_parallel(module, lm)
+    else:
+        module = Stages(layers, num_stages=pp, loss_fn=Loss(lm), dynamic_shape=True)
     module.names = names
     module.unapplied = unapplied(getattr(lm, "generation_config", None))
     for i, spec in enumerate(module._layer_specs):  # other stages' items: not held past the build
@@ -209,6 +217,51 @@ def pipeline(lm: Any, pp: int, parts: list[int]) -> Any:
         elif not module._local_start <= i < module._local_stop:
             module._layer_specs[i] = nn.Identity()
     return module
+
+
+def tensor_parallel(module: Any, lm: Any) -> None:
+    """Tensor parallelism inside each stage (3D), before deepspeed.initialize shards the items with AutoTP:
+
+    - AutoTP's plan is the model's own (transformers' base_model_tp_plan, as without stages) by the items' names
+      (`layers.*.self_attn.q_proj` -> `layer.self_attn.q_proj`), and an untied head by the vocabulary with its
+      logits gathered (the causal LM's own `lm_head: colwise_gather_output`); a tied head stays whole, the
+      embedding it is. Without this, AutoTP's plan names nothing in a PipelineModule and shards nothing, silently.
+    - DeepSpeed's process groups come from the pipeline's grid: AutoTP would build a (world / tp, tp) mesh whose
+      data-parallel groups span the stages; its model-parallel group is a pipeline's stages x tensor-parallel
+      ranks, over which ZeRO-1 sums the gradients' norm (the slice alone clipped each stage by its own norm:
+      measured, PP 2 x TP 2 against one rank)."""
+    from deepspeed.utils import groups
+
+    plan = getattr(lm.config, "base_model_tp_plan", None) or {}
+    if any(not k.startswith("layers.*.") for k in plan):
+        raise ValueError(f"a tensor-parallel plan beyond the decoder layers: {sorted(plan)}")
+    config = copy.copy(lm.config)
+    config.base_model_tp_plan = {"layer." + k[len("layers.*.") :]: v for k, v in plan.items()}
+    head = lm.get_output_embeddings()
+    if head is not None and head.weight is not lm.get_input_embeddings().weight:
+        config.base_model_tp_plan["head"] = "colwise_gather_output"
+    module.config = config
+    grid = module._grid
+    groups._TENSOR_MODEL_PARALLEL_GROUP = grid.get_slice_parallel_group()
+    groups._MODEL_PARALLEL_GROUP = grid.get_model_parallel_group()
+    groups._DATA_PARALLEL_GROUP = grid.get_data_parallel_group()
+
+
+def after_initialize(ds: Any) -> None:
+    """A PipelineEngine with AutoTP, once deepspeed.initialize has built it: AutoTP made DeepSpeed's groups
+    module the engine's mpu, where the pipeline engine needs its grid (its pipe groups, to broadcast the loss);
+    and AutoTP's check that a tensor-parallel group's first inputs agree compares nested tuples, as a
+    pipeline's ((input ids, position ids), labels) are, with `!=` on tensors (it raises): removed, the rows
+    a tensor-parallel group reads being the same by construction (trainer/run/build.py). Its files are named by
+    its place in the pipeline's stages x tensor-parallel ranks (mp_rank_{stage x tp + tensor rank}, stages x tp
+    of them): DeepSpeed counted the tensor-parallel ranks alone, and the stages wrote over each other's files."""
+    hook = getattr(ds, "first_dataloader_check", None)
+    if hook is not None:
+        hook.remove()
+        ds.first_dataloader_check = None
+    ds.mpu = ds.grid
+    ds.checkpoint_mp_rank = ds.grid.get_model_parallel_rank()
+    ds.mp_world_size = ds.grid.get_model_parallel_world_size()
 
 
 def model_names(module: Any) -> dict[str, str]:

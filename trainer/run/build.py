@@ -286,8 +286,9 @@ def data_for_rank(
     fixed = sp > 1 or (planned.model or exp.model).tiled_mlp is True  # every rank's rows as long: seq_len
     dp = env.world_size // mp
     where = {  # a sequence- or tensor-parallel group's ranks (consecutive) read the same rows; a pipeline's stages
-        # are world / pp ranks apart (DeepSpeed's topology: stages outermost), its first and last read the same rows
-        "rank": env.rank % dp if planned.plan.pp > 1 else env.rank // mp,
+        # are world / pp ranks apart (DeepSpeed's topology: stages outermost, a stage's tensor-parallel ranks
+        # innermost), its first and last read the same rows
+        "rank": env.rank // (mp // planned.plan.pp) % dp if planned.plan.pp > 1 else env.rank // mp,
         "world": dp,
         "micro": t.micro_batch_size,
         "device_type": runtime.device_type,

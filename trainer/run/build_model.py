@@ -80,7 +80,7 @@ def pipeline_stages(exp: Experiment, planned: Any, module: Any, env: Any) -> Any
     parts = stages.bounds(planned.info, planned.plan.pp, exp.data.seq_len)
     if env.rank == 0:
         log.info(stages.stages_line(planned.info, planned.plan.pp, exp))
-    stages_module = pipeline(module, planned.plan.pp, parts)
+    stages_module = pipeline(module, planned.plan.pp, parts, planned.plan.tp)
     stages_module.aliases = names_and_aliases(module, [])[
         1
     ]  # the model's tied names (lm_head.weight: the embedding)
@@ -121,7 +121,7 @@ def sequence_levers(exp: Experiment, env: Any, planned: Any, module: Any, one_ro
         from trainer.common.deepspeed_patches import string_keys_in_output_registry
 
         string_keys_in_output_registry()  # AutoEP's router recorders with transformers 5.24
-    if planned.plan.tp > 1:
+    if planned.plan.tp > 1 and planned.plan.pp == 1:  # (in stages: the pipeline's grid, model/stages.py)
         # AutoTP's groups: consecutive ranks form a tensor-parallel group (DeepSpeed's (data, tensor) mesh), whose
         # ranks read the same rows (build.py's data_for_rank); DeepSpeed counts the batch over the data-parallel ones
         from deepspeed.utils import groups

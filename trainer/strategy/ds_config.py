@@ -114,7 +114,6 @@ CHECKPOINT_ENGINES = {
 def checkpoint_engine_problems(data: Mapping[str, Any]) -> list[Problem]:
     """A template's request for a DeepSpeed checkpoint engine the project would replace, each with the reason.
     torch.save's zip and legacy formats (checkpoint.checkpoint_serialization) are both written and digested."""
-    out = []
     ckpt = data.get("checkpoint") if isinstance(data.get("checkpoint"), Mapping) else {}
     asked = {
         "checkpoint.writer": ckpt.get("writer") not in (None, {}),
@@ -123,10 +122,7 @@ def checkpoint_engine_problems(data: Mapping[str, Any]) -> list[Problem]:
         and data["datastates_ckpt"].get("enabled") is not False,
         "nebula": isinstance(data.get("nebula"), Mapping) and data["nebula"].get("enabled") is True,
     }
-    for key, on in asked.items():
-        if on:
-            out.append(Problem(key, f"not used: {CHECKPOINT_ENGINES[key]}; remove it"))
-    return out
+    return [Problem(k, f"not used: {CHECKPOINT_ENGINES[k]}; remove it") for k, on in asked.items() if on]
 
 
 def _zero_value_problems(zero: Any) -> list[Problem]:
@@ -325,12 +321,15 @@ def _batch_and_precision(f: _Filler, d: dict[str, Any], exp: Experiment, plan_: 
 
 
 def _axes(f: _Filler, d: dict[str, Any], plan_: Plan) -> None:
-    """AutoTP's and AutoEP's sections: the plan's degrees (a template's must agree with them; DeepSpeed's own
-    defaults, autotp_size 0 and enabled false, say off)."""
-    tp = d.get("tensor_parallel")
+    """AutoTP's and AutoEP's sections: the plan's degrees (a template's must agree; DeepSpeed's defaults, autotp_size
+    0 and enabled false, say off). In stages (3D) each tensor-parallel rank sends whole activations: DeepSpeed's
+    partitioned sends fail on micro batches of different widths (gloo: "invalid tensor size", measured)."""
+    tp, why = d.get("tensor_parallel"), "strategy.tensor_parallel / the plan"
     off = plan_.tp == 1 and isinstance(tp, dict) and tp.get("autotp_size") == 0
     if (plan_.tp > 1 or "tensor_parallel" in d) and not off:
-        f.own(d, "tensor_parallel.autotp_size", plan_.tp, why="strategy.tensor_parallel / the plan")
+        f.own(d, "tensor_parallel.autotp_size", plan_.tp, why=why)
+    for key in ("pipe_partitioned", "grad_partitioned") if plan_.tp > 1 and plan_.pp > 1 else ():
+        f.own(d, f"pipeline.{key}", False, why=why)
     ep = d.get("expert_parallel")
     on = isinstance(ep, dict) and ep.get("enabled") is True  # DeepSpeed's default: off
     if plan_.ep > 1 or on:

@@ -110,11 +110,17 @@ def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
 
 
 def rank_model(info: ModelInfo, tp: int, ep: int, pp: int, seq_len: int) -> ModelInfo:
-    """One rank's model: under tensor or expert parallelism (`local_info`), or the largest pipeline stage."""
+    """One rank's model: under tensor or expert parallelism (`local_info`), or the largest pipeline stage, its
+    tensor-parallel shard under both (3D: a tied head, the embedding on the first and last stages, stays whole)."""
     if pp > 1:
         from trainer.strategy.planning.stages import stage_info
 
-        return stage_info(info, pp, seq_len)
+        stage = stage_info(info, pp, seq_len)
+        if tp == 1:
+            return stage
+        local = local_info(stage, tp, 1)
+        whole = (info.vocab or 0) * (info.hidden or 0) - -(-(info.vocab or 0) // tp) * (info.hidden or 0)
+        return dataclasses.replace(local, params=local.params + whole) if info.tied else local
     return local_info(info, tp, ep)
 
 
@@ -294,20 +300,25 @@ def layout(world: int, sp: int = 1, tp: int = 1, ep: int = 1, pp: int = 1) -> st
     dp = world // (mp * pp)
     text = f"dp {dp} x tp {tp}" + (f" x pp {pp}" if pp > 1 else "") + f" x ep {ep} x sp {sp}"
 
-    def groups(size: int, stride: int) -> str:
-        if stride == 1:
-            made = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
-        else:
-            made = [list(range(g, world, stride)) for g in range(stride)]
+    def show(made: list[list[int]]) -> str:
         shown = ", ".join(str(x).replace(" ", "") for x in made[:4])
         return shown + (f", ... ({len(made)})" if len(made) > 4 else "")
+
+    def groups(size: int, stride: int) -> str:
+        if stride == 1:
+            return show([list(range(g * size, (g + 1) * size)) for g in range(world // size)])
+        return show([list(range(g, world, stride)) for g in range(stride)])
 
     parts = []
     if (
         pp > 1
-    ):  # DeepSpeed's pipe-data topology: the stages outermost, a stage's data-parallel ranks consecutive
-        parts.append(f"pipelines {groups(pp, dp)}; data-parallel groups (a stage's) {groups(dp, 1)}")
-    if mp > 1:
+    ):  # DeepSpeed's pipe-data(-model) topology: the stages outermost, a stage's tensor-parallel ranks innermost
+        per = world // pp
+        data = [[s * per + d * mp + t for d in range(dp)] for s in range(pp) for t in range(mp)]
+        parts.append(f"pipelines {groups(pp, dp * mp)}; data-parallel groups (a stage's) {show(data)}")
+        if mp > 1:
+            parts.append(f"tensor-parallel groups (a stage's) {groups(mp, 1)}")
+    elif mp > 1:
         parts.append(f"{'tensor' if tp > 1 else 'sequence'}-parallel groups {groups(mp, 1)}")
         parts.append(f"data-parallel groups {groups(dp, mp)}")
     if ep > 1:

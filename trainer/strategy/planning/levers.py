@@ -225,6 +225,10 @@ def lever_sets(
         key = "strategy.tensor_parallel" if tps[0] > 1 else "strategy.expert_parallel"
         raise UserError(f"{key}: {max(tps[0], eps[0])} with strategy.sequence_parallel: {sps[0]} is not verified "
                         "here (each axis is trained against one rank alone); set one of them to 1")  # fmt: skip
+    if len(tps) == len(pps) == 1 and tps[0] > 1 and pps[0] > 1 and world_size % (tps[0] * pps[0]):
+        raise UserError(f"strategy.pipeline_stages: {pps[0]} x strategy.tensor_parallel: {tps[0]} ranks hold one copy "
+                        f"of the model, and {world_size} rank(s) are not a multiple of {tps[0] * pps[0]}; give "
+                        "degrees whose product divides the ranks")  # fmt: skip
     sps = _keeping(exp, world_size, sps)
     micro = exp.train.micro_batch_size if isinstance(exp.train.micro_batch_size, int) else 1
     sets = {
@@ -234,7 +238,8 @@ def lever_sets(
         )
         if (k or not o)  # the host copy is of checkpointed activations
         and (sp == 1 or tp == ep == 1)  # one model-parallel axis at a time (verified alone)
-        and (pp == 1 or sp == tp == ep == 1)
+        and (pp == 1 or sp == ep == 1)  # (tensor parallelism inside a stage: 3D)
+        and world_size % (sp * tp * pp) == 0
         and not ((tp > 1 or pp > 1) and c)  # the tiled loss needs the LM head whole (TP_TILED) and the logits
         and (tp == pp == 1 or keeps(exp, world_size, sp * tp * pp, micro))
     }

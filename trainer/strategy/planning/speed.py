@@ -238,13 +238,12 @@ class Timer:
         t = Timer.__call__(sub, plain, c)
         passes = 2 + (1 if levers.checkpointing else 0)
         accum = self.accum if self.exp is None else accumulation(self.exp, self.world, levers.mp)
-        extra = accum * axes_seconds(
-            self.info, tp, ep, self.rows * self.s, passes, self.lp, self.m, self.node
-        )
+        staged = stages.stage_info(self.info, pp, self.s) if pp > 1 else self.info  # (3D: a stage's layers)
+        extra = accum * axes_seconds(staged, tp, ep, self.rows * self.s, passes, self.lp, self.m, self.node)
         if pp > 1:  # ZeRO 0-1: every reduction is the step's, after the micro steps
             micro = (t.seconds - t.optimizer - t.reductions) / max(1, accum)
             extra += micro * (pp - 1) + stages.p2p_seconds(
-                self.info, pp, accum, self.rows * self.s, self.lp, self.m, self.world, self.node
+                self.info, pp, accum, self.rows * self.s, self.lp, self.m, self.world, self.node, tp
             )
         return dataclasses.replace(t, seconds=t.seconds + extra, transfers=t.transfers + extra)
 

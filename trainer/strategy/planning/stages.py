@@ -198,7 +198,7 @@ def bubble(pp: int, accum: int) -> float:
 
 
 def p2p_seconds(
-    info: ModelInfo, pp: int, accum: int, tokens: float, lp: int, m: Any, world: int, node: int
+    info: ModelInfo, pp: int, accum: int, tokens: float, lp: int, m: Any, world: int, node: int, tp: int = 1
 ) -> float:
     """A step's point-to-point transfers on the critical path: each micro batch's hidden states (`tokens` a micro
     batch on a rank) forward and their gradient back across each of the p - 1 boundaries, as the schedule lays them
@@ -208,7 +208,9 @@ def p2p_seconds(
         return 0.0
     per_stage = world // pp
     link = m.network if per_stage % node and world > node or per_stage >= node else m.peers
-    volume = tokens * (info.hidden or 0) * lp
+    volume = (
+        tokens * (info.hidden or 0) * lp / tp
+    )  # (3D: each tensor-parallel rank sends its share, pipe_partitioned)
     return 2 * (accum + pp - 1) * (volume / link + m.collective_s)
 
 
