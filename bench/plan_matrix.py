@@ -50,7 +50,13 @@ NOTES = {
         2048,
     ): "zero1, not zero2: at accumulation 1 both reduce the same bytes; zero1 is the "
     "lower rung (zero2 holds less)",
-    ("8b", "full", 64, 80, 2048): "3D (PP 4 x TP 2 x DP 8, the stages across nodes): ZeRO-1's reductions over 8 "
+    (
+        "8b",
+        "full",
+        64,
+        80,
+        2048,
+    ): "3D (PP 4 x TP 2 x DP 8, the stages across nodes): ZeRO-1's reductions over 8 "
     "data-parallel ranks of an eighth of the model each, paid once a step, where TP 2 alone reduces a half over 32 "
     "ranks (0.61 s planned); the bubble at 8 micro batches is 27% of a step; planned, not yet measured on GPUs",
     ("8b", "full", 1, 80, 2048): "ZeRO-Offload (zero2+cpu): the parameters stay on the GPU, where zero3+cpu "
