@@ -260,7 +260,9 @@ def test_tensor_parallel_inside_the_stages_trains_as_one_rank_and_resumes_at_its
     - at ZeRO-0 in fp32, a tied Llama (the tied head whole on both ends; trainer/engine.py's clip over the stages
       and the shards) against one rank;
     - PP 2 x TP 2 x DP 2 on 8 ranks against one rank with the same global batch;
-    - its checkpoint resumes at its layout bit for bit, and at another is refused before anything starts."""
+    - its checkpoint resumes bit for bit at its layout, on one rank and in 2 stages without tensor parallelism
+      (DeepSpeed's universal conversion given every stage's shards' metadata); a checkpoint of 2 stages into 3D
+      is refused before anything starts."""
     kw = {"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 2}
     ref = runs(
         "llama-pp1", LLAMA, 1, 4, launcher="none", **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 1}
@@ -292,8 +294,17 @@ def test_tensor_parallel_inside_the_stages_trains_as_one_rank_and_resumes_at_its
         assert dp.losses[step] == pytest.approx(loss, rel=1e-6), step
     step = three.run_dir / "checkpoints" / f"step_{K:08d}"
     resumes_bit_for_bit(three, step, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "again", nproc=4)
-    other = train(tmp_path / "other", sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 2}), launcher="torchrun",
-                  extra_args=["--resume", str(step)], check=False)  # fmt: skip
-    assert other.returncode != 0 and "tensor parallelism inside stages resumes only at the saved" in other.output, (
-        other.output[-3000:]
+    one = sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 1})
+    assert (
+        "(tensor parallel 2 -> 1"
+        in resumes_bit_for_bit(three, step, one, tmp_path / "one", launcher="none").output
     )
+    resumes_bit_for_bit(
+        three, step, sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 2}), tmp_path / "pp"
+    )
+    pp2 = runs("llama-pp2", LLAMA, 1, 4, **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 2})
+    into = train(tmp_path / "into", sets(chat, LLAMA, 1, 4, **kw), launcher="torchrun", nproc=4, check=False,
+                 extra_args=["--resume", str(pp2.run_dir / "checkpoints" / f"step_{K:08d}")])  # fmt: skip
+    assert (
+        into.returncode != 0 and "resumes only at the saved layout, or from ZeRO-1 into a run" in into.output
+    ), into.output[-3000:]

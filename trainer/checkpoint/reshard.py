@@ -206,7 +206,7 @@ def load(
         if path is None:
             raise ResumeError(f"DeepSpeed found no checkpoint in {ckpt}")
         return
-    stages.refuse_three_d(ckpt, saved_axes(ckpt)[0], axes[0], engine)
+    stages.refuse_three_d(ckpt, axes[0], engine, src[0])
     if getattr(engine, "pipe", None) is not None:
         stages.check_target(engine, names)
     target = target_of(ds)

@@ -136,19 +136,23 @@ def whole_weights(ckpt: Path, names: Names) -> dict[str, Any]:
 
 def tensor_parallel_info(ckpt: Path) -> dict[str, Any]:
     """The universal-checkpoint metadata AutoTP attached to each stage's model states (3D: which of the stage's
-    parameters are replicated, which divided by rows), merged over the stages ({} without tensor parallelism)."""
+    parameters are replicated, which divided by rows, each one's shards), merged over the stages, a tied
+    embedding's patterns also under its layer file's name ({} without tensor parallelism)."""
     import torch
 
-    merged: dict[str, list[str]] = {}
-    for f in sorted(
-        Path(ckpt).glob("mp_rank_*_model_states.pt")
-    ):  # (stages: ZeRO 0-1, a file a stage's rank)
+    merged: dict[str, Any] = {}
+    # (stages: ZeRO 0-1, a model-states file a stage's tensor rank)
+    for f in sorted(Path(ckpt).glob("mp_rank_*_model_states.pt")):
         info = torch.load(f, map_location="cpu", weights_only=False).get("universal_checkpoint_info") or {}
-        for key in ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns"):
-            tied = [p.replace(TIED, "^0\\.") for p in info.get(key, ()) if p.startswith(TIED)]
-            merged.setdefault(key, []).extend(
-                [*info.get(key, ()), *tied]
-            )  # (a tied embedding: item 0's file)
+        for key, value in info.items():
+            if isinstance(value, list):
+                tied = [p.replace(TIED, "^0\\.") for p in value if isinstance(p, str) and p.startswith(TIED)]
+                have = merged.setdefault(key, [])
+                have.extend(v for v in [*value, *tied] if v not in have)
+            elif key == "affine_map":
+                merged.setdefault(key, {**value, "params": {}})["params"].update(value.get("params", {}))
+            else:
+                merged.setdefault(key, value)
     return merged
 
 
@@ -157,21 +161,27 @@ TIED = (
 )
 
 
-def refuse_three_d(ckpt: Path, saved_tp: int, tp: int, engine: Any) -> None:
-    """A checkpoint with tensor parallelism inside pipeline stages (3D), or a run with it, resumes only at the
-    saved layout: the conversions here read and write one layer file an item, not a stage's tensor-parallel
-    shards (bin/export joins them)."""
+def saved_tp(ckpt: Path) -> int:
+    """The tensor-parallel degree inside a checkpoint's stages (a model-states file a stage's tensor rank)."""
+    return max(1, len(list(Path(ckpt).glob("mp_rank_*_model_states.pt"))) // saved_stages(ckpt))
+
+
+def refuse_three_d(ckpt: Path, tp: int, engine: Any, zero: int) -> None:
+    """Tensor parallelism inside pipeline stages (3D) converts one way: a checkpoint of it at ZeRO-1 into a run
+    without it (DeepSpeed's universal conversion joins the shards, given every stage's metadata). Into 3D, the
+    conversions would have to divide a stage's layer files and optimizer state by tensor rank, and at ZeRO-0 read
+    each rank's optimizer state: refused, with the way that works."""
     pp, now = (
         saved_stages(ckpt),
         int(engine.ds.num_stages) if getattr(engine, "pipe", None) is not None else 1,
     )
-    if (pp > 1 and saved_tp > 1) or (now > 1 and tp > 1):
+    if (now > 1 and tp > 1) or (pp > 1 and saved_tp(ckpt) > 1 and zero == 0):
         raise ResumeError(
-            f"checkpoint.resume: {ckpt} was saved at pipeline stages {pp} x tensor parallel {saved_tp}, and this run "
-            f"is at {now} x {tp} (or at another ZeRO stage or data-parallel size): a checkpoint would be converted, "
-            "and tensor parallelism inside stages resumes only at the saved stages, degree, ZeRO stage and "
-            "data-parallel size (the conversions do not join or divide a stage's tensor-parallel shards yet). "
-            "Resume at the saved layout, or export the weights (bin/export joins the shards) and start from them"
+            f"checkpoint.resume: {ckpt} was saved at pipeline stages {pp} x tensor parallel {saved_tp(ckpt)} (ZeRO "
+            f"{zero}), and this run is at {now} x {tp} in another layout (stages, degree, ZeRO stage or data-parallel "
+            "size): tensor parallelism inside stages resumes only at the saved layout, or from ZeRO-1 into a run "
+            "without it (the conversions do not divide a stage's tensor-parallel shards yet). Resume at the saved "
+            "layout, or export the weights (bin/export joins the shards) and start from them"
         )
 
 
@@ -201,7 +211,10 @@ def to_universal(ckpt: Path, out: Path, zero: int, aliases: dict[str, str], work
             params.update({model_name(names, n): p for n, p in read.items()})
         universal.write_params(out, params, hparams, workers)
     else:
-        universal.ds_to_universal(ckpt, out, workers)
+        # (3D: every stage's tensor-parallel metadata in each file DeepSpeed reads)
+        universal.ds_to_universal(
+            ckpt, out, workers, tensor_parallel_info(ckpt) if saved_tp(ckpt) > 1 else None
+        )
         for d in sorted((out / "zero").iterdir()):
             if d.is_dir():  # a tied weight: both ends' copies, the same after every step
                 dst = out / "zero" / model_name(names, d.name)
@@ -210,6 +223,9 @@ def to_universal(ckpt: Path, out: Path, zero: int, aliases: dict[str, str], work
     groups = by_shape(model_order(names), lambda n: weights[n].shape)
     ms.update(module={**weights, **{a: weights[t] for a, t in aliases.items() if t in weights}}, optimizer=None,
               param_shapes=[{n: weights[n].shape for n in g} for g in groups], shared_params={}, mp_world_size=1)  # fmt: skip
+    ms.pop(
+        "universal_checkpoint_info", None
+    )  # (3D: the first stage's shards; the universal weights are whole)
     for f in out.glob("*model_states.pt"):
         f.unlink()
     torch.save(ms, out / "mp_rank_00_model_states.pt")

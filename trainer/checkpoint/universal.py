@@ -25,20 +25,31 @@ def parallel(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> li
         return list(pool.map(fn, items))
 
 
-def ds_to_universal(ckpt: Path, out: Path, workers: int) -> None:
+def ds_to_universal(ckpt: Path, out: Path, workers: int, info: dict[str, Any] | None = None) -> None:
     """DeepSpeed's conversion of the checkpoint's own files: it lists its input folder recursively, so it reads a view
     of the step directory's files (links), not the directories made beside them (stage0-*, stagesN-*: their model
     states would count as the checkpoint's; review of issue 71). The view is a hidden directory in the checkpoint
-    (reshard.py's leftovers prefix), removed after."""
+    (reshard.py's leftovers prefix), removed after. `info`: the universal-checkpoint metadata every model-states
+    file is given in the view (copies), where DeepSpeed reads the first file's alone and the checkpoint's files each
+    hold their own (3D: a stage's tensor-parallel patterns in its own file; stages.tensor_parallel_info)."""
     import tempfile
 
+    import torch
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     shards = len(glob.glob(str(ckpt / "*_optim_states.pt")))
     view = Path(tempfile.mkdtemp(prefix=".convert-tmp-view-", dir=ckpt))
     try:
         for f in ckpt.iterdir():
-            if f.is_file() and not f.name.startswith("."):
+            if (
+                info is not None
+                and f.is_file()
+                and f.name.endswith("_model_states.pt")
+                and "mp_rank_" in f.name
+            ):
+                states = torch.load(f, map_location="cpu", weights_only=False)
+                torch.save({**states, "universal_checkpoint_info": info}, view / f.name)
+            elif f.is_file() and not f.name.startswith("."):
                 os.symlink(f.resolve(), view / f.name)
         args = argparse.Namespace(
             input_folder=str(view),
