@@ -56,9 +56,9 @@ NOTES = {
         64,
         80,
         2048,
-    ): "3D (PP 4 x TP 2 x DP 8, the stages across nodes): ZeRO-1's reductions over 8 "
-    "data-parallel ranks of an eighth of the model each, paid once a step, where TP 2 alone reduces a half over 32 "
-    "ranks (0.61 s planned); the bubble at 8 micro batches is 27% of a step; planned, not yet measured on GPUs",
+    ): "3D (PP 2 x TP 2 x DP 16, the stages across nodes): a rank reduces a quarter of the model's gradients "
+    "(the first stage's embedding whole), where TP 2 alone reduces a half over 32 ranks (0.61 s planned); the "
+    "bubble at 4 micro batches is 20% of a step; planned, not yet measured on GPUs",
     ("8b", "full", 1, 80, 2048): "ZeRO-Offload (zero2+cpu): the parameters stay on the GPU, where zero3+cpu "
     "would copy them over PCIe in every pass",
     (

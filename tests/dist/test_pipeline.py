@@ -262,7 +262,7 @@ def test_tensor_parallel_inside_the_stages_trains_as_one_rank_and_resumes_at_its
     - PP 2 x TP 2 x DP 2 on 8 ranks against one rank with the same global batch;
     - its checkpoint resumes bit for bit at its layout, on one rank and in 2 stages without tensor parallelism
       (DeepSpeed's universal conversion given every stage's shards' metadata); a checkpoint of 2 stages into 3D
-      is refused before anything starts."""
+      is refused before the first step (each rank exits 2 with the fix)."""
     kw = {"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 2}
     ref = runs(
         "llama-pp1", LLAMA, 1, 4, launcher="none", **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 1}

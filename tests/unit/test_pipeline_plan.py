@@ -163,6 +163,51 @@ def test_tensor_parallel_inside_the_stages_divides_each_stage():
         plan(L1, ranks=4, **kw, **{"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 4})
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_3d_rank_holds_what_the_plan_counts(tied):
+    """Review of issue 71: a 3D rank's parameters were the largest stage's divided as a whole model's (the head
+    divided on every stage, the first stage's embedding missed: half of what ranks 0-1 held with Qwen3's vocabulary,
+    negative at PP 8 x TP 8). Against the pipeline's own items, each weight divided as AutoTP's plan divides it
+    (trainer/model/stages.py's tensor_parallel: a layer's projections, an untied head), the largest stage."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer.config.schema import ModelSection
+    from trainer.model.create import info as model_info
+    from trainer.strategy.planning.axes import rank_model
+
+    cfg = {
+        **MATRIX_BASE,
+        **MATRIX["llama"],
+        "model_type": "llama",
+        "tie_word_embeddings": tied,
+        "vocab_size": 5000,
+    }
+    info = model_info(ModelSection(config=cfg, attn_implementation="sdpa"), vocab_size=5000)
+    hf = matrix_config("llama")
+    hf.vocab_size, hf.tie_word_embeddings = 5000, tied
+    lm = AutoModelForCausalLM.from_config(hf)
+    specs, _ = items(lm)
+    divided = re.compile(
+        r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$" + ("" if tied else r"|^head\.weight$")
+    )
+    for pp, tp in ((2, 2), (3, 2), (2, 4)):
+        parts, held = stages.bounds(info, pp, 32), []
+        for s in range(pp):
+            own = [
+                spec.build() if hasattr(spec, "build") else spec for spec in specs[parts[s] : parts[s + 1]]
+            ]
+            held.append(
+                sum(
+                    p.numel() // (tp if divided.search(n) else 1)
+                    for m in own
+                    for n, p in m.named_parameters()
+                )
+            )
+        assert rank_model(info, tp, 1, pp, 32).params == pytest.approx(max(held), rel=0.02), (pp, tp, held)
+
+
 def test_auto_never_offers_stages_on_cpu_and_pins_are_checked():
     info = _info("llama")
     exp = config.load(TINY, ["train.eval_prompts=[]"])

@@ -110,17 +110,18 @@ def local_info(info: ModelInfo, tp: int = 1, ep: int = 1) -> ModelInfo:
 
 
 def rank_model(info: ModelInfo, tp: int, ep: int, pp: int, seq_len: int) -> ModelInfo:
-    """One rank's model: under tensor or expert parallelism (`local_info`), or the largest pipeline stage, its
-    tensor-parallel shard under both (3D: a tied head, the embedding on the first and last stages, stays whole)."""
+    """One rank's model: under tensor or expert parallelism (`local_info`), or the largest pipeline stage, under
+    both (3D) its rank's share: its parameters counted item by item (stages.item_params: the embedding whole on
+    the first stage, an untied head divided on the last), its heads and widths divided as `local_info` divides
+    them."""
     if pp > 1:
         from trainer.strategy.planning.stages import stage_info
 
-        stage = stage_info(info, pp, seq_len)
+        divided = (tp_divided(info) - (info.vocab or 0) * (info.hidden or 0)) // max(1, info.layers or 1)
+        stage = stage_info(info, pp, seq_len, tp, divided if tp > 1 else 0)
         if tp == 1:
             return stage
-        local = local_info(stage, tp, 1)
-        whole = (info.vocab or 0) * (info.hidden or 0) - -(-(info.vocab or 0) // tp) * (info.hidden or 0)
-        return dataclasses.replace(local, params=local.params + whole) if info.tied else local
+        return dataclasses.replace(local_info(stage, tp, 1), params=stage.params, trainable=stage.trainable)
     return local_info(info, tp, ep)
 
 

@@ -243,7 +243,7 @@ class Timer:
         if pp > 1:  # ZeRO 0-1: every reduction is the step's, after the micro steps
             micro = (t.seconds - t.optimizer - t.reductions) / max(1, accum)
             extra += micro * (pp - 1) + stages.p2p_seconds(
-                self.info, pp, accum, self.rows * self.s, self.lp, self.m, self.world, self.node, tp
+                self.info, pp, accum, self.rows * self.s, self.lp, self.m, self.world, self.node
             )
         return dataclasses.replace(t, seconds=t.seconds + extra, transfers=t.transfers + extra)
 

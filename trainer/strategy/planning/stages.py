@@ -68,13 +68,18 @@ def _embedding(info: ModelInfo) -> int:
     return (info.vocab or 0) * (info.hidden or 0)
 
 
-def item_params(info: ModelInfo) -> list[int]:
-    """Each item's parameters (a tied head: the embedding again, which the last stage holds too)."""
+def item_params(info: ModelInfo, tp: int = 1, divided: int = 0) -> list[int]:
+    """Each item's parameters a rank holds (a tied head: the embedding again, which the last stage holds too).
+    Under tensor parallelism inside the stages (3D), as trainer/model/stages.py's AutoTP plan divides them: a
+    layer's projections (`divided` of its parameters, axes.tp_divided's share a layer) and an untied head by
+    `tp`; the embeddings, the norms and a tied head whole."""
     h, e = info.hidden or 0, _embedding(info)
     pos = (info.positions or 0) * h if info.model_type == "gpt2" else 0
     layers = max(1, info.layers or 1)
     layer = max(0, info.params - e * (1 if info.tied else 2) - pos - h) // layers
-    table = {"tokens": e, "positions": pos, "layer": layer, "norm": h, "head": e}
+    head = e if info.tied or tp == 1 else -(-(info.vocab or 0) // tp) * h
+    layer -= min(divided, layer) - -(-min(divided, layer) // tp)
+    table = {"tokens": e, "positions": pos, "layer": layer, "norm": h, "head": head}
     return [table[k] for k in kinds(info)]
 
 
@@ -158,12 +163,13 @@ def describe(info: ModelInfo, parts: list[int]) -> str:
     return "; ".join(out)
 
 
-def stage_info(info: ModelInfo, pp: int, seq_len: int) -> ModelInfo:
-    """The largest stage as a model of its own (the module docstring): the most parameters a stage holds, the most
-    layers a stage runs (their activations, FLOPs and launches)."""
+def stage_info(info: ModelInfo, pp: int, seq_len: int, tp: int = 1, divided: int = 0) -> ModelInfo:
+    """The largest stage as a model of its own (the module docstring): the most parameters a stage's rank holds
+    (3D: `item_params`' shares, each stage's own items: the first holds the embedding whole, a middle one no head),
+    the most layers a stage runs (their activations, FLOPs and launches)."""
     if pp == 1:
         return info
-    parts, params = bounds(info, pp, seq_len), item_params(info)
+    parts, params = bounds(info, pp, seq_len), item_params(info, tp, divided)
     ks = kinds(info)
     held = max(sum(params[parts[s] : parts[s + 1]]) for s in range(pp))
     layers = max(ks[parts[s] : parts[s + 1]].count("layer") for s in range(pp))
@@ -198,7 +204,7 @@ def bubble(pp: int, accum: int) -> float:
 
 
 def p2p_seconds(
-    info: ModelInfo, pp: int, accum: int, tokens: float, lp: int, m: Any, world: int, node: int, tp: int = 1
+    info: ModelInfo, pp: int, accum: int, tokens: float, lp: int, m: Any, world: int, node: int
 ) -> float:
     """A step's point-to-point transfers on the critical path: each micro batch's hidden states (`tokens` a micro
     batch on a rank) forward and their gradient back across each of the p - 1 boundaries, as the schedule lays them
@@ -209,8 +215,8 @@ def p2p_seconds(
     per_stage = world // pp
     link = m.network if per_stage % node and world > node or per_stage >= node else m.peers
     volume = (
-        tokens * (info.hidden or 0) * lp / tp
-    )  # (3D: each tensor-parallel rank sends its share, pipe_partitioned)
+        tokens * (info.hidden or 0) * lp
+    )  # (3D too: each tensor rank sends them whole, ds_config.py's _axes)
     return 2 * (accum + pp - 1) * (volume / link + m.collective_s)
 
 
