@@ -261,8 +261,9 @@ def test_tensor_parallel_inside_the_stages_trains_as_one_rank_and_resumes_at_its
       and the shards) against one rank;
     - PP 2 x TP 2 x DP 2 on 8 ranks against one rank with the same global batch;
     - its checkpoint resumes bit for bit at its layout, on one rank and in 2 stages without tensor parallelism
-      (DeepSpeed's universal conversion given every stage's shards' metadata); a checkpoint of 2 stages into 3D
-      is refused before the first step (each rank exits 2 with the fix)."""
+      (DeepSpeed's universal conversion given every stage's shards' metadata), and one of 2 stages into 3D (the
+      layer files cut to each tensor rank's shapes: the head's 257 rows as 129 and 128); a ZeRO-0 one into 3D is
+      refused before the first step (each rank exits 2 with the fix)."""
     kw = {"strategy.pipeline_stages": 2, "strategy.tensor_parallel": 2}
     ref = runs(
         "llama-pp1", LLAMA, 1, 4, launcher="none", **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 1}
@@ -294,17 +295,20 @@ def test_tensor_parallel_inside_the_stages_trains_as_one_rank_and_resumes_at_its
         assert dp.losses[step] == pytest.approx(loss, rel=1e-6), step
     step = three.run_dir / "checkpoints" / f"step_{K:08d}"
     resumes_bit_for_bit(three, step, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "again", nproc=4)
-    one = sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 1})
+    plain = sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 1})
     assert (
         "(tensor parallel 2 -> 1"
-        in resumes_bit_for_bit(three, step, one, tmp_path / "one", launcher="none").output
+        in resumes_bit_for_bit(three, step, plain, tmp_path / "one", launcher="none").output
     )
     resumes_bit_for_bit(
         three, step, sets(chat, LLAMA, 1, 4, **{"strategy.pipeline_stages": 2}), tmp_path / "pp"
     )
     pp2 = runs("llama-pp2", LLAMA, 1, 4, **{"strategy.zero_stage": 1, "strategy.pipeline_stages": 2})
-    into = train(tmp_path / "into", sets(chat, LLAMA, 1, 4, **kw), launcher="torchrun", nproc=4, check=False,
-                 extra_args=["--resume", str(pp2.run_dir / "checkpoints" / f"step_{K:08d}")])  # fmt: skip
-    assert (
-        into.returncode != 0 and "resumes only at the saved layout, or from ZeRO-1 into a run" in into.output
-    ), into.output[-3000:]
+    back = pp2.run_dir / "checkpoints" / f"step_{K:08d}"
+    into = resumes_bit_for_bit(pp2, back, sets(chat, LLAMA, 1, 4, **kw), tmp_path / "3d", nproc=4)
+    assert "(tensor parallel 1 -> 2" in into.output
+    zero = train(tmp_path / "zero", sets(chat, tied, 1, 4, **fp32, **kw), launcher="torchrun", nproc=4, check=False,
+                 extra_args=["--resume", str(one.run_dir / "checkpoints" / f"step_{K:08d}")])  # fmt: skip
+    assert zero.returncode != 0 and "checkpoint.resume:" in zero.output and "ZeRO" in zero.output, (
+        zero.output[-3000:]
+    )

@@ -167,22 +167,51 @@ def saved_tp(ckpt: Path) -> int:
 
 
 def refuse_three_d(ckpt: Path, tp: int, engine: Any, zero: int) -> None:
-    """Tensor parallelism inside pipeline stages (3D) converts one way: a checkpoint of it at ZeRO-1 into a run
-    without it (DeepSpeed's universal conversion joins the shards, given every stage's metadata). Into 3D, the
-    conversions would have to divide a stage's layer files and optimizer state by tensor rank, and at ZeRO-0 read
-    each rank's optimizer state: refused, with the way that works."""
+    """Tensor parallelism inside pipeline stages (3D) converts at ZeRO-1: out of it through DeepSpeed's universal
+    conversion (given every stage's shard metadata), into it through `from_universal` (each tensor rank's layer
+    files cut to the shapes its engine holds; DeepSpeed's universal load cuts the optimizer's by each parameter's
+    own AutoTP metadata). At ZeRO-0 either way a rank's torch optimizer state would have to be joined or cut:
+    refused, with the way that works."""
     pp, now = (
         saved_stages(ckpt),
         int(engine.ds.num_stages) if getattr(engine, "pipe", None) is not None else 1,
     )
-    if (now > 1 and tp > 1) or (pp > 1 and saved_tp(ckpt) > 1 and zero == 0):
+    into = now > 1 and tp > 1 and engine.ds.zero_optimization_stage() == 0
+    if into or (pp > 1 and saved_tp(ckpt) > 1 and zero == 0):
         raise ResumeError(
             f"checkpoint.resume: {ckpt} was saved at pipeline stages {pp} x tensor parallel {saved_tp(ckpt)} (ZeRO "
-            f"{zero}), and this run is at {now} x {tp} in another layout (stages, degree, ZeRO stage or data-parallel "
-            "size): tensor parallelism inside stages resumes only at the saved layout, or from ZeRO-1 into a run "
-            "without it (the conversions do not divide a stage's tensor-parallel shards yet). Resume at the saved "
-            "layout, or export the weights (bin/export joins the shards) and start from them"
+            f"{zero}), and this run is at {now} x {tp} (ZeRO {engine.ds.zero_optimization_stage()}) in another "
+            "layout (stages, degree, ZeRO stage or data-parallel size): tensor parallelism inside stages converts at "
+            "ZeRO-1 only (a ZeRO-0 rank's optimizer state is not joined or divided by tensor rank yet). Resume at "
+            "the saved layout, or with zero_stage: 1 on the side with tensor parallelism inside stages, or export "
+            "the weights (bin/export joins the shards) and start from them"
         )
+
+
+def tensor_shards(ds: Any) -> dict[str, Any]:
+    """Every rank of a run in stages with tensor parallelism (3D), before a conversion for it: each stage's tensor
+    ranks' parameter shapes ({"tp": T, "shards": [{pipeline name: shape}, by model-parallel rank: stage x T +
+    tensor rank]}, the data-parallel rank 0's), which `from_universal` cuts the layer files to: AutoTP's own
+    division, uneven where a size does not divide ({} without it)."""
+    import torch.distributed as dist
+
+    tp = int(ds.autotp_size())
+    if tp <= 1:
+        return {}
+    mine = (ds.grid.get_data_parallel_rank(), ds.grid.get_model_parallel_rank(),
+            {n: list(p.shape) for n, p in ds.module.named_parameters()})  # fmt: skip
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"tp": tp, "shards": [shapes for _, _, shapes in sorted(e for e in every if e[0] == 0)]}
+
+
+def _cut(tensor: Any, name: str, shards: list[dict[str, Any]], stage: int, rank: int, tp: int) -> Any:
+    """Tensor rank `rank`'s part of a stage's parameter (whole where its shape is the whole's: replicated)."""
+    shapes = [shards[stage * tp + r].get(name) for r in range(tp)]
+    if shapes[rank] is None or list(tensor.shape) == shapes[rank]:
+        return tensor
+    dim = next(d for d, (a, b) in enumerate(zip(tensor.shape, shapes[rank], strict=True)) if a != b)
+    return tensor.narrow(dim, sum(s[dim] for s in shapes[:rank]), shapes[rank][dim]).clone()
 
 
 # ----------------------------------------------------------------------------- the conversions (reshard.py's process
@@ -254,10 +283,18 @@ def from_universal(uni: Path, out: Path, target: dict[str, Any], workers: int) -
         universal.parallel(lambda n: universal.read_param(uni / "zero", n), model_order(names), workers)
     )
     state = {**ms["module"], **{n: p.fp32.to(ms["module"][n].dtype) for n, p in params.items()}}
+    tp, shards = target["pipeline"].get("tp", 1), target["pipeline"].get("shards")
     for i in names:
-        torch.save(_item_state(names, i, state), out / f"layer_{int(i):02d}-model_states.pt")
+        item = _item_state(names, i, state)
+        if tp == 1:
+            torch.save(item, out / f"layer_{int(i):02d}-model_states.pt")
+            continue
+        s = max(k for k in range(len(parts) - 1) if parts[k] <= int(i))  # (3D: a file a tensor rank, cut)
+        for r in range(tp):
+            cut = {k: _cut(v, f"{i}.{k}", shards, s, r, tp) for k, v in item.items()}
+            torch.save(cut, out / f"layer_{int(i):02d}-model_{r:02d}-model_states.pt")
     hparams = universal.hparams(uni)
-    for s in range(len(parts) - 1):
+    for s, r in ((s, r) for s in range(len(parts) - 1) for r in range(tp)):
         groups = by_shape(stage_names(names, parts, s), lambda n: params[model_name(names, n)].fp32.shape)
         osd = None
         if target["stage0"]:
@@ -270,8 +307,9 @@ def from_universal(uni: Path, out: Path, target: dict[str, Any], workers: int) -
                 for f in (uni / "zero" / model_name(names, n)).glob("*.pt"):
                     if not (out / "zero" / n / f.name).exists():  # (a tied weight: on two stages)
                         universal.link_or_copy(f, out / "zero" / n / f.name)
-        shapes = [{n: params[model_name(names, n)].fp32.shape for n in g} for g in groups]
+        whole = {n: params[model_name(names, n)].fp32.shape for g in groups for n in g}
+        shapes = [{n: shards[s * tp + r].get(n, whole[n]) if shards else whole[n] for n in g} for g in groups]
         torch.save({**ms, "module": None, "optimizer": osd, "param_shapes": shapes, "shared_params": {},
-                    "mp_world_size": len(parts) - 1}, out / f"mp_rank_{s:02d}_model_states.pt")  # fmt: skip
+                    "mp_world_size": (len(parts) - 1) * tp}, out / f"mp_rank_{s * tp + r:02d}_model_states.pt")  # fmt: skip
     if not target["stage0"]:
         universal.link_or_copy(uni / "zero" / "optimizer_state.pt", out / "zero" / "optimizer_state.pt")
