@@ -233,21 +233,34 @@ def test_greedy_samples_through_the_stages_are_the_models(chat, tmp_path):
     assert got[2, 2] == got[2, 4] == got[1, 1], got
 
 
-def test_a_head_heavier_than_the_layers_stays_with_the_norm(tmp_path):
+def test_a_head_heavier_than_the_layers_stays_with_the_norm_and_converts_out_of_3d(tmp_path):
     """A 1-layer Llama with Qwen3's vocabulary of 151,669: its head outweighs the rest, and the partition by time
     alone cut it into a stage of its own, one optimizer group, where DeepSpeed's pipeline engine hung at ZeRO-1 until
-    gloo's timeout. Now the head keeps the norm (both groups on each stage): 2 steps, a checkpoint, exit 0."""
+    gloo's timeout. Now the head keeps the norm (both groups on each stage): PP 2 x TP 2 trains and saves (the head's
+    odd vocabulary divided 75,835 and 75,834). Its checkpoint resumed on one rank with two threads: the conversion
+    joined the shards with torch.cat, a parallel region, before DeepSpeed forked its workers, which then hung in
+    libgomp's barrier (review of issue 71; reshard.main keeps the conversion on one thread)."""
     data = chat_data(tmp_path / "chat.jsonl", rows=40)
     settings = family_sets("qwen3", data, **{"strategy.pipeline_stages": 2, "strategy.zero_stage": 1,
-                           "strategy.justification": "test", "train.grad_accum": 2, "train.max_steps": 2,
-                           "checkpoint.every_steps": 2, "checkpoint.async": False})  # fmt: skip
+                           "strategy.tensor_parallel": 2, "strategy.justification": "test", "train.grad_accum": 2,
+                           "train.max_steps": 3, "checkpoint.every_steps": 2, "checkpoint.async": False,
+                           "train.log_every": 1})  # fmt: skip
     settings["model.config"] = {**settings["model.config"], "model_type": "llama", "num_hidden_layers": 1,
                                 "tie_word_embeddings": False}  # fmt: skip
-    r = train(
-        tmp_path, settings, launcher="torchrun", timeout=300
-    )  # (a hang is a failure, not a 15-minute wait)
-    state = json.loads((r.run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
-    assert state["plan"]["pipeline"]["parts"] == [0, 2, 4]  # tokens, layer 0 | norm, head
+    r = train(tmp_path / "3d", settings, launcher="torchrun", nproc=4, timeout=300)  # (a hang: a failure)
+    step = r.run_dir / "checkpoints" / "step_00000002"
+    assert json.loads((step / "trainer_state.json").read_text())["plan"]["pipeline"]["parts"] == [0, 2, 4]
+    one = {
+        **settings,
+        "strategy.pipeline_stages": 1,
+        "strategy.tensor_parallel": 1,
+    }  # (the same 4 rows a step)
+    again = train(
+        tmp_path / "one", one, extra_args=["--resume", str(step)], env={"OMP_NUM_THREADS": "2"}, timeout=300
+    )
+    assert "(tensor parallel 2 -> 1" in again.output and again.losses[3] == pytest.approx(
+        r.losses[3], rel=1e-6
+    )
 
 
 def test_tensor_parallel_inside_the_stages_trains_as_one_rank_and_resumes_at_its_layout(runs, chat, tmp_path):

@@ -210,7 +210,6 @@ def load(
         if path is None:
             raise ResumeError(f"DeepSpeed found no checkpoint in {ckpt}")
         return
-    stages.refuse_three_d(ckpt, axes[0], engine, src[0])
     if getattr(engine, "pipe", None) is not None:
         stages.check_target(engine, names)
     target = target_of(ds)
@@ -438,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a conversion needs no GPU
     workers_die_with_it()
+    # one thread: a parallel region here (3D's shards joined by torch.cat) before DeepSpeed forks its workers left
+    # them in libgomp's barrier for ever (review of issue 71); the workers, processes, are the conversion's parallelism
+    __import__("torch").set_num_threads(1)
     convert(Path(args.checkpoint), json.loads(Path(args.spec).read_text()))
     return 0
 

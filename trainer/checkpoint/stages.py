@@ -166,28 +166,6 @@ def saved_tp(ckpt: Path) -> int:
     return max(1, len(list(Path(ckpt).glob("mp_rank_*_model_states.pt"))) // saved_stages(ckpt))
 
 
-def refuse_three_d(ckpt: Path, tp: int, engine: Any, zero: int) -> None:
-    """Tensor parallelism inside pipeline stages (3D) converts at ZeRO-1: out of it through DeepSpeed's universal
-    conversion (given every stage's shard metadata), into it through `from_universal` (each tensor rank's layer
-    files cut to the shapes its engine holds; DeepSpeed's universal load cuts the optimizer's by each parameter's
-    own AutoTP metadata). At ZeRO-0 either way a rank's torch optimizer state would have to be joined or cut:
-    refused, with the way that works."""
-    pp, now = (
-        saved_stages(ckpt),
-        int(engine.ds.num_stages) if getattr(engine, "pipe", None) is not None else 1,
-    )
-    into = now > 1 and tp > 1 and engine.ds.zero_optimization_stage() == 0
-    if into or (pp > 1 and saved_tp(ckpt) > 1 and zero == 0):
-        raise ResumeError(
-            f"checkpoint.resume: {ckpt} was saved at pipeline stages {pp} x tensor parallel {saved_tp(ckpt)} (ZeRO "
-            f"{zero}), and this run is at {now} x {tp} (ZeRO {engine.ds.zero_optimization_stage()}) in another "
-            "layout (stages, degree, ZeRO stage or data-parallel size): tensor parallelism inside stages converts at "
-            "ZeRO-1 only (a ZeRO-0 rank's optimizer state is not joined or divided by tensor rank yet). Resume at "
-            "the saved layout, or with zero_stage: 1 on the side with tensor parallelism inside stages, or export "
-            "the weights (bin/export joins the shards) and start from them"
-        )
-
-
 def tensor_shards(ds: Any) -> dict[str, Any]:
     """Every rank of a run in stages with tensor parallelism (3D), before a conversion for it: each stage's tensor
     ranks' parameter shapes ({"tp": T, "shards": [{pipeline name: shape}, by model-parallel rank: stage x T +
