@@ -79,21 +79,18 @@ def _stage_weights(ckpt: Path, stage: int, layout: Any, names: dict[str, dict[st
     them, trainer_state.json's), by the model's names: at ZeRO-1 each stage's optimizer partitions over its
     data-parallel ranks, read as one rank's (sharded.one_rank); at ZeRO-0 (fp32 only under stages) the layer
     files."""
-    from trainer.checkpoint.reshard import model_state_files
     from trainer.checkpoint.sharded import one_rank
-    from trainer.checkpoint.stages import saved_stages, tensor_parallel_info, whole_weights
+    from trainer.checkpoint.stages import saved_stages, saved_tp, tensor_parallel_info, whole_weights
     from trainer.checkpoint.universal import joined
     from trainer.model.stages import model_name
 
-    layers = {k: v.float() for k, v in whole_weights(ckpt, names).items()}
+    info = tensor_parallel_info(ckpt)
+    layers = {k: v.float() for k, v in whole_weights(ckpt, names, info).items()}
     if stage == 0:
         return layers
     out: dict[str, Any] = {}
-    pp, info = saved_stages(ckpt), tensor_parallel_info(ckpt)
-    tp = (
-        len(model_state_files(ckpt)) // pp
-    )  # (a file a stage's tensor-parallel rank: mp_rank_{stage x tp + rank})
-    for s in range(pp):
+    tp = saved_tp(ckpt)  # (a model-states file a stage's tensor rank: mp_rank_{stage x tp + rank})
+    for s in range(saved_stages(ckpt)):
         shards = [one_rank(ckpt, s * tp + t, stage, layout, _whole_weights, staged=True) for t in range(tp)]
         for name in shards[0]:
             out[model_name(names, name)] = joined([part[name] for part in shards], name, info)

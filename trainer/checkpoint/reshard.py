@@ -147,11 +147,8 @@ def needs_conversion(src: tuple[int, int], dst: tuple[int, int]) -> bool:
 def target_of(ds: Any) -> dict[str, Any]:
     """What a converted checkpoint must look like for this engine to load it (in stages: their cut and names)."""
     staged = getattr(ds.module, "names", None)
-    pipeline = (
-        {"pipeline": {"parts": list(ds.module.parts), "names": staged, **stages.tensor_shards(ds)}}
-        if staged
-        else {}
-    )
+    layout = {"parts": list(ds.module.parts), "names": staged, **stages.tensor_shards(ds)} if staged else None
+    pipeline = {"pipeline": layout} if layout else {}
     if ds.zero_optimization_stage() != 0:
         return {"stage0": False, **pipeline}
     return {

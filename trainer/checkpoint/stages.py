@@ -112,14 +112,14 @@ def _item_state(names: Names, i: str, state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def whole_weights(ckpt: Path, names: Names) -> dict[str, Any]:
+def whole_weights(ckpt: Path, names: Names, info: dict[str, Any] | None = None) -> dict[str, Any]:
     """The model's weights and buffers from a checkpoint of pipeline stages, by the model's names (a tied head: the
     embedding, which the model ties again), as the layer files hold them (the training precision)."""
     import torch
 
     from trainer.checkpoint.universal import joined
 
-    prefixes, info = _prefixes(names), tensor_parallel_info(ckpt)
+    prefixes, info = _prefixes(names), tensor_parallel_info(ckpt) if info is None else info
     out = {}
     for index, item in names.items():
         # one file a tensor-parallel rank in a stage (layer_NN-model_TT-model_states.pt: 3D), else one
@@ -137,12 +137,13 @@ def whole_weights(ckpt: Path, names: Names) -> dict[str, Any]:
 def tensor_parallel_info(ckpt: Path) -> dict[str, Any]:
     """The universal-checkpoint metadata AutoTP attached to each stage's model states (3D: which of the stage's
     parameters are replicated, which divided by rows, each one's shards), merged over the stages, a tied
-    embedding's patterns also under its layer file's name ({} without tensor parallelism)."""
+    embedding's patterns also under its layer file's name ({} without tensor parallelism: its model-states files,
+    which at ZeRO-0 hold the optimizer's state, are not read)."""
     import torch
 
     merged: dict[str, Any] = {}
     # (stages: ZeRO 0-1, a model-states file a stage's tensor rank)
-    for f in sorted(Path(ckpt).glob("mp_rank_*_model_states.pt")):
+    for f in sorted(Path(ckpt).glob("mp_rank_*_model_states.pt")) if saved_tp(ckpt) > 1 else ():
         info = torch.load(f, map_location="cpu", weights_only=False).get("universal_checkpoint_info") or {}
         for key, value in info.items():
             if isinstance(value, list):
@@ -156,9 +157,8 @@ def tensor_parallel_info(ckpt: Path) -> dict[str, Any]:
     return merged
 
 
-TIED = (
-    "^tied_modules\\.embed\\."  # a tied embedding's pipeline name (trainer/model/stages.py's TiedLayerSpec)
-)
+# a tied embedding's pipeline name (trainer/model/stages.py's TiedLayerSpec)
+TIED = "^tied_modules\\.embed\\."
 
 
 def saved_tp(ckpt: Path) -> int:
@@ -206,7 +206,8 @@ def to_universal(ckpt: Path, out: Path, zero: int, aliases: dict[str, str], work
     rec = recorded(ckpt)
     names, parts = rec["names"], rec["parts"]
     aliases = rec.get("aliases") or aliases
-    weights = whole_weights(ckpt, names)
+    info = tensor_parallel_info(ckpt)  # (3D: read once, for the layer files and DeepSpeed's conversion)
+    weights = whole_weights(ckpt, names, info)
     if zero == 0:  # (fp32 only: torch's optimizer layout, the weights the layer files')
         params: dict[str, stage0.ParamState] = {}
         for s in range(len(parts) - 1):
@@ -218,10 +219,9 @@ def to_universal(ckpt: Path, out: Path, zero: int, aliases: dict[str, str], work
             params.update({model_name(names, n): p for n, p in read.items()})
         universal.write_params(out, params, hparams, workers)
     else:
-        # (3D: every stage's tensor-parallel metadata in each file DeepSpeed reads)
         universal.ds_to_universal(
-            ckpt, out, workers, tensor_parallel_info(ckpt) if saved_tp(ckpt) > 1 else None
-        )
+            ckpt, out, workers, info or None
+        )  # (3D: every stage's metadata in each file)
         for d in sorted((out / "zero").iterdir()):
             if d.is_dir():  # a tied weight: both ends' copies, the same after every step
                 dst = out / "zero" / model_name(names, d.name)

@@ -44,8 +44,8 @@ def ds_to_universal(ckpt: Path, out: Path, workers: int, info: dict[str, Any] | 
             if (
                 info is not None
                 and f.is_file()
+                and f.name.startswith("mp_rank_")
                 and f.name.endswith("_model_states.pt")
-                and "mp_rank_" in f.name
             ):
                 states = torch.load(f, map_location="cpu", weights_only=False)
                 torch.save({**states, "universal_checkpoint_info": info}, view / f.name)

@@ -48,7 +48,7 @@ def _stages(exp: Experiment) -> list[tuple[str, str]]:
     for other in (
         "sequence_parallel",
         "expert_parallel",
-    ):  # (tensor parallelism inside a stage: 3D, verified)
+    ):  # (tensor parallelism inside the stages: 3D, verified)
         if getattr(s, other) not in ("auto", 1):
             out.append((key, f"pipeline stages with strategy.{other}: {getattr(s, other)} are not verified here "
                         "(each axis is trained against one rank alone); set one of them to 1"))  # fmt: skip
