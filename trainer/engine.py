@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.model import loss_of
+from trainer.model import experts, loss_of
 
 
 def start_schedule(scheduler: Any) -> None:
@@ -74,6 +74,7 @@ class Engine:
         one_row: bool = False,
         sequence: Any = None,
         objective: Any = None,
+        vision: Any = None,
     ) -> None:
         import deepspeed
 
@@ -97,10 +98,13 @@ class Engine:
         self.on_backward: Any = None  # tests: called after backward, before the optimizer step
         self.saved_probe: Any = None  # tests: a context around training forward passes (SavedActivations)
         self.one_row = one_row  # flash_attention_2: fine-tuning rows as one (as_one_row)
+        self.vision = vision  # a vision-language model's inputs (trainer/model/vision.py Inputs)
         self.objective = objective  # a preference objective (trainer/objectives/), None: the model's loss
         if objective is not None:
             objective.device = self.device
-        self.experts = router(model)  # a mixture of experts returning router logits: (aux coef, ExpertLoad)
+        self.experts = experts.router(
+            model
+        )  # a mixture of experts returning router logits: (aux coef, ExpertLoad)
         if self.experts is not None:  # each expert-parallel rank's load, logged
             from trainer.strategy.planning.axes import parallel_degrees
 
@@ -126,6 +130,8 @@ class Engine:
         with offloaded(*self.offload), self.saved_probe() if self.saved_probe else contextlib.nullcontext():
             if self.objective is not None:  # preference pairs: the mean of the micro batch's pair losses
                 return self.objective.loss(self.ds, batch)
+            if self.vision is not None:  # a vision-language model's inputs (trainer/model/vision.py)
+                batch, extra = self.vision.apply(batch, extra)
             if self.sp > 1:
                 return sequence_parallel_loss(
                     self.ds, batch, num_items, self.sp, self.sp_rank, self.one_row, self.experts
@@ -359,18 +365,6 @@ def complete(
     return out
 
 
-def router(model: Any) -> tuple[float, Any] | None:
-    """A mixture of experts whose config has output_router_logits: (its router_aux_loss_coef, an
-    ExpertLoad); None otherwise (trainer/model/experts.py)."""
-    from trainer.model.experts import ExpertLoad, routing
-
-    cfg = getattr(model, "config", None)
-    found = routing(cfg) if cfg is not None else None
-    if found is None or not getattr(cfg.get_text_config(), "output_router_logits", False):
-        return None
-    return float(getattr(cfg.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0), ExpertLoad(*found)
-
-
 def _with_router(out: Any, experts: Any, targets: Any, num_items: float | None) -> Any:
     """The forward's loss, its router's auxiliary term weighted as the main loss (experts.router_loss),
     its expert load counted."""
@@ -429,8 +423,10 @@ def plain_loss(
         extra = {} if num_items is None else {"num_items_in_batch": num_items}
         out = ds(input_ids=batch, labels=batch, use_cache=False, **extra)
     else:
-        out = ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=batch[:, 2], use_cache=False,
-                 num_items_in_batch=num_items, **(extra or {}))  # fmt: skip
+        extra = dict(extra or {})
+        pos = extra.pop("position_ids", batch[:, 2])  # a vision-language model's own (multimodal RoPE)
+        out = ds(input_ids=batch[:, 0], labels=batch[:, 1], position_ids=pos, use_cache=False,
+                 num_items_in_batch=num_items, **extra)  # fmt: skip
     return _with_router(out, experts, target_count(batch) if experts is not None else 0, num_items)
 
 

@@ -42,13 +42,15 @@ SECTION = {
     "append_eos": False, "num_workers": 3, "pin_memory": False, "persistent_workers": False, "num_proc": 2,
     "shuffle": False, "cache_dir": "OTHER_CACHE", "chat_template": "TEMPLATE", "train_on_prompt": True,
     "multi_turn": "each", "chat_template_kwargs": {"enable_thinking": False}, "group_by_length": True,
-    "packing": False, "separate_documents": True, "truncation": "drop",
+    "packing": False, "separate_documents": True, "truncation": "drop", "image_max_pixels": 4096,
+    "image_min_pixels": 64,
 }  # fmt: skip
 SOURCE = {
     "files": "FILES", "hub": None, "name": "cfg", "split": "validation", "format": "json", "text_field": "body",
     "kind": "prompt_completion", "prompt_field": "question", "completion_field": "answer", "chosen_field": "good",
     "rejected_field": "bad", "messages_field": "conversation", "tools_field": "functions", "formatting": "sharegpt",
-    "format_map": {"roles": {"human": "user"}}, "weight": 2.0, "sample_by": "line",
+    "format_map": {"roles": {"human": "user"}}, "weight": 2.0, "sample_by": "line", "images_field": "pictures",
+    "image_field": "picture",
 }  # fmt: skip
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer import config, model
-from trainer.engine import plain_loss, router, sequence_parallel_loss, target_count
-from trainer.model.experts import ExpertLoad, active_params, router_loss
+from trainer.engine import plain_loss, sequence_parallel_loss, target_count
+from trainer.model.experts import ExpertLoad, active_params, router, router_loss
 from trainer.strategy import describe_params, flops_per_token
 
 # Qwen3-30B-A3B's shape (its config.json): published as 30.5B parameters, 3.3B activated

@@ -68,6 +68,17 @@ class DataSource(Section):
         description="kind chat: the column of each example's tool schemas, passed to the chat template as "
         "tools= (a list, or a JSON string of one); used where the data has it",
     )
+    images_field: str = Field(
+        "images",
+        description="kind chat: the column of each row's images (paths relative to the data file, addresses, "
+        "base64), one per <image> placeholder in the messages' text, in order (LLaMA-Factory's form); used where "
+        "the data has it. Images may also be content parts of the messages (docs/fine-tuning.md#images)",
+    )
+    image_field: str = Field(
+        "image",
+        description="kind chat: the column of a row's single image, at its <image> placeholder or before the first "
+        "user message's text; used where the data has it",
+    )
     formatting: choice(None, *PRESETS) = Field(
         None,
         description="kind chat: how rows hold conversations: null/openai = OpenAI-style messages (content "
@@ -170,6 +181,17 @@ class DataSection(Section):
         description="kind text: keep documents apart like fine-tuning examples (each packed document attends "
         "only to itself; one longer than seq_len continues, from position 0, in the next); false = documents "
         "end to end, attending across",
+    )
+    image_max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="images larger than this many pixels are scaled down (aspect kept) before the processor: "
+        "the image tokens and pixels a row takes are bounded (LLaMA-Factory's image_max_pixels); null = as they are",
+    )
+    image_min_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="images smaller than this many pixels are scaled up (aspect kept); null = as they are",
     )
     truncation: choice("right", "drop") = Field(
         "right",

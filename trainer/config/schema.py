@@ -185,6 +185,11 @@ class ModelSection(Section):
     lora: LoraSection | None = Field(
         None, description="LoRA adapters on the frozen model (null = full training); see docs/fine-tuning.md"
     )
+    freeze: tuple[choice("vision_tower", "projector", "language_model"), ...] | None = Field(
+        None,
+        description="vision-language models: the parts not trained (vision_tower, projector, language_model); "
+        "null = the vision tower frozen, the projector and language model trained (docs/fine-tuning.md#images)",
+    )
 
     @property
     def checkpoints_hold_frozen(self) -> bool:

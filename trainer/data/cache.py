@@ -26,6 +26,7 @@ import numpy as np
 from trainer.common.errors import UserError
 from trainer.common.files import file_lock, write_atomic
 from trainer.config import DataSection
+from trainer.data.image_rows import changed_images, save_images, stored_images
 from trainer.data.keys import cache_key, rebuilt_why
 from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
 from trainer.data.prompts import read_columns
@@ -58,6 +59,10 @@ class Data:
     columns: list[dict[str, Any]] | None = (
         None  # prompt data: each row's other columns (the reward functions')
     )
+    images: Any = None  # chat data with images: each training row's image tensors (data/images.py ImageStore)
+    eval_images: Any = None
+    idle_image: Any = None  # a blank image's tensors (trainer/model/vision.py: the idle image)
+    vision: dict[str, Any] | None = None  # the images' statistics, keys and token types (meta.json)
 
     @property
     def supervised(self) -> bool:
@@ -98,8 +103,11 @@ def build(
     final = root / digest
     built, why = False, None
     with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
+        changed = changed_images(final)
+        if changed:  # an image file the rows were made from changed since: made again
+            shutil.rmtree(final)
         if not (final / "meta.json").exists():
-            why = rebuilt_why(root, key, digest)
+            why = f"the image file {changed} changed" if changed else rebuilt_why(root, key, digest)
             quiet = not (is_main and sys.stderr.isatty()) if progress is None else not progress
             _build_cache(section, tok, key, final, quiet=quiet, num_proc=num_proc)
             built = True
@@ -116,6 +124,7 @@ def build(
         "tokenizer": meta["tokenizer"],
     }
     return Data(
+        **stored_images(final, (meta.get("finetune") or {}).get("vision")),
         train=train,
         eval=eval_,
         tokenizer=tok,
@@ -356,6 +365,8 @@ def _build_mixture_cache(
     train, evals, mixture, stats = [], [], [], []
     for k, src in section.sources:
         rows, st = _source_rows(src, k, tok, section, num_proc)
+        if st is not None and st.get("vision"):
+            raise UserError(f"{k}: a mixture of sources with images is not supported yet; give one source")
         if section.eval is None and section.eval_fraction > 0:
             n_eval = _held_out(len(rows), section.eval_fraction, k, section.seq_len)
             rows, held = rows[:-n_eval], rows[-n_eval:]
@@ -397,16 +408,34 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
     from trainer.data.examples import build_rows
 
     train, stats = build_rows(raw, tok, section, section.train, "data.train")
-    eval_ = None
+    vision = stats.pop("vision", None)
+    store, idle = (vision.pop("store") if vision else None), None
+    eval_, eval_store = None, None
     if section.eval is not None:
-        eval_, _ = build_rows(load_raw(section.eval, "data.eval"), tok, section, section.eval, "data.eval")
+        eval_, eval_stats = build_rows(
+            load_raw(section.eval, "data.eval"), tok, section, section.eval, "data.eval"
+        )
+        eval_store = (eval_stats.get("vision") or {}).get("store")
     elif section.eval_fraction > 0:
         n_eval = _held_out(len(train), section.eval_fraction, seq_len=section.seq_len)
         train, eval_ = train[:-n_eval], train[-n_eval:]
+        if store is not None:
+            store, eval_store = store.take(0, len(train)), store.take(len(train), len(train) + n_eval)
+    if vision is not None:
+        idle, stats["vision"] = vision.pop("idle"), vision
+
+    def write_train(d: Path) -> None:
+        _save_rows(d, train)
+        save_images(d, "train", store, idle)
+
+    def write_eval(d: Path) -> None:
+        np.save(d / "eval.npy", eval_)
+        save_images(d, "eval", eval_store)
+
     _publish(
         final,
-        lambda d: _save_rows(d, train),
-        (lambda d: np.save(d / "eval.npy", eval_)) if eval_ is not None else None,
+        write_train,
+        write_eval if eval_ is not None else None,
         {
             **key,
             "key": key,

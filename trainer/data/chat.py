@@ -58,6 +58,9 @@ class Example:
 
     ids: list[int]
     targets: list[bool]
+    text: str | None = (
+        None  # the rendering the ids were cut from (a chat example's; its images are expanded from it)
+    )
 
     @property
     def n_targets(self) -> int:
@@ -109,6 +112,10 @@ def _check_content(content: Any, n: int, where: str) -> None:
             raise UserError(
                 f"{where}: message {n}: content part {k} is not a {{type, ...}} mapping: {str(part)[:80]}"
             )
+        if (
+            part["type"] == "image" and len(part) == 1
+        ):  # an image, where the data's were found (trainer/data/images.py)
+            continue
         if part["type"] != "text":
             raise UserError(
                 f"{where}: message {n}: content part {k} is of type '{part['type']}'; this trains text models, "
@@ -180,7 +187,12 @@ def prepared(conv: Conversation, p: Profile, tok: Any) -> tuple[Conversation, se
     messages = []
     for m in conv.messages:
         content = m.get("content")
-        if isinstance(content, list) and not p.renders_parts:
+        # a message with an image keeps its parts (trainer/data/image_rows.py checks the template placed them)
+        if (
+            isinstance(content, list)
+            and not p.renders_parts
+            and all(part["type"] == "text" for part in content)
+        ):
             m = {**m, "content": "\n".join(part["text"] for part in content)}
         messages.append(m)
     conv = dataclasses.replace(conv, messages=messages)
@@ -248,7 +260,7 @@ def _targets(tok: Any, text: str, spans: list[tuple[int, int]], train_on_prompt:
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     if train_on_prompt:  # everything up to the last turn's end; not what the template adds after it
         last = max(end for _, end in spans)
-        return Example(ids, [a < last for a, _ in offsets])
+        return Example(ids, [a < last for a, _ in offsets], text)
     special = set(tok.all_special_ids)
     targets = [False] * len(ids)
     for start, end in spans:
@@ -258,7 +270,7 @@ def _targets(tok: Any, text: str, spans: list[tuple[int, int]], train_on_prompt:
         for j in inside:
             if j <= last:
                 targets[j] = True
-    return Example(ids, targets)
+    return Example(ids, targets, text)
 
 
 def _turn(p: Profile, tok: Any, conv: Conversation, i: int) -> tuple[str, str] | None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from trainer.common.errors import UserError
 from trainer.config import DataSection, DataSource
-from trainer.data import formats
+from trainer.data import formats, image_rows, images
 from trainer.data.chat import (
     Example,
     check_conversation,
@@ -57,7 +57,7 @@ class _Counts:
 
 
 def _examples(row: Any, n: int, src: DataSource, section: DataSection, tok: Any, where: Any,
-              prof: list[Profile | None], c: _Counts) -> list[Example]:  # fmt: skip
+              prof: list[Profile | None], c: _Counts, pics: image_rows.Images | None = None) -> list[Any]:  # fmt: skip
     """One row of the raw data -> its examples."""
     if src.kind == "prompt_completion" and not formats.is_conversational(row, src):
         prompt, completion = row[src.prompt_field], row[src.completion_field]
@@ -69,13 +69,18 @@ def _examples(row: Any, n: int, src: DataSource, section: DataSection, tok: Any,
     if prof[0] is None:
         prof[0] = chat_profile(section, tok)
     messages, tools, completion_from = formats.conversation(row, src, where(n))
+    messages, specs = images.conversation_images(messages, row, src, where(n))
+    if specs and pics is None:
+        raise UserError(
+            f"{where(n)}: the row has images; only chat data (data.train.kind: chat) carries them"
+        )
     conv = check_conversation(messages, where(n), tools, completion_from)
     conv, unread = prepared(conv, prof[0], tok)
     for key in unread:
         c.unread[key] = c.unread.get(key, 0) + 1
     out, fell_back = render_conversation(conv, tok, prof[0], train_on_prompt=section.train_on_prompt)
     c.turn_by_turn += fell_back
-    return out
+    return pics.expand(out, specs, tok, where(n)) if specs else out
 
 
 def build_rows(
@@ -96,14 +101,24 @@ def build_rows(
                            lambda row, n: _examples(row, n, pc, section, tok, where, prof_pc, _Counts()))  # fmt: skip
     prof: list[Profile | None] = [chat_profile(section, tok) if src.kind == "chat" else None]
     kept, shown, c = [], None, _Counts()
+    pics = image_rows.Images(section) if src.kind == "chat" else None
     for n, row in enumerate(raw):
         c.rows += 1
-        for ex in _examples(row, n, src, section, tok, where, prof, c):
+        for ex in _examples(row, n, src, section, tok, where, prof, c, pics):
             if len(ex.ids) > seq_len:
+                if getattr(ex, "image_tokens", 0) >= seq_len:
+                    raise UserError(
+                        f"{where(n)}: the row's images alone take {ex.image_tokens:,} tokens, data.seq_len is "
+                        f"{seq_len:,}; raise data.seq_len or bound the images (data.image_max_pixels)"
+                    )
                 if section.truncation == "drop":
                     c.dropped_long += 1
                     continue
                 ex = ex.truncated(seq_len)
+                if ex is None:  # the cut would fall inside an image: the processor's features would not match
+                    pics.cut += 1
+                    c.dropped_long += 1
+                    continue
                 c.truncated += 1
             if not any(ex.targets[1:]):  # the first token of a row is never a target
                 c.no_target += 1
@@ -118,11 +133,14 @@ def build_rows(
             f"{key}: no example with a token to train on ({c.truncated} truncated, {c.dropped_long} longer than "
             f"data.seq_len {seq_len} dropped, {c.no_target} with no target left); raise data.seq_len"
         )
-    rows = _pack(kept, tok, section)
+    placed: list[int] = []
+    rows = _pack(kept, tok, section, placed)
     stats = _stats(src.kind, rows, seq_len, examples=len(kept) + c.dropped_long + c.no_target, kept=len(kept),
                    tokens=c.tokens, targets=c.targets, example=shown, truncated=c.truncated,
                    dropped_too_long=c.dropped_long, dropped_no_target=c.no_target)  # fmt: skip
     stats["conversations"] = c.rows
+    if pics is not None and pics.proc is not None:
+        stats["vision"] = _vision(kept, placed, len(rows), pics)
     if prof[0] is not None:
         p = prof[0]
         stats["template"] = {"strategy": p.strategy, "why": p.why, "parts": p.renders_parts, "dated": p.dated,
@@ -151,10 +169,21 @@ def _stats(kind: str, rows: np.ndarray, seq_len: int, *, examples: int, kept: in
     }
 
 
-def _pack(kept: list[Example], tok: Any, section: DataSection) -> np.ndarray:
+def _vision(kept: list[Any], placed: list[int], n_rows: int, pics: image_rows.Images) -> dict[str, Any]:
+    """The images' statistics, and (`store`, taken out before meta.json is written) each row's tensors."""
+    per_row: list[dict[str, list[np.ndarray]]] = [{} for _ in range(n_rows)]
+    for ex, r in zip(kept, placed, strict=True):
+        for key, value in getattr(ex, "tensors", {}).items():
+            per_row[r].setdefault(key, []).append(value)
+        pics.image_tokens += getattr(ex, "image_tokens", 0)
+    rows = [{k: np.concatenate(v) for k, v in d.items()} for d in per_row]
+    return {**pics.stats(), "store": image_rows.ImageStore.of(rows, pics.keys), "idle": pics.idle()}
+
+
+def _pack(kept: list[Example], tok: Any, section: DataSection, placed: list[int] | None = None) -> np.ndarray:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     packed = pack_examples(
-        kept, section.seq_len, pad if pad is not None else 0, one_per_row=not section.packing
+        kept, section.seq_len, pad if pad is not None else 0, one_per_row=not section.packing, placed=placed
     )
     return np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
 

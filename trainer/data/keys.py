@@ -25,6 +25,8 @@ TOKEN_MODULES = (
     "chat",
     "examples",
     "formats",
+    "image_rows",
+    "images",
     "pack",
     "preference",
     "prompts",
@@ -90,6 +92,12 @@ def cache_key(section: DataSection, tok: Any) -> dict[str, Any]:
             "template": chat_template(section, tok),  # the template, its kwargs and multi_turn
             "row_targets": True,  # targets.npy beside train.npy
         }
+        if section.kind == "chat":  # images: the processor's settings (the image bytes: meta.json's stamps)
+            from trainer.data.images import load_processor, processor_id
+
+            proc = processor_id(load_processor(section.tokenizer))
+            if proc is not None:
+                key["finetune"]["processor"] = proc
     return key
 
 

@@ -82,7 +82,7 @@ def as_rows(blocks: np.ndarray) -> np.ndarray:
 
 
 def pack_examples(
-    examples: Any, seq_len: int, pad_id: int, one_per_row: bool = False
+    examples: Any, seq_len: int, pad_id: int, one_per_row: bool = False, placed: list[int] | None = None
 ) -> dict[str, np.ndarray]:
     """Fine-tuning examples (`chat.Example`, each at most `seq_len` tokens) -> rows of `seq_len`:
     `input_ids`, `labels` (the token where it is a target, else IGNORE; an example's first token never
@@ -91,7 +91,8 @@ def pack_examples(
     packed position ids when no attention mask and no cache are passed). In order, greedily: an
     example that does not fit in the row's space left starts the next row; the rest of a row is
     padding (IGNORE, its own positions). Every token of every example is in exactly one row.
-    `one_per_row` (data.packing: false): each example alone in its row."""
+    `one_per_row` (data.packing: false): each example alone in its row. `placed`: filled with each example's
+    row (an empty example's: -1)."""
     rows: list[tuple[list[int], list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
@@ -106,10 +107,14 @@ def pack_examples(
         if n > seq_len:
             raise ValueError(f"an example of {n} tokens is longer than seq_len {seq_len}: truncate it first")
         if n == 0:
+            if placed is not None:
+                placed.append(-1)
             continue
         if ids and (one_per_row or len(ids) + n > seq_len):
             close()
             ids, labels, pos = [], [], []
+        if placed is not None:
+            placed.append(len(rows))
         ids += ex.ids
         labels += [IGNORE] + [t if m else IGNORE for t, m in zip(ex.ids[1:], ex.targets[1:], strict=True)]
         pos += list(range(n))

@@ -143,6 +143,16 @@ class Place:
 
     __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731 (f-strings)
 
+    @property
+    def file(self) -> str | None:
+        """The file row `n` is in (None: a hub dataset): relative image paths are resolved against its folder."""
+        n = self.n
+        for name, _, rows in self.files():
+            if n < rows:
+                return name
+            n -= rows
+        return None
+
 
 def locator(src: DataSource, key: str) -> Callable[[int], Place]:
     """Row number -> its Place; the files are read once, at the first Place shown."""

@@ -16,6 +16,8 @@ import numpy as np
 from trainer.common.errors import UserError
 from trainer.config import DataSection
 from trainer.data.cache import Data
+from trainer.data.image_rows import ImageRows, collate_images, image_tokens
+from trainer.data.mixture import mixture_order, shares
 from trainer.data.pack import IGNORE, as_rows
 
 
@@ -127,31 +129,6 @@ def padding_shares(
     return 1 - real / max(1, len(rows) * seq_len), 1 - real / max(fed, 1)
 
 
-def shares(total: int, weights: list[float]) -> np.ndarray:
-    """`total` split by `weights` into integers (largest remainder): each source's sequences in an epoch."""
-    w = np.asarray(weights, dtype=np.float64)
-    exact = total * w / w.sum()
-    counts = np.floor(exact).astype(np.int64)
-    rest = total - int(counts.sum())
-    counts[np.argsort(-(exact - counts), kind="stable")[:rest]] += 1
-    return counts
-
-
-def mixture_order(sizes: list[int], weights: list[float], seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """An epoch of a mixture: as many sequences as all sources hold, each source's share by its
-    weight (a source with fewer sequences than its share repeats them, each permutation whole
-    before the next; one with more gives a different subset each epoch), seeded by (seed, epoch)."""
-    rng = np.random.default_rng([seed, epoch, 1])
-    offsets = np.cumsum([0, *sizes[:-1]])
-    parts = []
-    for size, count, offset in zip(sizes, shares(sum(sizes), weights), offsets, strict=True):
-        reps = -(-int(count) // size)
-        perms = [rng.permutation(size) if shuffle else np.arange(size) for _ in range(reps)]
-        parts.append(np.concatenate(perms)[:count] + offset)
-    out = np.concatenate(parts)
-    return out[rng.permutation(len(out))] if shuffle else out
-
-
 class _Rows:
     """Map-style dataset over the memory-mapped blocks; `__getitems__` fetches a batch in one take."""
 
@@ -248,23 +225,29 @@ def resolve_workers(setting: int | str, device_type: str) -> int:
 
 
 def make_loader(
-    ds: Any, sampler: RankSampler, section: DataSection, device_type: str, multiple: int = 1
-) -> Any:
+    ds: Any, sampler: RankSampler, section: DataSection, device_type: str, multiple: int = 1,
+    images: Any = None, image_tokens: tuple[int, ...] = (),
+) -> Any:  # fmt: skip
     import functools
 
     import torch
     from torch.utils.data import DataLoader
 
     workers = resolve_workers(section.num_workers, device_type)
+    collate = (
+        functools.partial(collate_images, multiple=multiple, image_tokens=image_tokens)
+        if images is not None
+        else functools.partial(_collate, multiple=multiple)
+    )
     return DataLoader(
-        _PairRows(ds) if ds.ndim == 4 else _Rows(ds),
+        ImageRows(ds, images) if images is not None else _PairRows(ds) if ds.ndim == 4 else _Rows(ds),
         batch_size=sampler.micro,
         sampler=sampler,
         drop_last=True,
         num_workers=workers,
         pin_memory=section.pin_memory and device_type == "cuda",
         persistent_workers=section.persistent_workers and workers > 0,
-        collate_fn=functools.partial(_collate, multiple=multiple),
+        collate_fn=collate,
         # Own generator: creating an iterator must not draw from the global RNG (exact resume).
         generator=torch.Generator().manual_seed(0),
         multiprocessing_context="fork" if workers > 0 else None,
@@ -318,7 +301,8 @@ class TrainStream:
                 f"data.train: {len(data.train)} sequences are fewer than one step's global batch ({world} ranks x "
                 f"train.micro_batch_size {micro} x train.grad_accum {accum}); lower the micro batch or add data"
             )
-        self.loader = make_loader(data.train, self.sampler, section, device_type, width_multiple)
+        self.loader = make_loader(data.train, self.sampler, section, device_type, width_multiple,
+                                  data.images, image_tokens(data))  # fmt: skip
         self.targets = data.targets  # fine-tuning rows: target tokens per row (cache), for the step's loss
         self.rows_per_sample = 2 if data.pairs else 1  # preference pairs: a chosen and a rejected row
         self._orders: dict[int, np.ndarray] = {}
@@ -433,6 +417,8 @@ def eval_batches(
         section.model_copy(update={"persistent_workers": False, "num_workers": 0}),
         device_type,
         width_multiple,
+        data.eval_images,
+        image_tokens(data),
     )
     return _Limited(loader, limit)
 

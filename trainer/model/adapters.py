@@ -28,6 +28,8 @@ _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     **{t: _LLAMA_LIKE for t in ("llama", "mistral", "qwen2", "qwen3")},
+    # vision-language models: the language model's (the vision tower and projector excluded: `_vision_excluded`)
+    **{t: _LLAMA_LIKE for t in ("qwen2_vl", "qwen2_5_vl", "gemma3")},
 }
 
 
@@ -79,6 +81,7 @@ def apply(model: Any, lora: Any) -> Any:
         t == "Conv1D" for n, t in present.items() if any(n == x or n.endswith("." + x) for x in names)
     )
     cfg = LoraConfig(
+        exclude_modules=_vision_excluded(model),
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -96,6 +99,20 @@ def apply(model: Any, lora: Any) -> Any:
     with warnings.catch_warnings():  # peft asks transformers 5 for a renamed property
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, cfg)
+
+
+def _vision_excluded(model: Any) -> str | None:
+    """A vision-language model's vision tower and projector, as peft's exclude_modules (a regex): adapters go on
+    the language model only (model.freeze says what else trains)."""
+    import re
+
+    from trainer.model.vision import family
+
+    fam = family(getattr(getattr(model, "config", None), "model_type", None))
+    if fam is None:
+        return None
+    prefixes = sorted({p.rstrip(".") for p in fam.vision_tower + fam.projector})
+    return "(" + "|".join(re.escape(p) for p in prefixes) + r")\..*"
 
 
 def trainable(module: Any) -> tuple[int, int]:

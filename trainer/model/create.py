@@ -122,14 +122,15 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
             params=params, largest_layer=largest, trainable=trainable, param_sizes=sizes(module),
             intermediate=_gated_width(module, cfg), **facts,
         )  # fmt: skip
-    from transformers import AutoModelForCausalLM
-
     cfg = hf_config(section, vocab_size, eos_id)
     kwargs = attn_kwargs(section, cfg)
     with torch.device("meta"), _quiet_transformers():
-        module = AutoModelForCausalLM.from_config(cfg, **kwargs)
+        module = auto_class(cfg).from_config(cfg, **kwargs)
         attn = getattr(module.config, "_attn_implementation", None)
+        frozen = _frozen(module, cfg, section)
         module, trainable = _with_lora(module, section)
+    if frozen and trainable is None:
+        trainable = adapters_trainable(module)
     params, largest = count(module)
     from trainer.model.experts import active_params
     from trainer.model.sequence import ulysses_verdict
@@ -141,6 +142,38 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         chunked_problem=chunked_loss_problem(getattr(cfg, "model_type", None), cfg.get_text_config()),
         quantized=quantized_count(module, section),
     )  # fmt: skip
+
+
+def auto_class(cfg: Any) -> Any:
+    """transformers' auto class for the config: image-text-to-text for a vision-language model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from trainer.model.vision import is_vision
+
+    return (
+        AutoModelForImageTextToText if is_vision(getattr(cfg, "model_type", None)) else AutoModelForCausalLM
+    )
+
+
+def _frozen(module: Any, cfg: Any, section: ModelSection) -> int:
+    """model.freeze's parts of a vision-language model frozen (by default its vision tower): parameters frozen."""
+    from trainer.model import vision
+
+    fam = vision.family(getattr(cfg, "model_type", None))
+    if fam is None:
+        if section.freeze:
+            raise UserError(
+                f"model.freeze: {list(section.freeze)} names parts of a vision-language model; this model "
+                f"({getattr(cfg, 'model_type', None)}) is not one: remove model.freeze"
+            )
+        return 0
+    return vision.freeze(module, fam, vision.frozen_parts(fam, section.freeze))
+
+
+def adapters_trainable(module: Any) -> int:
+    from trainer.model import adapters
+
+    return adapters.trainable(module)[0]
 
 
 def _gated_width(module: Any, cfg: Any) -> int | None:
@@ -203,6 +236,7 @@ def build(
             model, cfg = _transformers_model(section, vocab_size, eos_id, seq_len, ds_config)
     if cfg is not None:
         check_seq_len(cfg, seq_len)
+        _frozen(model, cfg, section)
     if section.activation_checkpointing is True:  # auto is decided by the plan (planned.model)
         if not hasattr(model, "gradient_checkpointing_enable"):
             raise UserError(
@@ -264,13 +298,12 @@ def _transformers_model(
     ds_config: Mapping[str, Any] | None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """(the model, its config) from `config:` (random init) or `pretrained:` (weights loaded)."""
-    from transformers import AutoModelForCausalLM
-
     cfg = hf_config(section, vocab_size, eos_id)
     check_seq_len(cfg, seq_len)
     kwargs = attn_kwargs(section, cfg)
+    auto = auto_class(cfg)
     if section.config is not None:
-        model = AutoModelForCausalLM.from_config(cfg, **kwargs)
+        model = auto.from_config(cfg, **kwargs)
     else:
         # fp32 training holds fp32 weights: from_pretrained's own default ("auto") would keep a
         # bf16-stored hub model in bf16. In bf16/fp16 DeepSpeed casts whatever is loaded.
@@ -282,7 +315,7 @@ def _transformers_model(
             held = next((d for k, d in (("bf16", torch.bfloat16), ("fp16", torch.float16))
                          if (ds_config or {}).get(k, {}).get("enabled") is True), torch.float32)  # fmt: skip
             quantized = quantization(section, held, zero3)
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto.from_pretrained(
                 section.pretrained,
                 config=cfg,
                 revision=section.revision,

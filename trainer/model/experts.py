@@ -106,3 +106,13 @@ class ExpertLoad:
             share = (ranks / ranks.mean(dim=1, keepdim=True).clamp(min=1e-9)).mean(dim=0).tolist()
             out["expert_rank_load"] = [round(r, 3) for r in share]
         return out
+
+
+def router(model: Any) -> tuple[float, Any] | None:
+    """A mixture of experts whose config has output_router_logits: (its router_aux_loss_coef, an
+    ExpertLoad); None otherwise (trainer/model/experts.py)."""
+    cfg = getattr(model, "config", None)
+    found = routing(cfg) if cfg is not None else None
+    if found is None or not getattr(cfg.get_text_config(), "output_router_logits", False):
+        return None
+    return float(getattr(cfg.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0), ExpertLoad(*found)

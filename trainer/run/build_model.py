@@ -64,11 +64,47 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
     engine = Engine(
         module, planned.ds_config, groups, compile=exp.train.compile, compile_mode=exp.train.compile_mode,
         one_row=one_row, sequence=sequence_levers(exp, env, planned, module, one_row), objective=objectives.make(exp),
+        vision=vision_inputs(exp, planned, module, data),
     )  # fmt: skip
     if planned.plan.tp > 1 or planned.plan.ep > 1:  # AutoTP and AutoEP replaced layers: their names now
         layout = names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout
+
+
+def vision_inputs(exp: Experiment, planned: Any, module: Any, data: Any) -> Any:
+    """A vision-language model's inputs for the engine (trainer/model/vision.py), None for a text model; refused
+    where the data has images and the model or the plan cannot take them."""
+    from trainer.model import vision
+
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    fam = vision.check(model_type, data.images is not None)
+    if fam is None:
+        return None
+    p = planned.plan
+    levers = {"strategy.pipeline_stages": p.pp, "strategy.tensor_parallel": p.tp,
+              "strategy.sequence_parallel": p.sp, "strategy.expert_parallel": p.ep}  # fmt: skip
+    for key, value in levers.items():
+        if value > 1:
+            raise UserError(
+                f"{key}: {value} (the plan's choice or the experiment's) is not verified for {fam.name} here; set "
+                f"{key}: 1"
+            )
+    if exp.train.objective != "sft":
+        raise UserError(
+            f"train.objective: {exp.train.objective} is not verified for {fam.name} here; train sft"
+        )
+    idle = (
+        None if data.idle_image is None else {k: torch_of(v) for k, v in data.idle_image.batch([0]).items()}
+    )
+    return vision.Inputs(module, fam, (data.vision or {}).get("token_types", {}), idle)
+
+
+def torch_of(value: Any) -> Any:
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(value))
 
 
 def pipeline_stages(exp: Experiment, planned: Any, module: Any, env: Any) -> Any:
@@ -146,8 +182,18 @@ def packing_verdict(exp: Experiment, section: Any, data: Any) -> str:
             f"data.packing: {why}, which cannot be checked for a factory's model; set data.packing: false "
             "(one example per sequence)"
         )
-    v = verdict(model.hf_config(section, data.vocab_size, data.eos_id), section.attn_implementation,
-                exp.data.cache_dir)  # fmt: skip
+    from trainer.model.vision import family
+
+    cfg = model.hf_config(section, data.vocab_size, data.eos_id)
+    fam = family(cfg.model_type)
+    if fam is not None and (
+        fam.mrope or data.images is not None
+    ):  # checked with images, through the engine's inputs
+        from trainer.model.vision_packing import verdict as vision_verdict
+
+        v = vision_verdict(cfg, section.attn_implementation)
+    else:
+        v = verdict(cfg, section.attn_implementation, exp.data.cache_dir)
     if not v["packs"]:
         raise UserError(
             f"data.packing: {why}; checked here: {v['why']}; set data.packing: false (one example per sequence)"

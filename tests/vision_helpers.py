@@ -1,0 +1,133 @@
+"""Vision-language fixtures: a processor directory per family as a model's hub directory holds it (the published
+tokenizer and chat template, the family's real processor classes with small images), a tiny model config of the
+family, and chat data with images of shapes (drawn here, PNG files beside the JSONL)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import tokenizer_dir
+
+TRL_TEMPLATES = "trl/chat_templates"
+SHAPES = ("square", "circle", "triangle")
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220)}
+VISION_FAMILIES = ("qwen2_vl", "gemma3")
+
+
+def _trl_template(name: str) -> str:
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
+def processor_dir(family: str, root: Path) -> Path:
+    """The family's processor files in `root/<family>-processor` (made once): Qwen2-VL's image processor (28 x 28
+    patches merged 2 x 2, at most 16 merged tokens an image) with Qwen3's tokenizer (it holds Qwen-VL's vision
+    tokens) and the published Qwen2.5-VL template (TRL's wheel ships it), saved as the hub has it (processor_class
+    Qwen2VLProcessor, no video processor: torchvision is not installed); Gemma 3's processor (28 x 28 images, 4
+    tokens an image) with the published Gemma 3 tokenizer and template."""
+    out = root / f"{family}-processor"
+    if (out / "tokenizer.json").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    if family == "qwen2_vl":
+        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
+        ip = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16)
+        out.mkdir(parents=True)
+        tok.save_pretrained(out)
+        ip.save_pretrained(out)
+        (out / "chat_template.jinja").write_text(_trl_template("qwen2_5_vl"))
+        cfg = json.loads((out / "preprocessor_config.json").read_text())
+        (out / "preprocessor_config.json").write_text(
+            json.dumps({**cfg, "processor_class": "Qwen2VLProcessor"})
+        )
+        return out
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3Processor
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("gemma3"))
+    ip = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    Gemma3Processor(
+        image_processor=ip, tokenizer=tok, chat_template=tok.chat_template, image_seq_length=4
+    ).save_pretrained(out)
+    return out
+
+
+def model_config(family: str, vocab: int, **kw: Any) -> dict[str, Any]:
+    """A tiny model of the family (text 2 layers of 32; a 1-layer vision tower)."""
+    text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 1024}  # fmt: skip
+    if family == "qwen2_vl":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}
+        return {"model_type": "qwen2_vl", "text_config": text, **kw,
+                "vision_config": {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2,
+                                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+                "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+                "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+                "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>")}  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("gemma3"))
+    return {"model_type": "gemma3", **kw, "mm_tokens_per_image": 4,
+            "text_config": {**text, "head_dim": 8, "sliding_window": 64},
+            "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+            "image_token_index": tok.convert_tokens_to_ids("<image_soft_token>"),
+            "boi_token_index": tok.convert_tokens_to_ids("<start_of_image>"),
+            "eoi_token_index": tok.convert_tokens_to_ids("<end_of_image>")}  # fmt: skip
+
+
+def draw(shape: str, colour: str, size: int = 56) -> Any:
+    """A shape in a colour on white."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), (255, 255, 255))
+    d = ImageDraw.Draw(img)
+    box = (size // 6, size // 6, size - size // 6, size - size // 6)
+    fill = COLOURS[colour]
+    if shape == "square":
+        d.rectangle(box, fill=fill)
+    elif shape == "circle":
+        d.ellipse(box, fill=fill)
+    else:
+        d.polygon([(size // 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+    return img
+
+
+def shapes_data(path: Path, rows: int = 24, forms: tuple[str, ...] = ("parts", "images", "image"),
+                text_rows: int = 0) -> Path:  # fmt: skip
+    """Chat rows asking what an image shows, in each form (content parts with a relative path, an `images` column
+    with <image>, a single `image` column), and `text_rows` rows without an image."""
+    folder = path.parent / "pictures"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(rows):
+        shape, colour = SHAPES[i % 3], list(COLOURS)[(i // 3) % 3]
+        name = f"{colour}-{shape}.png"
+        if not (folder / name).exists():
+            draw(shape, colour).save(folder / name)
+        answer = f"A {colour} {shape}."
+        form = forms[i % len(forms)]
+        if form == "parts":
+            user = {"role": "user", "content": [{"type": "image", "path": f"pictures/{name}"},
+                                                 {"type": "text", "text": "What is this?"}]}  # fmt: skip
+            out.append({"messages": [user, {"role": "assistant", "content": answer}]})
+        elif form == "images":
+            out.append({"messages": [{"role": "user", "content": "<image>What is this?"},
+                                     {"role": "assistant", "content": answer}], "images": [f"pictures/{name}"]})  # fmt: skip
+        else:
+            out.append({"messages": [{"role": "user", "content": "What is this?"},
+                                     {"role": "assistant", "content": answer}], "image": f"pictures/{name}"})  # fmt: skip
+    for i in range(text_rows):
+        word = ("one", "two", "three", "four")[i % 4]
+        out.append({"messages": [{"role": "user", "content": f"Say {word}."},
+                                 {"role": "assistant", "content": f"I say {word}."}]})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path

@@ -1,0 +1,130 @@
+"""data.packing for a vision-language model, checked as trainer/model/packing.py checks a text family: a small
+model of the family (the run's config with its text model shrunk as packing.shrunk shrinks one, a one-layer vision
+tower) trains on one packed row of two examples, each with an image, through the inputs the engine gives it
+(trainer/model/vision.py `Inputs`: each example's own multimodal positions); the loss and gradients must equal
+those of the two examples run one by one, and the second example's logits after the first without restarting
+positions must differ (the check can fail)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from trainer.model.packing import TOLERANCE, VOCAB, shrunk
+
+# token ids of the small model's image tokens (at the end of its vocabulary; the text's are drawn below them)
+IMAGE, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3
+
+
+def _small(config: Any) -> Any:
+    cfg = copy.deepcopy(config)
+    cfg.text_config = shrunk(cfg.text_config)
+    rope = getattr(cfg.text_config, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("mrope_section"):  # its sections sum to half the shrunk head (16)
+        rope["mrope_section"] = [2, 3, 3]
+    v = cfg.vision_config
+    for name, value in (("depth", 1), ("num_hidden_layers", 1), ("embed_dim", 16), ("num_heads", 2),
+                        ("num_attention_heads", 2), ("intermediate_size", 32)):  # fmt: skip
+        if isinstance(getattr(v, name, None), int):
+            setattr(v, name, value)
+    if cfg.model_type == "gemma3":
+        v.hidden_size, v.image_size, v.patch_size, cfg.mm_tokens_per_image = 16, 28, 14, 4
+        cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index = IMAGE, START, END
+    else:
+        v.hidden_size = cfg.text_config.hidden_size
+        cfg.image_token_id, cfg.vision_start_token_id, cfg.video_token_id = IMAGE, START, END
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) >= VOCAB:
+            setattr(cfg, name, 0)
+    return cfg
+
+
+def _image(cfg: Any) -> tuple[dict[str, Any], int]:
+    """A random image's tensors for the small model, and the tokens it takes."""
+    import torch
+
+    v = cfg.vision_config
+    if cfg.model_type == "gemma3":
+        return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, cfg.mm_tokens_per_image
+    m = v.spatial_merge_size
+    dim = 3 * v.temporal_patch_size * v.patch_size**2
+    return {
+        "pixel_values": torch.randn(4 * m * m, dim),
+        "image_grid_thw": torch.tensor([[1, 2 * m, 2 * m]]),
+    }, 4
+
+
+def measure(config: Any, attn: str | None) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from trainer.model.vision import Inputs, family
+
+    torch.manual_seed(0)
+    cfg = _small(config)
+    kwargs = {"attn_implementation": attn} if attn else {}
+    model = AutoModelForImageTextToText.from_config(cfg, **kwargs).float().train()
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for before, after in ((3, 6), (2, 5)):
+        pixels, n = _image(cfg)
+        ids = torch.randint(3, END, (before,), generator=g).tolist() + [START] + [IMAGE] * n + [END]
+        ids += torch.randint(3, END, (after,), generator=g).tolist()
+        labels = [-100] * (before + n + 2) + ids[before + n + 2 :]
+        examples.append((ids, labels, pixels))
+    types = {"mm_token_type_ids": IMAGE} if family(cfg.model_type).mrope else {"token_type_ids": IMAGE}
+    inputs = Inputs(model, family(cfg.model_type), types, None)
+
+    def run(parts: list[Any], restart: bool = True) -> Any:
+        ids = torch.tensor([sum((p[0] for p in parts), [])])
+        labels = torch.tensor([sum((p[1] for p in parts), [])])
+        pos = torch.tensor([sum((list(range(len(p[0]))) for p in parts), [])]) if restart else None
+        if pos is None:
+            pos = torch.arange(ids.shape[1])[None]
+        images = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        kw = inputs.kwargs(torch.stack([ids, labels, pos], dim=1), images)
+        return model(input_ids=ids, labels=labels, use_cache=False, **kw)
+
+    def grads() -> Any:
+        out = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad()
+        return out
+
+    packed = run(examples).loss
+    packed.backward()
+    g_packed = grads()
+    counts = [sum(x != -100 for x in e[1][1:]) for e in examples]
+    alone = sum(run([e]).loss * n for e, n in zip(examples, counts, strict=True)) / sum(counts)
+    alone.backward()
+    g_alone = grads()
+    with torch.no_grad():
+        second = run([examples[1]]).logits[0]
+        crossed = run(examples, restart=False).logits[0, len(examples[0][0]) :]
+    return {
+        "kernel": getattr(model.config, "_attn_implementation", attn),
+        "loss": abs(packed.item() - alone.item()) / abs(alone.item()),
+        "grads": ((g_packed - g_alone).abs().max() / g_alone.abs().max()).item(),
+        "crossed": ((crossed - second).abs().max() / second.abs().max()).item(),
+    }
+
+
+def verdict(config: Any, attn: str | None) -> dict[str, Any]:
+    """{"packs", "why", the differences} for a vision-language family (see the module docstring)."""
+    kernel = attn if attn in ("eager", "sdpa") else None
+    what = f"model type '{config.model_type}' with images"
+    try:
+        d = measure(config, kernel)
+    except Exception as e:  # noqa: BLE001 (a family whose small model cannot be built or run)
+        return {
+            "packs": False,
+            "why": f"{what}: the check could not run ({type(e).__name__}: {str(e)[:200]})",
+        }
+    ok = d["loss"] <= TOLERANCE["loss"] and d["grads"] <= TOLERANCE["grads"] and d["crossed"] > 1e-3
+    shown = f"loss {d['loss']:.1e}, gradients {d['grads']:.1e} relative, {d['kernel']} attention"
+    why = (
+        f"{what}: a packed row trains as its examples one by one ({shown})"
+        if ok
+        else f"{what}: a packed row does not train as its examples one by one ({shown}; tolerance "
+        f"{TOLERANCE['loss']:g} and {TOLERANCE['grads']:g})"
+    )
+    return {"packs": ok, "why": why, **d}
