@@ -102,9 +102,10 @@ def draw(shape: str, colour: str, size: int = 56) -> Any:
 
 
 def shapes_data(path: Path, rows: int = 24, forms: tuple[str, ...] = ("parts", "images", "image"),
-                text_rows: int = 0) -> Path:  # fmt: skip
+                text_rows: int = 0, alternate: bool = False) -> Path:  # fmt: skip
     """Chat rows asking what an image shows, in each form (content parts with a relative path, an `images` column
-    with <image>, a single `image` column), and `text_rows` rows without an image."""
+    with <image>, a single `image` column), and `text_rows` rows without an image: after them, or (`alternate`)
+    one after each row with an image."""
     folder = path.parent / "pictures"
     folder.mkdir(parents=True, exist_ok=True)
     out = []
@@ -125,9 +126,42 @@ def shapes_data(path: Path, rows: int = 24, forms: tuple[str, ...] = ("parts", "
         else:
             out.append({"messages": [{"role": "user", "content": "What is this?"},
                                      {"role": "assistant", "content": answer}], "image": f"pictures/{name}"})  # fmt: skip
+    texts = []
     for i in range(text_rows):
         word = ("one", "two", "three", "four")[i % 4]
-        out.append({"messages": [{"role": "user", "content": f"Say {word}."},
-                                 {"role": "assistant", "content": f"I say {word}."}]})  # fmt: skip
+        texts.append({"messages": [{"role": "user", "content": f"Say {word}."},
+                                   {"role": "assistant", "content": f"I say {word}."}]})  # fmt: skip
+    if alternate:
+        out = (
+            [r for pair in zip(out, texts, strict=False) for r in pair]
+            + out[len(texts) :]
+            + texts[len(out) :]
+        )
+    else:
+        out += texts
     path.write_text("".join(json.dumps(r) + "\n" for r in out))
     return path
+
+
+def model_dir(family: str, root: Path, seed: int = 0) -> Path:
+    """A tiny model of the family saved as a hub checkout holds it: its weights (random, seeded) beside the
+    processor's files (`processor_dir`), so that model.pretrained and data.tokenizer name one directory and every
+    ZeRO stage starts from the same weights."""
+    out = root / f"{family}-model"
+    if (out / "config.json").is_file():
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    proc = processor_dir(family, root)
+    fields = model_config(family, len(AutoTokenizer.from_pretrained(proc)))
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    tmp = root / f".{family}-model"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(proc, tmp)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp)
+    tmp.rename(out)
+    return out

@@ -74,6 +74,8 @@ def _examples(row: Any, n: int, src: DataSource, section: DataSection, tok: Any,
         raise UserError(
             f"{where(n)}: the row has images; only chat data (data.train.kind: chat) carries them"
         )
+    if specs:
+        pics.processor(where(n))  # (a text model's tokenizer: refused before its template fails on the parts)
     conv = check_conversation(messages, where(n), tools, completion_from)
     conv, unread = prepared(conv, prof[0], tok)
     for key in unread:

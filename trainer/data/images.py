@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import json
@@ -231,6 +232,14 @@ _CONFIGS = ("processor_config.json", "preprocessor_config.json")
 
 
 def load_processor(spec: str) -> Any:
+    """The model's processor (see `_load_processor`), loaded once per process for a directory's files as they are."""
+    local = Path(spec).expanduser()
+    stamp = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in local.iterdir() if f.is_file())) if local.is_dir() else ()  # fmt: skip
+    return _load_processor(spec, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_processor(spec: str, stamp: tuple[Any, ...]) -> Any:
     """The model's processor from the directory (or hub id) data.tokenizer names; None where it has no image
     processor (a text model's tokenizer). Without torchvision, Qwen-VL's processors are built without their
     video processor (trainer/model/vision.py's image-only classes)."""

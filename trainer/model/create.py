@@ -328,10 +328,11 @@ def _transformers_model(
                 loaded_quantized(model, section, held, zero3)
         except OSError as e:
             raise UserError(f"model.pretrained: cannot load weights of '{section.pretrained}': {e}") from None
-    if vocab_size is not None and cfg.vocab_size < vocab_size:
+    vocab = cfg.get_text_config().vocab_size  # (a vision-language model's: its text model's)
+    if vocab_size is not None and vocab < vocab_size:
         raise UserError(
-            f"data.tokenizer has {vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; use the "
-            "model's own tokenizer"
+            f"data.tokenizer has {vocab_size} tokens but the model's vocab_size is {vocab}; use the model's own "
+            "tokenizer"
         )
     return model, cfg
 

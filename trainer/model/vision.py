@@ -128,8 +128,16 @@ class Inputs:
         self.model, self.fam, self.token_types = model, fam, token_types
         self.idle = idle  # the blank image's tensors (None: the data has no image, no rank runs the tower)
         self.idle_now = False
-        if idle is not None:
-            model.get_input_embeddings().register_forward_hook(self._idle_features)
+
+    def install(self) -> None:
+        """The idle image's hook on the embeddings, after DeepSpeed's own hooks (Engine calls it after
+        deepspeed.initialize): ZeRO-3 wraps the embeddings' output for its backward before this hook adds the
+        image's features, as the model's own forward adds them after the embeddings, so that backward gathers
+        the modules' weights in the same order on every rank (a hook before DeepSpeed's made it gather the
+        embeddings first on a rank without images, the vision tower first on one with: gloo's "collective
+        mismatch")."""
+        if self.idle is not None:
+            self.model.get_input_embeddings().register_forward_hook(self._idle_features)
 
     def apply(self, batch: Any, extra: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
         """(the rows, the forward's keyword arguments) of a micro batch: rows with images (VisionBatch), or
@@ -184,18 +192,11 @@ class Inputs:
         if not self.idle_now:
             return output
         self.idle_now = False
+        import torch
+
         inner = self.model.model if hasattr(self.model.model, "get_image_features") else self.model
-        device = output.device
-        feats = inner.get_image_features(**{k: v.to(device) for k, v in self.idle.items()})
-        return output + 0.0 * _total(feats).to(output.dtype)
-
-
-def _total(out: Any) -> Any:
-    """The sum of every floating tensor in a model output (a tensor, a tuple, a ModelOutput)."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out.float().sum() if out.is_floating_point() else torch.zeros(())
-    values = out.values() if hasattr(out, "values") else out if isinstance(out, list | tuple) else []
-    parts = [_total(v) for v in values if v is not None]
-    return sum(parts[1:], parts[0]) if parts else torch.zeros(())
+        out = inner.get_image_features(**{k: v.to(output.device) for k, v in self.idle.items()})
+        feats = getattr(out, "pooler_output", out)
+        feats = torch.cat(list(feats)) if isinstance(feats, list | tuple) else feats
+        # the model's own step for images (masked_scatter into the embeddings), at no position: the same graph
+        return output.masked_scatter(torch.zeros_like(output, dtype=torch.bool), feats.to(output.dtype))

@@ -1,0 +1,223 @@
+"""Images in chat data (trainer/data/images.py, image_rows.py), over the verified families (Qwen2-VL, Gemma 3) with
+their real processors, the published tokenizers and templates: the three forms of data make the same rows; the ids
+and pixels are the model maker's processor's and TRL's collator's; no image token is ever a target (TRL's collator
+trains them); a cut inside an image drops the example, counted; bad input names the file and line."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY, yaml_value
+
+from tests.vision_helpers import VISION_FAMILIES, draw, model_config, processor_dir, shapes_data
+from trainer import config
+from trainer.common.errors import UserError
+from trainer.data.examples import build_rows
+from trainer.data.images import load_processor
+from trainer.data.pack import IGNORE
+from trainer.data.sources import load_raw
+from trainer.data.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vision")
+
+
+def section(proc_dir, data, **kw):
+    sets = {"data.tokenizer": str(proc_dir), "data.train.files": str(data), "data.train.kind": "chat",
+            "data.seq_len": 128, "data.eval_fraction": 0, "data.packing": False, "train.eval_every": 0, **kw}  # fmt: skip
+    return config.load(TINY, [f"{k}={yaml_value(v)}" for k, v in sets.items()]).data
+
+
+def rows_of(proc_dir, data, **kw):
+    s = section(proc_dir, data, **kw)
+    return build_rows(
+        load_raw(s.train, "data.train"), load_tokenizer(str(proc_dir)), s, s.train, "data.train"
+    )
+
+
+def one_row(path, row):
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_the_three_forms_make_the_same_rows_and_no_image_token_is_a_target(root, tmp_path, family):
+    """Content parts, an images column with <image>, a single image column: the same ids, targets and pixels for
+    the same conversation; the answer's tokens (and its end of turn) are the targets, and no token of an image is
+    one -- even an image in the assistant's own turn."""
+    d = processor_dir(family, root)
+    data = shapes_data(tmp_path / "shapes.jsonl", rows=3, forms=("parts", "images", "image"))
+    lines = [json.loads(x) for x in data.read_text().splitlines()]
+    same = [{**lines[k], "messages": [dict(m) for m in lines[k]["messages"]]} for k in range(3)]
+    for k in range(3):  # the same picture and answer in each form
+        pic = "pictures/red-square.png"
+        if k == 0:
+            same[k]["messages"][0]["content"][0]["path"] = pic
+        else:
+            same[k]["images" if k == 1 else "image"] = [pic] if k == 1 else pic
+        same[k]["messages"][1]["content"] = "A red square."
+    data.write_text("".join(json.dumps(r) + "\n" for r in same))
+    rows, stats = rows_of(d, data)
+    assert stats["vision"]["images"] == 3 and stats["kept"] == 3
+    assert (rows[0] == rows[1]).all() and (rows[0] == rows[2]).all()
+    store = stats["vision"]["store"]
+    for key in store.arrays:
+        assert np.array_equal(store.batch([0])[key], store.batch([1])[key])
+    tok = load_tokenizer(str(d))
+    ids, labels = rows[0, 0], rows[0, 1]
+    image = set(stats["vision"]["token_types"].values())
+    assert any(int(i) in image for i in ids)
+    assert not any(int(i) in image for i in labels[labels != IGNORE])
+    assert tok.decode(labels[labels != IGNORE]).startswith("A red square.")
+    # an image in the answer: its tokens, and the special tokens around them, are never targets
+    ans = {"messages": [{"role": "user", "content": "Draw a circle."},
+                        {"role": "assistant", "content": [{"type": "text", "text": "Here:"},
+                                                          {"type": "image", "path": "pictures/red-square.png"}]}]}  # fmt: skip
+    rows, stats = rows_of(d, one_row(tmp_path / "answer.jsonl", ans))
+    ids, labels = rows[0, 0], rows[0, 1]
+    targets = [tok.convert_ids_to_tokens(int(i)) for i in labels[labels != IGNORE]]
+    assert targets and not any(
+        ("image" in t or "vision" in t or t == "<image_soft_token>") for t in targets
+    ), targets
+    assert stats["vision"]["image_tokens"] > 0
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_ids_and_pixels_are_the_model_makers_processors_and_trls_collators(root, tmp_path, family):
+    """Our ids and pixel values for a conversation with an image equal the processor's apply_chat_template (images
+    included) and TRL's DataCollatorForVisionLanguageModeling; TRL's labels train the image tokens (shown), ours
+    never do and otherwise train the answer; the loss through the engine's inputs equals a plain transformers
+    forward of the processor's batch with our labels."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from trainer.model.vision import Inputs
+    from trainer.model.vision import family as family_of
+
+    d = processor_dir(family, root)
+    data = shapes_data(tmp_path / "shapes.jsonl", rows=1, forms=("images",))
+    rows, stats = rows_of(d, data)
+    proc = load_processor(str(d))
+    img = draw("square", "red")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]}]  # fmt: skip
+    ref = proc.apply_chat_template(messages, images=[img], tokenize=True, return_dict=True, return_tensors="pt",
+                                   processor_kwargs={"add_special_tokens": False})  # fmt: skip
+    n = int(ref["input_ids"].shape[1])
+    ids, labels = (
+        torch.from_numpy(rows[0, 0, :n].astype(np.int64)),
+        torch.from_numpy(rows[0, 1, :n].astype(np.int64)),
+    )
+    assert torch.equal(ids, ref["input_ids"][0])
+    ours = stats["vision"]["store"].batch([0])
+    assert np.array_equal(ours["pixel_values"], ref["pixel_values"].numpy())
+    trl = DataCollatorForVisionLanguageModeling(proc)([{"images": [img], "messages": [
+        {"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "A red square."}]}])  # fmt: skip
+    assert torch.equal(trl["input_ids"][0], ids)
+    image = list(stats["vision"]["token_types"].values())
+    trained_by_trl = int(torch.isin(trl["labels"][0], torch.tensor(image)).sum())
+    assert trained_by_trl > 0 and not torch.isin(labels[labels != IGNORE], torch.tensor(image)).any()
+    print(f"{family}: TRL's collator trains {trained_by_trl} image tokens of one image; ours none")
+    # the loss: the engine's inputs (rows, their positions, the image tensors) against transformers' own forward
+    fields = model_config(family, len(proc.tokenizer))
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model(fields.pop("model_type"), **fields)
+    ).eval()
+    inputs = Inputs(model, family_of(family), stats["vision"]["token_types"], None)
+    row = torch.from_numpy(rows[:1, :, :n].astype(np.int64))
+    kw = inputs.kwargs(row, {k: torch.from_numpy(np.asarray(v)) for k, v in ours.items()})
+    with torch.no_grad():
+        got = model(input_ids=ids[None], labels=labels[None], use_cache=False, **kw).loss
+        plain = {k: v for k, v in ref.items() if k != "attention_mask"}
+        want = model(**plain, labels=labels[None], use_cache=False).loss
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_a_cut_inside_an_image_drops_the_example_and_images_alone_past_seq_len_are_refused(root, tmp_path):
+    """truncation: right keeps an example's start, but never cuts an image's tokens: such an example is dropped and
+    counted; a row whose images alone take data.seq_len is refused (file:line, the fix)."""
+    d = processor_dir("qwen2_vl", root)
+    pic = "pictures/red-square.png"
+    shapes_data(tmp_path / "shapes.jsonl", rows=1)
+    long = {"messages": [{"role": "user", "content": "word " * 40 + "<image><image>"},
+                         {"role": "assistant", "content": "Two squares."}], "images": [pic, pic]}  # fmt: skip
+    ok = {"messages": [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A square."}],
+          "images": [pic]}  # fmt: skip
+    path = tmp_path / "cut.jsonl"
+    path.write_text(json.dumps(long) + "\n" + json.dumps(ok) + "\n")
+    rows, stats = rows_of(d, path, **{"data.seq_len": 64})
+    assert stats["kept"] == 1 and stats["vision"]["cut"] == 1 and stats["dropped_too_long"] == 1
+    many = {"messages": [{"role": "user", "content": "<image>" * 12}, {"role": "assistant", "content": "Squares."}],
+            "images": [pic] * 12}  # fmt: skip
+    with pytest.raises(
+        UserError, match=r"many.jsonl:1: the row's images alone take 72 tokens, data.seq_len is 64"
+    ):
+        rows_of(d, one_row(tmp_path / "many.jsonl", many), **{"data.seq_len": 64})
+
+
+BAD = {
+    "missing": ({"messages": [{"role": "user", "content": [{"type": "image", "path": "nowhere.png"}]},
+                              {"role": "assistant", "content": "x"}]}, r"bad.jsonl:1: image 0: cannot read .*nowhere.png"),
+    "not an image": ({"messages": [{"role": "user", "content": [{"type": "image", "path": "bad.jsonl"}]},
+                                   {"role": "assistant", "content": "x"}]}, r"bad.jsonl:1: image 0 is not an image"),
+    "more placeholders": ({"messages": [{"role": "user", "content": "<image><image>"}, {"role": "assistant", "content": "x"}],
+                           "images": ["pictures/red-square.png"]}, r"bad.jsonl:1: 2 <image> placeholder\(s\) .* but 1 image"),
+    "fewer placeholders": ({"messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "x"}],
+                            "images": ["pictures/red-square.png"] * 2}, r"bad.jsonl:1: 1 <image> placeholder\(s\) .* but 2 image"),
+    "a part naming no image": ({"messages": [{"role": "user", "content": [{"type": "image"}]},
+                                             {"role": "assistant", "content": "x"}]}, r"bad.jsonl:1: message 0: image part 0 names no image"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_images_are_refused_with_the_file_and_line(root, tmp_path, case):
+    d = processor_dir("gemma3", root)
+    shapes_data(tmp_path / "shapes.jsonl", rows=1)
+    row, message = BAD[case]
+    with pytest.raises(UserError, match=message):
+        rows_of(d, one_row(tmp_path / "bad.jsonl", row))
+
+
+def test_images_for_a_text_model_are_refused(tmp_path):
+    """A tokenizer without an image processor (a text model's) and a row with an image: exit 2 at its line."""
+    shapes_data(tmp_path / "shapes.jsonl", rows=1)
+    row = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "x"}],
+           "images": ["pictures/red-square.png"]}  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"text.jsonl:1: the row has images but data.tokenizer \(byte\) has no image processor",
+    ):
+        rows_of("byte", one_row(tmp_path / "text.jsonl", row))
+
+
+def test_image_max_pixels_bounds_the_image_tokens(root, tmp_path):
+    """A 224 x 224 image under Qwen2-VL's processor (at most 16 merged tokens here) takes fewer tokens once
+    data.image_max_pixels scales it to 56 x 56 (4 tokens)."""
+    d = processor_dir("qwen2_vl", root)
+    draw("circle", "blue", size=224).save(tmp_path / "big.png")
+    row = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A circle."}],
+           "images": ["big.png"]}  # fmt: skip
+    path = one_row(tmp_path / "big.jsonl", row)
+    _, full = rows_of(d, path)
+    _, bounded = rows_of(d, path, **{"data.image_max_pixels": 56 * 56})
+    assert full["vision"]["image_tokens"] == 16 + 2 and bounded["vision"]["image_tokens"] == 4 + 2
+
+
+def test_packing_images_is_checked_per_family():
+    """Qwen2-VL packs (each example's multimodal positions its own: packed = one by one); Gemma 3 does not (its image
+    attention reaches the images of earlier examples in the row): refused with the measured difference."""
+    from transformers import AutoConfig
+
+    from trainer.model.vision_packing import verdict
+
+    got = {}
+    for family, vocab in (("qwen2_vl", 151669), ("gemma3", 262145)):
+        fields = model_config(family, vocab)
+        got[family] = verdict(AutoConfig.for_model(fields.pop("model_type"), **fields), "eager")
+        print(family, got[family]["why"])
+    assert got["qwen2_vl"]["packs"] and got["qwen2_vl"]["loss"] < 1e-6
+    assert not got["gemma3"]["packs"] and got["gemma3"]["grads"] > 1e-2
