@@ -253,10 +253,17 @@ def describe(stats: dict[str, Any]) -> str:
         )
     convs = stats.get("conversations")
     made = f" made from {convs:,} rows" if convs is not None and convs != stats["examples"] else ""
+    v = stats.get("vision")
+    images = (
+        f"; images: {v['images']:,} in {v['rows']:,} rows, {v['image_tokens']:,} image tokens (never targets; "
+        f"{v['cut']:,} examples dropped where truncation would cut an image)"
+        if v
+        else ""
+    )
     return (
         f"fine-tuning data ({stats['kind']}): {stats['kept']:,} of {stats['examples']:,} examples{made} in {stats['rows']:,} "
         f"sequences ({stats['truncated']:,} truncated, {stats['dropped_too_long']:,} too long dropped, "
         f"{stats['dropped_no_target']:,} with no target left dropped); target tokens {stats['target_tokens']:,} = "
         f"{stats['target_tokens'] / max(1, stats['tokens']):.1%} of {stats['tokens']:,}, padding "
-        f"{stats['padding_share']:.1%}"
+        f"{stats['padding_share']:.1%}{images}"
     )
