@@ -12,7 +12,7 @@ PYTHON ?= python3
 # bytecode compiled (imports would otherwise compile at every start) and a constraint that keeps
 # the torch installed first; plain pip where uv cannot be installed.
 
-.PHONY: setup ops tokenizers tiny tiny-sft tiny-sft-lora tiny-dpo tiny-grpo test test-avx2 test-fast lint format reference clean
+.PHONY: setup ops tokenizers tiny tiny-sft tiny-sft-lora tiny-dpo tiny-grpo tiny-vlm test test-avx2 test-fast lint format reference clean
 
 setup: $(VENV)/.installed
 
@@ -53,6 +53,10 @@ tiny-dpo: setup                              ## tiny-sft's model prefers the rig
 
 tiny-grpo: setup                             ## online RL: a tiny model learns to answer with a digit first (GRPO, ~1 min)
 	$(PY) bin/train configs/experiments/tiny-grpo.yaml
+
+tiny-vlm: setup tokenizers                   ## a tiny Qwen2-VL learns to say which shape and colour a picture shows (~1 min)
+	$(PY) scripts/make_tiny_vlm.py --processor
+	$(PY) bin/train configs/experiments/tiny-vlm.yaml
 
 # pytest-xdist workers (default 3 on this 2-core machine: 12m58s against 18m00s with 2): the
 # launchers' start-up, the waits of the fail-fast tests (watchdog, kill detection, restart backoff)

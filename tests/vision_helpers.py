@@ -11,9 +11,22 @@ from typing import Any
 from tests.helpers import tokenizer_dir
 
 TRL_TEMPLATES = "trl/chat_templates"
-SHAPES = ("square", "circle", "triangle")
-COLOURS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (40, 60, 220)}
 VISION_FAMILIES = ("qwen2_vl", "gemma3")
+
+
+def _script() -> Any:
+    """scripts/make_tiny_vlm.py (the example's images and rows), imported by path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "make_tiny_vlm.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_vlm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY_VLM = _script()
+SHAPES, COLOURS, draw = TINY_VLM.SHAPES, TINY_VLM.COLOURS, TINY_VLM.draw
 
 
 def _trl_template(name: str) -> str:
@@ -84,23 +97,6 @@ def model_config(family: str, vocab: int, **kw: Any) -> dict[str, Any]:
             "eoi_token_index": tok.convert_tokens_to_ids("<end_of_image>")}  # fmt: skip
 
 
-def draw(shape: str, colour: str, size: int = 56) -> Any:
-    """A shape in a colour on white."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", (size, size), (255, 255, 255))
-    d = ImageDraw.Draw(img)
-    box = (size // 6, size // 6, size - size // 6, size - size // 6)
-    fill = COLOURS[colour]
-    if shape == "square":
-        d.rectangle(box, fill=fill)
-    elif shape == "circle":
-        d.ellipse(box, fill=fill)
-    else:
-        d.polygon([(size // 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
-    return img
-
-
 def shapes_data(path: Path, rows: int = 24, forms: tuple[str, ...] = ("parts", "images", "image"),
                 text_rows: int = 0, alternate: bool = False) -> Path:  # fmt: skip
     """Chat rows asking what an image shows, in each form (content parts with a relative path, an `images` column
@@ -114,18 +110,7 @@ def shapes_data(path: Path, rows: int = 24, forms: tuple[str, ...] = ("parts", "
         name = f"{colour}-{shape}.png"
         if not (folder / name).exists():
             draw(shape, colour).save(folder / name)
-        answer = f"A {colour} {shape}."
-        form = forms[i % len(forms)]
-        if form == "parts":
-            user = {"role": "user", "content": [{"type": "image", "path": f"pictures/{name}"},
-                                                 {"type": "text", "text": "What is this?"}]}  # fmt: skip
-            out.append({"messages": [user, {"role": "assistant", "content": answer}]})
-        elif form == "images":
-            out.append({"messages": [{"role": "user", "content": "<image>What is this?"},
-                                     {"role": "assistant", "content": answer}], "images": [f"pictures/{name}"]})  # fmt: skip
-        else:
-            out.append({"messages": [{"role": "user", "content": "What is this?"},
-                                     {"role": "assistant", "content": answer}], "image": f"pictures/{name}"})  # fmt: skip
+        out.append(TINY_VLM.row(forms[i % len(forms)], f"pictures/{name}", f"A {colour} {shape}."))
     texts = []
     for i in range(text_rows):
         word = ("one", "two", "three", "four")[i % 4]

@@ -11,7 +11,8 @@ the training precision: ZeRO stages 1-3 through DeepSpeed's zero_to_fp32 from th
 holds rounded copies). They are loaded into the model the checkpoint's experiment.yaml describes and
 written with save_pretrained in fp32, or rounded to bf16 with `--dtype bf16`, together with the
 tokenizer and the checkpoint's ds_config.json, experiment.yaml and trainer_state.json (in training/).
-`AutoModelForCausalLM.from_pretrained(OUT_DIR)` then loads it. A LoRA run (model.lora) exports the
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` then loads it (a vision-language model:
+`AutoModelForImageTextToText`, its processor's files beside it for `AutoProcessor`). A LoRA run (model.lora) exports the
 adapters merged into the base weights; `--adapter` writes the adapter alone in peft's format
 (`PeftModel.from_pretrained(base, OUT_DIR)`), its config naming the base model. Runs on CPU, with no
 process group.
@@ -152,10 +153,10 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
     # layers around them (it failed at the first forward)
     if getattr(cfg, "quantization_config", None) is not None:
         del cfg.quantization_config
-    from transformers import AutoModelForCausalLM
+    from trainer.model.create import auto_class
 
     with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(cfg)
+        module = auto_class(cfg).from_config(cfg)  # (a vision-language model's image-text-to-text class)
         if exp.model.lora is not None:
             from trainer.model import adapters
 
@@ -194,12 +195,33 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
             module = module.merge_and_unload()
         module.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    _save_processor(exp.data.tokenizer, out)
     meta = out / "training"
     meta.mkdir(exist_ok=True)
     for name in ("ds_config.json", "experiment.yaml", "trainer_state.json"):
         if (ckpt / name).exists():
             shutil.copy2(ckpt / name, meta / name)
     return out
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.jinja", "chat_template.json")  # fmt: skip
+
+
+def _save_processor(spec: str, out: Path) -> None:
+    """A vision-language model's processor beside the weights, as its directory has it (AutoProcessor loads it):
+    the files copied from a local directory, else saved from the loaded processor; nothing for a text model."""
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        for name in PROCESSOR_FILES:
+            if (local / name).is_file():
+                shutil.copyfile(local / name, out / name)
+        return
+    from trainer.data.images import load_processor
+
+    proc = load_processor(spec)
+    if proc is not None:
+        proc.save_pretrained(out)
 
 
 def _tied_keys(module: Any) -> set[str]:

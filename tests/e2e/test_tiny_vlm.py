@@ -1,0 +1,55 @@
+"""configs/experiments/tiny-vlm.yaml as a user runs it: a tiny Qwen2-VL learns to say what a picture shows; bin/export
+writes the model with its processor, which transformers' AutoModelForImageTextToText and the processor load, and
+which names the shape of every picture (greedy answers to "What is this?")."""
+
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, falling, train
+
+from tests.vision_helpers import COLOURS, SHAPES, TINY_VLM, draw
+
+pytestmark = pytest.mark.e2e
+
+
+def test_tiny_vlm_learns_to_name_the_shapes_and_its_export_answers(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from trainer.data.images import load_processor
+
+    TINY_VLM.make_processor()  # .cache/tiny-vlm from the fetched Qwen3 tokenizer (make tokenizers)
+    r = train(tmp_path, {"run_dir": str(tmp_path / "run")}, experiment=ROOT / "configs" / "experiments" / "tiny-vlm.yaml",
+              debug=False, cache=tmp_path / "cache")  # fmt: skip
+    assert "images: 27 in 27 rows, 162 image tokens (never targets" in r.output, r.output[-3000:]
+    assert (
+        "packing: model type 'qwen2_vl' with images: a packed row trains as its examples one by one"
+        in r.output
+    )
+    first, last = falling(r.losses)
+    assert last < first / 10 and r.losses[150] < 0.2, r.losses
+    out = tmp_path / "export"
+    import subprocess
+
+    subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(tmp_path / "run"), str(out)], cwd=ROOT,
+                   check=True, capture_output=True)  # fmt: skip
+    assert (out / "preprocessor_config.json").is_file() and (out / "chat_template.jinja").is_file()
+    model = AutoModelForImageTextToText.from_pretrained(out).eval()
+    proc = load_processor(str(out))
+    shapes = colours = 0
+    for shape in SHAPES:
+        for colour in COLOURS:
+            messages = [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+            ]
+            text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            inputs = proc(
+                text=[text], images=[draw(shape, colour)], add_special_tokens=False, return_tensors="pt"
+            )
+            with torch.no_grad():
+                ids = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+            answer = proc.tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+            print(f"{colour} {shape}: {answer!r}")
+            shapes += shape in answer
+            colours += colour in answer
+    assert shapes == 9 and colours >= 7, (shapes, colours)
