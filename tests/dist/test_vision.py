@@ -38,3 +38,23 @@ def test_zero3_with_a_text_only_rank_gives_the_losses_of_one_rank_and_resumes(tm
         again = train(tmp_path / "resumed", sets_for(model, data, **{"train.micro_batch_size": 1, "strategy.zero_stage": 3}),
                       launcher="torchrun", nproc=2, debug=False, timeout=300, extra_args=["--resume", str(ckpt)])  # fmt: skip
         assert {s: v for s, v in again.losses.items() if s > 2} == {s: v for s, v in two.losses.items() if s > 2}
+
+
+@pytest.mark.parametrize("family,lora", [("qwen2_vl", {"r": 8, "dropout": 0.0}),
+                                         ("gemma3", {"r": 8, "dropout": 0.0, "quantization": "4bit"})])
+def test_lora_and_qlora_at_zero3_with_a_text_only_rank_give_the_losses_of_one_rank(tmp_path, family, lora):
+    """LoRA on Qwen2-VL, QLoRA (4-bit base, the vision tower unquantized) on Gemma 3: at ZeRO-3 on 2 ranks, one of
+    them text only, the losses of one rank at ZeRO-0 (the adapters on the language model, the idle image running the
+    frozen tower on the text-only rank)."""
+    model = model_dir(family, tmp_path)
+    data = shapes_data(tmp_path / "alternate.jsonl", rows=8, text_rows=8, alternate=True)
+    sets = {"model.lora": lora, "optim.lr": 1e-2}
+    two = train(tmp_path / "zero3", sets_for(model, data, **sets, **{"train.micro_batch_size": 1, "strategy.zero_stage": 3}),
+                launcher="torchrun", nproc=2, debug=False, timeout=300)  # fmt: skip
+    one = train(tmp_path / "one", sets_for(model, data, **sets, **{"train.micro_batch_size": 2, "strategy.zero_stage": 0}),
+                launcher="none", debug=False)  # fmt: skip
+    assert one.losses[4] < one.losses[1]
+    if "quantization" in lora:
+        assert "14 linear layers quantized" in two.output, two.output[-3000:]
+    for step, value in one.losses.items():
+        assert two.losses[step] == pytest.approx(value, rel=1e-5), (one.losses, two.losses)

@@ -90,8 +90,24 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
                 f"example {shown} (sequence {int(r)}; {len(ex.ids)} tokens, {sum(ex.targets[1:])} targets):",
                 ex.show(data.tokenizer, limit=None),
                 "tokens: " + token_view(ex, data.tokenizer),
-            ]
+            ] + _images(ex, data)
     return "\n".join(lines)
+
+
+def _images(ex: Any, data: Any) -> list[str]:
+    """Where each image's tokens stand in an example, and how many (none without images)."""
+    marks = set((data.vision or {}).get("token_types", {}).values())
+    runs, at = [], 0
+    while at < len(ex.ids):
+        if ex.ids[at] in marks:
+            end = at
+            while end < len(ex.ids) and ex.ids[end] in marks:
+                end += 1
+            runs.append(f"image {len(runs)}: {end - at} tokens at {at}-{end - 1}")
+            at = end
+        else:
+            at += 1
+    return ["images: " + "; ".join(runs) + " (never targets)"] if runs else []
 
 
 def _pairs(data: Any, exp: Experiment, n: int) -> list[str]:

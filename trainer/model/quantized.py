@@ -30,15 +30,23 @@ def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> 
     import torch
     from transformers import BitsAndBytesConfig
 
+    from trainer.model.spec import model_type
+    from trainer.model.vision import unquantized
+
     lora = section.lora
     dtype = compute_dtype(lora, run_dtype)
+    skip = (
+        {"llm_int8_skip_modules": unquantized(model_type(section))}
+        if unquantized(model_type(section))
+        else {}
+    )
     if q == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=lora.quant_type, bnb_4bit_use_double_quant=lora.double_quant,
-            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=run_dtype,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=run_dtype, **skip,
         )  # fmt: skip
     else:
-        config = BitsAndBytesConfig(load_in_8bit=True)
+        config = BitsAndBytesConfig(load_in_8bit=True, **skip)
     if zero3:  # zero.Init places and partitions the weights itself
         return {"quantization_config": config}
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -81,9 +89,13 @@ def quantized_count(module: Any, section: ModelSection) -> Quantized | None:
     import torch
     from transformers.pytorch_utils import Conv1D
 
+    from trainer.model.vision import unquantized
+
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    skip = unquantized(getattr(getattr(module, "config", None), "model_type", None))  # a vision tower's
     layers = [m for name, m in module.named_modules() if isinstance(m, torch.nn.Linear | Conv1D)
-              and m is not head and ".lora_" not in name and not m.weight.requires_grad]  # the frozen base's  # fmt: skip
+              and m is not head and ".lora_" not in name and not m.weight.requires_grad
+              and not any(f".{s}." in f".{name}." for s in skip)]  # the frozen base's  # fmt: skip
     sizes = tuple(sorted(m.weight.numel() for m in layers))
     if q == "8bit":  # int8 weights and an fp32 scale per output row
         rows = sum(m.weight.shape[1 if isinstance(m, Conv1D) else 0] for m in layers)

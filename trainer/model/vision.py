@@ -97,6 +97,15 @@ def check(model_type: str | None, has_images: bool, where: str = "model") -> Fam
     return fam
 
 
+def unquantized(model_type: str | None) -> list[str]:
+    """The modules QLoRA leaves in the training precision for a vision-language model: its vision tower and
+    projector (bitsandbytes' skip list, by name), and the LM head as transformers leaves it; [] for a text model."""
+    fam = family(model_type)
+    if fam is None:
+        return []
+    return sorted({p.rstrip(".") for p in fam.vision_tower + fam.projector}) + ["lm_head"]
+
+
 def frozen_parts(fam: Family | None, freeze: Any) -> tuple[str, ...]:
     """model.freeze as set; null: the vision tower (a vision-language model), nothing (a text model)."""
     if freeze is not None:
@@ -125,7 +134,9 @@ class Inputs:
     """What a vision-language model takes besides the ids, for each micro batch (see the module docstring)."""
 
     def __init__(self, model: Any, fam: Family, token_types: dict[str, int], idle: dict[str, Any]) -> None:
-        self.model, self.fam, self.token_types = model, fam, token_types
+        # (under LoRA, peft's wrapper: the transformers model inside it)
+        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.fam, self.token_types = fam, token_types
         self.idle = idle  # the blank image's tensors (None: the data has no image, no rank runs the tower)
         self.idle_now = False
 

@@ -1,0 +1,122 @@
+"""Vision-language models (trainer/model/vision.py): what trains (model.freeze, LoRA on the language model only,
+QLoRA leaving the vision tower unquantized, each counted by the plan as built), the families refused with the reason,
+and the data cache keyed by the processor's settings and the image files."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import TINY, yaml_value
+
+from tests.vision_helpers import VISION_FAMILIES, model_config, processor_dir, shapes_data
+from trainer import config, model
+from trainer.common.errors import UserError
+from trainer.model import vision
+
+VOCAB = {"qwen2_vl": 151669, "gemma3": 262145}
+
+
+def experiment(family, **kw):
+    sets = {"model.config": model_config(family, VOCAB[family]), "train.eval_every": 0, **kw}
+    return config.load(TINY, [f"{k}={yaml_value(v)}" for k, v in sets.items()])
+
+
+def trained(module):
+    return {n for n, p in module.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_the_vision_tower_is_frozen_by_default_and_freeze_names_the_parts(family):
+    fam = vision.family(family)
+    built = model.build(experiment(family).model, vocab_size=None, eos_id=None, seq_len=64)
+    names = trained(built)
+    tower = [n for n in names if n.startswith(fam.vision_tower) and not n.startswith(fam.projector)]
+    assert not tower and any(n.startswith(fam.projector) for n in names)
+    assert any(n.startswith(fam.language_model) for n in names)
+    info = model.info(experiment(family).model)
+    assert info.trainable == sum(p.numel() for n, p in built.named_parameters() if p.requires_grad)
+    only_text = model.build(experiment(family, **{"model.freeze": ["vision_tower", "projector"]}).model,
+                            vocab_size=None, eos_id=None, seq_len=64)  # fmt: skip
+    assert all(n.startswith(fam.language_model) for n in trained(only_text))
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_lora_adapts_the_language_model_only_and_qlora_leaves_the_vision_tower_unquantized(family, tmp_path):
+    from transformers import AutoConfig
+
+    fam = vision.family(family)
+    fields = model_config(family, VOCAB[family])
+    AutoConfig.for_model(fields.pop("model_type"), **fields).save_pretrained(
+        tmp_path
+    )  # its config.json: counted
+    built = model.build(experiment(family, **{"model.lora": {"r": 4}}).model, vocab_size=None, eos_id=None,
+                        seq_len=64)  # fmt: skip
+    adapters = [n for n, _ in built.named_parameters() if ".lora_" in n]
+    assert adapters and not any(
+        f".{p.rstrip('.')}." in n for n in adapters for p in fam.vision_tower + fam.projector
+    )
+    qlora = {
+        "model.config": None,
+        "model.pretrained": str(tmp_path),
+        "model.lora": {"r": 4, "quantization": "4bit"},
+    }
+    info = model.info(config.load(TINY, [f"{k}={yaml_value(v)}" for k, v in qlora.items()]).model)
+    assert len(info.quantized.sizes) == 14  # the language model's 2 layers x 7 projections; not the tower's
+    assert vision.unquantized(family)[-1] == "lm_head"
+
+
+def test_unverified_vision_language_models_and_images_for_a_text_model_are_refused():
+    with pytest.raises(
+        UserError, match=r"Llama 3.2 Vision \(cross-attention\) \(mllama\) is a vision-language model"
+    ):
+        vision.check("mllama", True)
+    with pytest.raises(
+        UserError, match=r"LLaVA \(llava\) .* the verified ones are Qwen2-VL, Qwen2.5-VL, Gemma 3"
+    ):
+        vision.check("llava", False)
+    with pytest.raises(
+        UserError, match=r"the training data has images but the model \(llama\) is a text model"
+    ):
+        vision.check("llama", True)
+    assert vision.check("llama", False) is None and vision.check("gemma3", True).name == "Gemma 3"
+    with pytest.raises(
+        UserError, match=r"model.freeze: \['vision_tower'\] names parts of a vision-language model"
+    ):
+        model.build(
+            config.load(TINY, ["model.freeze=[vision_tower]"]).model, vocab_size=None, eos_id=None, seq_len=64
+        )
+
+
+def test_the_cache_keys_the_processor_and_rebuilds_when_an_image_file_changes(tmp_path):
+    """Another processor setting (its image size bounds) is another key; an image file edited after the cache was
+    built makes it again, saying which file."""
+    import shutil
+
+    from trainer.data import build
+    from trainer.data.keys import cache_key
+    from trainer.data.tokenizer import load_tokenizer
+
+    proc = shutil.copytree(processor_dir("qwen2_vl", tmp_path / "made"), tmp_path / "proc")
+    data = shapes_data(tmp_path / "shapes.jsonl", rows=3)
+    sets = {"data.tokenizer": str(proc), "data.train.files": str(data), "data.train.kind": "chat",
+            "data.eval_fraction": 0, "train.eval_every": 0, "data.cache_dir": str(tmp_path / "cache")}  # fmt: skip
+    section = config.load(TINY, [f"{k}={yaml_value(v)}" for k, v in sets.items()]).data
+    before = json.dumps(cache_key(section, load_tokenizer(str(proc))), sort_keys=True)
+    path = proc / "preprocessor_config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "size": {**cfg["size"], "longest_edge": 28 * 28 * 4}}))
+    assert json.dumps(cache_key(section, load_tokenizer(str(proc))), sort_keys=True) != before
+    first = build(section, seed=0)
+    assert first.built and build(section, seed=0).built is False
+    assert first.images is not None and first.idle_image is not None
+    picture = tmp_path / "pictures" / "red-square.png"
+    from tests.vision_helpers import draw
+
+    draw("circle", "red").save(picture)
+    st = picture.stat()
+    os.utime(picture, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    again = build(section, seed=0)
+    assert again.built and again.rebuilt == f"the image file {picture.resolve()} changed"
+    assert not torch.equal(torch.from_numpy(first.images.batch([0])["pixel_values"]),
+                           torch.from_numpy(again.images.batch([0])["pixel_values"]))  # fmt: skip
