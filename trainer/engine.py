@@ -99,8 +99,6 @@ class Engine:
         self.saved_probe: Any = None  # tests: a context around training forward passes (SavedActivations)
         self.one_row = one_row  # flash_attention_2: fine-tuning rows as one (as_one_row)
         self.vision = vision  # a vision-language model's inputs (trainer/model/vision.py Inputs)
-        if vision is not None:
-            vision.install()
         self.objective = objective  # a preference objective (trainer/objectives/), None: the model's loss
         if objective is not None:
             objective.device = self.device

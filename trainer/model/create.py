@@ -314,7 +314,7 @@ def _transformers_model(
             zero3 = (ds_config or {}).get("zero_optimization", {}).get("stage") == 3
             held = next((d for k, d in (("bf16", torch.bfloat16), ("fp16", torch.float16))
                          if (ds_config or {}).get(k, {}).get("enabled") is True), torch.float32)  # fmt: skip
-            quantized = quantization(section, held, zero3)
+            quantized = quantization(section, held, zero3, cfg.model_type)
             model = auto.from_pretrained(
                 section.pretrained,
                 config=cfg,

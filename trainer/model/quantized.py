@@ -11,7 +11,9 @@ from trainer.config import ModelSection
 from trainer.strategy.planning.candidates import Quantized
 
 
-def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> dict[str, Any]:
+def quantization(
+    section: ModelSection, run_dtype: Any, zero3: bool = False, model_type: str | None = None
+) -> dict[str, Any]:
     """from_pretrained's arguments for model.lora.quantization (bitsandbytes: 4bit = QLoRA's NF4 with
     double quantization; 8bit = LLM.int8), on this rank's device; {} without one. `run_dtype`: the dtype
     the engine holds floating-point parameters in (bf16, fp16 or fp32). The packed 4-bit weights are
@@ -30,16 +32,12 @@ def quantization(section: ModelSection, run_dtype: Any, zero3: bool = False) -> 
     import torch
     from transformers import BitsAndBytesConfig
 
-    from trainer.model.spec import model_type
     from trainer.model.vision import unquantized
 
     lora = section.lora
     dtype = compute_dtype(lora, run_dtype)
-    skip = (
-        {"llm_int8_skip_modules": unquantized(model_type(section))}
-        if unquantized(model_type(section))
-        else {}
-    )
+    # a vision-language model (`model_type`): its vision tower and projector stay in the training precision
+    skip = {"llm_int8_skip_modules": unquantized(model_type)} if unquantized(model_type) else {}
     if q == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=lora.quant_type, bnb_4bit_use_double_quant=lora.double_quant,

@@ -141,7 +141,7 @@ class Inputs:
         self.idle_now = False
 
     def install(self) -> None:
-        """The idle image's hook on the embeddings, after DeepSpeed's own hooks (Engine calls it after
+        """The idle image's hook on the embeddings, after DeepSpeed's own hooks (build_model calls it after
         deepspeed.initialize): ZeRO-3 wraps the embeddings' output for its backward before this hook adds the
         image's features, as the model's own forward adds them after the embeddings, so that backward gathers
         the modules' weights in the same order on every rank (a hook before DeepSpeed's made it gather the

@@ -66,6 +66,8 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         one_row=one_row, sequence=sequence_levers(exp, env, planned, module, one_row), objective=objectives.make(exp),
         vision=vision_inputs(exp, planned, module, data),
     )  # fmt: skip
+    if engine.vision is not None:  # the idle image's hook, after DeepSpeed's own (trainer/model/vision.py)
+        engine.vision.install()
     if planned.plan.tp > 1 or planned.plan.ep > 1:  # AutoTP and AutoEP replaced layers: their names now
         layout = names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
     dist.seed_all(exp.seed + 1 + env.rank)
