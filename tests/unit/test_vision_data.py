@@ -208,8 +208,8 @@ def test_image_max_pixels_bounds_the_image_tokens(root, tmp_path):
 
 
 def test_packing_images_is_checked_per_family():
-    """Qwen2-VL packs (each example's multimodal positions its own: packed = one by one); Gemma 3 does not (its image
-    attention reaches the images of earlier examples in the row): refused with the measured difference."""
+    """Qwen2-VL packs (each example's multimodal positions its own: packed = one by one); Gemma 3 does not (a packed
+    second example with an image differs from its first token on): refused with the measured difference."""
     from transformers import AutoConfig
 
     from trainer.model.vision_packing import verdict
