@@ -221,3 +221,76 @@ def test_packing_images_is_checked_per_family():
         print(family, got[family]["why"])
     assert got["qwen2_vl"]["packs"] and got["qwen2_vl"]["loss"] < 1e-6
     assert not got["gemma3"]["packs"] and got["gemma3"]["grads"] > 1e-2
+
+
+def test_review_an_image_the_template_drops_is_refused_not_shifted(root, tmp_path):
+    """Review finding 1: Gemma 3's template renders a system message's first text part only; an image there was
+    dropped and the user's image slot trained on the system image's pixels (exit 0). Refused now (file:line), as
+    the maker's processor refuses it; Qwen2-VL renders it and trains both."""
+    shapes_data(tmp_path / "shapes.jsonl", rows=9)
+    row = {"messages": [{"role": "system", "content": [{"type": "text", "text": "Reference:"},
+                                                       {"type": "image", "path": "pictures/red-square.png"}]},
+                        {"role": "user", "content": [{"type": "image", "path": "pictures/blue-circle.png"},
+                                                     {"type": "text", "text": "Same?"}]},
+                        {"role": "assistant", "content": "No."}]}  # fmt: skip
+    path = one_row(tmp_path / "system.jsonl", row)
+    with pytest.raises(UserError, match=r"system.jsonl:1: the chat template placed 1 of the row's 2 images"):
+        rows_of(processor_dir("gemma3", root), path)
+    assert rows_of(processor_dir("qwen2_vl", root), path)[1]["vision"]["images"] == 2
+
+
+def test_review_bare_base64_images_of_any_length_are_read(root, tmp_path):
+    """Review finding 2: a bare base64 JPEG (it starts with '/9j/') or a short PNG was read as a path."""
+    import base64
+    import io
+
+    d = processor_dir("qwen2_vl", root)
+    for fmt, size in (("JPEG", 56), ("PNG", 8)):
+        buf = io.BytesIO()
+        draw("square", "red", size=size).save(buf, format=fmt)
+        b64 = base64.b64encode(buf.getvalue()).decode()
+        row = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A square."}],
+               "images": [b64]}  # fmt: skip
+        assert rows_of(d, one_row(tmp_path / f"{fmt}.jsonl", row))[1]["vision"]["images"] == 1, fmt
+
+
+def test_review_placeholders_without_images_are_refused_for_a_vision_model(root, tmp_path):
+    """Review finding 3: <image> in the text with no images column (another column name, or images_field unset)
+    trained the placeholder as text and no image (exit 0). With a vision-language processor it is refused."""
+    d = processor_dir("qwen2_vl", root)
+    row = {"messages": [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", "content": "A square."}],
+           "pictures": ["pictures/red-square.png"]}  # fmt: skip
+    shapes_data(tmp_path / "shapes.jsonl", rows=1)
+    with pytest.raises(
+        UserError, match=r"other.jsonl:1: 1 <image> placeholder\(s\) in the messages but no images"
+    ):
+        rows_of(d, one_row(tmp_path / "other.jsonl", row))
+    assert (
+        rows_of(d, tmp_path / "other.jsonl", **{"data.train.images_field": "pictures"})[1]["vision"]["images"]
+        == 1
+    )
+
+
+def test_review_a_decompression_bomb_is_refused_with_the_line(root, tmp_path):
+    """Review finding 7: an image over PIL's decompression-bomb limit raised a traceback."""
+    from PIL import Image
+
+    Image.new("1", (14000, 14000)).save(tmp_path / "huge.png")
+    row = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "x"}],
+           "images": ["huge.png"]}  # fmt: skip
+    with pytest.raises(UserError, match=r"huge.jsonl:1: image 0 has 196,000,000 pixels, more than PIL opens"):
+        rows_of(
+            processor_dir("qwen2_vl", root),
+            one_row(tmp_path / "huge.jsonl", row),
+            **{"data.image_max_pixels": 4096},
+        )
+
+
+def test_review_image_min_pixels_above_max_is_refused():
+    """Review finding 6: min above max was accepted (min won: 3x the image tokens the max allowed)."""
+    from trainer.common.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"data.image_min_pixels: 100000 is above data.image_max_pixels \(1000\)"
+    ):
+        config.load(TINY, ["data.image_min_pixels=100000", "data.image_max_pixels=1000"])

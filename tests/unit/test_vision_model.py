@@ -120,3 +120,41 @@ def test_the_cache_keys_the_processor_and_rebuilds_when_an_image_file_changes(tm
     assert again.built and again.rebuilt == f"the image file {picture.resolve()} changed"
     assert not torch.equal(torch.from_numpy(first.images.batch([0])["pixel_values"]),
                            torch.from_numpy(again.images.batch([0])["pixel_values"]))  # fmt: skip
+
+
+def test_review_freezing_everything_or_freeze_with_lora_is_refused():
+    """Review findings 4 and 5: freezing every part crashed in DeepSpeed's backward (no loss to train) after the run
+    directory was written; model.freeze beside model.lora was ignored (peft trains its adapters only)."""
+    from trainer.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.freeze: every part of the model is frozen"):
+        experiment("qwen2_vl", **{"model.freeze": ["vision_tower", "projector", "language_model"]})
+    with pytest.raises(ConfigError, match=r"model.freeze: LoRA trains its adapters only"):
+        experiment("qwen2_vl", **{"model.freeze": ["language_model"], "model.lora": {"r": 4}})
+
+
+def test_review_a_resume_on_other_pixels_is_refused_and_a_damaged_image_cache_is_made_again(tmp_path):
+    """Review finding 8: an image redrawn after a checkpoint resumed on other pixels (the rows' ids are the same);
+    the fingerprint now holds the images' digest. Finding 9: a truncated or missing vision-*.npy crashed (or trained
+    without images); such a cache is made again."""
+    from tests.vision_helpers import draw
+    from trainer.data import build, data_changes
+
+    data = shapes_data(tmp_path / "shapes.jsonl", rows=3)
+    sets = {"data.tokenizer": str(processor_dir("qwen2_vl", tmp_path / "made")), "data.train.files": str(data),
+            "data.train.kind": "chat", "data.eval_fraction": 0, "train.eval_every": 0,
+            "data.cache_dir": str(tmp_path / "cache")}  # fmt: skip
+    section = config.load(TINY, [f"{k}={yaml_value(v)}" for k, v in sets.items()]).data
+    first = build(section, seed=0)
+    picture = tmp_path / "pictures" / "red-square.png"
+    draw("square", "blue").save(picture)
+    again = build(section, seed=0)
+    assert again.fingerprint["train_digest"] == first.fingerprint["train_digest"]  # the same ids
+    assert "the images' pixels differ" in " ".join(data_changes(first.fingerprint, again.fingerprint))
+    cache = tmp_path / "cache" / again.cache_path.split("/")[-1]
+    pixels = cache / "vision-train-pixel_values.npy"
+    pixels.write_bytes(pixels.read_bytes()[:-100])
+    fixed = build(section, seed=0)
+    assert fixed.built and "damaged" in fixed.rebuilt and fixed.fingerprint == again.fingerprint
+    (cache / "vision-train-image_grid_thw.npy").unlink()
+    assert build(section, seed=0).built

@@ -214,6 +214,27 @@ def _chat_settings(exp: Experiment) -> list[tuple[str, str]]:
 
 
 @contradiction
+def _images(exp: Experiment) -> list[tuple[str, str]]:
+    """Images in chat data and a vision-language model's parts (docs/fine-tuning.md#images)."""
+    d, m, out = exp.data, exp.model, []
+    if d.image_min_pixels and d.image_max_pixels and d.image_min_pixels > d.image_max_pixels:
+        out.append(("data.image_min_pixels", f"{d.image_min_pixels} is above data.image_max_pixels "
+                    f"({d.image_max_pixels}): no image can be both; lower it or raise the other"))  # fmt: skip
+    if (
+        m.freeze is not None
+        and {"vision_tower", "projector", "language_model"} <= set(m.freeze)
+        and m.lora is None
+    ):
+        out.append(
+            ("model.freeze", "every part of the model is frozen: nothing would train; leave a part out")
+        )
+    if m.freeze is not None and m.lora is not None:
+        out.append(("model.freeze", "LoRA trains its adapters only (on the language model), whatever is frozen; "
+                    "remove model.freeze, or name what should train in full in model.lora.train_modules"))  # fmt: skip
+    return out
+
+
+@contradiction
 def _betas(exp: Experiment) -> list[tuple[str, str]]:
     return [
         (f"optim.betas.{i}", f"{b} must be in [0, 1)")

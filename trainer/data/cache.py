@@ -26,7 +26,7 @@ import numpy as np
 from trainer.common.errors import UserError
 from trainer.common.files import file_lock, write_atomic
 from trainer.config import DataSection
-from trainer.data.image_rows import changed_images, save_images, stored_images
+from trainer.data.image_rows import images_digest, save_images, stale_images, stored_images
 from trainer.data.keys import cache_key, rebuilt_why
 from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
 from trainer.data.prompts import read_columns
@@ -103,11 +103,13 @@ def build(
     final = root / digest
     built, why = False, None
     with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
-        changed = changed_images(final)
-        if changed:  # an image file the rows were made from changed since: made again
+        changed = stale_images(final)
+        if (
+            changed
+        ):  # an image file the rows were made from changed since, or the image cache is damaged: made again
             shutil.rmtree(final)
         if not (final / "meta.json").exists():
-            why = f"the image file {changed} changed" if changed else rebuilt_why(root, key, digest)
+            why = changed or rebuilt_why(root, key, digest)
             quiet = not (is_main and sys.stderr.isatty()) if progress is None else not progress
             _build_cache(section, tok, key, final, quiet=quiet, num_proc=num_proc)
             built = True
@@ -122,6 +124,7 @@ def build(
         "train_digest": meta["train_digest"],
         "sources": meta["train"],
         "tokenizer": meta["tokenizer"],
+        **{k: meta[k] for k in ("images_digest",) if k in meta},  # the pixels the rows' images hold
     }
     return Data(
         **stored_images(final, (meta.get("finetune") or {}).get("vision")),
@@ -182,6 +185,8 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             f"the reference's log-probs (train.objective dpo or ipo): computed for {saved.get('reference')} at the "
             f"checkpoint, {now['reference']} now (another model, precision or data); a resumed run keeps its reference"
         )
+    if saved.get("images_digest") != now.get("images_digest"):
+        out.append("the images' pixels differ from the checkpoint's (an image file changed since)")
     if (
         saved.get("train_digest") == now["train_digest"]
         and saved.get("train_sequences") == now["train_sequences"]
@@ -314,7 +319,7 @@ def _publish(final: Path, write_train: Any, write_eval: Any, meta: dict[str, Any
         write_train(tmp)
         if write_eval is not None:
             write_eval(tmp)
-        meta = {**meta, "train_digest": file_digest(tmp / "train.npy")}
+        meta = {**meta, "train_digest": file_digest(tmp / "train.npy"), **images_digest(tmp)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
             os.rename(tmp, final)

@@ -74,10 +74,12 @@ def _examples(row: Any, n: int, src: DataSource, section: DataSection, tok: Any,
         raise UserError(
             f"{where(n)}: the row has images; only chat data (data.train.kind: chat) carries them"
         )
-    if specs:
-        pics.processor(where(n))  # (a text model's tokenizer: refused before its template fails on the parts)
+    if pics is not None:  # a text model's tokenizer refused before its template fails on the parts
+        pics.check_row(messages, specs, where(n))
     conv = check_conversation(messages, where(n), tools, completion_from)
     conv, unread = prepared(conv, prof[0], tok)
+    if specs:
+        pics.check_placed(prof[0], tok, conv, len(specs), where(n))
     for key in unread:
         c.unread[key] = c.unread.get(key, 0) + 1
     out, fell_back = render_conversation(conv, tok, prof[0], train_on_prompt=section.train_on_prompt)

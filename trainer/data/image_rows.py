@@ -5,6 +5,7 @@ batches that carry them to the model (`VisionBatch`). Where the images come from
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from trainer.common.errors import UserError
-from trainer.data.images import load_processor, open_images, stamps_changed
+from trainer.data.images import PLACEHOLDER, load_processor, open_images, stamps_changed
 from trainer.data.pack import IGNORE
 
 
@@ -184,6 +185,31 @@ class Images:
                     "model's processor; point data.tokenizer at the model's directory, or remove the images"
                 )
         return self.proc
+
+    def check_row(self, messages: Any, specs: list[Any], where: Any) -> None:
+        """A row with images needs the processor; a row of a vision-language model's data with <image>
+        placeholders but no images (another column, images_field unset) is refused, not trained as text."""
+        if specs:
+            self.processor(where)
+            return
+        holders = sum(m["content"].count(PLACEHOLDER) for m in messages if isinstance(m, Mapping) and isinstance(m.get("content"), str)) if isinstance(messages, list) else 0  # fmt: skip
+        if holders and load_processor(self.section.tokenizer) is not None:
+            raise UserError(
+                f"{where}: {holders} {PLACEHOLDER} placeholder(s) in the messages but no images in the row; name the "
+                "column that holds them (data.train.images_field, image_field) or remove the placeholders"
+            )
+
+    def check_placed(self, p: Any, tok: Any, conv: Any, n: int, where: Any) -> None:
+        """Every image of the row is in the template's rendering of the whole conversation: one it leaves out (Gemma
+        3's renders a system message's first text part only) would shift the pixels of the images after it onto
+        the wrong slots."""
+        k = p.render(tok, conv.messages, conv.tools).count(self.proc.image_token)
+        if k != n:
+            raise UserError(
+                f"{where}: the chat template placed {k} of the row's {n} images (it leaves out an image of some "
+                "message: a system message's, say); move the image to a user message, or give a template that "
+                "renders it (data.chat_template)"
+            )
 
     def expand(self, examples: list[Any], specs: list[Any], tok: Any, where: Any) -> list[Any]:
         """The examples of one conversation with its images expanded (`expand`), each image's tensors kept."""
@@ -367,12 +393,49 @@ def stored_images(directory: Path, vision: dict[str, Any] | None) -> dict[str, A
             "idle_image": ImageStore.load(directory, "idle", keys), "vision": vision}  # fmt: skip
 
 
-def changed_images(directory: Path) -> str | None:
-    """An image file a cache's rows were made from that changed since (its path), else None."""
+def stale_images(directory: Path) -> str | None:
+    """Why a cache's image tensors cannot be used (an image file changed since they were made, or a vision-*.npy
+    missing, truncated or not matching its offsets); None when they can (or the cache has no images)."""
     import json
 
     try:
-        vision = json.loads((directory / "meta.json").read_text()).get("finetune", {}).get("vision")
+        meta = json.loads((directory / "meta.json").read_text())
+        vision = meta.get("finetune", {}).get("vision")
     except (OSError, ValueError, AttributeError):
         return None
-    return stamps_changed(vision.get("stamps", [])) if vision else None
+    if not vision:
+        return None
+    changed = stamps_changed(vision.get("stamps", []))
+    if changed:
+        return f"the image file {changed} changed"
+    rows = {"train": meta["train_sequences"], "eval": meta["eval_sequences"]}
+    try:
+        for name in ("train", "eval", "idle"):
+            if name == "eval" and not rows["eval"] or name == "train" and not rows["train"]:
+                continue
+            store = ImageStore.load(directory, name, vision["keys"])
+            if store is None:
+                if name == "eval":  # eval rows without an image (held out from text-only rows): none written
+                    continue
+                raise ValueError(f"vision-{name}-* missing")
+            for key, off in store.offsets.items():
+                want = 2 if name == "idle" else rows[name] + 1
+                if len(off) != want or off[-1] != len(store.arrays[key]) or (np.diff(off) < 0).any():
+                    raise ValueError(f"vision-{name}-{key}: offsets do not match")
+    except (OSError, ValueError, KeyError) as e:
+        return f"the image cache was damaged ({e})"
+    return None
+
+
+def images_digest(directory: Path) -> dict[str, str]:
+    """{"images_digest": sha256 of the training rows' image tensors} (a resume on other pixels is another data),
+    {} without images."""
+    import hashlib
+
+    files = sorted(directory.glob("vision-train-*.npy"))
+    if not files:
+        return {}
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return {"images_digest": h.hexdigest()}

@@ -164,17 +164,26 @@ def _read_bytes(spec: Any, base: Path | None, where: Any, k: int) -> tuple[bytes
         blob = path.read_bytes()
         st = path.stat()
     except OSError as e:
-        if len(spec) > 200 and os.sep not in spec[:50]:  # a bare base64 string
-            try:
-                blob = base64.b64decode(spec, validate=True)
-                return blob, {"sha256": hashlib.sha256(blob).hexdigest()}
-            except binascii.Error:
-                pass
+        blob = _base64_image(spec)  # a bare base64 string ('/9j/...' for a JPEG: slashes are base64's too)
+        if blob is not None:
+            return blob, {"sha256": hashlib.sha256(blob).hexdigest()}
         raise UserError(
             f"{where}: image {k}: cannot read {path} ({e.strerror or e}); paths are relative to the data file's "
             "folder"
         ) from None
     return blob, {"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _base64_image(spec: str) -> bytes | None:
+    """The bytes of a bare base64 string that decodes to an image PIL recognises; None otherwise (a path)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        blob = base64.b64decode(spec, validate=True)
+        Image.open(io.BytesIO(blob))
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError):
+        return None
+    return blob
 
 
 def bounded(img: Any, max_pixels: int | None, min_pixels: int | None) -> Any:
@@ -203,6 +212,12 @@ def open_images(specs: list[Any], where: Any, section: Any) -> tuple[list[Any], 
         try:
             img = Image.open(io.BytesIO(blob))
             img.load()
+        except Image.DecompressionBombError:
+            raise UserError(
+                f"{where}: image {k} has {_pixels(blob):,} pixels, more than PIL opens (its decompression-bomb "
+                f"limit, {2 * Image.MAX_IMAGE_PIXELS:,}); shrink the file (data.image_max_pixels scales images PIL "
+                "has opened)"
+            ) from None
         except (UnidentifiedImageError, OSError, ValueError) as e:
             raise UserError(
                 f"{where}: image {k} is not an image PIL can read ({e}); fix or remove it"
@@ -210,6 +225,23 @@ def open_images(specs: list[Any], where: Any, section: Any) -> tuple[list[Any], 
         out.append(bounded(img.convert("RGB"), section.image_max_pixels, section.image_min_pixels))
         stamps.append(stamp)
     return out, stamps
+
+
+def _pixels(blob: bytes) -> int:
+    """An image file's pixels from its header alone (PIL reads the size without decoding)."""
+    import warnings
+
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None  # the header only: nothing is decoded
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w, h = Image.open(io.BytesIO(blob)).size
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+    return w * h
 
 
 def stamps_changed(stamps: list[dict[str, Any]]) -> str | None:
