@@ -77,6 +77,10 @@ def run(args: list[str], tmp: Path, capsys: pytest.CaptureFixture) -> tuple[int,
     text = (ROOT / args[0]).read_text()
     if "pretrained: runs/tiny/export" in text and not (ROOT / "runs/tiny/export/config.json").exists():
         sets += ["--set", f"model.pretrained={tiny_export(tmp)}"]
+    if "tokenizer: .cache/tiny-vlm" in text and not (ROOT / ".cache/tiny-vlm/tokenizer.json").exists():
+        from tests.vision_helpers import TINY_VLM  # as `make tiny-vlm` assembles it
+
+        TINY_VLM.make_processor()
     capsys.readouterr()
     code = main([*args, *sets])
     got = capsys.readouterr()

@@ -103,10 +103,8 @@ def build(
     final = root / digest
     built, why = False, None
     with file_lock(root / f"{digest}.lock"):  # one builder per node; the others wait here, then read
-        changed = stale_images(final)
-        if (
-            changed
-        ):  # an image file the rows were made from changed since, or the image cache is damaged: made again
+        changed = stale_images(final)  # an image file changed since, or the image cache damaged: made again
+        if changed:
             shutil.rmtree(final)
         if not (final / "meta.json").exists():
             why = changed or rebuilt_why(root, key, digest)
