@@ -81,17 +81,24 @@ def make_data(out: Path = DATA) -> Path:
 def make_processor(out: Path = PROCESSOR) -> Path:
     if not (TOKENIZER / "tokenizer.json").is_file():
         raise SystemExit(f"{TOKENIZER} is missing: run `make tokenizers` first")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for src in (
+    import tempfile
+
+    files = (
         TOKENIZER / "tokenizer.json",
         TOKENIZER / "tokenizer_config.json",
         *sorted((DATA / "processor").iterdir()),
-    ):
+    )
+    if all((out / f.name).is_file() and (out / f.name).read_bytes() == f.read_bytes() for f in files):
+        return out  # made already (another process may be reading it)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    for src in files:
         shutil.copyfile(src, tmp / src.name)
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
