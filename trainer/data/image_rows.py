@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,25 +17,6 @@ from trainer.data.images import PLACEHOLDER, load_processor, open_images, stamps
 from trainer.data.pack import IGNORE
 
 
-class _Rows:  # the map-style dataset's shape (stream._Rows), here so that stream imports this module alone
-    def __init__(self, blocks: np.ndarray) -> None:
-        self.blocks = blocks
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-
-@dataclass
-class Expanded:
-    """An example's tokens as the processor makes them, its targets, and its images' tensors."""
-
-    ids: list[int]
-    targets: list[bool]
-    tensors: dict[str, np.ndarray]
-    image_tokens: int  # tokens of its images (never targets)
-    spans: list[tuple[int, int]] = field(default_factory=list)  # each image's [start, end) in ids
-
-
 def _specials(tok: Any) -> set[int]:
     return set(tok.all_special_ids) | {
         i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if getattr(t, "special", False)
@@ -43,7 +24,7 @@ def _specials(tok: Any) -> set[int]:
 
 
 def expand(ids: list[int], targets: list[bool], text: str, images: list[Any], proc: Any, tok: Any,
-           where: Any) -> Expanded:  # fmt: skip
+           where: Any) -> ImageExample:  # fmt: skip
     """The processor's ids and tensors for `text` (a rendered example) and its images; the targets of `ids`
     (the text's own tokenization) carried over where the two agree; every image's tokens never targets."""
     out = proc(text=[text], images=images, add_special_tokens=False, return_tensors="np")
@@ -75,7 +56,7 @@ def expand(ids: list[int], targets: list[bool], text: str, images: list[Any], pr
         for j in range(s, e):
             carried[j] = False
     tensors = {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-    return Expanded(new, carried, tensors, sum(e - s for s, e in spans), spans)
+    return ImageExample(new, carried, None, tensors, tuple(spans))
 
 
 def _visual(tok: Any, token: int) -> bool:
@@ -128,9 +109,6 @@ class ImageStore:
             arrays[key] = np.concatenate(parts) if parts else np.zeros((0,), dtype=np.float32)
             offsets[key] = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return ImageStore(arrays, offsets)
-
-    def __len__(self) -> int:
-        return len(next(iter(self.offsets.values()))) - 1
 
     def take(self, start: int, stop: int) -> ImageStore:
         arrays, offsets = {}, {}
@@ -225,15 +203,15 @@ class Images:
                     f"{where}: the chat template's generation markers cut this example, which cannot carry images; "
                     "set data.multi_turn: each"
                 )
-            k = ex.text.count(proc.image_token)
-            if k > len(pictures):
-                raise UserError(f"{where}: the rendering holds {k} images but the row has {len(pictures)}")
+            k = ex.text.count(
+                proc.image_token
+            )  # the first k of the row's images (check_placed: all, in order)
             e = expand(ex.ids, ex.targets, ex.text, pictures[:k] or None, proc, tok, where)
             for key, token in token_type_id(e.tensors, e.ids, where).items():
                 if self.token_types.setdefault(key, token) != token:
                     raise UserError(f"{where}: the processor's {key} mark another token than the rows before")
             self.keys = sorted(set(self.keys) | set(e.tensors))
-            out.append(ImageExample(e.ids, e.targets, None, e.tensors, tuple(e.spans)))
+            out.append(e)
         if not any(ex.spans for ex in out):
             raise UserError(
                 f"{where}: the chat template placed none of the row's {len(pictures)} image(s) (no "
@@ -329,12 +307,15 @@ class VisionBatch:
         return self.rows.shape
 
 
-class ImageRows(_Rows):
-    """Fine-tuning rows with images: each batch is its rows and their images' tensors (data/images.py ImageStore)."""
+class ImageRows:
+    """Fine-tuning rows with images, a map-style dataset as stream's: each batch is its rows and their images'
+    tensors (ImageStore)."""
 
     def __init__(self, blocks: np.ndarray, images: Any) -> None:
-        super().__init__(blocks)
-        self.images = images
+        self.blocks, self.images = blocks, images
+
+    def __len__(self) -> int:
+        return len(self.blocks)
 
     def __getitem__(self, i: int) -> Any:
         return _WithImages(np.asarray(self.blocks[int(i)])[None], self.images.batch([int(i)]))

@@ -274,7 +274,7 @@ def load_processor(spec: str) -> Any:
 def _load_processor(spec: str, stamp: tuple[Any, ...]) -> Any:
     """The model's processor from the directory (or hub id) data.tokenizer names; None where it has no image
     processor (a text model's tokenizer). Without torchvision, Qwen-VL's processors are built without their
-    video processor (trainer/model/vision.py's image-only classes)."""
+    video processor (image_only_processor)."""
     if spec == "byte":
         return None
     local = Path(spec).expanduser()
@@ -285,15 +285,10 @@ def _load_processor(spec: str, stamp: tuple[Any, ...]) -> Any:
     try:
         proc = AutoProcessor.from_pretrained(spec)
     except (ImportError, AttributeError, ValueError, OSError) as e:
-        proc = _image_only(spec, e)
+        proc = image_only_processor(spec)
+        if proc is None:
+            raise UserError(f"data.tokenizer: cannot load the processor of '{spec}': {e}") from None
     return proc if getattr(proc, "image_processor", None) is not None else None
-
-
-def _image_only(spec: str, error: Exception) -> Any:
-    proc = image_only_processor(spec)
-    if proc is None:
-        raise UserError(f"data.tokenizer: cannot load the processor of '{spec}': {error}") from None
-    return proc
 
 
 def processor_id(proc: Any) -> str | None:

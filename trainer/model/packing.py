@@ -120,17 +120,25 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
     }
 
 
-def verdict(config: Any, attn: str | None, cache_dir: str | Path | None = None) -> dict[str, Any]:
+def verdict(
+    config: Any,
+    attn: str | None,
+    cache_dir: str | Path | None = None,
+    measure_fn: Any = None,
+    label: str = "",
+) -> dict[str, Any]:
     """{"packs": bool, "why": str, the differences}: whether packed rows train as their examples one by
     one for this config's family under `attn` (eager or sdpa; otherwise the family's default kernel on
     the CPU). flash_attention_2 reads packed sequences from the position ids only in a batch of one
     row (transformers' `_is_packed_sequence`): the engine flattens each fine-tuning micro batch into
-    one row for it (trainer/engine.py), and the check runs the family's default CPU kernel."""
+    one row for it (trainer/engine.py), and the check runs the family's default CPU kernel. `measure_fn` and
+    `label`: another measurement of the same differences (trainer/model/vision_packing.py: rows with images) and
+    the words that name it."""
     import transformers
 
     kernel = attn if attn in ("eager", "sdpa") else None  # None: the family's default on this CPU
     fields = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
-    key = json.dumps([kernel, transformers.__version__, fields], sort_keys=True, default=str)
+    key = json.dumps([kernel, transformers.__version__, fields, label], sort_keys=True, default=str)
     path = None
     if cache_dir is not None:
         path = (
@@ -138,15 +146,17 @@ def verdict(config: Any, attn: str | None, cache_dir: str | Path | None = None) 
         )
         with contextlib.suppress(OSError, ValueError):
             return json.loads(path.read_text())
-    what = f"model type '{config.model_type}' with {kernel or 'its default'} attention"
+    what = f"model type '{config.model_type}' " + (label or f"with {kernel or 'its default'} attention")
     try:
-        d = measure(config, kernel)
+        d = (measure_fn or measure)(config, kernel)
     except Exception as e:  # noqa: BLE001 (a family whose small model cannot be built or run)
         out = {"packs": False, "why": f"{what}: the check could not run ({type(e).__name__}: {str(e)[:200]})"}
     else:
-        what = f"model type '{config.model_type}' with {d['kernel']} attention"
+        what = f"model type '{config.model_type}' " + (label or f"with {d['kernel']} attention")
         ok = d["loss"] <= TOLERANCE["loss"] and d["grads"] <= TOLERANCE["grads"] and d["crossed"] > 1e-3
-        shown = f"loss {d['loss']:.1e}, gradients {d['grads']:.1e} relative"
+        shown = f"loss {d['loss']:.1e}, gradients {d['grads']:.1e} relative" + (
+            f", {d['kernel']} attention" if label else ""
+        )
         why = (
             f"{what}: a packed row trains as its examples one by one ({shown})"
             if ok

@@ -37,7 +37,7 @@ def quantization(
     lora = section.lora
     dtype = compute_dtype(lora, run_dtype)
     # a vision-language model (`model_type`): its vision tower and projector stay in the training precision
-    skip = {"llm_int8_skip_modules": unquantized(model_type)} if unquantized(model_type) else {}
+    skip = {"llm_int8_skip_modules": names} if (names := unquantized(model_type)) else {}
     if q == "4bit":
         config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=lora.quant_type, bnb_4bit_use_double_quant=lora.double_quant,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from trainer.model.packing import TOLERANCE, VOCAB, shrunk
+from trainer.model.packing import VOCAB, shrunk
+from trainer.model.packing import verdict as packing_verdict
 
 # token ids of the small model's image tokens (at the end of its vocabulary; the text's are drawn below them)
 IMAGE, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3
@@ -108,23 +109,7 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
     }
 
 
-def verdict(config: Any, attn: str | None) -> dict[str, Any]:
-    """{"packs", "why", the differences} for a vision-language family (see the module docstring)."""
-    kernel = attn if attn in ("eager", "sdpa") else None
-    what = f"model type '{config.model_type}' with images"
-    try:
-        d = measure(config, kernel)
-    except Exception as e:  # noqa: BLE001 (a family whose small model cannot be built or run)
-        return {
-            "packs": False,
-            "why": f"{what}: the check could not run ({type(e).__name__}: {str(e)[:200]})",
-        }
-    ok = d["loss"] <= TOLERANCE["loss"] and d["grads"] <= TOLERANCE["grads"] and d["crossed"] > 1e-3
-    shown = f"loss {d['loss']:.1e}, gradients {d['grads']:.1e} relative, {d['kernel']} attention"
-    why = (
-        f"{what}: a packed row trains as its examples one by one ({shown})"
-        if ok
-        else f"{what}: a packed row does not train as its examples one by one ({shown}; tolerance "
-        f"{TOLERANCE['loss']:g} and {TOLERANCE['grads']:g})"
-    )
-    return {"packs": ok, "why": why, **d}
+def verdict(config: Any, attn: str | None, cache_dir: Any = None) -> dict[str, Any]:
+    """{"packs", "why", the differences} for a vision-language family (see the module docstring): judged and
+    cached as packing.verdict judges and caches a text family's."""
+    return packing_verdict(config, attn, cache_dir, measure_fn=measure, label="with images")

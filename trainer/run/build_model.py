@@ -193,7 +193,7 @@ def packing_verdict(exp: Experiment, section: Any, data: Any) -> str:
     ):  # checked with images, through the engine's inputs
         from trainer.model.vision_packing import verdict as vision_verdict
 
-        v = vision_verdict(cfg, section.attn_implementation)
+        v = vision_verdict(cfg, section.attn_implementation, exp.data.cache_dir)
     else:
         v = verdict(cfg, section.attn_implementation, exp.data.cache_dir)
     if not v["packs"]:
