@@ -28,6 +28,7 @@ from trainer.model.shape import shape, structure
 from trainer.model.spec import attn_kwargs, check_seq_len, factory_of, hf_config
 from trainer.strategy import ModelInfo
 from trainer.strategy.planning.candidates import Experts, Quantized
+from trainer.strategy.planning.images import Vision
 
 
 def count(module: Any) -> tuple[int, int]:
@@ -76,8 +77,14 @@ def _from_json(found: dict[str, Any]) -> ModelInfo:
         **found, "param_sizes": tuple(found.get("param_sizes", ())), "layer_windows": tuple(found.get("layer_windows", ())),
         "latent": tuple(found["latent"]) if found.get("latent") else None,
         "quantized": Quantized(**{**q, "sizes": tuple(q["sizes"])}) if q else None,
-        "experts": Experts(**e) if e else None,
+        "experts": Experts(**e) if e else None, "vision": _vision(found.get("vision")),
     })  # fmt: skip
+
+
+def _vision(found: dict[str, Any] | None) -> Vision | None:
+    return (
+        Vision(**{**found, "layer": tuple(found["layer"]), "rest": tuple(found["rest"])}) if found else None
+    )
 
 
 def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> str | None:
@@ -94,7 +101,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 16,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14-15: the layers' shape; 16: qkv_bias
+        "v": 17,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14-15: the layers' shape; 16: qkv_bias; 17: vision
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -129,6 +136,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         attn = getattr(module.config, "_attn_implementation", None)
         frozen = _frozen(module, cfg, section)
         module, trainable = _with_lora(module, section)
+    seen = _vision_record(cfg, section)
     if frozen and trainable is None:
         trainable = adapters_trainable(module)
     params, largest = count(module)
@@ -140,8 +148,22 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         param_sizes=sizes(module), intermediate=_gated_width(module, cfg), **shape(cfg), **structure(module, cfg),
         ulysses=ulysses_verdict(cfg, "sdpa"), active=active_params(module, cfg),
         chunked_problem=chunked_loss_problem(getattr(cfg, "model_type", None), cfg.get_text_config()),
-        quantized=quantized_count(module, section),
+        quantized=quantized_count(module, section), vision=seen,
     )  # fmt: skip
+
+
+def _vision_record(cfg: Any, section: ModelSection) -> Vision | None:
+    """A vision-language model's tower as the planner counts it (measured: vision_count.py), with its freezing:
+    model.freeze's parts, or under LoRA the tower and projector (the adapters are the language model's)."""
+    from trainer.model import vision
+
+    fam = vision.family(getattr(cfg, "model_type", None))
+    if fam is None:
+        return None
+    from trainer.model.vision_count import measure
+
+    parts = ("vision_tower", "projector") if section.lora else vision.frozen_parts(fam, section.freeze)
+    return measure(cfg, parts)
 
 
 def auto_class(cfg: Any) -> Any:

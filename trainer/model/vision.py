@@ -118,13 +118,19 @@ def freeze(model: Any, fam: Family, parts: tuple[str, ...]) -> int:
     vision tower when not named); returns how many parameters were frozen."""
     frozen = 0
     for name, p in model.named_parameters():
-        tower = name.startswith(fam.vision_tower) and not name.startswith(fam.projector)
-        part = "projector" if name.startswith(fam.projector) else "vision_tower" if tower else (
-            "language_model" if name.startswith(fam.language_model) else None)  # fmt: skip
-        if part in parts:
+        if freeze_part(fam, name) in parts:
             p.requires_grad_(False)
             frozen += p.numel()
     return frozen
+
+
+def freeze_part(fam: Family, name: str) -> str | None:
+    """The model.freeze part a parameter belongs to (the projector apart from the tower that may hold it)."""
+    if name.startswith(fam.projector):
+        return "projector"
+    if name.startswith(fam.vision_tower):
+        return "vision_tower"
+    return "language_model" if name.startswith(fam.language_model) else None
 
 
 # --------------------------------------------------------------------------------------------- the inputs

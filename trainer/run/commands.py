@@ -26,6 +26,8 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     """--plan / --print-config: planning only; imports neither deepspeed nor CUDA."""
     from trainer import strategy
     from trainer.cluster import devices, dist
+    from trainer.strategy.planning import images
+    from trainer.strategy.planning.activations import rows_per_micro
     from trainer.strategy.planning.generation import generation_line, row_length
     from trainer.strategy.planning.layers import describe_shape
 
@@ -68,6 +70,10 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         shape = describe_shape(info)
         if shape:
             print(shape)
+        if info.vision is not None:
+            print(images.describe(images.experiment_budget(
+                exp, info.vision, strategy.low_precision_bytes(planned.plan.precision), rows_per_micro(exp),
+                row_length(exp), info.attn_implementation == "eager", planned.plan.levers.checkpointing), info.vision))  # fmt: skip
         print(strategy.describe_plan(planned.plan))
         print(
             *([generation_line(exp, planned.plan)] if exp.train.objective == "grpo" else []), sep="\n", end=""

@@ -15,6 +15,7 @@ from typing import Any
 from trainer.config import Experiment, loss_chunk_rows
 from trainer.strategy.planning.candidates import ModelInfo
 from trainer.strategy.planning.generation import row_length
+from trainer.strategy.planning.images import experiment_budget
 from trainer.strategy.planning.layers import F32, family, saved
 
 # torch.compile's layers keep more for backward than eager's (AOTAutograd's partitioner saves what
@@ -231,8 +232,11 @@ def masked_rows(exp: Experiment) -> bool:
 def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any, device: str = "cuda") -> int:
     """The experiment's activation bytes per rank under one setting of the levers (levers.Levers)."""
     m = exp.model
-    return activations(
+    text = activations(
         info, rows_per_micro(exp), row_length(exp), lp, levers.checkpointing, levers.chunked_loss,
         m.kernels, compiled=exp.train.compile, sp=levers.sp, tiled_mlp=levers.tiled_mlp, offload=levers.offload,
         lora=m.lora, head_grad=head_trains(m.lora), masks=masked_rows(exp), device=device,
     )  # fmt: skip
+    images = experiment_budget(exp, info.vision, lp, rows_per_micro(exp), row_length(exp),
+                               info.attn_implementation == "eager", levers.checkpointing)  # fmt: skip
+    return text + (images.total if images else 0)

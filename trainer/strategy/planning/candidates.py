@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import Experiment
+from trainer.strategy.planning.images import Vision
 
 GiB = 2**30
 
@@ -51,6 +52,7 @@ class ModelInfo:
     qkv_bias: int = (
         0  # a layer's query, key and value biases, elements (Qwen2's; tensor parallelism divides them)
     )
+    vision: Vision | None = None  # a vision-language model's tower, measured (images.py's image budget)
 
     @property
     def q_width(self) -> int:

@@ -1,0 +1,127 @@
+"""The vision tower as the planner counts it (trainer/strategy/planning/images.py's `Vision`): what one of its
+layers keeps for backward a patch, and its stem and projector, measured by running the model's own tower code
+at its real width, one layer deep, on a small image (a second, in fp32 and bf16), with the model's freezing.
+
+The model is built with its weights on the meta device and its buffers real (accelerate's
+`init_empty_weights(include_buffers=False)`: rotary tables and position ids as the model makes them); only the
+tower's and projector's parameters are made, one layer of them. What autograd keeps is counted by saved-tensor
+hooks, each storage once, parameters left out (as the census, trainer/run/consistency.py's SavedActivations).
+Measured with sdpa: eager attention's scores are the planner's (they grow with the square of an image's patches).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from trainer.model import vision
+from trainer.strategy.planning.images import Vision
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    return next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default)
+
+
+def measure(cfg: Any, parts: tuple[str, ...]) -> Vision | None:
+    """The tower's record for a vision-language model's config (None for a text model or one not verified);
+    `parts`: model.freeze's parts frozen."""
+    fam = vision.family(getattr(cfg, "model_type", None))
+    if fam is None:
+        return None
+    vc = cfg.vision_config
+    depth_key = "depth" if hasattr(vc, "depth") else "num_hidden_layers"
+    layers, heads = int(getattr(vc, depth_key)), int(_get(vc, "num_heads", "num_attention_heads"))
+    patch, frames = int(vc.patch_size), int(_get(vc, "temporal_patch_size", default=1))
+    channels = int(_get(vc, "in_channels", "num_channels", default=3))
+    small = copy.deepcopy(cfg)
+    setattr(small.vision_config, depth_key, 1)
+    if fam.mrope:  # images of any size: merged tokens of merge x merge patches
+        merge = int(vc.spatial_merge_size)
+        per_token, fixed, side = merge * merge, 0, 2 * merge
+        window = int(getattr(vc, "window_size", 0) or 0) // patch
+        full = len(getattr(vc, "fullatt_block_indexes", None) or ())
+    else:  # Gemma 3: images of one size, each token the average of kernel x kernel patches
+        side_patches = int(vc.image_size) // patch
+        kernel = max(1, side_patches // int(math.isqrt(int(cfg.mm_tokens_per_image))))
+        per_token, fixed, side, window, full = kernel * kernel, side_patches**2, kernel, 0, 0
+        small.vision_config.image_size, small.mm_tokens_per_image = kernel * patch, 1
+    trains = "vision_tower" not in parts
+    measured = {}
+    for lp in (2, 4):
+        measured[lp] = _saved(small, fam, parts, lp, side, patch, frames, channels)
+    n = side * side
+    return Vision(
+        family=fam.name, layers=layers, heads=heads, width=int(_get(vc, "embed_dim", "hidden_size")), patch=patch, pixel_bytes=channels * frames * patch * patch * 4,
+        patches_per_token=per_token, image_patches=fixed,
+        layer=(measured[2][0] / n, measured[4][0] / n), rest=(measured[2][1] / n, measured[4][1] / n),
+        trains=trains, window_patches=window * window, full_layers=full,
+    )  # fmt: skip
+
+
+def _saved(cfg: Any, fam: Any, parts: tuple[str, ...], lp: int, side: int, patch: int, frames: int,
+           channels: int) -> tuple[int, int]:  # fmt: skip
+    """(bytes the tower's layer keeps with every tower weight training, bytes the rest keeps as frozen) for one
+    image of side x side patches."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForImageTextToText
+
+    dtype = torch.bfloat16 if lp == 2 else torch.float32
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    prefixes = fam.vision_tower + fam.projector
+    gen = torch.Generator().manual_seed(0)
+    for name, module in model.named_modules():
+        for key, p in list(module._parameters.items()):
+            full = f"{name}.{key}" if name else key
+            if p is not None and full.startswith(prefixes):
+                module._parameters[key] = torch.nn.Parameter(
+                    (torch.randn(p.shape, generator=gen) * 0.02).to(dtype)
+                )
+    model.train()
+    inner = model.model
+    tower = next(m for n, m in model.named_modules() if f"{n}." in fam.vision_tower)
+    lists = [m for m in tower.modules() if isinstance(m, torch.nn.ModuleList)]
+    layer = max(lists, key=len)[0]
+    if fam.mrope:
+        pixels = torch.randn(side * side, channels * frames * patch * patch, generator=gen)
+        inputs = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
+    else:
+        inputs = {"pixel_values": torch.randn(1, channels, side * patch, side * patch, generator=gen)}
+    out = []
+    for tower_trains in (True, False):
+        for name, p in model.named_parameters():
+            if name.startswith(prefixes) and p.device.type != "meta":
+                frozen = vision.freeze_part(fam, name) in parts
+                p.requires_grad_(not frozen or (tower_trains and name.startswith(fam.vision_tower)
+                                                and not name.startswith(fam.projector)))  # fmt: skip
+        out.append(_count(inner, layer, {"pixel_values": inputs["pixel_values"].to(dtype), **{
+            k: v for k, v in inputs.items() if k != "pixel_values"}}))  # fmt: skip
+    return out[0][0], out[1][1]
+
+
+def _count(inner: Any, layer: Any, inputs: dict[str, Any]) -> tuple[int, int]:
+    """(bytes kept inside the layer, bytes kept elsewhere) by get_image_features."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in inner.parameters() if p.device.type != "meta"}
+    seen: dict[int, tuple[bool, int]] = {}
+    inside = [False]
+    handles = [layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+               layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))]  # fmt: skip
+
+    def pack(t: Any) -> Any:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen[ptr] = (inside[0], storage.nbytes())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            inner.get_image_features(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(n for i, n in seen.values() if i), sum(n for i, n in seen.values() if not i)

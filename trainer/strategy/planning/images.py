@@ -1,0 +1,162 @@
+"""The image budget of a vision-language model: what a micro batch's images cost a rank beside the text layers'
+activations (their tokens are the text layers' like any other: activations.py counts them).
+
+- **pixel values**: the processor's float32 patches, every image of the micro batch, on the device;
+- **the vision tower**: what each of its layers keeps for backward a patch, measured once a model by running one
+  layer of the model's own tower at its real width on a small image (trainer/model/vision_count.py), times the
+  layers where the tower trains; a frozen tower (the default) keeps nothing, but one layer's working set is alive
+  at a time during its forward, counted once. Eager attention adds each head's scores a patch pair within an
+  image (Qwen2.5-VL's windowed layers: within a window): the fp32 softmax and its copy in the compute precision;
+- **the stem and the projector**: the patch embedding's and the projector's (measured with the tower, as the
+  model's freezing leaves them).
+
+How many patches a micro batch holds is the configuration's worst case, as the text plan's full rows are: every
+token of a row an image token (the data refuses a row whose images alone are longer), in images of the largest
+size the resolution bound allows (`data.image_max_pixels`, else the processor's `max_pixels`), for a family whose
+images take the tokens their size gives (Qwen2-VL); a fixed-size family (Gemma 3) as many of its images as a row
+holds. The plan counts this for a vision-language model whether or not its data has images (it does not read
+the data): text-only data costs less.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+F32 = 4
+QWEN_MAX_PIXELS = 12845056  # Qwen2-VL's image processor's default max_pixels (16,384 tokens an image)
+
+
+@dataclass(frozen=True)
+class Vision:
+    """What the planner knows of a vision-language model's tower, measured at model-info time."""
+
+    family: str  # "Qwen2-VL"
+    layers: int  # the tower's layers
+    heads: int
+    width: (
+        int  # the tower's hidden size (activation checkpointing keeps a layer's input: width values a patch)
+    )
+    patch: int  # a patch's side, pixels
+    pixel_bytes: (
+        int  # pixel values a patch as the processor gives them (float32: channels x frames x patch^2 x 4)
+    )
+    patches_per_token: int  # patches merged into one of the language model's tokens
+    image_patches: int = (
+        0  # a fixed-size family's patches an image (Gemma 3: 4,096); 0: as the image's size gives
+    )
+    layer: tuple[float, float] = (0.0, 0.0)  # bytes a patch one tower layer keeps when it trains (bf16, fp32)
+    rest: tuple[float, float] = (0.0, 0.0)  # the stem's and projector's bytes a patch, as the model is frozen
+    trains: bool = False  # whether the tower's layers train (model.freeze)
+    window_patches: int = 0  # windowed attention's patches a window (Qwen2.5-VL), 0: whole images
+    full_layers: int = 0  # of the layers, those over whole images where the others are windowed
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A micro batch's images at the configuration's worst case, and their bytes on a rank."""
+
+    max_pixels: int  # an image's bound
+    image_tokens: int  # tokens an image of that size takes
+    images: int  # images a micro batch holds at most
+    patches: int  # the tower's patches a micro batch
+    pixels: int  # pixel values, bytes
+    tower: int  # the vision tower's, bytes (kept, or one layer's in flight where frozen)
+    rest: int  # the stem's and projector's, bytes
+
+    @property
+    def total(self) -> int:
+        return self.pixels + self.tower + self.rest
+
+
+def tower_bytes(
+    v: Vision, lp: int, images: list[int], eager: bool, checkpointing: bool = False
+) -> tuple[float, float]:
+    """(the tower's layers', the stem's and projector's) bytes for images of these patch counts: what the layers
+    keep where the tower trains (with activation checkpointing, which transformers applies to the tower's layers
+    too: each layer's input and one layer's), else one layer's working set."""
+    at = 0 if lp < F32 else 1
+    patches = sum(images)
+    layer = v.layer[at] * patches
+    if eager:  # each head's scores within an image (a window), the fp32 softmax and its copy
+        score = F32 + (lp if lp < F32 else 0)
+        whole = v.heads * score * sum(p * p for p in images)
+        windowed = v.heads * score * sum(p * min(p, v.window_patches) for p in images)
+        full = v.full_layers if v.window_patches else v.layers
+        scores = (full * whole + (v.layers - full) * windowed) / max(v.layers, 1)  # a layer's, on average
+        layer += max(whole, windowed) if not v.trains else scores
+    if not v.trains:
+        return layer, v.rest[at] * patches
+    kept = v.layers * lp * v.width * patches + layer if checkpointing else v.layers * layer
+    return kept, v.rest[at] * patches
+
+
+def image_size(v: Vision, max_pixels: int) -> tuple[int, int]:
+    """(patches, tokens) of the largest image: a fixed-size family's, else the bound's (whole merged tokens)."""
+    if v.image_patches:
+        return v.image_patches, v.image_patches // v.patches_per_token
+    tokens = max(1, max_pixels // (v.patch * v.patch * v.patches_per_token))
+    return tokens * v.patches_per_token, tokens
+
+
+def budget(
+    v: Vision, lp: int, rows: int, seq_len: int, max_pixels: int, eager: bool, checkpointing: bool = False
+) -> Budget:
+    """The worst case (module doc): `rows` rows of `seq_len` tokens full of images of the largest size."""
+    patches, tokens = image_size(v, max_pixels)
+    whole, left = divmod(seq_len, tokens)
+    if not whole:  # an image larger than a row: the data refuses it, a row holds what fits
+        whole, left = 0, seq_len
+    sizes = [patches] * whole + ([left * v.patches_per_token] if left and not v.image_patches else [])
+    layers, rest = tower_bytes(v, lp, sizes * rows, eager, checkpointing)
+    total = sum(sizes) * rows
+    return Budget(max_pixels, tokens, len(sizes) * rows, total, total * v.pixel_bytes, int(layers), int(rest))
+
+
+@functools.lru_cache(maxsize=64)
+def processor_max_pixels(directory: str | None) -> int | None:
+    """The image processor's bound in a model's directory (preprocessor_config.json: max_pixels, or
+    size.longest_edge as transformers 5 saves Qwen2-VL's), None where it says none."""
+    if not directory:
+        return None
+    path = Path(directory).expanduser() / "preprocessor_config.json"
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    value = found.get("max_pixels") or (found.get("size") or {}).get("longest_edge")
+    return int(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def experiment_budget(
+    exp: Any, v: Vision | None, lp: int, rows: int, seq_len: int, eager: bool, checkpointing: bool = False
+) -> Budget | None:
+    """The experiment's image budget a rank (None for a text model)."""
+    if v is None:
+        return None
+    directory = exp.data.tokenizer if exp.data.tokenizer != "byte" else exp.model.pretrained
+    bounds = [b for b in (exp.data.image_max_pixels, processor_max_pixels(directory)) if b]
+    return budget(v, lp, rows, seq_len, min(bounds) if bounds else QWEN_MAX_PIXELS, eager, checkpointing)
+
+
+def describe(b: Budget | None, v: Vision | None) -> str:
+    """--plan's line: the image budget a rank."""
+    if b is None or v is None:
+        return ""
+    mib = 2**20
+    size = (
+        f"{v.image_patches:,} patches an image"
+        if v.image_patches
+        else f"up to {b.max_pixels:,} pixels an image"
+    )
+    tower = "kept for backward" if v.trains else "frozen: one layer's in flight"
+    return (
+        f"images ({v.family}, {size}: {b.image_tokens:,} tokens): up to {b.images:,} a micro batch, "
+        f"{b.patches:,} patches: pixel values {b.pixels / mib:,.1f} MiB, vision tower {b.tower / mib:,.1f} MiB "
+        f"({tower}), stem and projector {b.rest / mib:,.1f} MiB; {math.ceil(b.total / mib):,} MiB a rank in "
+        "the activations (the worst case: rows full of the largest images)"
+    )
