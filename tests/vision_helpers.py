@@ -11,7 +11,18 @@ from typing import Any
 from tests.helpers import tokenizer_dir
 
 TRL_TEMPLATES = "trl/chat_templates"
-VISION_FAMILIES = ("qwen2_vl", "gemma3")
+VISION_FAMILIES = ("qwen2_vl", "gemma3", "llava")
+# llava-hf/llava-1.5-7b-hf's chat template (its chat_template.json; transformers' own LLaVA tests carry it): images
+# first, then the text, the assistant's in generation markers, no end-of-turn token
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}{% for content in "
+    "message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{% generation %}"
+    "{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ 'ASSISTANT:' }}{% endif %}"
+)
 
 
 def _script() -> Any:
@@ -40,7 +51,9 @@ def processor_dir(family: str, root: Path) -> Path:
     patches merged 2 x 2, at most 16 merged tokens an image) with Qwen3's tokenizer (it holds Qwen-VL's vision
     tokens) and the published Qwen2.5-VL template (TRL's wheel ships it), saved as the hub has it (processor_class
     Qwen2VLProcessor, no video processor: torchvision is not installed); Gemma 3's processor (28 x 28 images, 4
-    tokens an image) with the published Gemma 3 tokenizer and template."""
+    tokens an image) with the published Gemma 3 tokenizer and template; LLaVA-1.5's (CLIP's 28 x 28 images of 4
+    patches, the class token dropped) with the published Llama 2 tokenizer, <image> and <pad> added as llava-hf's
+    are, and llava-1.5-hf's template."""
     out = root / f"{family}-processor"
     if (out / "tokenizer.json").is_file():
         return out
@@ -59,6 +72,19 @@ def processor_dir(family: str, root: Path) -> Path:
         (out / "preprocessor_config.json").write_text(
             json.dumps({**cfg, "processor_class": "Qwen2VLProcessor"})
         )
+        return out
+    if family == "llava":
+        from transformers.models.clip import CLIPImageProcessorPil
+        from transformers.models.llava import LlavaProcessor
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama2"))
+        tok.add_tokens(
+            ["<image>"], special_tokens=True
+        )  # as llava-hf's tokenizer: <image> 32000, <pad> 32001
+        tok.add_special_tokens({"pad_token": "<pad>"})
+        ip = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                       num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE).save_pretrained(out)  # fmt: skip
         return out
     from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3Processor
 
@@ -85,6 +111,12 @@ def model_config(family: str, vocab: int, **kw: Any) -> dict[str, Any]:
                 "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
                 "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
                 "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>")}  # fmt: skip
+    if family == "llava":  # a CLIP tower (28 x 28 images of 4 patches: 4 tokens) and a Llama
+        return {"model_type": "llava", **kw, "image_token_index": 32000, "vision_feature_layer": -1,
+                "text_config": {**text, "model_type": "llama", "pad_token_id": 32001},
+                "vision_config": {"model_type": "clip_vision_model", "hidden_size": 16, "intermediate_size": 32,
+                                  "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+                                  "patch_size": 14, "projection_dim": 16}}  # fmt: skip
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir("gemma3"))

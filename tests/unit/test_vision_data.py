@@ -14,6 +14,7 @@ from tests.vision_helpers import VISION_FAMILIES, draw, model_config, processor_
 from trainer import config
 from trainer.common.errors import UserError
 from trainer.data.examples import build_rows
+from trainer.data.image_rows import image_tokens as data_image_tokens
 from trainer.data.images import load_processor
 from trainer.data.pack import IGNORE
 from trainer.data.sources import load_raw
@@ -36,6 +37,13 @@ def rows_of(proc_dir, data, **kw):
     return build_rows(
         load_raw(s.train, "data.train"), load_tokenizer(str(proc_dir)), s, s.train, "data.train"
     )
+
+
+def image_tokens(stats):
+    """The rows' image token ids (the processor's image token, its per-token types' marks)."""
+    from types import SimpleNamespace
+
+    return data_image_tokens(SimpleNamespace(vision=stats["vision"]))
 
 
 def one_row(path, row):
@@ -68,7 +76,7 @@ def test_the_three_forms_make_the_same_rows_and_no_image_token_is_a_target(root,
         assert np.array_equal(store.batch([0])[key], store.batch([1])[key])
     tok = load_tokenizer(str(d))
     ids, labels = rows[0, 0], rows[0, 1]
-    image = set(stats["vision"]["token_types"].values())
+    image = set(image_tokens(stats))
     assert any(int(i) in image for i in ids)
     assert not any(int(i) in image for i in labels[labels != IGNORE])
     assert tok.decode(labels[labels != IGNORE]).startswith("A red square.")
@@ -117,7 +125,7 @@ def test_ids_and_pixels_are_the_model_makers_processors_and_trls_collators(root,
     trl = DataCollatorForVisionLanguageModeling(proc)([{"images": [img], "messages": [
         {"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "A red square."}]}])  # fmt: skip
     assert torch.equal(trl["input_ids"][0], ids)
-    image = list(stats["vision"]["token_types"].values())
+    image = list(image_tokens(stats))
     trained_by_trl = int(torch.isin(trl["labels"][0], torch.tensor(image)).sum())
     assert trained_by_trl > 0 and not torch.isin(labels[labels != IGNORE], torch.tensor(image)).any()
     print(f"{family}: TRL's collator trains {trained_by_trl} image tokens of one image; ours none")

@@ -14,7 +14,7 @@ from trainer import config, model
 from trainer.common.errors import UserError
 from trainer.model import vision
 
-VOCAB = {"qwen2_vl": 151669, "gemma3": 262145}
+VOCAB = {"qwen2_vl": 151669, "gemma3": 262145, "llava": 32002}
 
 
 def experiment(family, **kw):
@@ -72,9 +72,10 @@ def test_unverified_vision_language_models_and_images_for_a_text_model_are_refus
     ):
         vision.check("mllama", True)
     with pytest.raises(
-        UserError, match=r"LLaVA \(llava\) .* the verified ones are Qwen2-VL, Qwen2.5-VL, Gemma 3"
+        UserError,
+        match=r"Idefics3 \(idefics3\) .* the verified ones are Qwen2-VL, Qwen2.5-VL, Gemma 3, LLaVA",
     ):
-        vision.check("llava", False)
+        vision.check("idefics3", False)
     with pytest.raises(
         UserError, match=r"the training data has images but the model \(llama\) is a text model"
     ):

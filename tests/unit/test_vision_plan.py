@@ -34,12 +34,16 @@ CONFIGS = {
                "image_token_index": 999, "boi_token_index": 997, "eoi_token_index": 998, "vision_config": {
                    "hidden_size": 96, "intermediate_size": 384, "num_hidden_layers": 3, "num_attention_heads": 4,
                    "image_size": 224, "patch_size": 14}},
+    "llava": {"text_config": {**TEXT, "model_type": "llama"}, "image_token_index": 999, "vision_feature_layer": -1,
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 96, "intermediate_size": 384,
+                                "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 224,
+                                "patch_size": 14, "projection_dim": 64}},
 }  # fmt: skip
 PRECISIONS = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
 
 
 def images(family: str, dtype):
-    """Two images: 8 x 8 and 4 x 12 patches (Qwen-VL), or two of Gemma 3's one size (16 x 16 patches here)."""
+    """Two images: 8 x 8 and 4 x 12 patches (Qwen-VL), or two of the family's one size (16 x 16 patches here)."""
     gen = torch.Generator().manual_seed(0)
     if family.startswith("qwen"):
         grids = torch.tensor([(1, 8, 8), (1, 4, 12)])

@@ -43,7 +43,7 @@ from typing import Any
 
 from trainer.common.errors import UserError
 from trainer.config import ROLES
-from trainer.data.templates import Profile, profile
+from trainer.data.templates import Profile, as_parts, profile
 from trainer.data.tokenizer import special_edges
 
 TRAINING = "training"  # a message's own flag: false keeps an assistant turn out of the targets
@@ -185,12 +185,13 @@ def prepared(conv: Conversation, p: Profile, tok: Any) -> tuple[Conversation, se
     it: a key of what the model says (tool calls, reasoning) or tools that change nothing are refused,
     the other keys that change nothing are returned (reported, not refused)."""
     messages = []
-    for m in conv.messages:
+    for m in as_parts(conv.messages) if p.parts_only else conv.messages:
         content = m.get("content")
         # a message with an image keeps its parts (trainer/data/image_rows.py checks the template placed them)
         if (
             isinstance(content, list)
             and not p.renders_parts
+            and not p.parts_only
             and all(part["type"] == "text" for part in content)
         ):
             m = {**m, "content": "\n".join(part["text"] for part in content)}

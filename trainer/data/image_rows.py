@@ -235,6 +235,7 @@ class Images:
     def stats(self) -> dict[str, Any]:
         return {"images": self.images, "image_tokens": self.image_tokens, "cut": self.cut, "rows": self.rows_with,
                 "keys": self.keys, "token_types": self.token_types, "processor": type(self.proc).__name__,
+                "image_token": self.proc.tokenizer.convert_tokens_to_ids(self.proc.image_token) if self.proc else None,
                 "stamps": self.stamps}  # fmt: skip
 
 
@@ -353,8 +354,11 @@ def collate_images(batch: Any, multiple: int, image_tokens: tuple[int, ...]) -> 
 
 
 def image_tokens(data: Any) -> tuple[int, ...]:
-    """The token ids that stand for an image's features in the rows (data.vision's token types)."""
-    return tuple(sorted(set((data.vision or {}).get("token_types", {}).values())))
+    """The token ids that stand for an image's features in the rows (data.vision's token types and the processor's
+    image token)."""
+    vision = data.vision or {}
+    found = set(vision.get("token_types", {}).values()) | {vision.get("image_token")}
+    return tuple(sorted(t for t in found if isinstance(t, int)))
 
 
 def save_images(

@@ -14,6 +14,7 @@ import numpy as np
 
 from trainer.config import Experiment
 from trainer.data.chat import Example
+from trainer.data.image_rows import image_tokens
 from trainer.data.pack import IGNORE
 
 
@@ -96,7 +97,7 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
 
 def _images(ex: Any, data: Any) -> list[str]:
     """Where each image's tokens stand in an example, and how many (none without images)."""
-    marks = set((data.vision or {}).get("token_types", {}).values())
+    marks = set(image_tokens(data))
     runs, at = [], 0
     while at < len(ex.ids):
         if ex.ids[at] in marks:

@@ -75,6 +75,9 @@ class Profile:
     markers: bool = False  # {% generation %} blocks
     dated: bool = False  # renders today's date unless kwargs give one
     eot: str = ""  # the special token that ends an assistant turn, as text ("" when the probe found none)
+    # reads content parts only: a string content renders as nothing (llava-1.5-hf's, Idefics3's templates), so
+    # every string is given as one text part
+    parts_only: bool = False
 
     def turn_end(self, rendered: str, start: int) -> int:
         """Where the assistant turn that starts at `start` of `rendered` (a rendering that ends with
@@ -97,7 +100,7 @@ class Profile:
     ) -> str:
         """The messages as this template renders them (with the assistant's generation prompt)."""
         return tok.apply_chat_template(
-            messages, tools=tools, chat_template=self.text, tokenize=False,
+            as_parts(messages) if self.parts_only else messages, tools=tools, chat_template=self.text, tokenize=False,
             add_generation_prompt=prompt, **dict(self.kwargs),
         )  # fmt: skip
 
@@ -157,6 +160,7 @@ def profile(tok: Any, template: str, kwargs: Mapping[str, Any], multi_turn: str,
         markers=re.search(r"{%-?\s*generation\s*-?%}", template) is not None,
         dated="strftime_now" in template and "date_string" not in kwargs,
     )  # fmt: skip
+    base = Profile(**{**base.__dict__, "parts_only": _probe_parts_only(tok, base)})
     base = Profile(**{**base.__dict__, "eot": _probe_eot(tok, base)})
     # the shapes data has: without a system prompt, and with one (a conversation of that shape that a
     # template renders otherwise is rendered turn by turn under auto: chat.render_conversation)
@@ -246,6 +250,23 @@ def _probe_history(tok: Any, p: Profile, system: bool) -> tuple[bool, int | None
         return True, None, None
     except Exception as e:  # noqa: BLE001 (whatever the template raises: some refuse a system prompt)
         return False, None, f"{type(e).__name__}: {e}"
+
+
+def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each string content as one text part (a template that reads parts only)."""
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+            for m in messages]  # fmt: skip
+
+
+def _probe_parts_only(tok: Any, p: Profile) -> bool:
+    """Whether the template renders a user's string content as nothing but the same text as a part."""
+    mark = "probe-string-content"
+    try:
+        plain = p.render(tok, [{"role": "user", "content": mark}])
+        parts = p.render(tok, as_parts([{"role": "user", "content": mark}]))
+    except Exception:  # noqa: BLE001 (a template that raises on either: not this kind)
+        return False
+    return mark not in plain and mark in parts
 
 
 def _probe_parts(tok: Any, p: Profile) -> bool:

@@ -2,7 +2,9 @@
 rows with images gives the model, and the idle image that keeps every rank's vision tower in step.
 
 - **Families** (`FAMILIES`): Qwen2-VL and Qwen2.5-VL (multimodal RoPE: `mm_token_type_ids` and the three
-  position rows per packed example), Gemma 3 (`token_type_ids`: bidirectional attention within an image).
+  position rows per packed example), Gemma 3 (`token_type_ids`: bidirectional attention within an image), LLaVA
+  (a CLIP or SigLIP tower, a projector, any causal language model: the image's features in its tokens' places,
+  the text model's own positions and causal mask).
   Another vision-language model type is refused with the reason; a text model given images is refused by the
   data (trainer/data/images.py: the tokenizer's directory has no image processor).
 - **Freezing** (`model.freeze`): `vision_tower`, `projector`, `language_model` name each family's modules; by
@@ -55,10 +57,15 @@ FAMILIES = {
         projector=("model.multi_modal_projector.",),
         language_model=("model.language_model.", "lm_head."),
     ),  # fmt: skip
+    "llava": Family(
+        "LLaVA",
+        vision_tower=("model.vision_tower.",),
+        projector=("model.multi_modal_projector.",),
+        language_model=("model.language_model.", "lm_head."),
+    ),  # fmt: skip
 }
 # vision-language model types transformers has and this project has not verified: refused with the reason
 NOT_VERIFIED = {
-    "llava": "LLaVA",
     "llava_next": "LLaVA-NeXT",
     "idefics3": "Idefics3",
     "smolvlm": "SmolVLM",

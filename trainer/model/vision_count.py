@@ -1,6 +1,6 @@
 """The vision tower as the planner counts it (trainer/strategy/planning/images.py's `Vision`): what one of its
 layers keeps for backward a patch, and its stem and projector, measured by running the model's own tower code
-at its real width, one layer deep, on a small image (a second, in fp32 and bf16), with the model's freezing.
+at its real width, one layer deep, on two small images (a second, in fp32 and bf16), with the model's freezing.
 
 The model is built with its weights on the meta device and its buffers real (accelerate's
 `init_empty_weights(include_buffers=False)`: rotary tables and position ids as the model makes them); only the
@@ -41,16 +41,20 @@ def measure(cfg: Any, parts: tuple[str, ...]) -> Vision | None:
         per_token, fixed, side = merge * merge, 0, 2 * merge
         window = int(getattr(vc, "window_size", 0) or 0) // patch
         full = len(getattr(vc, "fullatt_block_indexes", None) or ())
-    else:  # Gemma 3: images of one size, each token the average of kernel x kernel patches
+    else:  # images of one size; Gemma 3's tokens the average of kernel x kernel patches, LLaVA's one a patch
         side_patches = int(vc.image_size) // patch
-        kernel = max(1, side_patches // int(math.isqrt(int(cfg.mm_tokens_per_image))))
-        per_token, fixed, side, window, full = kernel * kernel, side_patches**2, kernel, 0, 0
-        small.vision_config.image_size, small.mm_tokens_per_image = kernel * patch, 1
+        tokens = getattr(cfg, "mm_tokens_per_image", None)
+        kernel = max(1, side_patches // int(math.isqrt(int(tokens)))) if tokens else 1
+        per_token, fixed, window, full = kernel * kernel, side_patches**2, 0, 0
+        side = kernel if tokens else 8  # LLaVA: its class token a 65th of the patches (at 2 x 2: a quarter)
+        small.vision_config.image_size = side * patch
+        if tokens:
+            small.mm_tokens_per_image = 1
     trains = "vision_tower" not in parts
     measured = {}
     for lp in (2, 4):
         measured[lp] = _saved(small, fam, parts, lp, side, patch, frames, channels)
-    n = side * side
+    n = 2 * side * side  # two images: a batch's copies (LLaVA's features without the class token) counted
     return Vision(
         family=fam.name, layers=layers, heads=heads, width=int(_get(vc, "embed_dim", "hidden_size")), patch=patch, pixel_bytes=channels * frames * patch * patch * 4,
         patches_per_token=per_token, image_patches=fixed,
@@ -85,10 +89,10 @@ def _saved(cfg: Any, fam: Any, parts: tuple[str, ...], lp: int, side: int, patch
     lists = [m for m in tower.modules() if isinstance(m, torch.nn.ModuleList)]
     layer = max(lists, key=len)[0]
     if fam.mrope:
-        pixels = torch.randn(side * side, channels * frames * patch * patch, generator=gen)
-        inputs = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
+        pixels = torch.randn(2 * side * side, channels * frames * patch * patch, generator=gen)
+        inputs = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]] * 2)}
     else:
-        inputs = {"pixel_values": torch.randn(1, channels, side * patch, side * patch, generator=gen)}
+        inputs = {"pixel_values": torch.randn(2, channels, side * patch, side * patch, generator=gen)}
     out = []
     for tower_trains in (True, False):
         for name, p in model.named_parameters():

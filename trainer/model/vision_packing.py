@@ -31,6 +31,13 @@ def _small(config: Any) -> Any:
     if cfg.model_type == "gemma3":
         v.hidden_size, v.image_size, v.patch_size, cfg.mm_tokens_per_image = 16, 28, 14, 4
         cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index = IMAGE, START, END
+    elif cfg.model_type == "llava":  # a 28 x 28 image of 4 patches (the class token dropped: 4 tokens)
+        v.hidden_size, v.image_size, v.patch_size, v.projection_dim = 16, 28, 14, 16
+        cfg.image_token_index, cfg.vision_feature_select_strategy, cfg.vision_feature_layer = (
+            IMAGE,
+            "default",
+            -1,
+        )
     else:
         v.hidden_size = cfg.text_config.hidden_size
         cfg.image_token_id, cfg.vision_start_token_id, cfg.video_token_id = IMAGE, START, END
@@ -47,6 +54,10 @@ def _image(cfg: Any) -> tuple[dict[str, Any], int]:
     v = cfg.vision_config
     if cfg.model_type == "gemma3":
         return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, cfg.mm_tokens_per_image
+    if cfg.model_type == "llava":
+        return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, (
+            v.image_size // v.patch_size
+        ) ** 2
     m = v.spatial_merge_size
     dim = 3 * v.temporal_patch_size * v.patch_size**2
     return {
@@ -84,6 +95,9 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
             pos = torch.arange(ids.shape[1])[None]
         images = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
         kw = inputs.kwargs(torch.stack([ids, labels, pos], dim=1), images)
+        kw.setdefault(
+            "position_ids", pos
+        )  # the rows' positions, as the engine gives them (multimodal RoPE: its own)
         return model(input_ids=ids, labels=labels, use_cache=False, **kw)
 
     def grads() -> Any:
