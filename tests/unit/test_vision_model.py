@@ -159,3 +159,57 @@ def test_review_a_resume_on_other_pixels_is_refused_and_a_damaged_image_cache_is
     assert fixed.built and "damaged" in fixed.rebuilt and fixed.fingerprint == again.fingerprint
     (cache / "vision-train-image_grid_thw.npy").unlink()
     assert build(section, seed=0).built
+
+
+def test_gemma3s_sliding_masks_of_packed_rows_with_images_are_the_examples_own():
+    """transformers 5.24's Gemma 3 gives its sliding layers the image blocks as an or_mask_function that the packed
+    rows' remapping calls with positions within each example: a packed second example's image tokens attend as the
+    first example's blocks say (its logits differ from the example alone, shown). With the wrapper
+    (trainer/model/vision_masks.py) a packed row's logits are each example's alone; rows that are not packed get
+    transformers' own masks, equal."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.gemma3 import modeling_gemma3
+
+    from trainer.model.vision_masks import install
+    from trainer.model.vision_packing import END, IMAGE, START, _image, _small
+
+    fields = model_config("gemma3", VOCAB["gemma3"])
+    cfg = _small(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    torch.manual_seed(0)
+    m = AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for before, after in ((3, 6), (2, 5)):
+        pixels, n = _image(cfg)
+        ids = torch.randint(3, END, (before,), generator=g).tolist() + [START] + [IMAGE] * n + [END]
+        examples.append((ids + torch.randint(3, END, (after,), generator=g).tolist(), pixels["pixel_values"]))
+
+    def logits(parts):
+        ids = torch.tensor([sum((p[0] for p in parts), [])])
+        pos = torch.tensor([sum((list(range(len(p[0]))) for p in parts), [])])
+        with torch.no_grad():
+            return m(input_ids=ids, position_ids=pos, token_type_ids=(ids == IMAGE).long(), use_cache=False,
+                     pixel_values=torch.cat([p[1] for p in parts])).logits[0]  # fmt: skip
+
+    install()
+    fixed = modeling_gemma3.create_masks_for_vision_model
+    split = len(examples[0][0])
+    alone = logits([examples[1]])
+    modeling_gemma3.create_masks_for_vision_model = fixed.original  # transformers' own
+    try:
+        broken = (logits(examples)[split:] - alone).abs().max().item()
+    finally:
+        modeling_gemma3.create_masks_for_vision_model = fixed
+    packed = (logits(examples)[split:] - alone).abs().max().item()
+    print(
+        f"a packed example's logits against alone: {broken:.3f} with transformers' masks, {packed:.1e} fixed"
+    )
+    assert broken > 1e-2 and packed < 1e-5
+    # not packed: transformers' masks, unchanged
+    ids = torch.tensor([examples[0][0] + examples[1][0]])
+    blocks = modeling_gemma3.get_block_sequence_ids_for_mask((ids == IMAGE).long())
+    embeds = torch.zeros(1, ids.shape[1], cfg.text_config.hidden_size)
+    pos = torch.arange(ids.shape[1])[None]
+    a = fixed(cfg.text_config, embeds, None, None, pos, blocks)
+    b = fixed.original(cfg.text_config, embeds, None, None, pos, blocks)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -138,7 +138,8 @@ def verdict(
 
     kernel = attn if attn in ("eager", "sdpa") else None  # None: the family's default on this CPU
     fields = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
-    key = json.dumps([kernel, transformers.__version__, fields, label], sort_keys=True, default=str)
+    version = [measure_fn.version] if hasattr(measure_fn, "version") else []  # a changed measurement's
+    key = json.dumps([kernel, transformers.__version__, fields, label, *version], sort_keys=True, default=str)
     path = None
     if cache_dir is not None:
         path = (

@@ -2,7 +2,8 @@
 rows with images gives the model, and the idle image that keeps every rank's vision tower in step.
 
 - **Families** (`FAMILIES`): Qwen2-VL and Qwen2.5-VL (multimodal RoPE: `mm_token_type_ids` and the three
-  position rows per packed example), Gemma 3 (`token_type_ids`: bidirectional attention within an image), LLaVA
+  position rows per packed example), Gemma 3 (`token_type_ids`: bidirectional attention within an image; its
+  sliding layers' masks of packed rows mended: vision_masks.py), LLaVA
   (a CLIP or SigLIP tower, a projector, any causal language model: the image's features in its tokens' places,
   the text model's own positions and causal mask).
   Another vision-language model type is refused with the reason; a text model given images is refused by the
@@ -39,14 +40,11 @@ class Family:
     projector: tuple[str, ...]
     language_model: tuple[str, ...]
     mrope: bool = False  # multimodal RoPE: 3 position rows from the image grids
-    packs: str | None = None  # why packed rows of this family are exact; None: packing images refused
 
 
 _QWEN = dict(
     vision_tower=("model.visual.",), projector=("model.visual.merger.",), language_model=("model.language_model.", "lm_head."),
     mrope=True,
-    packs="each packed example's multimodal positions from the model's own get_rope_index, the text positions first "
-    "(transformers' packed form)",
 )  # fmt: skip
 FAMILIES = {
     "qwen2_vl": Family("Qwen2-VL", **_QWEN),
@@ -152,6 +150,10 @@ class Inputs:
         self.fam, self.token_types = fam, token_types
         self.idle = idle  # the blank image's tensors (None: the data has no image, no rank runs the tower)
         self.idle_now = False
+        if self.model.config.model_type == "gemma3":  # its sliding layers' masks of packed rows with images
+            from trainer.model.vision_masks import install
+
+            install()
 
     def install(self) -> None:
         """The idle image's hook on the embeddings, after DeepSpeed's own hooks (build_model calls it after

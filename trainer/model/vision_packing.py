@@ -123,6 +123,9 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
     }
 
 
+measure.version = 2  # type: ignore[attr-defined]  # 2: the rows' positions given (1 measured without them)
+
+
 def verdict(config: Any, attn: str | None, cache_dir: Any = None) -> dict[str, Any]:
     """{"packs", "why", the differences} for a vision-language family (see the module docstring): judged and
     cached as packing.verdict judges and caches a text family's."""
