@@ -11,7 +11,12 @@ from typing import Any
 from tests.helpers import tokenizer_dir
 
 TRL_TEMPLATES = "trl/chat_templates"
-VISION_FAMILIES = ("qwen2_vl", "gemma3", "llava")
+VISION_FAMILIES = ("qwen2_vl", "gemma3", "llava", "idefics3")
+# Idefics3-8B-Llama3's tokens beside Llama 3's: the image's frame, its token, the end of a turn, the global view and
+# each tile's place (HuggingFaceM4's tokenizer adds them; the processor inserts them)
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)
+]
 # llava-hf/llava-1.5-7b-hf's chat template (its chat_template.json; transformers' own LLaVA tests carry it): images
 # first, then the text, the assistant's in generation markers, no end-of-turn token
 LLAVA_TEMPLATE = (
@@ -53,7 +58,9 @@ def processor_dir(family: str, root: Path) -> Path:
     Qwen2VLProcessor, no video processor: torchvision is not installed); Gemma 3's processor (28 x 28 images, 4
     tokens an image) with the published Gemma 3 tokenizer and template; LLaVA-1.5's (CLIP's 28 x 28 images of 4
     patches, the class token dropped) with the published Llama 2 tokenizer, <image> and <pad> added as llava-hf's
-    are, and llava-1.5-hf's template."""
+    are, and llava-1.5-hf's template; Idefics3's (56 px images split into 28 x 28 tiles and a global view, 1 token a
+    tile) with the published Llama 3 tokenizer (Llama 3.2's), Idefics3's tokens added, and Idefics3-8B-Llama3's
+    template (TRL's wheel ships it)."""
     out = root / f"{family}-processor"
     if (out / "tokenizer.json").is_file():
         return out
@@ -72,6 +79,16 @@ def processor_dir(family: str, root: Path) -> Path:
         (out / "preprocessor_config.json").write_text(
             json.dumps({**cfg, "processor_class": "Qwen2VLProcessor"})
         )
+        return out
+    if family == "idefics3":  # images up to 56 px split into 28 x 28 tiles and a global view: 1 token a tile
+        from transformers.models.idefics3 import Idefics3ImageProcessorPil, Idefics3Processor
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama3_2"))
+        tok.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+        tok.pad_token = "<|finetune_right_pad_id|>"  # Llama 3.2's own (TRL's collator pads)
+        ip = Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+        Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=1,
+                          chat_template=_trl_template("idefics3")).save_pretrained(out)  # fmt: skip
         return out
     if family == "llava":
         from transformers.models.clip import CLIPImageProcessorPil
@@ -111,6 +128,13 @@ def model_config(family: str, vocab: int, **kw: Any) -> dict[str, Any]:
                 "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
                 "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
                 "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>")}  # fmt: skip
+    if (
+        family == "idefics3"
+    ):  # a SigLIP-like tower on 28 x 28 tiles (4 patches shuffled 2 x 2: 1 token) and a Llama
+        return {"model_type": "idefics3", **kw, "image_token_id": 128257, "scale_factor": 2,
+                "text_config": {**text, "model_type": "llama"},
+                "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "image_size": 28, "patch_size": 14}}  # fmt: skip
     if family == "llava":  # a CLIP tower (28 x 28 images of 4 patches: 4 tokens) and a Llama
         return {"model_type": "llava", **kw, "image_token_index": 32000, "vision_feature_layer": -1,
                 "text_config": {**text, "model_type": "llama", "pad_token_id": 32001},

@@ -79,7 +79,7 @@ def test_the_three_forms_make_the_same_rows_and_no_image_token_is_a_target(root,
     image = set(image_tokens(stats))
     assert any(int(i) in image for i in ids)
     assert not any(int(i) in image for i in labels[labels != IGNORE])
-    assert tok.decode(labels[labels != IGNORE]).startswith("A red square.")
+    assert tok.decode(labels[labels != IGNORE]).strip().startswith("A red square.")
     # an image in the answer: its tokens, and the special tokens around them, are never targets
     ans = {"messages": [{"role": "user", "content": "Draw a circle."},
                         {"role": "assistant", "content": [{"type": "text", "text": "Here:"},
@@ -121,7 +121,6 @@ def test_ids_and_pixels_are_the_model_makers_processors_and_trls_collators(root,
     )
     assert torch.equal(ids, ref["input_ids"][0])
     ours = stats["vision"]["store"].batch([0])
-    assert np.array_equal(ours["pixel_values"], ref["pixel_values"].numpy())
     trl = DataCollatorForVisionLanguageModeling(proc)([{"images": [img], "messages": [
         {"role": "user", "content": "What is this?"}, {"role": "assistant", "content": "A red square."}]}])  # fmt: skip
     assert torch.equal(trl["input_ids"][0], ids)
@@ -138,6 +137,8 @@ def test_ids_and_pixels_are_the_model_makers_processors_and_trls_collators(root,
     inputs = Inputs(model, family_of(family), stats["vision"]["token_types"], None)
     row = torch.from_numpy(rows[:1, :, :n].astype(np.int64))
     kw = inputs.kwargs(row, {k: torch.from_numpy(np.asarray(v)) for k, v in ours.items()})
+    for key in set(ref) - {"input_ids", "attention_mask"}:  # every processor output reaches the model as made
+        assert torch.equal(kw[key], ref[key]), key
     with torch.no_grad():
         got = model(input_ids=ids[None], labels=labels[None], use_cache=False, **kw).loss
         plain = {k: v for k, v in ref.items() if k != "attention_mask"}
@@ -225,7 +226,7 @@ def test_packing_images_is_checked_per_family(attn):
 
     from trainer.model.vision_packing import verdict
 
-    for family, vocab in (("qwen2_vl", 151669), ("gemma3", 262145), ("llava", 32002)):
+    for family, vocab in (("qwen2_vl", 151669), ("gemma3", 262145), ("llava", 32002), ("idefics3", 128296)):
         fields = model_config(family, vocab)
         got = verdict(AutoConfig.for_model(fields.pop("model_type"), **fields), attn)
         print(family, got["why"])

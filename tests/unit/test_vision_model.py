@@ -14,7 +14,7 @@ from trainer import config, model
 from trainer.common.errors import UserError
 from trainer.model import vision
 
-VOCAB = {"qwen2_vl": 151669, "gemma3": 262145, "llava": 32002}
+VOCAB = {"qwen2_vl": 151669, "gemma3": 262145, "llava": 32002, "idefics3": 128296}
 
 
 def experiment(family, **kw):
@@ -73,9 +73,9 @@ def test_unverified_vision_language_models_and_images_for_a_text_model_are_refus
         vision.check("mllama", True)
     with pytest.raises(
         UserError,
-        match=r"Idefics3 \(idefics3\) .* the verified ones are Qwen2-VL, Qwen2.5-VL, Gemma 3, LLaVA",
+        match=r"SmolVLM \(smolvlm\) .* the verified ones are Qwen2-VL, Qwen2.5-VL, Gemma 3, Idefics3, LLaVA",
     ):
-        vision.check("idefics3", False)
+        vision.check("smolvlm", False)
     with pytest.raises(
         UserError, match=r"the training data has images but the model \(llama\) is a text model"
     ):

@@ -34,6 +34,9 @@ CONFIGS = {
                "image_token_index": 999, "boi_token_index": 997, "eoi_token_index": 998, "vision_config": {
                    "hidden_size": 96, "intermediate_size": 384, "num_hidden_layers": 3, "num_attention_heads": 4,
                    "image_size": 224, "patch_size": 14}},
+    "idefics3": {"text_config": {**TEXT, "model_type": "llama"}, "image_token_id": 999, "scale_factor": 2,
+                 "vision_config": {"hidden_size": 96, "intermediate_size": 384, "num_hidden_layers": 3,
+                                   "num_attention_heads": 4, "image_size": 224, "patch_size": 14}},
     "llava": {"text_config": {**TEXT, "model_type": "llama"}, "image_token_index": 999, "vision_feature_layer": -1,
               "vision_config": {"model_type": "clip_vision_model", "hidden_size": 96, "intermediate_size": 384,
                                 "num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 224,
@@ -45,6 +48,12 @@ PRECISIONS = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
 def images(family: str, dtype):
     """Two images: 8 x 8 and 4 x 12 patches (Qwen-VL), or two of the family's one size (16 x 16 patches here)."""
     gen = torch.Generator().manual_seed(0)
+    if family == "idefics3":  # two tiles, as its processor gives them: (1, tiles, C, H, W) and their mask
+        pixels = torch.randn(1, 2, 3, 224, 224, generator=gen).to(dtype)
+        return [256, 256], {
+            "pixel_values": pixels,
+            "pixel_attention_mask": torch.ones(1, 2, 224, 224, dtype=torch.bool),
+        }
     if family.startswith("qwen"):
         grids = torch.tensor([(1, 8, 8), (1, 4, 12)])
         return [64, 48], {
@@ -189,7 +198,7 @@ def test_plan_counts_the_image_budget_in_the_activations(tmp_path, capsys):
     main([str(TINY), "--plan", *(f"--set={o}" for o in overrides), "--set=train.precision=fp32"])
     out = capsys.readouterr().out
     assert (
-        "images (Qwen2-VL, up to 50,176 pixels an image: 64 tokens): up to 8 a micro batch, 2,048 patches"
+        "images (Qwen2-VL, up to 50,176 pixels an image: 64 tokens): up to 8 images a micro batch, 2,048 patches"
         in out
     )
 

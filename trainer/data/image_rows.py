@@ -55,8 +55,22 @@ def expand(ids: list[int], targets: list[bool], text: str, images: list[Any], pr
     for s, e in spans:
         for j in range(s, e):
             carried[j] = False
-    tensors = {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+    tensors = unbatched(
+        {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+    )
     return ImageExample(new, carried, None, tensors, tuple(spans))
+
+
+STACKED = ("pixel_values", "pixel_attention_mask")  # Idefics3's: (batch, images, ...), the model's own layout
+
+
+def unbatched(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An example's image tensors with the images first: Idefics3's processor gives (1, tiles, C, H, W) pixel
+    values and (1, tiles, H, W) masks, stored as their tiles (the model side stacks them back: vision.Inputs)."""
+    pixels = tensors.get("pixel_values")
+    if pixels is None or pixels.ndim != 5:
+        return tensors
+    return {k: v[0] if k in STACKED else v for k, v in tensors.items()}
 
 
 def _visual(tok: Any, token: int) -> bool:
@@ -230,7 +244,7 @@ class Images:
             * int(getattr(proc.image_processor, "merge_size", 1) or 1)
         )
         out = proc.image_processor(images=[Image.new("RGB", (side, side))], return_tensors="np")
-        return {k: np.asarray(v) for k, v in out.items() if k in self.keys}
+        return unbatched({k: np.asarray(v) for k, v in out.items() if k in self.keys})
 
     def stats(self) -> dict[str, Any]:
         return {"images": self.images, "image_tokens": self.image_tokens, "cut": self.cut, "rows": self.rows_with,

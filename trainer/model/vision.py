@@ -5,7 +5,8 @@ rows with images gives the model, and the idle image that keeps every rank's vis
   position rows per packed example), Gemma 3 (`token_type_ids`: bidirectional attention within an image; its
   sliding layers' masks of packed rows mended: vision_masks.py), LLaVA
   (a CLIP or SigLIP tower, a projector, any causal language model: the image's features in its tokens' places,
-  the text model's own positions and causal mask).
+  the text model's own positions and causal mask), Idefics3 (an image split into tiles and a global view, each
+  tile's patches shuffled into tokens; pixel values (1, tiles, C, H, W) with their mask: `stacked`).
   Another vision-language model type is refused with the reason; a text model given images is refused by the
   data (trainer/data/images.py: the tokenizer's directory has no image processor).
 - **Freezing** (`model.freeze`): `vision_tower`, `projector`, `language_model` name each family's modules; by
@@ -40,6 +41,9 @@ class Family:
     projector: tuple[str, ...]
     language_model: tuple[str, ...]
     mrope: bool = False  # multimodal RoPE: 3 position rows from the image grids
+    stacked: bool = (
+        False  # pixel values (1, images, C, H, W) and their mask: the micro batch's tiles as one row
+    )
 
 
 _QWEN = dict(
@@ -55,6 +59,13 @@ FAMILIES = {
         projector=("model.multi_modal_projector.",),
         language_model=("model.language_model.", "lm_head."),
     ),  # fmt: skip
+    "idefics3": Family(
+        "Idefics3",
+        vision_tower=("model.vision_model.",),
+        projector=("model.connector.",),
+        language_model=("model.text_model.", "lm_head."),
+        stacked=True,
+    ),  # fmt: skip
     "llava": Family(
         "LLaVA",
         vision_tower=("model.vision_tower.",),
@@ -65,7 +76,6 @@ FAMILIES = {
 # vision-language model types transformers has and this project has not verified: refused with the reason
 NOT_VERIFIED = {
     "llava_next": "LLaVA-NeXT",
-    "idefics3": "Idefics3",
     "smolvlm": "SmolVLM",
     "mllama": "Llama 3.2 Vision (cross-attention)",
     "qwen3_vl": "Qwen3-VL",
@@ -177,13 +187,19 @@ class Inputs:
         import torch
 
         ids, pos = rows[:, 0], rows[:, 2]
-        out: dict[str, Any] = dict(images)
+        out: dict[str, Any] = self.stack(images)
         for key, token in self.token_types.items():
             out[key] = (ids == token).to(torch.long)
         if self.fam.mrope:
             out["position_ids"] = self.positions(ids, pos, images.get("image_grid_thw"), out)
         self.idle_now = self.idle is not None and not images
         return out
+
+    def stack(self, images: dict[str, Any]) -> dict[str, Any]:
+        """The tensors as the model takes them (Idefics3: every tile of the micro batch in one row)."""
+        if not self.fam.stacked:
+            return dict(images)
+        return {k: v[None] if k in ("pixel_values", "pixel_attention_mask") else v for k, v in images.items()}
 
     def positions(self, ids: Any, pos: Any, grids: Any, out: dict[str, Any]) -> Any:
         """(4, B, S): the text positions (restarting at each packed example), then each example's multimodal
@@ -221,7 +237,7 @@ class Inputs:
         import torch
 
         inner = self.model.model if hasattr(self.model.model, "get_image_features") else self.model
-        out = inner.get_image_features(**{k: v.to(output.device) for k, v in self.idle.items()})
+        out = inner.get_image_features(**{k: v.to(output.device) for k, v in self.stack(self.idle).items()})
         feats = getattr(out, "pooler_output", out)
         feats = torch.cat(list(feats)) if isinstance(feats, list | tuple) else feats
         # the model's own step for images (masked_scatter into the embeddings), at no position: the same graph

@@ -43,10 +43,11 @@ def measure(cfg: Any, parts: tuple[str, ...]) -> Vision | None:
         full = len(getattr(vc, "fullatt_block_indexes", None) or ())
     else:  # images of one size; Gemma 3's tokens the average of kernel x kernel patches, LLaVA's one a patch
         side_patches = int(vc.image_size) // patch
-        tokens = getattr(cfg, "mm_tokens_per_image", None)
-        kernel = max(1, side_patches // int(math.isqrt(int(tokens)))) if tokens else 1
+        tokens, shuffle = getattr(cfg, "mm_tokens_per_image", None), getattr(cfg, "scale_factor", None)
+        kernel = max(1, side_patches // int(math.isqrt(int(tokens)))) if tokens else int(shuffle or 1)
         per_token, fixed, window, full = kernel * kernel, side_patches**2, 0, 0
-        side = kernel if tokens else 8  # LLaVA: its class token a 65th of the patches (at 2 x 2: a quarter)
+        # LLaVA's class token a 65th of 8 x 8 patches (at 2 x 2: a quarter); Idefics3's tiles shuffled 2 x 2
+        side = kernel if tokens else 8
         small.vision_config.image_size = side * patch
         if tokens:
             small.mm_tokens_per_image = 1
@@ -59,7 +60,7 @@ def measure(cfg: Any, parts: tuple[str, ...]) -> Vision | None:
         family=fam.name, layers=layers, heads=heads, width=int(_get(vc, "embed_dim", "hidden_size")), patch=patch, pixel_bytes=channels * frames * patch * patch * 4,
         patches_per_token=per_token, image_patches=fixed,
         layer=(measured[2][0] / n, measured[4][0] / n), rest=(measured[2][1] / n, measured[4][1] / n),
-        trains=trains, window_patches=window * window, full_layers=full,
+        trains=trains, window_patches=window * window, full_layers=full, unit="tile" if fam.stacked else "image",
     )  # fmt: skip
 
 
@@ -93,6 +94,10 @@ def _saved(cfg: Any, fam: Any, parts: tuple[str, ...], lp: int, side: int, patch
         inputs = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]] * 2)}
     else:
         inputs = {"pixel_values": torch.randn(2, channels, side * patch, side * patch, generator=gen)}
+    if fam.stacked:  # Idefics3: (1, tiles, C, H, W) and the pixels' mask
+        size = side * patch
+        inputs = {"pixel_values": inputs["pixel_values"][None],
+                  "pixel_attention_mask": torch.ones(1, 2, size, size, dtype=torch.bool)}  # fmt: skip
     out = []
     for tower_trains in (True, False):
         for name, p in model.named_parameters():

@@ -31,6 +31,8 @@ def _small(config: Any) -> Any:
     if cfg.model_type == "gemma3":
         v.hidden_size, v.image_size, v.patch_size, cfg.mm_tokens_per_image = 16, 28, 14, 4
         cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index = IMAGE, START, END
+    elif cfg.model_type == "idefics3":  # a 28 x 28 tile of 4 patches, shuffled 2 x 2 into one token
+        v.hidden_size, v.image_size, v.patch_size, cfg.scale_factor, cfg.image_token_id = 16, 28, 14, 2, IMAGE
     elif cfg.model_type == "llava":  # a 28 x 28 image of 4 patches (the class token dropped: 4 tokens)
         v.hidden_size, v.image_size, v.patch_size, v.projection_dim = 16, 28, 14, 16
         cfg.image_token_index, cfg.vision_feature_select_strategy, cfg.vision_feature_layer = (
@@ -58,6 +60,10 @@ def _image(cfg: Any) -> tuple[dict[str, Any], int]:
         return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, (
             v.image_size // v.patch_size
         ) ** 2
+    if cfg.model_type == "idefics3":  # two tiles (a split image's one and its global view): 2 tokens
+        side = v.image_size
+        return {"pixel_values": torch.randn(2, 3, side, side),
+                "pixel_attention_mask": torch.ones(2, side, side, dtype=torch.bool)}, 2  # fmt: skip
     m = v.spatial_merge_size
     dim = 3 * v.temporal_patch_size * v.patch_size**2
     return {

@@ -38,22 +38,20 @@ class Vision:
     family: str  # "Qwen2-VL"
     layers: int  # the tower's layers
     heads: int
-    width: (
-        int  # the tower's hidden size (activation checkpointing keeps a layer's input: width values a patch)
-    )
+    # the tower's hidden size (activation checkpointing keeps a layer's input: width values a patch)
+    width: int
     patch: int  # a patch's side, pixels
-    pixel_bytes: (
-        int  # pixel values a patch as the processor gives them (float32: channels x frames x patch^2 x 4)
-    )
+    # pixel values a patch as the processor gives them (float32: channels x frames x patch^2 x 4)
+    pixel_bytes: int
     patches_per_token: int  # patches merged into one of the language model's tokens
-    image_patches: int = (
-        0  # a fixed-size family's patches an image (Gemma 3: 4,096); 0: as the image's size gives
-    )
+    # a fixed-size family's patches an image (Gemma 3: 4,096; Idefics3: a tile's); 0: as the image's size gives
+    image_patches: int = 0
     layer: tuple[float, float] = (0.0, 0.0)  # bytes a patch one tower layer keeps when it trains (bf16, fp32)
     rest: tuple[float, float] = (0.0, 0.0)  # the stem's and projector's bytes a patch, as the model is frozen
     trains: bool = False  # whether the tower's layers train (model.freeze)
     window_patches: int = 0  # windowed attention's patches a window (Qwen2.5-VL), 0: whole images
     full_layers: int = 0  # of the layers, those over whole images where the others are windowed
+    unit: str = "image"  # what the tower takes one of: an image, or a tile of one (Idefics3)
 
 
 @dataclass(frozen=True)
@@ -149,14 +147,14 @@ def describe(b: Budget | None, v: Vision | None) -> str:
         return ""
     mib = 2**20
     size = (
-        f"{v.image_patches:,} patches an image"
+        f"{v.image_patches:,} patches a {v.unit}"
         if v.image_patches
         else f"up to {b.max_pixels:,} pixels an image"
     )
     tower = "kept for backward" if v.trains else "frozen: one layer's in flight"
     return (
-        f"images ({v.family}, {size}: {b.image_tokens:,} tokens): up to {b.images:,} a micro batch, "
+        f"images ({v.family}, {size}: {b.image_tokens:,} tokens): up to {b.images:,} {v.unit}s a micro batch, "
         f"{b.patches:,} patches: pixel values {b.pixels / mib:,.1f} MiB, vision tower {b.tower / mib:,.1f} MiB "
         f"({tower}), stem and projector {b.rest / mib:,.1f} MiB; {math.ceil(b.total / mib):,} MiB a rank in "
-        "the activations (the worst case: rows full of the largest images)"
+        f"the activations (the worst case: rows full of the largest {v.unit}s)"
     )
