@@ -11,7 +11,7 @@ from typing import Any
 from tests.helpers import tokenizer_dir
 
 TRL_TEMPLATES = "trl/chat_templates"
-VISION_FAMILIES = ("qwen2_vl", "gemma3", "llava", "idefics3")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava", "idefics3")
 # Idefics3-8B-Llama3's tokens beside Llama 3's: the image's frame, its token, the end of a turn, the global view and
 # each tile's place (HuggingFaceM4's tokenizer adds them; the processor inserts them)
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
@@ -66,7 +66,7 @@ def processor_dir(family: str, root: Path) -> Path:
         return out
     from transformers import AutoTokenizer
 
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):  # Qwen2.5-VL: the same image processor, its own processor class
         from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
@@ -77,7 +77,12 @@ def processor_dir(family: str, root: Path) -> Path:
         (out / "chat_template.jinja").write_text(_trl_template("qwen2_5_vl"))
         cfg = json.loads((out / "preprocessor_config.json").read_text())
         (out / "preprocessor_config.json").write_text(
-            json.dumps({**cfg, "processor_class": "Qwen2VLProcessor"})
+            json.dumps(
+                {
+                    **cfg,
+                    "processor_class": "Qwen2VLProcessor" if family == "qwen2_vl" else "Qwen2_5_VLProcessor",
+                }
+            )
         )
         return out
     if family == "idefics3":  # images up to 56 px split into 28 x 28 tiles and a global view: 1 token a tile
@@ -117,14 +122,37 @@ def model_config(family: str, vocab: int, **kw: Any) -> dict[str, Any]:
     """A tiny model of the family (text 2 layers of 32; a 1-layer vision tower)."""
     text = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 1024}  # fmt: skip
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}
-        return {"model_type": "qwen2_vl", "text_config": text, **kw,
-                "vision_config": {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2,
-                                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        tower = (
+            {
+                "depth": 1,
+                "embed_dim": 16,
+                "hidden_size": 32,
+                "num_heads": 2,
+                "mlp_ratio": 2,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+            }
+            if family == "qwen2_vl"
+            else {
+                "depth": 2,
+                "hidden_size": 16,
+                "out_hidden_size": 32,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "window_size": 56,
+                "fullatt_block_indexes": [1],
+            }
+        )  # Qwen2.5-VL: a windowed layer (4 x 4 patches) and a full one
+        return {"model_type": family, "text_config": text, **kw, "vision_config": tower,
                 "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
                 "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
                 "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>")}  # fmt: skip

@@ -226,7 +226,13 @@ def test_packing_images_is_checked_per_family(attn):
 
     from trainer.model.vision_packing import verdict
 
-    for family, vocab in (("qwen2_vl", 151669), ("gemma3", 262145), ("llava", 32002), ("idefics3", 128296)):
+    for family, vocab in (
+        ("qwen2_vl", 151669),
+        ("qwen2_5_vl", 151669),
+        ("gemma3", 262145),
+        ("llava", 32002),
+        ("idefics3", 128296),
+    ):
         fields = model_config(family, vocab)
         got = verdict(AutoConfig.for_model(fields.pop("model_type"), **fields), attn)
         print(family, got["why"])

@@ -154,13 +154,14 @@ GEMMA = Vision("Gemma 3", layers=27, heads=16, width=1152, patch=14, pixel_bytes
 
 
 def test_the_worst_case_is_rows_full_of_the_largest_images():
-    """Qwen2-VL at 1,003,520 pixels (1,280 tokens of 4 patches): a row of 4,096 tokens holds 3 such images and
-    one of 256 tokens; Gemma 3's images are 256 tokens of 4,096 patches, 16 a row; an image larger than a row:
-    the row's tokens' worth. Eager attention in a frozen tower: one layer's scores for every image of the micro
-    batch at once (16 Gemma 3 images: 25.8 GB in bf16)."""
-    assert image_size(QWEN, 1003520) == (5120, 1280)
+    """Qwen2-VL under 1,003,520 pixels: the processor rounds each side to whole tokens of 28 pixels, so a long thin
+    image takes 1,515 tokens where 1,003,520 / 784 is 1,280; a row of 4,096 tokens holds 2 such images and one of
+    the rest; Gemma 3's images are 256 tokens of 4,096 patches, 16 a row; an image larger than a row: the row's
+    tokens' worth. Eager attention in a frozen tower: one layer's scores for every image of the micro batch at
+    once (16 Gemma 3 images: 25.8 GB in bf16)."""
+    assert image_size(QWEN, 1003520) == (6060, 1515)
     b = budget(QWEN, 2, 2, 4096, 1003520, False)
-    assert (b.images, b.patches) == (8, 2 * 4096 * 4)
+    assert (b.images, b.patches) == (6, 2 * 4096 * 4)
     assert (
         b.pixels == b.patches * 4704
         and b.tower == int(60000.0 * b.patches)
@@ -172,6 +173,19 @@ def test_the_worst_case_is_rows_full_of_the_largest_images():
         36000.0 * g.patches + 16 * 16 * 6 * 4096**2
     )  # frozen: one layer's, 16 images' scores
     assert budget(QWEN, 2, 1, 512, 1003520, False).patches == 512 * 4
+
+
+def test_review_the_bound_is_the_processors_rounding_not_the_pixels_over_784():
+    """Review finding: under data.image_max_pixels 50,176 the plan said 64 tokens an image, but Qwen2-VL's processor
+    rounds each side to the nearest 28 pixels: a 16 x 3,136 image (50,176 pixels) takes 112 (measured here with
+    the processor itself), the most any image within the bound and the aspect ratio of 200 takes."""
+    from PIL import Image
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    grid = Qwen2VLImageProcessorPil()(images=[Image.new("RGB", (16, 3136))], return_tensors="np")[
+        "image_grid_thw"
+    ]
+    assert int(grid.prod()) // 4 == 112 == image_size(QWEN, 50176)[1]
 
 
 def test_plan_counts_the_image_budget_in_the_activations(tmp_path, capsys):
@@ -192,13 +206,13 @@ def test_plan_counts_the_image_budget_in_the_activations(tmp_path, capsys):
     cached = json.loads(next((tmp_path / "cache" / "model-info").glob("*.json")).read_text())
     assert cached["vision"]["layers"] == 3
     b = experiment_budget(exp, info.vision, 4, rows_per_micro(exp), 256, False)
-    assert (b.image_tokens, b.images, b.patches) == (64, 8, 2 * 256 * 4)
+    assert (b.image_tokens, b.images, b.patches) == (112, 6, 2 * 256 * 4)
     text = activations_for(exp, dataclass_replace(info, vision=None), 4, Levers())
     assert activations_for(exp, info, 4, Levers()) == text + b.total
     main([str(TINY), "--plan", *(f"--set={o}" for o in overrides), "--set=train.precision=fp32"])
     out = capsys.readouterr().out
     assert (
-        "images (Qwen2-VL, up to 50,176 pixels an image: 64 tokens): up to 8 images a micro batch, 2,048 patches"
+        "images (Qwen2-VL, up to 50,176 pixels an image: 112 tokens): up to 6 images a micro batch, 2,048 patches"
         in out
     )
 
@@ -207,3 +221,19 @@ def dataclass_replace(info, **kw):
     import dataclasses
 
     return dataclasses.replace(info, **kw)
+
+
+def test_review_lora_train_modules_that_train_the_tower_or_projector_are_planned():
+    """Review finding: under LoRA the plan counted the tower and projector frozen even where
+    model.lora.train_modules trained them in full (peft's modules_to_save): the tower's activations planned as one
+    layer's in flight (1.96 GiB against 58.7 GiB at Qwen2-VL-7B's tower, seq 8192). The parts that train are now
+    read off the built module."""
+    fields = {"model_type": "qwen2_vl", **CONFIGS["qwen2_vl"]}
+    got = {}
+    for name, extra in (("lora", []), ("tower", ["model.lora.train_modules=[visual]"]),
+                        ("projector", ["model.lora.train_modules=[merger]"])):  # fmt: skip
+        exp = config.load(TINY, [f"model.config={yaml_value(fields)}", "model.lora.r=4", *extra])
+        got[name] = model.info(exp.model, 1000, None).vision
+    assert not got["lora"].trains and got["lora"].rest == (0.0, 0.0)  # nothing of the images trains
+    assert got["tower"].trains and got["tower"].rest[0] > 0
+    assert not got["projector"].trains and got["projector"].rest[0] > 0

@@ -136,7 +136,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
         attn = getattr(module.config, "_attn_implementation", None)
         frozen = _frozen(module, cfg, section)
         module, trainable = _with_lora(module, section)
-    seen = _vision_record(cfg, section)
+    seen = _vision_record(cfg, module)
     if frozen and trainable is None:
         trainable = adapters_trainable(module)
     params, largest = count(module)
@@ -152,9 +152,10 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
     )  # fmt: skip
 
 
-def _vision_record(cfg: Any, section: ModelSection) -> Vision | None:
-    """A vision-language model's tower as the planner counts it (measured: vision_count.py), with its freezing:
-    model.freeze's parts, or under LoRA the tower and projector (the adapters are the language model's)."""
+def _vision_record(cfg: Any, module: Any) -> Vision | None:
+    """A vision-language model's tower as the planner counts it (measured: vision_count.py), frozen as the built
+    module is: model.freeze's parts, or under LoRA the tower and projector unless model.lora.train_modules
+    trains them (peft's modules_to_save: the module's own parameters say)."""
     from trainer.model import vision
 
     fam = vision.family(getattr(cfg, "model_type", None))
@@ -162,8 +163,12 @@ def _vision_record(cfg: Any, section: ModelSection) -> Vision | None:
         return None
     from trainer.model.vision_count import measure
 
-    parts = ("vision_tower", "projector") if section.lora else vision.frozen_parts(fam, section.freeze)
-    return measure(cfg, parts)
+    trained = set()
+    for name, p in module.named_parameters():
+        part = vision.freeze_part(fam, name.removeprefix("base_model.model."))
+        if p.requires_grad and part is not None:
+            trained.add(part)
+    return measure(cfg, tuple(part for part in vision.PARTS if part not in trained))
 
 
 def auto_class(cfg: Any) -> Any:

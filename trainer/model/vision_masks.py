@@ -12,8 +12,8 @@ relative on a small Gemma 3; with every layer full attention the same rows match
 `install` wraps the function so that, for packed rows only (position ids that restart), the sliding layers' mask
 is made as the full layers' is: the blocks ORed after the remapping, the window ANDed before it. That is the same
 mask wherever an image's block is no longer than the window (Gemma 3's 256 tokens an image against a window of
-512 or 1,024; a longer block keeps transformers' mask, and packing is then refused by the check). Rows that are
-not packed get transformers' masks unchanged.
+512 or 1,024; where an image's tokens outnumber the window, packing images is refused before training:
+vision_packing.verdict). Rows that are not packed get transformers' masks unchanged.
 """
 
 from __future__ import annotations

@@ -40,7 +40,10 @@ def _small(config: Any) -> Any:
             "default",
             -1,
         )
-    else:
+    elif hasattr(v, "out_hidden_size"):  # Qwen2.5-VL: the tower's own width, its merger's output the text's
+        v.hidden_size, v.out_hidden_size = 16, cfg.text_config.hidden_size
+        cfg.image_token_id, cfg.vision_start_token_id, cfg.video_token_id = IMAGE, START, END
+    else:  # Qwen2-VL: hidden_size is the merger's output
         v.hidden_size = cfg.text_config.hidden_size
         cfg.image_token_id, cfg.vision_start_token_id, cfg.video_token_id = IMAGE, START, END
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -135,4 +138,12 @@ measure.version = 2  # type: ignore[attr-defined]  # 2: the rows' positions give
 def verdict(config: Any, attn: str | None, cache_dir: Any = None) -> dict[str, Any]:
     """{"packs", "why", the differences} for a vision-language family (see the module docstring): judged and
     cached as packing.verdict judges and caches a text family's."""
+    text = config.get_text_config()
+    window, block = getattr(text, "sliding_window", None), getattr(config, "mm_tokens_per_image", None)
+    if (
+        config.model_type == "gemma3" and window and block and block > window
+    ):  # vision_masks.py keeps no block
+        return {"packs": False, "why": f"model type 'gemma3' with images: an image's {block} tokens attend to each "
+                f"other both ways across more than the sliding window ({window}), where packed rows' masks are "
+                "not mended (trainer/model/vision_masks.py)"}  # fmt: skip
     return packing_verdict(config, attn, cache_dir, measure_fn=measure, label="with images")

@@ -93,26 +93,58 @@ def tower_bytes(
     return kept, v.rest[at] * patches
 
 
-def image_size(v: Vision, max_pixels: int) -> tuple[int, int]:
-    """(patches, tokens) of the largest image: a fixed-size family's, else the bound's (whole merged tokens)."""
+MAX_RATIO = 200  # Qwen-VL's smart_resize refuses an image whose sides differ more
+
+
+def image_size(v: Vision, max_pixels: int | None, processor_pixels: int = QWEN_MAX_PIXELS) -> tuple[int, int]:
+    """(patches, tokens) of the largest image: a fixed-size family's, else the most an image within
+    data.image_max_pixels (`max_pixels`, scaled before the processor) can take once the processor rounds each
+    side to the nearest whole token (Qwen-VL's smart_resize: a 16 x 3,136 image under 50,176 pixels takes 112
+    tokens of 28 x 28 where 50,176 / 784 is 64), and at most the processor's own bound (which it keeps by
+    rounding down)."""
     if v.image_patches:
         return v.image_patches, v.image_patches // v.patches_per_token
-    tokens = max(1, max_pixels // (v.patch * v.patch * v.patches_per_token))
+    side = v.patch * math.isqrt(v.patches_per_token)
+    tokens = max(1, processor_pixels // (side * side))
+    if max_pixels:
+        tokens = min(tokens, rounded_tokens(side, max_pixels))
     return tokens * v.patches_per_token, tokens
 
 
+@functools.lru_cache(maxsize=64)
+def rounded_tokens(side: int, max_pixels: int) -> int:
+    """The most tokens of side x side pixels an image of at most `max_pixels` takes after smart_resize's rounding
+    (each height, the widest image of it within the bound and the aspect ratio). A side that rounds to none is
+    scaled up to the processor's min_pixels instead (a small image's tokens): not the most."""
+    most = 1
+    for h in range(side // 2 + 1, math.isqrt(MAX_RATIO * max_pixels) + 1):
+        w = min(max_pixels // h, MAX_RATIO * h)
+        if round(w / side) < 1 or h > MAX_RATIO * w:
+            continue
+        most = max(most, round(h / side) * round(w / side))
+    return most
+
+
 def budget(
-    v: Vision, lp: int, rows: int, seq_len: int, max_pixels: int, eager: bool, checkpointing: bool = False
+    v: Vision,
+    lp: int,
+    rows: int,
+    seq_len: int,
+    max_pixels: int | None,
+    eager: bool,
+    checkpointing: bool = False,
+    processor_pixels: int = QWEN_MAX_PIXELS,
 ) -> Budget:
     """The worst case (module doc): `rows` rows of `seq_len` tokens full of images of the largest size."""
-    patches, tokens = image_size(v, max_pixels)
+    patches, tokens = image_size(v, max_pixels, processor_pixels)
     whole, left = divmod(seq_len, tokens)
     if not whole:  # an image larger than a row: the data refuses it, a row holds what fits
         whole, left = 0, seq_len
     sizes = [patches] * whole + ([left * v.patches_per_token] if left and not v.image_patches else [])
     layers, rest = tower_bytes(v, lp, sizes * rows, eager, checkpointing)
     total = sum(sizes) * rows
-    return Budget(max_pixels, tokens, len(sizes) * rows, total, total * v.pixel_bytes, int(layers), int(rest))
+    bound = min(max_pixels or processor_pixels, processor_pixels)
+    return Budget(bound, tokens, len(sizes) * rows, total, total * v.pixel_bytes, int(layers), int(rest))
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,8 +169,8 @@ def experiment_budget(
     if v is None:
         return None
     directory = exp.data.tokenizer if exp.data.tokenizer != "byte" else exp.model.pretrained
-    bounds = [b for b in (exp.data.image_max_pixels, processor_max_pixels(directory)) if b]
-    return budget(v, lp, rows, seq_len, min(bounds) if bounds else QWEN_MAX_PIXELS, eager, checkpointing)
+    return budget(v, lp, rows, seq_len, exp.data.image_max_pixels, eager, checkpointing,
+                  processor_max_pixels(directory) or QWEN_MAX_PIXELS)  # fmt: skip
 
 
 def describe(b: Budget | None, v: Vision | None) -> str:
