@@ -41,7 +41,9 @@ def test_zero3_with_a_text_only_rank_gives_the_losses_of_one_rank_and_resumes(tm
 
 
 @pytest.mark.parametrize("family,lora", [("qwen2_vl", {"r": 8, "dropout": 0.0}),
-                                         ("gemma3", {"r": 8, "dropout": 0.0, "quantization": "4bit"})])
+                                         ("gemma3", {"r": 8, "dropout": 0.0, "quantization": "4bit"}),
+                                         ("llava", {"r": 8, "dropout": 0.0}),
+                                         ("idefics3", {"r": 8, "dropout": 0.0, "quantization": "4bit"})])
 def test_lora_and_qlora_at_zero3_with_a_text_only_rank_give_the_losses_of_one_rank(tmp_path, family, lora):
     """LoRA on Qwen2-VL, QLoRA (4-bit base, the vision tower unquantized) on Gemma 3: at ZeRO-3 on 2 ranks, one of
     them text only, the losses of one rank at ZeRO-0 (the adapters on the language model, the idle image running the

@@ -245,6 +245,9 @@ def build(
     ds_config: Mapping[str, Any] | None = None,
 ) -> Any:
     """The real module, in training mode. At ZeRO stage 3 it is created partitioned (zero.Init)."""
+    import torch
+
+    seed = torch.initial_seed()  # the run's (dist.seed_all): LoRA's adapters start from it, however the base loads
     zero3 = bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
     with _zero3_context(ds_config if zero3 else None), _quiet_transformers():
         if section.factory is not None:
@@ -286,6 +289,9 @@ def build(
     if section.lora is not None:
         from trainer.model import adapters
 
+        # the adapters' initial values from the run's seed alone: loading the base under zero.Init draws from the
+        # generator otherwise than without it (LLaVA's did: LoRA's A differed at ZeRO-3, its gradients 8% apart)
+        torch.manual_seed(seed)
         model = adapters.apply(model, section.lora)  # the base frozen, adapters trainable
         if section.lora.kernels == "fused":
             from trainer.model.lora_kernels import install
