@@ -247,7 +247,8 @@ def build(
     """The real module, in training mode. At ZeRO stage 3 it is created partitioned (zero.Init)."""
     import torch
 
-    seed = torch.initial_seed()  # the run's (dist.seed_all): LoRA's adapters start from it, however the base loads
+    # the run's seed (dist.seed_all): LoRA's adapters start from it, however the base loads
+    seed = torch.initial_seed()
     zero3 = bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
     with _zero3_context(ds_config if zero3 else None), _quiet_transformers():
         if section.factory is not None:
