@@ -310,3 +310,26 @@ def test_review_image_min_pixels_above_max_is_refused():
         ConfigError, match=r"data.image_min_pixels: 100000 is above data.image_max_pixels \(1000\)"
     ):
         config.load(TINY, ["data.image_min_pixels=100000", "data.image_max_pixels=1000"])
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_preview_says_where_each_images_tokens_stand(root, tmp_path, family):
+    """--preview-data's line for an example with two images: each image once, its tokens and where they stand
+    (Idefics3's tiles and global view one image: "in 5 tiles"; before, each tile was an image)."""
+    from types import SimpleNamespace
+
+    from trainer.data.preview import _images, examples_of
+
+    d = processor_dir(family, root)
+    shapes_data(tmp_path / "shapes.jsonl", rows=1)
+    row = {"messages": [{"role": "user", "content": "<image>What is this? And this: <image>"},
+                        {"role": "assistant", "content": "A red square twice."}],
+           "images": ["pictures/red-square.png", "pictures/red-square.png"]}  # fmt: skip
+    rows, stats = rows_of(d, one_row(tmp_path / "two.jsonl", row), **{"data.seq_len": 256})
+    data = SimpleNamespace(vision=stats["vision"], tokenizer=load_tokenizer(str(d)))
+    (line,) = _images(examples_of(rows[0])[0], data)
+    print(family, line)
+    assert line.startswith("images: image 0: ") and "; image 1: " in line and "image 2" not in line
+    per_image = stats["vision"]["image_tokens"] // 2
+    assert line.endswith("(never targets)") and ("in 5 tiles" in line) == (family == "idefics3")
+    assert per_image >= int(line.split("image 0: ")[1].split(" tokens")[0]) > 0

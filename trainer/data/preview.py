@@ -95,20 +95,31 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
     return "\n".join(lines)
 
 
+GLOBAL_VIEW = "<global-img>"  # Idefics3: an image's tiles, then its global view's tokens after this one
+
+
 def _images(ex: Any, data: Any) -> list[str]:
-    """Where each image's tokens stand in an example, and how many (none without images)."""
+    """Where each image's tokens stand in an example, and how many (none without images): a run of image tokens
+    is an image, or, where the images are tiles and a global view (Idefics3), the runs up to the global view's."""
     marks = set(image_tokens(data))
-    runs, at = [], 0
+    tok = data.tokenizer
+    view = tok.convert_tokens_to_ids(GLOBAL_VIEW) if GLOBAL_VIEW in tok.get_vocab() else None
+    images, runs, at = [], [], 0
     while at < len(ex.ids):
-        if ex.ids[at] in marks:
-            end = at
-            while end < len(ex.ids) and ex.ids[end] in marks:
-                end += 1
-            runs.append(f"image {len(runs)}: {end - at} tokens at {at}-{end - 1}")
-            at = end
-        else:
+        if ex.ids[at] not in marks:
             at += 1
-    return ["images: " + "; ".join(runs) + " (never targets)"] if runs else []
+            continue
+        end = at
+        while end < len(ex.ids) and ex.ids[end] in marks:
+            end += 1
+        runs.append((at, end))
+        if view is None or view in ex.ids[max(0, at - 2) : at]:  # an image's last run
+            tiles = f" in {len(runs)} tiles" if len(runs) > 1 else ""
+            tokens = sum(e - s for s, e in runs)
+            images.append(f"image {len(images)}: {tokens} tokens{tiles} at {runs[0][0]}-{end - 1}")
+            runs = []
+        at = end
+    return ["images: " + "; ".join(images) + " (never targets)"] if images else []
 
 
 def _pairs(data: Any, exp: Experiment, n: int) -> list[str]:
