@@ -827,3 +827,28 @@ def test_a_lease_is_seen_only_whole_and_held(tmp_path):
     assert leased(root) == {} and dead.exists()  # young: maybe a reader between its write and its rename
     os.utime(dead, (time.time() - 120, time.time() - 120))
     assert leased(root) == {} and not dead.exists()
+
+
+def test_a_reader_beside_an_append_never_sees_the_journal_cut_short(tmp_path):
+    """CI: `bin/export RUN_DIR` beside a training job once read the journal, then the job appended a record and
+    wrote journal.last, then the export read journal.last: a record its copy of the journal did not hold, so it
+    refused the journal as cut short (tests/e2e/test_between_processes.py, 1 run in many). journal.last is read
+    first now: what it names was appended before, so the journal read after it holds it."""
+    from trainer.checkpoint.fs import LocalFS
+
+    root = tmp_path / "checkpoints"
+    cd = CheckpointDir(root)
+    commit(root, 2, cd)
+
+    class Racing(LocalFS):
+        """Another process appends (and writes journal.last) right after this reader reads the journal."""
+
+        def read_bytes(self, path):
+            data = super().read_bytes(path)
+            if Path(path).name == journal.JOURNAL:
+                journal.append(root, "drop", name="step_00000002", reason="the writer's next record")
+            return data
+
+    parsed = journal.read(root, Racing())
+    assert not journal.cut_short(parsed), parsed.tail
+    assert not journal.cut_short(journal.read(root))

@@ -116,13 +116,16 @@ def parse(raw: bytes | None) -> Parsed:
 
 def read(root: Path, fs: LocalFS = LOCAL) -> Parsed:
     """The journal as it is, with `journal.last`'s record of the last append (read even where the journal is
-    gone: a journal deleted is told from a directory that never had one)."""
+    gone: a journal deleted is told from a directory that never had one). journal.last is read first: a writer
+    appends, then writes it, so the journal read after it holds what it names (read the other way round, an
+    append between the two reads looked like a journal cut short)."""
+    tail = _tail(Path(root), fs)
     path = Path(root) / JOURNAL
     try:
         raw = fs.read_bytes(path)
     except FileNotFoundError:
         raw = None
-    return dataclasses.replace(parse(raw), tail=_tail(Path(root), fs))
+    return dataclasses.replace(parse(raw), tail=tail)
 
 
 def _tail(root: Path, fs: LocalFS) -> tuple[str, int] | None:
