@@ -217,9 +217,8 @@ class Images:
                     f"{where}: the chat template's generation markers cut this example, which cannot carry images; "
                     "set data.multi_turn: each"
                 )
-            k = ex.text.count(
-                proc.image_token
-            )  # the first k of the row's images (check_placed: all, in order)
+            # the first k of the row's images (check_placed: all, in order)
+            k = ex.text.count(proc.image_token)
             e = expand(ex.ids, ex.targets, ex.text, pictures[:k] or None, proc, tok, where)
             for key, token in token_type_id(e.tensors, e.ids, where).items():
                 if self.token_types.setdefault(key, token) != token:

@@ -163,11 +163,10 @@ def _vision_record(cfg: Any, module: Any) -> Vision | None:
         return None
     from trainer.model.vision_count import measure
 
-    trained = set()
-    for name, p in module.named_parameters():
-        part = vision.freeze_part(fam, name.removeprefix("base_model.model."))
-        if p.requires_grad and part is not None:
-            trained.add(part)
+    base = (
+        module.get_base_model() if hasattr(module, "get_base_model") else module
+    )  # under LoRA, peft's wrapper
+    trained = {vision.freeze_part(fam, name) for name, p in base.named_parameters() if p.requires_grad}
     return measure(cfg, tuple(part for part in vision.PARTS if part not in trained))
 
 

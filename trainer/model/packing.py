@@ -126,6 +126,7 @@ def verdict(
     cache_dir: str | Path | None = None,
     measure_fn: Any = None,
     label: str = "",
+    version: int = 0,
 ) -> dict[str, Any]:
     """{"packs": bool, "why": str, the differences}: whether packed rows train as their examples one by
     one for this config's family under `attn` (eager or sdpa; otherwise the family's default kernel on
@@ -133,13 +134,15 @@ def verdict(
     row (transformers' `_is_packed_sequence`): the engine flattens each fine-tuning micro batch into
     one row for it (trainer/engine.py), and the check runs the family's default CPU kernel. `measure_fn` and
     `label`: another measurement of the same differences (trainer/model/vision_packing.py: rows with images) and
-    the words that name it."""
+    the words that name it; `version`: that measurement's, in the cache's key (a changed one is judged again)."""
     import transformers
 
     kernel = attn if attn in ("eager", "sdpa") else None  # None: the family's default on this CPU
     fields = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
-    version = [measure_fn.version] if hasattr(measure_fn, "version") else []  # a changed measurement's
-    key = json.dumps([kernel, transformers.__version__, fields, label, *version], sort_keys=True, default=str)
+    versions = [version] if version else []
+    key = json.dumps(
+        [kernel, transformers.__version__, fields, label, *versions], sort_keys=True, default=str
+    )
     path = None
     if cache_dir is not None:
         path = (

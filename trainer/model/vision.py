@@ -41,24 +41,22 @@ class Family:
     projector: tuple[str, ...]
     language_model: tuple[str, ...]
     mrope: bool = False  # multimodal RoPE: 3 position rows from the image grids
-    stacked: bool = (
-        False  # pixel values (1, images, C, H, W) and their mask: the micro batch's tiles as one row
-    )
+    # pixel values (1, images, C, H, W) and their mask (Idefics3): the micro batch's tiles as one row
+    stacked: bool = False
 
 
+_LM = ("model.language_model.", "lm_head.")
 _QWEN = dict(
-    vision_tower=("model.visual.",), projector=("model.visual.merger.",), language_model=("model.language_model.", "lm_head."),
-    mrope=True,
-)  # fmt: skip
+    vision_tower=("model.visual.",), projector=("model.visual.merger.",), language_model=_LM, mrope=True
+)
+# a tower and a projector beside the language model (Gemma 3's SigLIP, LLaVA's CLIP or SigLIP)
+_TOWER = dict(
+    vision_tower=("model.vision_tower.",), projector=("model.multi_modal_projector.",), language_model=_LM
+)
 FAMILIES = {
     "qwen2_vl": Family("Qwen2-VL", **_QWEN),
     "qwen2_5_vl": Family("Qwen2.5-VL", **_QWEN),
-    "gemma3": Family(
-        "Gemma 3",
-        vision_tower=("model.vision_tower.",),
-        projector=("model.multi_modal_projector.",),
-        language_model=("model.language_model.", "lm_head."),
-    ),  # fmt: skip
+    "gemma3": Family("Gemma 3", **_TOWER),
     "idefics3": Family(
         "Idefics3",
         vision_tower=("model.vision_model.",),
@@ -66,12 +64,7 @@ FAMILIES = {
         language_model=("model.text_model.", "lm_head."),
         stacked=True,
     ),  # fmt: skip
-    "llava": Family(
-        "LLaVA",
-        vision_tower=("model.vision_tower.",),
-        projector=("model.multi_modal_projector.",),
-        language_model=("model.language_model.", "lm_head."),
-    ),  # fmt: skip
+    "llava": Family("LLaVA", **_TOWER),
 }
 # vision-language model types transformers has and this project has not verified: refused with the reason
 NOT_VERIFIED = {

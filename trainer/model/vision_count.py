@@ -66,8 +66,8 @@ def measure(cfg: Any, parts: tuple[str, ...]) -> Vision | None:
 
 def _saved(cfg: Any, fam: Any, parts: tuple[str, ...], lp: int, side: int, patch: int, frames: int,
            channels: int) -> tuple[int, int]:  # fmt: skip
-    """(bytes the tower's layer keeps with every tower weight training, bytes the rest keeps as frozen) for one
-    image of side x side patches."""
+    """(bytes the tower's layer keeps with every tower weight training, bytes the rest keeps as frozen) for two
+    images of side x side patches."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForImageTextToText

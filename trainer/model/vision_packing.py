@@ -35,11 +35,8 @@ def _small(config: Any) -> Any:
         v.hidden_size, v.image_size, v.patch_size, cfg.scale_factor, cfg.image_token_id = 16, 28, 14, 2, IMAGE
     elif cfg.model_type == "llava":  # a 28 x 28 image of 4 patches (the class token dropped: 4 tokens)
         v.hidden_size, v.image_size, v.patch_size, v.projection_dim = 16, 28, 14, 16
-        cfg.image_token_index, cfg.vision_feature_select_strategy, cfg.vision_feature_layer = (
-            IMAGE,
-            "default",
-            -1,
-        )
+        cfg.image_token_index, cfg.vision_feature_layer = IMAGE, -1
+        cfg.vision_feature_select_strategy = "default"
     elif hasattr(v, "out_hidden_size"):  # Qwen2.5-VL: the tower's own width, its merger's output the text's
         v.hidden_size, v.out_hidden_size = 16, cfg.text_config.hidden_size
         cfg.image_token_id, cfg.vision_start_token_id, cfg.video_token_id = IMAGE, START, END
@@ -60,9 +57,8 @@ def _image(cfg: Any) -> tuple[dict[str, Any], int]:
     if cfg.model_type == "gemma3":
         return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, cfg.mm_tokens_per_image
     if cfg.model_type == "llava":
-        return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, (
-            v.image_size // v.patch_size
-        ) ** 2
+        side = v.image_size // v.patch_size
+        return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, side * side
     if cfg.model_type == "idefics3":  # two tiles (a split image's one and its global view): 2 tokens
         side = v.image_size
         return {"pixel_values": torch.randn(2, 3, side, side),
@@ -104,9 +100,8 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
             pos = torch.arange(ids.shape[1])[None]
         images = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
         kw = inputs.kwargs(torch.stack([ids, labels, pos], dim=1), images)
-        kw.setdefault(
-            "position_ids", pos
-        )  # the rows' positions, as the engine gives them (multimodal RoPE: its own)
+        # the rows' positions, as the engine gives them (multimodal RoPE: its own)
+        kw.setdefault("position_ids", pos)
         return model(input_ids=ids, labels=labels, use_cache=False, **kw)
 
     def grads() -> Any:
@@ -132,7 +127,7 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
     }
 
 
-measure.version = 2  # type: ignore[attr-defined]  # 2: the rows' positions given (1 measured without them)
+VERSION = 2  # the packing check's, in its cache's key: 2 gives the rows' positions (1 measured without them)
 
 
 def verdict(config: Any, attn: str | None, cache_dir: Any = None) -> dict[str, Any]:
@@ -142,8 +137,8 @@ def verdict(config: Any, attn: str | None, cache_dir: Any = None) -> dict[str, A
     window, block = getattr(text, "sliding_window", None), getattr(config, "mm_tokens_per_image", None)
     if (
         config.model_type == "gemma3" and window and block and block > window
-    ):  # vision_masks.py keeps no block
+    ):  # vision_masks.py mends no such block
         return {"packs": False, "why": f"model type 'gemma3' with images: an image's {block} tokens attend to each "
                 f"other both ways across more than the sliding window ({window}), where packed rows' masks are "
                 "not mended (trainer/model/vision_masks.py)"}  # fmt: skip
-    return packing_verdict(config, attn, cache_dir, measure_fn=measure, label="with images")
+    return packing_verdict(config, attn, cache_dir, measure_fn=measure, label="with images", version=VERSION)

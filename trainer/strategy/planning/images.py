@@ -3,7 +3,7 @@ activations (their tokens are the text layers' like any other: activations.py co
 
 - **pixel values**: the processor's float32 patches, every image of the micro batch, on the device;
 - **the vision tower**: what each of its layers keeps for backward a patch, measured once a model by running one
-  layer of the model's own tower at its real width on a small image (trainer/model/vision_count.py), times the
+  layer of the model's own tower at its real width on two small images (trainer/model/vision_count.py), times the
   layers where the tower trains; a frozen tower (the default) keeps nothing, but one layer's working set is alive
   at a time during its forward, counted once. Eager attention adds each head's scores a patch pair within an
   image (Qwen2.5-VL's windowed layers: within a window): the fp32 softmax and its copy in the compute precision;
@@ -12,7 +12,8 @@ activations (their tokens are the text layers' like any other: activations.py co
 
 How many patches a micro batch holds is the configuration's worst case, as the text plan's full rows are: every
 token of a row an image token (the data refuses a row whose images alone are longer), in images of the largest
-size the resolution bound allows (`data.image_max_pixels`, else the processor's `max_pixels`), for a family whose
+size the resolution bounds allow (`image_size`: the processor's `max_pixels`, below it `data.image_max_pixels`
+as the processor rounds it), for a family whose
 images take the tokens their size gives (Qwen2-VL); a fixed-size family (Gemma 3) as many of its images as a row
 holds. The plan counts this for a vision-language model whether or not its data has images (it does not read
 the data): text-only data costs less.
@@ -125,6 +126,7 @@ def rounded_tokens(side: int, max_pixels: int) -> int:
     return most
 
 
+@functools.lru_cache(maxsize=256)  # the planner asks for it under every setting of the levers
 def budget(
     v: Vision,
     lp: int,
@@ -135,14 +137,15 @@ def budget(
     checkpointing: bool = False,
     processor_pixels: int = QWEN_MAX_PIXELS,
 ) -> Budget:
-    """The worst case (module doc): `rows` rows of `seq_len` tokens full of images of the largest size."""
+    """The worst case (module doc): `rows` rows of `seq_len` tokens full of images of the largest size (every
+    term is a sum over the images: one row's, times the rows)."""
     patches, tokens = image_size(v, max_pixels, processor_pixels)
     whole, left = divmod(seq_len, tokens)
     if not whole:  # an image larger than a row: the data refuses it, a row holds what fits
         whole, left = 0, seq_len
     sizes = [patches] * whole + ([left * v.patches_per_token] if left and not v.image_patches else [])
-    layers, rest = tower_bytes(v, lp, sizes * rows, eager, checkpointing)
-    total = sum(sizes) * rows
+    layers, rest = tower_bytes(v, lp, sizes, eager, checkpointing)
+    layers, rest, total = layers * rows, rest * rows, sum(sizes) * rows
     bound = min(max_pixels or processor_pixels, processor_pixels)
     return Budget(bound, tokens, len(sizes) * rows, total, total * v.pixel_bytes, int(layers), int(rest))
 
