@@ -11,7 +11,10 @@ from typing import Any
 from tests.helpers import tokenizer_dir
 
 TRL_TEMPLATES = "trl/chat_templates"
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava", "idefics3")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava", "idefics3", "mllama")
+# Llama-3.2-11B-Vision-Instruct's chat template (its tokenizer_config.json): images as <|image|>, none with a system
+# message, the system header (with the date) only without images
+LLAMA_VISION_TEMPLATE = (Path(__file__).resolve().parent / "templates" / "llama3_2_vision.jinja").read_text()
 # Idefics3-8B-Llama3's tokens beside Llama 3's: the image's frame, its token, the end of a turn, the global view and
 # each tile's place (HuggingFaceM4's tokenizer adds them; the processor inserts them)
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
@@ -95,6 +98,16 @@ def processor_dir(family: str, root: Path) -> Path:
         Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=1,
                           chat_template=_trl_template("idefics3")).save_pretrained(out)  # fmt: skip
         return out
+    if family == "mllama":  # 28 x 28 tiles, at most 2 an image; <|image|> 128256 as Meta's tokenizer has it
+        from transformers.models.mllama import MllamaImageProcessorPil, MllamaProcessor
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir("llama3_2"))
+        tok.add_special_tokens({"additional_special_tokens": ["<|image|>"]})
+        tok.pad_token = "<|finetune_right_pad_id|>"
+        ip = MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=2)
+        MllamaProcessor(image_processor=ip, tokenizer=tok,
+                        chat_template=LLAMA_VISION_TEMPLATE).save_pretrained(out)  # fmt: skip
+        return out
     if family == "llava":
         from transformers.models.clip import CLIPImageProcessorPil
         from transformers.models.llava import LlavaProcessor
@@ -163,6 +176,16 @@ def model_config(family: str, vocab: int, **kw: Any) -> dict[str, Any]:
                 "text_config": {**text, "model_type": "llama"},
                 "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
                                   "num_attention_heads": 2, "image_size": 28, "patch_size": 14}}  # fmt: skip
+    if (
+        family == "mllama"
+    ):  # a tower of 28 x 28 tiles (4 patches and a class token), one cross-attention layer
+        return {"model_type": "mllama", **kw, "image_token_index": 128256,
+                "text_config": {**text, "num_hidden_layers": 3, "cross_attention_layers": [1], "pad_token_id": 128004,
+                                "vocab_size": 128256},
+                "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                  "num_global_layers": 1, "attention_heads": 2, "image_size": 28, "patch_size": 14,
+                                  "max_num_tiles": 2, "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]],
+                                  "intermediate_layers_indices": [0], "vision_output_dim": 32}}  # fmt: skip
     if family == "llava":  # a CLIP tower (28 x 28 images of 4 patches: 4 tokens) and a Llama
         return {"model_type": "llava", **kw, "image_token_index": 32000, "vision_feature_layer": -1,
                 "text_config": {**text, "model_type": "llama", "pad_token_id": 32001},
@@ -179,6 +202,18 @@ def model_config(family: str, vocab: int, **kw: Any) -> dict[str, Any]:
             "image_token_index": tok.convert_tokens_to_ids("<image_soft_token>"),
             "boi_token_index": tok.convert_tokens_to_ids("<start_of_image>"),
             "eoi_token_index": tok.convert_tokens_to_ids("<end_of_image>")}  # fmt: skip
+
+
+def opened(model: Any) -> Any:
+    """Llama 3.2 Vision's cross-attention gates opened (transformers initialises them to 0, where those layers
+    change nothing; Meta's are trained): what a test of the image's path must see. Other families as they are."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                p.fill_(0.5)
+    return model
 
 
 def shapes_data(path: Path, rows: int = 24, forms: tuple[str, ...] = ("parts", "images", "image"),
@@ -231,6 +266,6 @@ def model_dir(family: str, root: Path, seed: int = 0) -> Path:
     tmp = root / f".{family}-model"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(proc, tmp)
-    AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp)
+    opened(AutoModelForImageTextToText.from_config(cfg)).save_pretrained(tmp)
     tmp.rename(out)
     return out

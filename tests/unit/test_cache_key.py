@@ -43,7 +43,7 @@ SECTION = {
     "shuffle": False, "cache_dir": "OTHER_CACHE", "chat_template": "TEMPLATE", "train_on_prompt": True,
     "multi_turn": "each", "chat_template_kwargs": {"enable_thinking": False}, "group_by_length": True,
     "packing": False, "separate_documents": True, "truncation": "drop", "image_max_pixels": 4096,
-    "image_min_pixels": 64,
+    "image_min_pixels": 64, "max_images": 2,
 }  # fmt: skip
 SOURCE = {
     "files": "FILES", "hub": None, "name": "cfg", "split": "validation", "format": "json", "text_field": "body",

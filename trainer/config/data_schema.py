@@ -188,6 +188,13 @@ class DataSection(Section):
         description="images larger than this many pixels are scaled down (aspect kept) before the processor: "
         "the image tokens and pixels a row takes are bounded (LLaMA-Factory's image_max_pixels); null = as they are",
     )
+    max_images: int | None = Field(
+        None,
+        ge=1,
+        description="the most images a training row holds (an example with more is refused; packing starts a new "
+        "row before it would exceed this), and the plan's bound on a row's images; null = as many as the row's "
+        "tokens hold, but 1 for Llama 3.2 Vision (an image is one token there)",
+    )
     image_min_pixels: int | None = Field(
         None,
         ge=1,

@@ -127,6 +127,7 @@ def build_rows(
             if not any(ex.targets[1:]):  # the first token of a row is never a target
                 c.no_target += 1
                 continue
+            _within_max_images(ex, section, where(n))
             if shown is None:
                 shown = ex.show(tok)
             kept.append(ex)
@@ -184,11 +185,30 @@ def _vision(kept: list[Any], placed: list[int], n_rows: int, pics: image_rows.Im
     return {**pics.stats(), "store": image_rows.ImageStore.of(rows, pics.keys), "idle": pics.idle()}
 
 
+def _max_images(ex: Any, section: DataSection) -> int | None:
+    """The most images a row of `ex`'s data holds: data.max_images, or null: 1 where an image is one token (Llama
+    3.2 Vision's examples: aspect ratios among their tensors), else no bound (the images' tokens bound them)."""
+    one_token = "aspect_ratio_ids" in (getattr(ex, "tensors", None) or {})
+    return section.max_images or (1 if one_token else None)
+
+
+def _within_max_images(ex: Any, section: DataSection, where: Any) -> None:
+    """data.max_images: exit 2 for an example with more images."""
+    n, most = getattr(ex, "images", 0), _max_images(ex, section)
+    if most is not None and n > most:
+        said = section.max_images or "null: 1 for Llama 3.2 Vision, whose images the plan counts by it"
+        raise UserError(f"{where}: the row has {n} images, more than data.max_images ({said}); set "
+                        f"data.max_images: {n}")  # fmt: skip
+
+
 def _pack(kept: list[Example], tok: Any, section: DataSection, placed: list[int] | None = None) -> np.ndarray:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    most = max((m for m in (_max_images(ex, section) for ex in kept) if m is not None), default=None)
+    images = ([getattr(ex, "images", 0) for ex in kept], most) if most is not None else None
     packed = pack_examples(
-        kept, section.seq_len, pad if pad is not None else 0, one_per_row=not section.packing, placed=placed
-    )
+        kept, section.seq_len, pad if pad is not None else 0, one_per_row=not section.packing, placed=placed,
+        images=images,
+    )  # fmt: skip
     return np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
 
 

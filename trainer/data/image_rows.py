@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from trainer.common.errors import UserError
+from trainer.data.cross_mask import checked
 from trainer.data.images import PLACEHOLDER, load_processor, open_images, stamps_changed
 from trainer.data.pack import IGNORE
 
@@ -55,10 +56,9 @@ def expand(ids: list[int], targets: list[bool], text: str, images: list[Any], pr
     for s, e in spans:
         for j in range(s, e):
             carried[j] = False
-    tensors = unbatched(
-        {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-    )
-    return ImageExample(new, carried, None, tensors, tuple(spans))
+    raw = {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+    tensors = unbatched(checked(raw, new, holder, where) if holder is not None else raw)
+    return ImageExample(new, carried, None, tensors, tuple(spans), len(images or ()))
 
 
 STACKED = ("pixel_values", "pixel_attention_mask")  # Idefics3's: (batch, images, ...), the model's own layout
@@ -66,8 +66,11 @@ STACKED = ("pixel_values", "pixel_attention_mask")  # Idefics3's: (batch, images
 
 def unbatched(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """An example's image tensors with the images first: Idefics3's processor gives (1, tiles, C, H, W) pixel
-    values and (1, tiles, H, W) masks, stored as their tiles (the model side stacks them back: vision.Inputs)."""
+    values and (1, tiles, H, W) masks, stored as their tiles (the model side stacks them back: vision.Inputs); Llama
+    3.2 Vision's (1, images, tiles, C, H, W) values and (1, images) aspect ratios stored by image."""
     pixels = tensors.get("pixel_values")
+    if pixels is not None and pixels.ndim == 6:
+        return {k: v[0] for k, v in tensors.items()}
     if pixels is None or pixels.ndim != 5:
         return tensors
     return {k: v[0] if k in STACKED else v for k, v in tensors.items()}
@@ -261,6 +264,7 @@ class ImageExample:
     text: str | None
     tensors: dict[str, np.ndarray]
     spans: tuple[tuple[int, int], ...]  # each image's [start, end) in ids
+    images: int = 0  # how many (data.max_images)
 
     @property
     def n_targets(self) -> int:
@@ -274,7 +278,9 @@ class ImageExample:
         """The first seq_len tokens where no image is cut; None where one would be."""
         if any(e > seq_len for _, e in self.spans):
             return None
-        return ImageExample(self.ids[:seq_len], self.targets[:seq_len], None, self.tensors, self.spans)
+        return ImageExample(
+            self.ids[:seq_len], self.targets[:seq_len], None, self.tensors, self.spans, self.images
+        )
 
     def show(self, tok: Any, limit: int | None = 400) -> str:
         """As a text example shows (targets in [[...]]), each image as <image K: N tokens at P>."""

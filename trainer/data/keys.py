@@ -23,6 +23,7 @@ CACHE_VERSION = 5  # 5: the key holds the code's digest (4: a chat turn's target
 TOKEN_MODULES = (
     "cache",
     "chat",
+    "cross_mask",
     "examples",
     "formats",
     "image_rows",

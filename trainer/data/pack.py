@@ -82,7 +82,12 @@ def as_rows(blocks: np.ndarray) -> np.ndarray:
 
 
 def pack_examples(
-    examples: Any, seq_len: int, pad_id: int, one_per_row: bool = False, placed: list[int] | None = None
+    examples: Any,
+    seq_len: int,
+    pad_id: int,
+    one_per_row: bool = False,
+    placed: list[int] | None = None,
+    images: tuple[list[int], int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Fine-tuning examples (`chat.Example`, each at most `seq_len` tokens) -> rows of `seq_len`:
     `input_ids`, `labels` (the token where it is a target, else IGNORE; an example's first token never
@@ -92,27 +97,31 @@ def pack_examples(
     example that does not fit in the row's space left starts the next row; the rest of a row is
     padding (IGNORE, its own positions). Every token of every example is in exactly one row.
     `one_per_row` (data.packing: false): each example alone in its row. `placed`: filled with each example's
-    row (an empty example's: -1)."""
+    row (an empty example's: -1). `images`: each example's images and the most a row holds (data.max_images,
+    where an image is one token): an example that would pass it starts the next row."""
     rows: list[tuple[list[int], list[int], list[int]]] = []
     ids: list[int] = []
     labels: list[int] = []
     pos: list[int] = []
+    held = 0  # the row's images (`images`)
 
     def close() -> None:
         pad = seq_len - len(ids)
         rows.append((ids + [pad_id] * pad, labels + [IGNORE] * pad, pos + list(range(pad))))
 
-    for ex in examples:
+    for k, ex in enumerate(examples):
         n = len(ex.ids)
+        pictures = images[0][k] if images else 0
         if n > seq_len:
             raise ValueError(f"an example of {n} tokens is longer than seq_len {seq_len}: truncate it first")
         if n == 0:
             if placed is not None:
                 placed.append(-1)
             continue
-        if ids and (one_per_row or len(ids) + n > seq_len):
+        if ids and (one_per_row or len(ids) + n > seq_len or (images and held + pictures > images[1])):
             close()
-            ids, labels, pos = [], [], []
+            ids, labels, pos, held = [], [], [], 0
+        held += pictures
         if placed is not None:
             placed.append(len(rows))
         ids += ex.ids

@@ -29,7 +29,8 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     **{t: _LLAMA_LIKE for t in ("llama", "mistral", "qwen2", "qwen3")},
     # vision-language models: the language model's (the vision tower and projector excluded: `_vision_excluded`)
-    **{t: _LLAMA_LIKE for t in ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava", "idefics3")},
+    # (Llama 3.2 Vision: its cross-attention layers' projections too)
+    **{t: _LLAMA_LIKE for t in ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava", "idefics3", "mllama")},
 }
 
 

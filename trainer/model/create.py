@@ -83,7 +83,9 @@ def _from_json(found: dict[str, Any]) -> ModelInfo:
 
 def _vision(found: dict[str, Any] | None) -> Vision | None:
     return (
-        Vision(**{**found, "layer": tuple(found["layer"]), "rest": tuple(found["rest"])}) if found else None
+        Vision(**{**found, **{k: tuple(found[k]) for k in ("layer", "rest", "cross") if k in found}})
+        if found
+        else None
     )
 
 
@@ -362,6 +364,8 @@ def _transformers_model(
         except OSError as e:
             raise UserError(f"model.pretrained: cannot load weights of '{section.pretrained}': {e}") from None
     vocab = cfg.get_text_config().vocab_size  # (a vision-language model's: its text model's)
+    # Llama 3.2 Vision embeds 8 ids past its vocabulary (its <|image|> 128256, never a target, is one)
+    vocab = max(vocab, getattr(model.get_input_embeddings(), "num_embeddings", 0) or 0)
     if vocab_size is not None and vocab < vocab_size:
         raise UserError(
             f"data.tokenizer has {vocab_size} tokens but the model's vocab_size is {vocab}; use the model's own "

@@ -6,7 +6,8 @@ rows with images gives the model, and the idle image that keeps every rank's vis
   sliding layers' masks of packed rows mended: vision_masks.py), LLaVA
   (a CLIP or SigLIP tower, a projector, any causal language model: the image's features in its tokens' places,
   the text model's own positions and causal mask), Idefics3 (an image split into tiles and a global view, each
-  tile's patches shuffled into tokens; pixel values (1, tiles, C, H, W) with their mask: `stacked`).
+  tile's patches shuffled into tokens; pixel values (1, tiles, C, H, W) with their mask: `stacked`), Llama 3.2
+  Vision (one token an image, its tiles attended by cross-attention layers: `cross`, vision_cross.py).
   Another vision-language model type is refused with the reason; a text model given images is refused by the
   data (trainer/data/images.py: the tokenizer's directory has no image processor).
 - **Freezing** (`model.freeze`): `vision_tower`, `projector`, `language_model` name each family's modules; by
@@ -43,6 +44,8 @@ class Family:
     mrope: bool = False  # multimodal RoPE: 3 position rows from the image grids
     # pixel values (1, images, C, H, W) and their mask (Idefics3): the micro batch's tiles as one row
     stacked: bool = False
+    # images attended by cross-attention layers, one token an image (Llama 3.2 Vision: vision_cross.py)
+    cross: bool = False
 
 
 _LM = ("model.language_model.", "lm_head.")
@@ -65,12 +68,18 @@ FAMILIES = {
         stacked=True,
     ),  # fmt: skip
     "llava": Family("LLaVA", **_TOWER),
+    "mllama": Family(
+        "Llama 3.2 Vision",
+        vision_tower=("model.vision_model.",),
+        projector=("model.multi_modal_projector.",),
+        language_model=_LM,
+        cross=True,
+    ),  # fmt: skip
 }
 # vision-language model types transformers has and this project has not verified: refused with the reason
 NOT_VERIFIED = {
     "llava_next": "LLaVA-NeXT",
     "smolvlm": "SmolVLM",
-    "mllama": "Llama 3.2 Vision (cross-attention)",
     "qwen3_vl": "Qwen3-VL",
     "pixtral": "Pixtral",
     "mistral3": "Mistral 3",
@@ -147,12 +156,18 @@ def freeze_part(fam: Family, name: str) -> str | None:
 class Inputs:
     """What a vision-language model takes besides the ids, for each micro batch (see the module docstring)."""
 
-    def __init__(self, model: Any, fam: Family, token_types: dict[str, int], idle: dict[str, Any]) -> None:
+    def __init__(self, model: Any, fam: Family, token_types: dict[str, int], idle: dict[str, Any],
+                 image_token: int | None = None) -> None:  # fmt: skip
         # (under LoRA, peft's wrapper: the transformers model inside it)
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.fam, self.token_types = fam, token_types
         self.idle = idle  # the blank image's tensors (None: the data has no image, no rank runs the tower)
         self.idle_now = False
+        self.image_token, self.skip = image_token, None  # (cross) the image token, the tokens that skip
+        if fam.cross:
+            from trainer.model.vision_cross import install
+
+            install()
         if self.model.config.model_type == "gemma3":  # its sliding layers' masks of packed rows with images
             from trainer.model.vision_masks import install
 
@@ -165,7 +180,12 @@ class Inputs:
         the modules' weights in the same order on every rank (a hook before DeepSpeed's made it gather the
         embeddings first on a rank without images, the vision tower first on one with: gloo's "collective
         mismatch")."""
-        if self.idle is not None:
+        if self.fam.cross:  # (the idle image is in the forward's arguments: vision_cross.inputs)
+            from trainer.model.vision_cross import cross_layers, skip_hook
+
+            for layer in cross_layers(self.model):
+                layer.register_forward_hook(skip_hook(self))
+        elif self.idle is not None:
             self.model.get_input_embeddings().register_forward_hook(self._idle_features)
 
     def apply(self, batch: Any, extra: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
@@ -180,6 +200,11 @@ class Inputs:
         import torch
 
         ids, pos = rows[:, 0], rows[:, 2]
+        if self.fam.cross:
+            from trainer.model.vision_cross import inputs
+
+            out, self.skip = inputs(ids, pos, images, self.image_token, self.idle)
+            return out
         out: dict[str, Any] = self.stack(images)
         for key, token in self.token_types.items():
             out[key] = (ids == token).to(torch.long)

@@ -1,6 +1,6 @@
 """data.packing for a vision-language model, checked as trainer/model/packing.py checks a text family: a small
 model of the family (the run's config with its text model shrunk as packing.shrunk shrinks one, a one-layer vision
-tower) trains on one packed row of two examples, each with an image, through the inputs the engine gives it
+tower) trains on one packed row of three examples, two with an image and one without, through the inputs the engine gives it
 (trainer/model/vision.py `Inputs`: each example's own multimodal positions); the loss and gradients must equal
 those of the two examples run one by one, and the second example's logits after the first without restarting
 positions must differ (the check can fail)."""
@@ -33,6 +33,16 @@ def _small(config: Any) -> Any:
         cfg.image_token_index, cfg.boi_token_index, cfg.eoi_token_index = IMAGE, START, END
     elif cfg.model_type == "idefics3":  # a 28 x 28 tile of 4 patches, shuffled 2 x 2 into one token
         v.hidden_size, v.image_size, v.patch_size, cfg.scale_factor, cfg.image_token_id = 16, 28, 14, 2, IMAGE
+    elif cfg.model_type == "mllama":  # 28 x 28 tiles, 2 an image, one cross-attention layer in the text's
+        for name, value in (("num_global_layers", 1), ("image_size", 28), ("patch_size", 14), ("max_num_tiles", 2),
+                            ("supported_aspect_ratios", [[1, 1], [1, 2], [2, 1]]), ("vision_output_dim", 32),
+                            ("intermediate_layers_indices", [0]), ("hidden_size", 16)):  # fmt: skip
+            setattr(v, name, value)
+        layers = cfg.text_config.num_hidden_layers
+        cfg.text_config.cross_attention_layers = [
+            i for i in cfg.text_config.cross_attention_layers if i < layers
+        ] or [1]
+        cfg.image_token_index = IMAGE
     elif cfg.model_type == "llava":  # a 28 x 28 image of 4 patches (the class token dropped: 4 tokens)
         v.hidden_size, v.image_size, v.patch_size, v.projection_dim = 16, 28, 14, 16
         cfg.image_token_index, cfg.vision_feature_layer = IMAGE, -1
@@ -59,6 +69,9 @@ def _image(cfg: Any) -> tuple[dict[str, Any], int]:
     if cfg.model_type == "llava":
         side = v.image_size // v.patch_size
         return {"pixel_values": torch.randn(1, 3, v.image_size, v.image_size)}, side * side
+    if cfg.model_type == "mllama":  # an image of two tiles (aspect ratio 1 x 2): 1 token
+        return {"pixel_values": torch.randn(1, 2, 3, 28, 28), "aspect_ratio_ids": torch.tensor([2]),
+                "aspect_ratio_mask": torch.ones(1, 2, dtype=torch.long)}, 1  # fmt: skip
     if cfg.model_type == "idefics3":  # two tiles (a split image's one and its global view): 2 tokens
         side = v.image_size
         return {"pixel_values": torch.randn(2, 3, side, side),
@@ -81,16 +94,23 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
     cfg = _small(config)
     kwargs = {"attn_implementation": attn} if attn else {}
     model = AutoModelForImageTextToText.from_config(cfg, **kwargs).float().train()
+    with torch.no_grad():  # Llama 3.2 Vision's cross-attention gates open (at 0, those layers change nothing)
+        for name, p in model.named_parameters():
+            if name.endswith("_gate"):
+                p.fill_(0.5)
     g = torch.Generator().manual_seed(0)
     examples = []
-    for before, after in ((3, 6), (2, 5)):
-        pixels, n = _image(cfg)
-        ids = torch.randint(3, END, (before,), generator=g).tolist() + [START] + [IMAGE] * n + [END]
+    for before, after, image in ((3, 6, True), (2, 5, True), (4, 3, False)):  # the last one without an image
+        pixels, n = _image(cfg) if image else ({}, 0)
+        ids = torch.randint(3, END, (before,), generator=g).tolist()
+        ids += [START] + [IMAGE] * n + [END] if image else []
         ids += torch.randint(3, END, (after,), generator=g).tolist()
-        labels = [-100] * (before + n + 2) + ids[before + n + 2 :]
-        examples.append((ids, labels, pixels))
-    types = {"mm_token_type_ids": IMAGE} if family(cfg.model_type).mrope else {"token_type_ids": IMAGE}
-    inputs = Inputs(model, family(cfg.model_type), types, None)
+        prompt = before + n + 2 if image else before
+        examples.append((ids, [-100] * prompt + ids[prompt:], pixels))
+    fam = family(cfg.model_type)
+    types = {} if fam.cross else {"mm_token_type_ids": IMAGE} if fam.mrope else {"token_type_ids": IMAGE}
+    inputs = Inputs(model, fam, types, None, IMAGE)
+    inputs.install()  # (Llama 3.2 Vision: the cross-attention layers skipped at an example without an image)
 
     def run(parts: list[Any], restart: bool = True) -> Any:
         ids = torch.tensor([sum((p[0] for p in parts), [])])
@@ -98,7 +118,9 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
         pos = torch.tensor([sum((list(range(len(p[0]))) for p in parts), [])]) if restart else None
         if pos is None:
             pos = torch.arange(ids.shape[1])[None]
-        images = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        images = {
+            k: torch.cat([p[2][k] for p in parts if p[2]]) for k in examples[0][2] if any(p[2] for p in parts)
+        }
         kw = inputs.kwargs(torch.stack([ids, labels, pos], dim=1), images)
         # the rows' positions, as the engine gives them (multimodal RoPE: its own)
         kw.setdefault("position_ids", pos)
@@ -118,7 +140,7 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
     g_alone = grads()
     with torch.no_grad():
         second = run([examples[1]]).logits[0]
-        crossed = run(examples, restart=False).logits[0, len(examples[0][0]) :]
+        crossed = run(examples[:2], restart=False).logits[0, len(examples[0][0]) :]
     return {
         "kernel": getattr(model.config, "_attn_implementation", attn),
         "loss": abs(packed.item() - alone.item()) / abs(alone.item()),
@@ -127,7 +149,9 @@ def measure(config: Any, attn: str | None) -> dict[str, Any]:
     }
 
 
-VERSION = 2  # the packing check's, in its cache's key: 2 gives the rows' positions (1 measured without them)
+# the packing check's, in its cache's key: 3 packs an example without an image too (2: two with; 1 measured without
+# the rows' positions)
+VERSION = 3
 
 
 def verdict(config: Any, attn: str | None, cache_dir: Any = None) -> dict[str, Any]:

@@ -99,7 +99,8 @@ def vision_inputs(exp: Experiment, planned: Any, module: Any, data: Any) -> Any:
     idle = (
         None if data.idle_image is None else {k: torch_of(v) for k, v in data.idle_image.batch([0]).items()}
     )
-    return vision.Inputs(module, fam, (data.vision or {}).get("token_types", {}), idle)
+    seen = data.vision or {}
+    return vision.Inputs(module, fam, seen.get("token_types", {}), idle, seen.get("image_token"))
 
 
 def torch_of(value: Any) -> Any:

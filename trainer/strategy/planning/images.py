@@ -53,6 +53,12 @@ class Vision:
     window_patches: int = 0  # windowed attention's patches a window (Qwen2.5-VL), 0: whole images
     full_layers: int = 0  # of the layers, those over whole images where the others are windowed
     unit: str = "image"  # what the tower takes one of: an image, or a tile of one (Idefics3)
+    # bytes a patch each of the text's cross-attention layers keeps (Llama 3.2 Vision: the keys and values of the
+    # images' features), and how many such layers (0: the images are tokens of the text)
+    cross: tuple[float, float] = (0.0, 0.0)
+    cross_layers: int = 0
+    cross_width: int = 0  # the text's width: the projected features a patch, which those layers keep once
+    cross_heads: int = 0  # the text's attention heads (eager attention's scores a token and patch)
 
 
 @dataclass(frozen=True)
@@ -66,10 +72,13 @@ class Budget:
     pixels: int  # pixel values, bytes
     tower: int  # the vision tower's, bytes (kept, or one layer's in flight where frozen)
     rest: int  # the stem's and projector's, bytes
+    cross: int = (
+        0  # the text's cross-attention layers' keys and values of the images' features (Llama 3.2 Vision)
+    )
 
     @property
     def total(self) -> int:
-        return self.pixels + self.tower + self.rest
+        return self.pixels + self.tower + self.rest + self.cross
 
 
 def tower_bytes(
@@ -88,10 +97,13 @@ def tower_bytes(
         full = v.full_layers if v.window_patches else v.layers
         scores = (full * whole + (v.layers - full) * windowed) / max(v.layers, 1)  # a layer's, on average
         layer += max(whole, windowed) if not v.trains else scores
+    # Llama 3.2 Vision's tower masks its attention within each image's tiles: one (patches x patches) mask an
+    # image in the compute precision, made once and kept by every layer
+    mask = lp * sum(p * p for p in images) if v.cross_layers else 0
     if not v.trains:
-        return layer, v.rest[at] * patches
+        return layer + mask, v.rest[at] * patches
     kept = v.layers * lp * v.width * patches + layer if checkpointing else v.layers * layer
-    return kept, v.rest[at] * patches
+    return kept + mask, v.rest[at] * patches
 
 
 MAX_RATIO = 200  # Qwen-VL's smart_resize refuses an image whose sides differ more
@@ -136,18 +148,38 @@ def budget(
     eager: bool,
     checkpointing: bool = False,
     processor_pixels: int = QWEN_MAX_PIXELS,
+    max_images: int | None = None,
 ) -> Budget:
     """The worst case (module doc): `rows` rows of `seq_len` tokens full of images of the largest size (every
     term is a sum over the images: one row's, times the rows)."""
     patches, tokens = image_size(v, max_pixels, processor_pixels)
     whole, left = divmod(seq_len, tokens)
+    if v.cross_layers:  # one token an image: as many images a row as data.max_images allows (null: 1)
+        whole, left = min(whole, max_images or 1), 0
+    elif max_images and whole >= max_images:  # data.max_images below what the row's tokens hold
+        whole, left = max_images, 0
     if not whole:  # an image larger than a row: the data refuses it, a row holds what fits
         whole, left = 0, seq_len
     sizes = [patches] * whole + ([left * v.patches_per_token] if left and not v.image_patches else [])
     layers, rest = tower_bytes(v, lp, sizes, eager, checkpointing)
     layers, rest, total = layers * rows, rest * rows, sum(sizes) * rows
     bound = min(max_pixels or processor_pixels, processor_pixels)
-    return Budget(bound, tokens, len(sizes) * rows, total, total * v.pixel_bytes, int(layers), int(rest))
+    cross = cross_bytes(v, lp, total, rows * seq_len, eager)
+    return Budget(
+        bound, tokens, len(sizes) * rows, total, total * v.pixel_bytes, int(layers), int(rest), int(cross)
+    )
+
+
+def cross_bytes(v: Vision, lp: int, patches: int, tokens: int, eager: bool) -> float:
+    """What the text's cross-attention layers keep for `patches` patches of images attended by `tokens` text
+    tokens: each layer's keys and values (measured), the projected features once, and under eager attention each
+    head's scores a token and patch (the fp32 softmax and its copy in the compute precision)."""
+    if not v.cross_layers:
+        return 0.0
+    kept = v.cross_layers * v.cross[0 if lp < F32 else 1] * patches + v.cross_width * lp * patches
+    if eager:
+        kept += v.cross_layers * v.cross_heads * (F32 + (lp if lp < F32 else 0)) * tokens * patches
+    return kept
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,7 +205,7 @@ def experiment_budget(
         return None
     directory = exp.data.tokenizer if exp.data.tokenizer != "byte" else exp.model.pretrained
     return budget(v, lp, rows, seq_len, exp.data.image_max_pixels, eager, checkpointing,
-                  processor_max_pixels(directory) or QWEN_MAX_PIXELS)  # fmt: skip
+                  processor_max_pixels(directory) or QWEN_MAX_PIXELS, exp.data.max_images)  # fmt: skip
 
 
 def describe(b: Budget | None, v: Vision | None) -> str:
@@ -187,6 +219,14 @@ def describe(b: Budget | None, v: Vision | None) -> str:
         else f"up to {b.max_pixels:,} pixels an image"
     )
     tower = "kept for backward" if v.trains else "frozen: one layer's in flight"
+    if v.cross_layers:  # Llama 3.2 Vision: an image one token, its tiles attended by cross-attention layers
+        return (
+            f"images ({v.family}, {v.image_patches:,} patches an image in its tiles: 1 token): up to {b.images:,} "
+            f"images a micro batch (data.max_images a row), {b.patches:,} patches: pixel values "
+            f"{b.pixels / mib:,.1f} MiB, vision tower {b.tower / mib:,.1f} MiB ({tower}), stem and projector "
+            f"{b.rest / mib:,.1f} MiB, the text's {v.cross_layers} cross-attention layers {b.cross / mib:,.1f} MiB; "
+            f"{math.ceil(b.total / mib):,} MiB a rank in the activations"
+        )
     return (
         f"images ({v.family}, {size}: {b.image_tokens:,} tokens): up to {b.images:,} {v.unit}s a micro batch, "
         f"{b.patches:,} patches: pixel values {b.pixels / mib:,.1f} MiB, vision tower {b.tower / mib:,.1f} MiB "
