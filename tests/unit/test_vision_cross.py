@@ -138,7 +138,7 @@ def test_max_images_bounds_a_row_refusing_more_and_packing_apart(root, tmp_path)
 def test_an_image_in_an_answer_is_refused_with_the_reason(root, tmp_path):
     """Llama 3.2 Vision's template renders the system header (with the date) only when no message has an image:
     the prompt rendered alone is not the start of the conversation with an image in its answer. Refused (file:line),
-    not trained on a shifted answer."""
+    not trained on a shifted answer; a system message beside an image, which the template refuses, too."""
     d = processor_dir("mllama", root)
     shapes_data(tmp_path / "shapes.jsonl", rows=1)
     row = {"messages": [{"role": "user", "content": "Draw a square."},
@@ -149,6 +149,15 @@ def test_an_image_in_an_answer_is_refused_with_the_reason(root, tmp_path):
     with pytest.raises(
         UserError, match=r"answer.jsonl:1: the chat template renders the prompt of assistant turn 1"
     ):
+        rows_of(d, path)
+    # a system message beside an image: the template raises; said with the file and line (was a traceback)
+    row = {"messages": [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "image", "path": "pictures/red-square.png"},
+                                                     {"type": "text", "text": "What?"}]},
+                        {"role": "assistant", "content": "A square."}]}  # fmt: skip
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError, match=r"answer.jsonl:1: the chat template cannot render this conversation "
+                       r"\(TemplateError: Prompting with images is incompatible with system messages.\)"):  # fmt: skip
         rows_of(d, path)
 
 

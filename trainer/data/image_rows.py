@@ -198,7 +198,11 @@ class Images:
         """Every image of the row is in the template's rendering of the whole conversation: one it leaves out (Gemma
         3's renders a system message's first text part only) would shift the pixels of the images after it onto
         the wrong slots."""
-        k = p.render(tok, conv.messages, conv.tools).count(self.proc.image_token)
+        from trainer.data.chat import (
+            _render,
+        )  # (the template's own errors said: Llama 3.2 Vision's with a system message)
+
+        k = _render(p, tok, conv).count(self.proc.image_token)
         if k != n:
             raise UserError(
                 f"{where}: the chat template placed {k} of the row's {n} images (it leaves out an image of some "
