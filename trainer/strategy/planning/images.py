@@ -222,7 +222,7 @@ def describe(b: Budget | None, v: Vision | None) -> str:
     if v.cross_layers:  # Llama 3.2 Vision: an image one token, its tiles attended by cross-attention layers
         return (
             f"images ({v.family}, {v.image_patches:,} patches an image in its tiles: 1 token): up to {b.images:,} "
-            f"images a micro batch (data.max_images a row), {b.patches:,} patches: pixel values "
+            f"image{'s' if b.images != 1 else ''} a micro batch (data.max_images a row), {b.patches:,} patches: pixel values "
             f"{b.pixels / mib:,.1f} MiB, vision tower {b.tower / mib:,.1f} MiB ({tower}), stem and projector "
             f"{b.rest / mib:,.1f} MiB, the text's {v.cross_layers} cross-attention layers {b.cross / mib:,.1f} MiB; "
             f"{math.ceil(b.total / mib):,} MiB a rank in the activations"
