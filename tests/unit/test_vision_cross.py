@@ -6,6 +6,7 @@ plan's bound: an example with more is refused, packing starts a new row); --plan
 cross-attention layers'; its template's refusal of an image in an answer is said."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -178,3 +179,74 @@ def test_plan_says_the_images_and_the_cross_attention_layers(tmp_path, capsys):
     assert "up to 6 images a micro batch" in lines[3] and "1 cross-attention layers" in lines[3], lines[3]
     patches = [int(x.split("a row), ")[1].split(" patches")[0].replace(",", "")) for x in lines.values()]
     assert patches[1] == 3 * patches[0] > 0  # 2 images of 2 tiles of 4 patches and a class token, padded to 8
+
+
+@pytest.mark.parametrize("family,token", [("mllama", "<|image|>"), ("qwen2_vl", "<|image_pad|>")])
+def test_review_the_image_token_written_in_the_text_is_refused(root, tmp_path, family, token):
+    """Review finding: the tokenizer reads the text "<|image|>" as Llama 3.2 Vision's image token. In a row without
+    an image it reached the rows (from an answer, as a target): training stopped with a traceback (the micro
+    batch's image tokens outnumbering its images, or a target past the LM head); Qwen2-VL's <|image_pad|> trained
+    as a target. Refused now with the file and line; in a row with an image too (it said the template left one
+    out)."""
+    d = processor_dir(family, root)
+    shapes_data(tmp_path / "shapes.jsonl", rows=1)
+    text = {
+        "messages": [{"role": "user", "content": "Write the token."}, {"role": "assistant", "content": token}]
+    }
+    path = tmp_path / "literal.jsonl"
+    path.write_text(json.dumps(text) + "\n")
+    with pytest.raises(UserError, match=rf"literal.jsonl:1: the text holds {re.escape(token)} \(the model's image "
+                       r"token\) 1 time\(s\) but the row has no image"):  # fmt: skip
+        rows_of(d, path)
+    both = {"messages": [{"role": "user", "content": f"<image>What is {token}?"},
+                         {"role": "assistant", "content": "A square."}], "images": ["pictures/red-square.png"]}  # fmt: skip
+    path.write_text(json.dumps(both) + "\n")
+    with pytest.raises(UserError, match=rf"literal.jsonl:1: the chat template placed 2 image tokens for the row's 1 "
+                       rf"images; the text itself holds {re.escape(token)}: remove it"):  # fmt: skip
+        rows_of(d, path)
+
+
+def test_review_model_info_never_builds_a_vision_language_models_whole_text_model(monkeypatch):
+    """Review finding: model-info's Ulysses check built a small model of the config that packing.shrunk shrinks at
+    its top level only: a vision-language model's text model whole (18.5 GB for Llama-3.2-11B-Vision's; --plan
+    killed for memory on 24 GB). Its verdict is said without building anything (sequence parallelism with images is
+    refused at build)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.sequence import ulysses_verdict
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", built)
+    for model_type in ("mllama", "gemma3"):
+        got = ulysses_verdict(AutoConfig.for_model(model_type), "sdpa")
+        assert "is a vision-language model: sequence parallelism with its images is not verified" in got, got
+
+
+def test_review_flash_attention_2_and_a_custom_tiling_are_handled():
+    """Review suspicions, confirmed by reading: flash_attention_2 trains a micro batch's rows as one row, which the
+    image inputs (a row's each) are not made for: refused with images (exit 2, the fix); a config whose aspect
+    ratios hold no 2 x 2 arrangement of its 4 tiles made the tower's measure raise ("[2, 2] is not in list"): it
+    measures the widest arrangement there is."""
+    from types import SimpleNamespace
+
+    from trainer.model.vision_count import measure as measure_tower
+    from trainer.run.build_model import vision_inputs
+
+    model = SimpleNamespace(config=SimpleNamespace(model_type="mllama"))
+    section = SimpleNamespace(attn_implementation="flash_attention_2")
+    planned = SimpleNamespace(plan=SimpleNamespace(pp=1, tp=1, sp=1, ep=1), model=section)
+    exp = SimpleNamespace(train=SimpleNamespace(objective="sft"), model=section)
+    with pytest.raises(
+        UserError, match=r"model.attn_implementation: flash_attention_2 .* Llama 3.2 Vision.* use sdpa"
+    ):
+        vision_inputs(exp, planned, model, SimpleNamespace(images=object(), idle_image=None, vision={}))
+    cfg = AutoConfig.for_model("mllama", vision_config={
+        "num_hidden_layers": 2, "num_global_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+        "attention_heads": 2, "image_size": 56, "vision_output_dim": 192,
+        "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1], [1, 3], [3, 1]]}, text_config={
+        "hidden_size": 64, "num_hidden_layers": 2, "cross_attention_layers": [1], "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "pad_token_id": 0})  # fmt: skip
+    v = measure_tower(cfg, ("vision_tower",))
+    assert v.layers == 3 and v.layer[0] > 0 and v.cross_layers == 1

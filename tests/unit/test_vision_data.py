@@ -259,7 +259,10 @@ def test_review_an_image_the_template_drops_is_refused_not_shifted(root, tmp_pat
                                                      {"type": "text", "text": "Same?"}]},
                         {"role": "assistant", "content": "No."}]}  # fmt: skip
     path = one_row(tmp_path / "system.jsonl", row)
-    with pytest.raises(UserError, match=r"system.jsonl:1: the chat template placed 1 of the row's 2 images"):
+    with pytest.raises(
+        UserError,
+        match=r"system.jsonl:1: the chat template placed 1 image tokens for the row.s 2 images; move the image to a user message",
+    ):
         rows_of(processor_dir("gemma3", root), path)
     assert rows_of(processor_dir("qwen2_vl", root), path)[1]["vision"]["images"] == 2
 

@@ -84,6 +84,8 @@ def _examples(row: Any, n: int, src: DataSource, section: DataSection, tok: Any,
         c.unread[key] = c.unread.get(key, 0) + 1
     out, fell_back = render_conversation(conv, tok, prof[0], train_on_prompt=section.train_on_prompt)
     c.turn_by_turn += fell_back
+    if pics is not None and not specs:
+        _no_image_token(out, section, where(n))
     return pics.expand(out, specs, tok, where(n)) if specs else out
 
 
@@ -183,6 +185,22 @@ def _vision(kept: list[Any], placed: list[int], n_rows: int, pics: image_rows.Im
         pics.image_tokens += getattr(ex, "image_tokens", 0)
     rows = [{k: np.concatenate(v) for k, v in d.items()} for d in per_row]
     return {**pics.stats(), "store": image_rows.ImageStore.of(rows, pics.keys), "idle": pics.idle()}
+
+
+def _no_image_token(examples: list[Any], section: DataSection, where: Any) -> None:
+    """A row without images whose text holds the model's image token itself (its tokenizer reads the text
+    "<|image|>" as that token): refused, as no image stands there (Llama 3.2 Vision's model stops on it, others
+    would train on it as a target)."""
+    proc = images.load_processor(section.tokenizer)
+    if proc is None or not getattr(proc, "image_token", None):
+        return
+    token = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
+    found = sum(ex.ids.count(token) for ex in examples)
+    if found:
+        raise UserError(
+            f"{where}: the text holds {proc.image_token} (the model's image token) {found} time(s) but the row has "
+            "no image; remove it from the text, or give the image (an image part, or <image> with an images column)"
+        )
 
 
 def _max_images(ex: Any, section: DataSection) -> int | None:

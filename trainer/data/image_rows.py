@@ -198,17 +198,17 @@ class Images:
         """Every image of the row is in the template's rendering of the whole conversation: one it leaves out (Gemma
         3's renders a system message's first text part only) would shift the pixels of the images after it onto
         the wrong slots."""
-        from trainer.data.chat import (
-            _render,
-        )  # (the template's own errors said: Llama 3.2 Vision's with a system message)
+        from trainer.data.chat import _render  # (the template's own errors said)
 
         k = _render(p, tok, conv).count(self.proc.image_token)
-        if k != n:
-            raise UserError(
-                f"{where}: the chat template placed {k} of the row's {n} images (it leaves out an image of some "
-                "message: a system message's, say); move the image to a user message, or give a template that "
-                "renders it (data.chat_template)"
-            )
+        more = (
+            f"the text itself holds {self.proc.image_token}: remove it"
+            if k > n
+            else "move the image to a user message"
+        )
+        if k != n:  # fewer: a template leaving out an image of some message (a system message's, say)
+            raise UserError(f"{where}: the chat template placed {k} image tokens for the row's {n} images; {more}, "
+                            "or give a template that renders each image once (data.chat_template)")  # fmt: skip
 
     def expand(self, examples: list[Any], specs: list[Any], tok: Any, where: Any) -> list[Any]:
         """The examples of one conversation with its images expanded (`expand`), each image's tensors kept."""

@@ -120,10 +120,10 @@ def _saved(cfg: Any, fam: Any, parts: tuple[str, ...], lp: int, side: int, patch
         inputs = {"pixel_values": torch.randn(2, channels, side * patch, side * patch, generator=gen)}
     if fam.cross:  # Llama 3.2 Vision: (1, images, tiles, C, H, W), every tile real
         tiles, size = int(cfg.vision_config.max_num_tiles), side * patch
-        ratio = 1 + [list(r) for r in cfg.vision_config.supported_aspect_ratios].index(_square(tiles))
+        ratio, real = _widest(cfg.vision_config.supported_aspect_ratios, tiles)
         inputs = {"pixel_values": torch.randn(1, 2, tiles, channels, size, size, generator=gen),
                   "aspect_ratio_ids": torch.tensor([[ratio, ratio]]),
-                  "aspect_ratio_mask": torch.ones(1, 2, tiles, dtype=torch.long)}  # fmt: skip
+                  "aspect_ratio_mask": (torch.arange(tiles) < real).long().expand(1, 2, tiles)}  # fmt: skip
     if fam.stacked:  # Idefics3: (1, tiles, C, H, W) and the pixels' mask
         size = side * patch
         inputs = {"pixel_values": inputs["pixel_values"][None],
@@ -176,10 +176,12 @@ def image_features(inner: Any, inputs: dict[str, Any]) -> Any:
     return inner.multi_modal_projector(inner.vision_model(**inputs).last_hidden_state)
 
 
-def _square(tiles: int) -> list[int]:
-    """The aspect ratio of `tiles` tiles (rows, columns) the tower's measure uses: 2 x 2 of 4, 1 x n else."""
-    side = math.isqrt(tiles)
-    return [side, side] if side * side == tiles else [1, tiles]
+def _widest(ratios: Any, tiles: int) -> tuple[int, int]:
+    """(the aspect ratio id, its tiles) of the supported arrangement with the most tiles within `tiles` (the
+    tower runs every image as `tiles` tiles, the rest padding)."""
+    sizes = [int(r[0]) * int(r[1]) for r in ratios]
+    best = max((k for k, n in enumerate(sizes) if n <= tiles), key=lambda k: sizes[k])
+    return best + 1, sizes[best]
 
 
 def _cross(cfg: Any, lp: int) -> float:

@@ -96,6 +96,11 @@ def vision_inputs(exp: Experiment, planned: Any, module: Any, data: Any) -> Any:
         raise UserError(
             f"train.objective: {exp.train.objective} is not verified for {fam.name} here; train sft"
         )
+    if data.images is not None and (planned.model or exp.model).attn_implementation == "flash_attention_2":
+        raise UserError(  # (the engine's one row of a micro batch's rows: the images' inputs are a row's each)
+            f"model.attn_implementation: flash_attention_2 trains a micro batch's rows as one row, which {fam.name}'s "
+            "image inputs (made a row at a time) are not verified with; use sdpa"
+        )
     idle = (
         None if data.idle_image is None else {k: torch_of(v) for k, v in data.idle_image.batch([0]).items()}
     )

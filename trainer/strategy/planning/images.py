@@ -164,21 +164,24 @@ def budget(
     layers, rest = tower_bytes(v, lp, sizes, eager, checkpointing)
     layers, rest, total = layers * rows, rest * rows, sum(sizes) * rows
     bound = min(max_pixels or processor_pixels, processor_pixels)
-    cross = cross_bytes(v, lp, total, rows * seq_len, eager)
+    cross = cross_bytes(v, lp, total, seq_len, eager)
     return Budget(
         bound, tokens, len(sizes) * rows, total, total * v.pixel_bytes, int(layers), int(rest), int(cross)
     )
 
 
-def cross_bytes(v: Vision, lp: int, patches: int, tokens: int, eager: bool) -> float:
-    """What the text's cross-attention layers keep for `patches` patches of images attended by `tokens` text
-    tokens: each layer's keys and values (measured), the projected features once, and under eager attention each
-    head's scores a token and patch (the fp32 softmax and its copy in the compute precision)."""
+def cross_bytes(v: Vision, lp: int, patches: int, seq_len: int, eager: bool) -> float:
+    """What the text's cross-attention layers keep for `patches` patches of images (the micro batch's), each row's
+    attended by its own `seq_len` tokens: each layer's keys and values (measured), the projected features once, and
+    the attention's tokens x patches a row: under sdpa its additive mask, kept once for every layer in the compute
+    precision; under eager each layer's scores a head (the fp32 softmax and its copy in the compute precision)."""
     if not v.cross_layers:
         return 0.0
     kept = v.cross_layers * v.cross[0 if lp < F32 else 1] * patches + v.cross_width * lp * patches
     if eager:
-        kept += v.cross_layers * v.cross_heads * (F32 + (lp if lp < F32 else 0)) * tokens * patches
+        kept += v.cross_layers * v.cross_heads * (F32 + (lp if lp < F32 else 0)) * seq_len * patches
+    else:
+        kept += lp * seq_len * patches
     return kept
 
 
