@@ -356,6 +356,8 @@ def _objective(exp: Experiment) -> list[tuple[str, str]]:
         from trainer.config.rl_schema import rl_problems
 
         return rl_problems(exp)
+    if t.objective == "distill":  # (its data: _distill)
+        return []
     if "prompt" in kinds:
         return [("data.train.kind", f"prompt data (prompts alone, no responses) trains only by generating: set "
                  f"train.objective: grpo (train.rl), not {t.objective}")]  # fmt: skip
@@ -398,6 +400,14 @@ def _run_dir(exp: Experiment) -> list[tuple[str, str]]:
                 ]
             break
     return []
+
+
+@contradiction
+def _distill(exp: Experiment) -> list[tuple[str, str]]:
+    """train.objective distill with its teacher, data and what it is built with (distill_schema.py)."""
+    from trainer.config.distill_schema import distill_problems
+
+    return distill_problems(exp)
 
 
 @contradiction

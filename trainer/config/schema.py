@@ -14,6 +14,7 @@ from pydantic import Field
 from trainer.common.optimizers import OPTIMIZERS
 from trainer.config.checkpoint_schema import FLEET_MTBF_NODE_HOURS, CheckpointSection  # noqa: F401 (re-exported)
 from trainer.config.data_schema import DataSection, DataSource  # noqa: F401 (DataSource: re-exported)
+from trainer.config.distill_schema import DistillSection
 from trainer.config.fields import (
     AutoBool,
     FrozenMapping,
@@ -222,18 +223,22 @@ class PreferenceSection(Section):
 class TrainSection(Section):
     """Batch, length and precision of training."""
 
-    objective: choice("sft", "dpo", "ipo", "simpo", "orpo", "grpo") = Field(
+    objective: choice("sft", "dpo", "ipo", "simpo", "orpo", "grpo", "distill") = Field(
         "sft",
         description="sft = next-token loss on the targets; dpo, ipo (against the reference: the model as "
         "training starts, its log-probs computed once) and simpo, orpo (reference-free) train on data of kind "
         "preference (docs/fine-tuning.md); grpo generates completions of prompts (data of kind prompt) and "
-        "trains on their rewards (train.rl, docs/rl.md)",
+        "trains on their rewards (train.rl, docs/rl.md); distill trains on a teacher's next-token distributions "
+        "over the data's tokens (train.distill, docs/distillation.md)",
     )
     rl: RLSection = Field(
         default_factory=RLSection, description="train.objective grpo's settings (docs/rl.md)"
     )
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection, description="the preference objectives' settings"
+    )
+    distill: DistillSection = Field(
+        default_factory=DistillSection, description="train.objective distill's teacher and divergence"
     )
 
     micro_batch_size: auto_or_count("a number of sequences") = Field(
@@ -391,7 +396,7 @@ class Experiment(Section):
         left out for them, and data.eval_fraction for grpo (it holds no prompts out) unless it was written."""
         out = self.to_dict()
         given = self.data.model_fields_set
-        if self.train.objective != "sft" and self.data.packing and "packing" not in given:
+        if self.train.objective not in ("sft", "distill") and self.data.packing and "packing" not in given:
             out["data"].pop("packing", None)
         if self.train.objective == "grpo" and "eval_fraction" not in given:
             out["data"].pop("eval_fraction", None)

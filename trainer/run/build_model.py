@@ -23,6 +23,11 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
 
     if data.supervised and exp.data.packing and not data.pairs:
         data.packing = packing_verdict(exp, planned.model or exp.model, data)
+    if exp.train.objective == "distill":  # the teacher's vocabulary, before any weight loads
+        from trainer.objectives import distill
+
+        student = model.hf_config(planned.model or exp.model, data.vocab_size, data.eos_id)
+        distill.check_vocabulary(exp.train.distill.teacher, student, data.tokenizer)
     dist.seed_all(exp.seed)
     built = dict(planned.ds_config)
     # zero.Init (stage 3) reads the batch over the world, before AutoTP's mesh exists: DeepSpeed derives it there
@@ -43,7 +48,12 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
             "router's auxiliary loss that output_router_logits asks for would never be added; set "
             "model.config.output_router_logits: false (the router trains on the objective alone) or train sft"
         )
-    if exp.train.objective != "sft" and exp.train.preference.disable_dropout:
+    if exp.train.objective == "distill":
+        zero3 = built.get("zero_optimization", {}).get("stage") == 3
+        distill.attach(module, distill.teacher(exp.train.distill.teacher, module.config, data.tokenizer),
+                       exp.train.distill, zero3)  # fmt: skip
+    no_dropout = exp.train.distill if exp.train.objective == "distill" else exp.train.preference
+    if exp.train.objective != "sft" and no_dropout.disable_dropout:
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
     lora = (planned.model or exp.model).lora
     if lora is not None and lora.quantization in ("4bit", "8bit"):

@@ -219,14 +219,14 @@ def rows_per_micro(exp: Experiment) -> int:
     """Sequences in one forward: the micro batch (grpo: its completions), or for a preference objective its
     pairs' chosen and rejected rows together (the reference's log-probs are precomputed: no reference
     model, no pass)."""
-    return exp.train.micro_batch_size * (1 if exp.train.objective in ("sft", "grpo") else 2)
+    return exp.train.micro_batch_size * (1 if exp.train.objective in ("sft", "grpo", "distill") else 2)
 
 
 def masked_rows(exp: Experiment) -> bool:
     """Whether a micro batch's rows carry a mask (sdpa then gets one: layers.py): examples packed or padded
     (every kind but plain text run end to end; preference pairs and GRPO's completions padded)."""
     d = exp.data
-    return exp.train.objective != "sft" or d.kind != "text" or d.separate_documents
+    return exp.train.objective not in ("sft", "distill") or d.kind != "text" or d.separate_documents
 
 
 def activations_for(exp: Experiment, info: ModelInfo, lp: int, levers: Any, device: str = "cuda") -> int:

@@ -1,0 +1,121 @@
+"""train.objective distill, off-policy (trainer/objectives/distill.py): the student's loss through its replaced
+forward equals TRL's GKD loss on the same batch's whole logits (the targets' positions, shifted as the token loss
+shifts them), loss and gradient; through bin/train the losses are the same however a step is split (4 x 1, 1 x 4,
+2 ranks x 2) and fall; bad input stops with the key and the fix (exit 2) before any weight loads."""
+
+import pytest
+import torch
+from helpers import SPLITS, split_losses, train
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from trainer.data.pack import IGNORE
+from trainer.objectives import distill
+
+GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 256, "vocab_size": 257, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A tiny GPT-2 teacher (random, seeded) saved as a checkout holds it, the byte tokenizer's vocabulary."""
+    out = tmp_path_factory.mktemp("teacher")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**{**GPT2, "n_embd": 96, "n_layer": 3})).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory):
+    """The student's initial weights saved (every ZeRO stage starts from them: zero.Init draws a config's
+    initial weights otherwise than a plain build)."""
+    out = tmp_path_factory.mktemp("student")
+    torch.manual_seed(3)
+    GPT2LMHeadModel(GPT2Config(**GPT2)).save_pretrained(out)
+    return out
+
+
+def settings(beta, temperature, squared=False):
+    from trainer.config.distill_schema import DistillSection
+
+    return DistillSection(beta=beta, temperature=temperature, temperature_squared=squared)
+
+
+@pytest.mark.parametrize("beta,temperature,squared", [(1.0, 1.0, False), (0.0, 0.7, False), (0.5, 2.0, True)])
+def test_the_students_loss_is_trls_gkd_loss_on_the_batch(teacher_dir, beta, temperature, squared):
+    from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+    torch.manual_seed(1)
+    student = GPT2LMHeadModel(GPT2Config(**GPT2))
+    ref = GPT2LMHeadModel(GPT2Config(**GPT2))
+    ref.load_state_dict(student.state_dict())
+    teach = distill.teacher(str(teacher_dir), student.config)
+    distill.attach(student, teach, settings(beta, temperature, squared))
+    ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[0, :10] = IGNORE  # a prompt
+    labels[1, 20:] = IGNORE  # padding
+    pos = torch.arange(24).repeat(2, 1)
+    got = student(input_ids=ids, labels=labels, position_ids=pos, use_cache=False).loss
+    got.backward()
+    logits = ref(input_ids=ids, position_ids=pos).logits[:, :-1]
+    with torch.no_grad():
+        t_logits = teach(input_ids=ids, position_ids=pos).logits[:, :-1]
+    want = GKDTrainer.generalized_jsd_loss(
+        logits, t_logits, labels=labels[:, 1:], beta=beta, temperature=temperature
+    )
+    want = want * (temperature**2 if squared else 1.0)
+    want.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    for (name, a), b in zip(student.named_parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7), name
+    assert not any(p.requires_grad for p in teach.parameters())
+
+
+def test_split_invariant_and_falling(tmp_path, teacher_dir, student_dir):
+    """4 x 1, 1 x 4 and 2 ranks x 2 log the same losses (split_losses: 1e-6), which fall; ZeRO-3 on 2 ranks too."""
+
+    def sets_for(split):
+        return {"train.objective": "distill", "train.distill.teacher": str(teacher_dir), "train.distill.beta": 0.5,
+                "train.distill.temperature": 0.8, "train.max_steps": 6, "train.log_every": 1, "train.eval_every": 0,
+                "train.eval_prompts": [], "optim.lr": 3e-3, "optim.warmup_steps": 0, "model.config": None, "model.pretrained": str(student_dir),
+                "checkpoint.save_final": False, **split}  # fmt: skip
+
+    losses = split_losses(tmp_path, sets_for, names=tuple(SPLITS))
+    ref = losses["micro4"]
+    assert ref[6] < ref[1]
+    # ZeRO-3 on 2 ranks: the student's LM head gathered for the divergence (an external parameter), the teacher
+    # a whole copy a rank
+    zero3 = train(tmp_path / "zero3", sets_for({"train.micro_batch_size": 2, "strategy.zero_stage": 3}),
+                  launcher="torchrun", nproc=2, debug=False)  # fmt: skip
+    for step, value in ref.items():
+        assert zero3.losses[step] == pytest.approx(value, rel=1e-5), (zero3.losses, ref)
+
+
+BAD = {
+    "missing": ({"train.distill.teacher": "/nowhere/teacher"}, r"train.distill.teacher: cannot load '/nowhere/teacher'"),
+    "vocab": ({"train.distill.teacher": "SMALL_VOCAB"},
+              r"train.distill.teacher: '.*' has a vocabulary of 100 and the student \(gpt2\) one of 257"),
+    "beta": ({"train.distill.beta": 1.5}, r"train.distill.beta"),
+    "temperature": ({"train.distill.temperature": 0}, r"train.distill.temperature"),
+    "lmbda": ({"train.distill.lmbda": 0.5}, r"train.distill.lmbda: 0.5: training on the student's own completions"),
+    "no teacher": ({}, r"train.distill.teacher: distill needs its teacher"),
+    "objective": ({"train.objective": "sft"}, r"train.distill: is train.objective distill's; the objective is sft"),
+    "chunked": ({"model.chunked_loss": True}, r"model.chunked_loss: distill computes its own divergence"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_stops_with_the_key_and_the_fix(tmp_path, teacher_dir, case):
+    sets, pattern = BAD[case]
+    if sets.get("train.distill.teacher") == "SMALL_VOCAB":
+        GPT2LMHeadModel(GPT2Config(**{**GPT2, "vocab_size": 100})).save_pretrained(tmp_path / "small")
+        sets = {"train.distill.teacher": str(tmp_path / "small")}
+    base = {"train.objective": "distill", "train.max_steps": 1}
+    if case != "no teacher":
+        base["train.distill.teacher"] = str(teacher_dir)
+    r = train(tmp_path, {**base, **sets}, debug=False, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.output, r.output[-2000:]
+    import re
+
+    assert re.search(pattern, r.output), r.output[-2000:]
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))

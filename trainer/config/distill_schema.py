@@ -1,0 +1,83 @@
+"""train.distill: distillation from a teacher (train.objective: distill; docs/distillation.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from trainer.config.fields import Section
+
+
+class DistillSection(Section):
+    """The teacher and the divergence the student is trained on (TRL's DistillationTrainer's and GKD's names)."""
+
+    teacher: str | None = Field(
+        None,
+        description="the teacher: a local directory or hub id of a causal LM with the student's vocabulary "
+        "(frozen, in eval mode, no optimizer state)",
+    )
+    beta: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="0 = the forward KL(teacher || student), 1 = the reverse KL(student || teacher), between: the "
+        "generalized Jensen-Shannon divergence with the mixture (1 - beta) p_student + beta p_teacher (TRL's; its "
+        "DistillationConfig's default 1.0, GKDConfig's 0.5)",
+    )
+    temperature: float = Field(
+        1.0, gt=0.0, description="divides both models' logits before the divergence (TRL's; no T^2 factor)"
+    )
+    temperature_squared: bool = Field(
+        False,
+        description="multiply the divergence by temperature^2 (DistillKit's and Hinton's convention; TRL has none)",
+    )
+    lmbda: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="the share of steps trained on the student's own completions (on-policy); 0 = the data's "
+        "completions (off-policy). TRL's DistillationConfig defaults to 1: on-policy is not built here yet, so "
+        "only 0 is accepted",
+    )
+    seq_kd: bool = Field(
+        False, description="train on the teacher's generated completions (GKD's seq_kd): not built here yet"
+    )
+    disable_dropout: bool = Field(
+        True, description="turn every dropout of the student off (TRL's default); false keeps it"
+    )
+
+
+def distill_problems(exp: Any) -> list[tuple[str, str]]:
+    """What a distill experiment must hold together (the config's rules call it), and train.distill set for
+    another objective."""
+    t, d, ds = exp.train, exp.data, exp.train.distill
+    if t.objective != "distill":
+        if ds.model_fields_set:
+            return [("train.distill", f"is train.objective distill's; the objective is {t.objective}: remove it or "
+                     "set train.objective: distill")]  # fmt: skip
+        return []
+    out: list[tuple[str, str]] = []
+    if not ds.teacher:
+        out.append(("train.distill.teacher", "distill needs its teacher: a local directory or hub id of a causal LM "
+                    "with the student's vocabulary"))  # fmt: skip
+    kinds = {s.kind for _, s in d.sources} | ({d.eval.kind} if d.eval is not None else set())
+    if kinds & {"preference", "prompt"}:
+        out.append(("data.train.kind", "distill trains the student on the teacher's distribution over the data's "
+                    "own tokens (off-policy): give chat, prompt_completion or text data, not "
+                    f"{', '.join(sorted(kinds & {'preference', 'prompt'}))}"))  # fmt: skip
+    if ds.lmbda > 0:
+        out.append(("train.distill.lmbda", f"{ds.lmbda}: training on the student's own completions (on-policy) is "
+                    "not built yet; set 0 (the data's completions)"))  # fmt: skip
+    if ds.seq_kd:
+        out.append(
+            ("train.distill.seq_kd", "the teacher's generated completions are not built yet; set false")
+        )
+    if exp.model.chunked_loss is True:
+        out.append(("model.chunked_loss", "distill computes its own divergence a vocabulary chunk at a time (no "
+                    "whole logits); set it to auto or false"))  # fmt: skip
+    if exp.model.kernels == "liger":
+        out.append(
+            ("model.kernels", "liger's fused loss is not the divergence distill trains on; set it to none")
+        )
+    return out

@@ -1,0 +1,133 @@
+"""train.objective distill: the student trained on a teacher's next-token distributions over the data's own tokens
+(off-policy: TRL's DistillationTrainer and GKD at lmbda 0), the divergence of trainer/objectives/divergence.py
+(TRL's beta and temperature) summed over the targets and divided as the token loss is (the step's targets over
+ranks and accumulation: split-invariant).
+
+The teacher is loaded once a process (`teacher`: its vocabulary checked against the student's before its weights
+load), frozen and in eval mode, outside the student (no optimizer state, not in checkpoints), moved to the
+student's device and compute precision at its first forward. The student's forward is replaced on the instance
+(as model.chunked_loss replaces it): with labels it runs both models' base to their last hidden states and the
+divergence a vocabulary chunk at a time, so neither model's whole logits exist; without labels (generation,
+samples) the model's own forward runs. At ZeRO-3 the student's LM head is registered as an external parameter
+(DeepSpeed gathers it for the forward and backward); the teacher is then a whole copy a rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.common.errors import UserError
+
+
+def _config(spec: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"train.distill.teacher: cannot load '{spec}' ({type(e).__name__}: {str(e)[:200]}); give a local "
+            "directory or hub id of a causal LM"
+        ) from None
+
+
+def check_vocabulary(spec: str, student: Any, tokenizer: Any = None) -> Any:
+    """The teacher's config, once its vocabulary is the student's (sizes, and where the teacher's local directory
+    holds a tokenizer, the same tokens): exit 2 naming both, before any weight loads."""
+    cfg = _config(spec)
+    theirs, ours = cfg.get_text_config().vocab_size, student.get_text_config().vocab_size
+    if theirs != ours:
+        raise UserError(
+            f"train.distill.teacher: '{spec}' has a vocabulary of {theirs:,} and the student ({student.model_type}) "
+            f"one of {ours:,}: the divergence compares the two distributions entry by entry, so they need one "
+            "tokenizer (distilling across tokenizers, TRL's GOLD, is not built here); give a teacher of the "
+            "student's tokenizer"
+        )
+    from pathlib import Path
+
+    local = Path(spec).expanduser()
+    if tokenizer is not None and any(
+        (local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        from transformers import AutoTokenizer
+
+        try:
+            their_tok = AutoTokenizer.from_pretrained(str(local))
+        except (OSError, ValueError):
+            return cfg  # a tokenizer that does not load: the sizes said it
+        if their_tok.get_vocab() != tokenizer.get_vocab():
+            raise UserError(
+                f"train.distill.teacher: '{spec}''s tokenizer is not data.tokenizer's (the same {theirs:,} ids "
+                "for other tokens); give a teacher of the student's tokenizer"
+            )
+    return cfg
+
+
+def teacher(spec: str, student: Any, tokenizer: Any = None) -> Any:
+    """The teacher, frozen and in eval mode (on the CPU in fp32 until its first forward moves it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = check_vocabulary(spec, student, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(spec, config=cfg, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    _heads(model, "train.distill.teacher")
+    return model
+
+
+def _heads(model: Any, key: str) -> tuple[Any, Any]:
+    """(the base model, the LM head) of a transformers causal LM whose logits are head(hidden) unscaled and uncapped."""
+    from trainer.config import chunked_loss_problem
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(inner, "config", None)
+    problem = chunked_loss_problem(getattr(config, "model_type", None), config.get_text_config())
+    head = inner.get_output_embeddings()
+    if problem or head is None or getattr(head, "bias", None) is not None:
+        raise UserError(
+            f"{key}: {problem or type(inner).__name__ + ' has no bias-free LM head'}: distill computes the logits "
+            "from the last hidden states and the LM head alone"
+        )
+    return inner.base_model, head
+
+
+def attach(model: Any, teach: Any, settings: Any, zero3: bool = False) -> Any:
+    """Give the student `model` (under LoRA: peft's wrapper) the divergence to `teach` as its loss."""
+    import torch
+    from transformers.modeling_outputs import CausalLMOutput
+
+    from trainer.data.pack import IGNORE
+    from trainer.objectives import divergence
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base, head = _heads(inner, "model")
+    t_base, t_head = _heads(teach, "train.distill.teacher")
+    if zero3:
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(inner, head.weight)
+    original = inner.forward
+    scale = settings.temperature**2 if settings.temperature_squared else 1.0
+
+    def forward(input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        if labels is None:
+            return original(input_ids=input_ids, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("shift_labels", None)
+        hidden = base(input_ids=input_ids, **kwargs)[0]
+        first = next(teach.parameters())
+        if first.device != hidden.device or first.dtype != hidden.dtype:
+            teach.to(device=hidden.device, dtype=hidden.dtype)
+        with torch.no_grad():
+            t_hidden = t_base(input_ids=input_ids, **kwargs)[0]
+        mask = labels[:, 1:] != IGNORE
+        count = num_items if num_items is not None else mask.sum().clamp(min=1)
+        loss = divergence.loss(
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]), head.weight,
+            t_hidden[:, :-1].reshape(-1, t_hidden.shape[-1]), t_head.weight,
+            mask.reshape(-1), settings.beta, settings.temperature, count, scale,
+        )  # fmt: skip
+        return CausalLMOutput(loss=loss)
+
+    inner.forward = forward
+    return model
