@@ -119,3 +119,46 @@ def test_bad_input_stops_with_the_key_and_the_fix(tmp_path, teacher_dir, case):
 
     assert re.search(pattern, r.output), r.output[-2000:]
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+def test_the_eval_says_the_divergence_not_a_perplexity(tmp_path, teacher_dir):
+    """The eval loss of distill is the divergence to the teacher: no perplexity (its exponential means nothing)."""
+    r = train(tmp_path, {"train.objective": "distill", "train.distill.teacher": str(teacher_dir), "train.max_steps": 2,
+                         "train.eval_every": 2, "train.eval_prompts": [], "checkpoint.save_final": False}, debug=False)  # fmt: skip
+    evals = [m for m in r.metrics if "eval_loss" in m]
+    assert evals and not any("eval_ppl" in m for m in evals)
+    assert "(the divergence to the teacher)" in r.output
+
+
+def test_the_plan_holds_the_teacher(tmp_path, teacher_dir, capsys):
+    """The teacher in every candidate's buffers: its weights in the compute precision (its parameters counted on
+    the meta device), its forward's layer in flight and last hidden states, the divergence's block of logits;
+    --plan says it. The same job as sft plans that much less."""
+    from helpers import TINY, yaml_value
+
+    from trainer import config
+    from trainer.objectives.divergence import working_bytes
+    from trainer.run.cli import main
+    from trainer.strategy.planning.teacher import _shape, teacher_bytes
+
+    sets = {"train.objective": "distill", "train.distill.teacher": str(teacher_dir), "train.precision": "fp32",
+            "train.micro_batch_size": 8, "run_dir": str(tmp_path / "run")}  # fmt: skip
+    exp = config.load(TINY, [f"{k}={yaml_value(v)}" for k, v in sets.items()])
+    params = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(teacher_dir).parameters())
+    assert _shape(str(teacher_dir))[:2] == (params, 96)
+    tokens = 8 * exp.data.seq_len
+    assert teacher_bytes(exp, 4) == params * 4 + tokens * (
+        4 * 96 + 2 * 384
+    ) * 4 + tokens * 96 * 4 + working_bytes(tokens, 257)
+    main([str(TINY), "--plan", *(f"--set={k}={yaml_value(v)}" for k, v in sets.items())])
+    out = capsys.readouterr().out
+    line = f"teacher: {teacher_dir} ({params / 1e6:,.1f}M parameters), a whole copy a rank"
+    assert line in out, out[-1500:]
+    main([str(TINY), "--plan", *(f"--set={k}={yaml_value(v)}" for k, v in sets.items() if "distill" not in k and
+                                 "objective" not in k)])  # fmt: skip
+    plain = capsys.readouterr().out
+
+    def planned(text):
+        return float(text.split("first rung that fits (")[1].split(" MB")[0])
+
+    assert planned(out) - planned(plain) == pytest.approx(teacher_bytes(exp, 4) / 2**20, abs=0.01)  # (MB: MiB)

@@ -53,13 +53,18 @@ def test_the_loss_and_gradient_are_trls(tensors, beta, temperature):
         assert torch.allclose(g_h, ga, rtol=1e-4, atol=1e-6) and torch.allclose(g_w, gb, rtol=1e-4, atol=1e-6)
 
 
-def test_the_chunk_changes_nothing_and_the_split_is_invariant(tensors):
-    """Chunks of 7 entries, 64 and the whole vocabulary: the same loss and gradient (to fp32 rounding); micro
-    batches of 5 and 7 tokens each divided by the step's token count sum to the whole batch's loss and gradient."""
+def test_the_chunk_changes_nothing_and_the_split_is_invariant(tensors, monkeypatch):
+    """Chunks of 7 entries, 64 and the whole vocabulary, blocks of 5 tokens: the same loss and gradient (to fp32
+    rounding); micro batches of 5 and 7 tokens each divided by the step's token count sum to the whole batch's
+    loss and gradient."""
     whole = ours(tensors, 0.5, 0.7, chunk=V)
     for chunk in (7, 64):
         got = ours(tensors, 0.5, 0.7, chunk=chunk)
         assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(got, whole, strict=True))
+    monkeypatch.setattr(divergence, "TOKENS", 5)
+    got = ours(tensors, 0.5, 0.7, chunk=64)
+    assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(got, whole, strict=True))
+    monkeypatch.undo()
     h_s, w_s, h_t, w_t, mask = tensors
     a, b = h_s.clone().requires_grad_(), w_s.clone().requires_grad_()
     total = sum(

@@ -44,13 +44,16 @@ class ForwardTimer:
         self.metrics.interval.forward += time.perf_counter() - self._t
 
 
-def eval_record(step: int, loss: float, extra: dict[str, Any] | None) -> dict[str, Any]:
+def eval_record(
+    step: int, loss: float, extra: dict[str, Any] | None, perplexity: bool = True
+) -> dict[str, Any]:
     """An eval's record: the loss and its perplexity; a preference objective's loss has none (the
-    exponential of a DPO loss means nothing), its eval rewards, margin and accuracy (`extra`) instead."""
+    exponential of a DPO loss means nothing), its eval rewards, margin and accuracy (`extra`) instead; nor has
+    distillation's (a divergence: `perplexity` false)."""
     rec: dict[str, Any] = {"step": step, "eval_loss": loss}
     if extra:
         return rec | {f"eval_{k}": v for k, v in extra.items()}
-    return rec | {"eval_ppl": math.exp(min(loss, 50.0))}
+    return rec | {"eval_ppl": math.exp(min(loss, 50.0))} if perplexity else rec
 
 
 class Metrics:
@@ -74,8 +77,10 @@ class Metrics:
         peak_flops: float | None = None,
         tags: dict[str, Any] | None = None,
         loss_ranks: int | None = None,
+        perplexity: bool = True,
     ) -> None:
         self.is_main = is_main
+        self.perplexity = perplexity  # the eval loss is a token loss (not distillation's divergence)
         # the ranks a step's loss is spread over: under sequence parallelism each rank holds its shard's
         # share, summed over its group, so the mean is over the data-parallel ranks
         self.loss_ranks = loss_ranks or world_size
@@ -182,7 +187,7 @@ class Metrics:
             self.interval.paused += time.perf_counter() - t
 
     def eval(self, step: int, loss: float, samples: list | None = None, extra: dict | None = None) -> None:
-        rec = eval_record(step, loss, extra)
+        rec = eval_record(step, loss, extra, self.perplexity)
         if samples:
             rec["samples"] = samples
         self.record(rec)

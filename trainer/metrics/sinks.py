@@ -111,6 +111,8 @@ class ConsoleSink:
                 f"{rec['eval_rewards_chosen']:.3f} rejected {rec['eval_rewards_rejected']:.3f}"
                 if "eval_reward_margin" in rec
                 else f"ppl {rec['eval_ppl']:.2f}"
+                if "eval_ppl" in rec
+                else "(the divergence to the teacher)"
             )
             log.info(f"eval  step {rec['step']:>6}  loss {rec['eval_loss']:.4f}  {what}")
             for s in rec.get("samples", []):

@@ -1,6 +1,6 @@
 """The divergence a distilled student is trained on, from both models' last hidden states and LM heads, a chunk of
-the vocabulary at a time: neither model's logits over the whole vocabulary exist at once (a chunk's, for the
-tokens of a micro batch, in fp32).
+the vocabulary for a block of tokens at a time: neither model's logits over the whole vocabulary exist at once (a
+chunk's for a block, in fp32: `working_bytes`).
 
 The divergence is TRL's (`GKDTrainer.generalized_jsd_loss`, `trl/kernels/chunked_divergence.py`): with p_s and
 p_t the student's and the teacher's next-token distributions at temperature T (both sides' logits divided by T):
@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 CHUNK = 8192  # vocabulary entries a chunk (Llama 3's 128,256: 16 chunks)
+TOKENS = 2048  # tokens a block: a chunk's fp32 logits are TOKENS x CHUNK x 4 bytes (64 MiB)
 
 
 def _logits(hidden: Any, weight: Any, start: int, stop: int, inv_t: float) -> Any:
@@ -111,7 +112,12 @@ def per_token(h_s: Any, w_s: Any, h_t: Any, w_t: Any, beta: float, temperature: 
     gradients to the student's hidden states and head only."""
     if not _CLASS:
         _CLASS.append(_divergence_class())
-    return _CLASS[0].apply(h_s, w_s, h_t.detach(), w_t.detach(), float(beta), float(temperature), int(chunk))
+    import torch
+
+    h_t, w_t = h_t.detach(), w_t.detach()
+    blocks = [(a, min(a + TOKENS, h_s.shape[0])) for a in range(0, h_s.shape[0], TOKENS)] or [(0, 0)]
+    return torch.cat([_CLASS[0].apply(h_s[a:b], w_s, h_t[a:b], w_t, float(beta), float(temperature), int(chunk))
+                      for a, b in blocks])  # fmt: skip
 
 
 def loss(h_s: Any, w_s: Any, h_t: Any, w_t: Any, mask: Any, beta: float, temperature: float, num_items: Any,
@@ -122,3 +128,10 @@ def loss(h_s: Any, w_s: Any, h_t: Any, w_t: Any, mask: Any, beta: float, tempera
     keep = mask.reshape(-1).nonzero().flatten()
     div = per_token(h_s[keep], w_s, h_t[keep], w_t, beta, temperature, chunk)
     return div.sum() * scale / num_items
+
+
+def working_bytes(tokens: int, vocab: int) -> int:
+    """The most the divergence holds at once beside its inputs for `tokens` tokens over `vocab` entries: a block's
+    chunk of both models' logits and what is made of them (log-probabilities, probabilities, the mixture, the
+    gradient: 8 fp32 tensors of a block by a chunk)."""
+    return 8 * min(TOKENS, tokens) * min(CHUNK, vocab) * 4

@@ -83,6 +83,8 @@ def summary(
         e = evals[-1]
         rows.append(("final eval loss (margin / accuracy)",
                      f"{e['eval_loss']:.4f} ({e['eval_reward_margin']:.3f} / {e['eval_reward_accuracy']:.2f})"))  # fmt: skip
+    elif evals and "eval_ppl" not in evals[-1]:
+        rows.append(("final eval loss (the divergence to the teacher)", f"{evals[-1]['eval_loss']:.4f}"))
     elif evals:
         rows.append(("final eval loss (ppl)", f"{evals[-1]['eval_loss']:.4f} ({evals[-1]['eval_ppl']:.2f})"))
     mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]

@@ -336,6 +336,7 @@ def make_metrics(
         device=engine.device,
         hosts=hosts,
         straggler_margin=exp.dist.straggler_margin,
+        perplexity=exp.train.objective != "distill",
         progress=progress_enabled(exp.logging.progress),
         flops_per_token=flops_per_token(info, exp.data.seq_len),  # a mixture of experts': its active ones
         peak_flops=metrics.peak_flops(engine.device, exp.logging.peak_tflops),

@@ -20,6 +20,7 @@ from trainer.strategy.planning.generation import reward_model_bytes
 from trainer.strategy.planning.host import host_needs, snapshot_bytes
 from trainer.strategy.planning.states import model_states, optimizer_implementation
 from trainer.strategy.planning.step import SUB_GROUP_SIZE, step_bytes
+from trainer.strategy.planning.teacher import teacher_bytes
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def estimate_all(
             persistent,
             local.quantized,
         )
-        buf = buffers(c, info, lp, on_gpu, template) + reward_model_bytes(exp, lp)  # grpo: reward models
+        # grpo: reward models; distill: the teacher
+        buf = buffers(c, info, lp, on_gpu, template) + reward_model_bytes(exp, lp) + teacher_bytes(exp, lp)
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
         fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         step = step_bytes(c, trainable, n, lp, fused_wrapper, largest_tensor, sub_group)

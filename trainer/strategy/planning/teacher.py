@@ -1,0 +1,60 @@
+"""Distillation's teacher in the plan (train.objective distill; trainer/objectives/distill.py): a whole copy a rank
+at every stage, held for the whole run, among every candidate's buffers:
+
+- its weights in the run's compute precision (its parameters counted on the meta device from its config);
+- its forward, without gradients: one layer's working set in flight a micro batch (its hidden states, the
+  attention's projections and the MLP's widest activation, in the compute precision), and its last hidden
+  states, which the divergence keeps for backward;
+- the divergence's working set (trainer/objectives/divergence.py `working_bytes`: a block of tokens' chunk of both
+  models' logits and what is made of them, in fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+@functools.lru_cache(maxsize=8)
+def _shape(spec: str) -> tuple[int, int, int, int]:
+    """(parameters, hidden size, MLP width, vocabulary) of the causal LM at `spec`, counted on the meta device; zeros where it
+    does not read (the run then stops at load, naming it)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(spec)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0, 0, 0
+    text = cfg.get_text_config()
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)
+    width = int(getattr(text, "intermediate_size", 0) or getattr(text, "n_inner", 0) or 4 * hidden)
+    return sum(p.numel() for p in model.parameters()), hidden, width, int(getattr(text, "vocab_size", 0) or 0)
+
+
+def teacher_bytes(exp: Any, lp: int) -> int:
+    """The teacher's bytes a rank (module docstring); 0 for another objective."""
+    if exp.train.objective != "distill" or not exp.train.distill.teacher:
+        return 0
+    from trainer.objectives.divergence import working_bytes
+
+    params, hidden, width, vocab = _shape(exp.train.distill.teacher)
+    tokens = (
+        exp.train.micro_batch_size * exp.data.seq_len if isinstance(exp.train.micro_batch_size, int) else 0
+    )
+    in_flight = tokens * (4 * hidden + 2 * width) * lp
+    return params * lp + in_flight + tokens * hidden * lp + working_bytes(tokens, vocab)
+
+
+def teacher_line(exp: Any, lp: int) -> str:
+    """--plan's line for distill."""
+    from trainer.config import format_size
+
+    params = _shape(exp.train.distill.teacher)[0]
+    return (
+        f"teacher: {exp.train.distill.teacher} ({params / 1e6:,.1f}M parameters), a whole copy a rank: "
+        f"{format_size(teacher_bytes(exp, lp))} among the buffers (its weights in the compute precision, its forward "
+        "without gradients, the divergence's chunk of both models' logits)"
+    )
