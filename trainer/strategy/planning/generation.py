@@ -162,20 +162,29 @@ def reward_model_bytes(exp: Any, lp: int) -> int:
 def _reward_model_shape(path: str) -> tuple[int, int, int, int]:
     """(parameters, hidden size, MLP width, heads) of the sequence-classification model at `path`, counted on
     the meta device; zeros where it does not read (the run then stops at load, naming it)."""
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification
-
-        cfg = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            model = AutoModelForSequenceClassification.from_config(cfg)
-    except (OSError, ValueError, KeyError, TypeError):
+    cfg, params = meta_count(path, "AutoModelForSequenceClassification")
+    if cfg is None:
         return 0, 0, 0, 0
     text = cfg.get_text_config()
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     width = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
     heads = int(getattr(text, "num_attention_heads", 0) or 1)
-    return sum(p.numel() for p in model.parameters()), hidden, width, heads
+    return params, hidden, width, heads
+
+
+def meta_count(path: str, auto: str) -> tuple[Any, int]:
+    """(the config, the parameters) of the model at `path` as transformers' `auto` class builds it, counted on the
+    meta device; (None, 0) where it does not read."""
+    try:
+        import torch
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = getattr(transformers, auto).from_config(cfg)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, 0
+    return cfg, sum(p.numel() for p in model.parameters())
 
 
 def logits_bytes(rl: Any, rows: int, vocab: int) -> int:

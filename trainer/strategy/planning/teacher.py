@@ -19,19 +19,15 @@ from typing import Any
 def _shape(spec: str) -> tuple[int, int, int, int]:
     """(parameters, hidden size, MLP width, vocabulary) of the causal LM at `spec`, counted on the meta device; zeros where it
     does not read (the run then stops at load, naming it)."""
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+    from trainer.strategy.planning.generation import meta_count
 
-        cfg = AutoConfig.from_pretrained(spec)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-    except (OSError, ValueError, KeyError, TypeError):
+    cfg, params = meta_count(spec, "AutoModelForCausalLM")
+    if cfg is None:
         return 0, 0, 0, 0
     text = cfg.get_text_config()
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)
     width = int(getattr(text, "intermediate_size", 0) or getattr(text, "n_inner", 0) or 4 * hidden)
-    return sum(p.numel() for p in model.parameters()), hidden, width, int(getattr(text, "vocab_size", 0) or 0)
+    return params, hidden, width, int(getattr(text, "vocab_size", 0) or 0)
 
 
 def teacher_bytes(exp: Any, lp: int) -> int:
