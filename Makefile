@@ -12,7 +12,7 @@ PYTHON ?= python3
 # bytecode compiled (imports would otherwise compile at every start) and a constraint that keeps
 # the torch installed first; plain pip where uv cannot be installed.
 
-.PHONY: setup ops tokenizers tiny tiny-sft tiny-sft-lora tiny-dpo tiny-grpo tiny-vlm test test-avx2 test-fast lint format reference clean
+.PHONY: setup ops tokenizers tiny tiny-sft tiny-distill tiny-sft-lora tiny-dpo tiny-grpo tiny-vlm test test-avx2 test-fast lint format reference clean
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,11 @@ tiny-sft: setup                              ## fine-tune tiny's model to answer
 	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml
 	$(PY) bin/export runs/tiny runs/tiny/export
 	$(PY) bin/train configs/experiments/tiny-sft.yaml --set checkpoint.resume=auto
+
+tiny-distill: setup                          ## tiny's model teaches a student a quarter its size (distillation, ~1 min)
+	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml
+	test -f runs/tiny/export/config.json || $(PY) bin/export runs/tiny runs/tiny/export
+	$(PY) bin/train configs/experiments/tiny-distill.yaml
 
 tiny-sft-lora: setup                         ## tiny-sft with LoRA adapters on the frozen model
 	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml

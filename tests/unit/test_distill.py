@@ -161,4 +161,21 @@ def test_the_plan_holds_the_teacher(tmp_path, teacher_dir, capsys):
     def planned(text):
         return float(text.split("first rung that fits (")[1].split(" MB")[0])
 
-    assert planned(out) - planned(plain) == pytest.approx(teacher_bytes(exp, 4) / 2**20, abs=0.01)  # (MB: MiB)
+    assert planned(out) - planned(plain) == pytest.approx(
+        teacher_bytes(exp, 4) / 2**20, abs=0.01
+    )  # (MB: MiB)
+
+
+def test_a_saved_experiment_of_another_objective_loads_again(tmp_path):
+    """Checkpoints save the whole experiment (train.distill's defaults with it): an sft checkpoint's experiment.yaml
+    loads again (bin/export and --resume read it); train.distill written with another objective is refused."""
+    from helpers import TINY
+
+    from trainer import config
+    from trainer.common.errors import UserError
+
+    saved = tmp_path / "experiment.yaml"
+    saved.write_text(config.load(TINY).to_yaml())
+    assert "distill:" in saved.read_text() and config.load(saved).train.objective == "sft"
+    with pytest.raises(UserError, match=r"train.distill: is train.objective distill's; the objective is sft"):
+        config.load(TINY, ["train.distill.beta=0.5"])

@@ -53,7 +53,7 @@ def distill_problems(exp: Any) -> list[tuple[str, str]]:
     another objective."""
     t, d, ds = exp.train, exp.data, exp.train.distill
     if t.objective != "distill":
-        if ds.model_fields_set:
+        if ds != DistillSection():  # (as written; a saved experiment holds the defaults)
             return [("train.distill", f"is train.objective distill's; the objective is {t.objective}: remove it or "
                      "set train.objective: distill")]  # fmt: skip
         return []
