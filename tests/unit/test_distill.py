@@ -179,3 +179,14 @@ def test_a_saved_experiment_of_another_objective_loads_again(tmp_path):
     assert "distill:" in saved.read_text() and config.load(saved).train.objective == "sft"
     with pytest.raises(UserError, match=r"train.distill: is train.objective distill's; the objective is sft"):
         config.load(TINY, ["train.distill.beta=0.5"])
+
+
+def test_a_lora_student_trains_its_adapters_only(tmp_path, teacher_dir, student_dir):
+    """LoRA on the student: the divergence's gradient reaches the adapters through peft's wrapper (the loss falls)."""
+    r = train(tmp_path, {"train.objective": "distill", "train.distill.teacher": str(teacher_dir),
+                         "model.config": None, "model.pretrained": str(student_dir),
+                         "model.lora": {"r": 4, "dropout": 0.0, "target_modules": ["c_attn"]}, "train.max_steps": 4,
+                         "train.log_every": 1, "train.eval_every": 0, "train.eval_prompts": [], "optim.lr": 1e-2,
+                         "optim.warmup_steps": 0, "checkpoint.save_final": False}, debug=False)  # fmt: skip
+    assert r.losses[4] < r.losses[1], r.losses
+    assert "LoRA" in r.output or "lora" in r.output, r.output[-2000:]

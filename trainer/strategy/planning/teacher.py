@@ -49,6 +49,9 @@ def teacher_line(exp: Any, lp: int) -> str:
     from trainer.config import format_size
 
     params = _shape(exp.train.distill.teacher)[0]
+    if not params:
+        return (f"teacher: {exp.train.distill.teacher}: its config does not read here, so the plan holds nothing "
+                "for it (the run stops at load, naming it)")  # fmt: skip
     return (
         f"teacher: {exp.train.distill.teacher} ({params / 1e6:,.1f}M parameters), a whole copy a rank: "
         f"{format_size(teacher_bytes(exp, lp))} among the buffers (its weights in the compute precision, its forward "
