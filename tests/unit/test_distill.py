@@ -190,3 +190,26 @@ def test_a_lora_student_trains_its_adapters_only(tmp_path, teacher_dir, student_
                          "optim.warmup_steps": 0, "checkpoint.save_final": False}, debug=False)  # fmt: skip
     assert r.losses[4] < r.losses[1], r.losses
     assert "LoRA" in r.output or "lora" in r.output, r.output[-2000:]
+
+
+def test_resume_is_exact_and_another_teacher_is_refused(tmp_path, teacher_dir):
+    """A resume from step 2 logs the uninterrupted run's losses after it, bit for bit; a resume whose teacher
+    directory now holds other weights (the same path: the experiment is the same) is a change of what the
+    checkpoint was trained towards: refused (exit 2), naming it (another path is refused as another experiment)."""
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_dir, teacher)
+    sets = {"train.objective": "distill", "train.distill.teacher": str(teacher), "train.max_steps": 4,
+            "train.log_every": 1, "train.eval_every": 0, "train.eval_prompts": [], "checkpoint.every_steps": 2,
+            "checkpoint.keep_last": 0, "optim.warmup_steps": 0}  # fmt: skip
+    whole = train(tmp_path / "whole", sets, debug=False)
+    ckpt = whole.run_dir / "checkpoints" / "step_00000002"
+    again = train(tmp_path / "again", sets, debug=False, extra_args=["--resume", str(ckpt)])
+    assert {s: v for s, v in again.losses.items() if s > 2} == {
+        s: v for s, v in whole.losses.items() if s > 2
+    }
+    torch.manual_seed(7)
+    GPT2LMHeadModel(GPT2Config(**{**GPT2, "n_layer": 1})).save_pretrained(teacher)
+    r = train(tmp_path / "other", sets, debug=False, check=False, extra_args=["--resume", str(ckpt)])
+    assert r.returncode == 2 and "the teacher (train.distill.teacher)" in r.output, r.output[-2000:]

@@ -177,12 +177,10 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """How the training data differs from the data a checkpoint was trained on (both `Data.fingerprint`),
     each difference in words; [] when the packed sequences are the same (a file that was only touched
     or re-tokenized to the same tokens is no change)."""
-    out = []
-    if saved.get("reference") != now.get("reference") and "reference" in now:
-        out.append(
-            f"the reference's log-probs (train.objective dpo or ipo): computed for {saved.get('reference')} at the "
-            f"checkpoint, {now['reference']} now (another model, precision or data); a resumed run keeps its reference"
-        )
+    out = [f"{what}: {saved.get(key)} at the checkpoint, {now[key]} now{why}" for key, what, why in (
+        ("reference", "the reference's log-probs (train.objective dpo or ipo) computed for",
+         " (another model, precision or data); a resumed run keeps its reference"),
+        ("teacher", "the teacher (train.distill.teacher)", "")) if key in now and saved.get(key) != now[key]]  # fmt: skip
     if saved.get("images_digest") != now.get("images_digest"):
         out.append("the images' pixels differ from the checkpoint's (an image file changed since)")
     if (

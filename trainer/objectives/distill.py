@@ -63,6 +63,24 @@ def check_vocabulary(spec: str, student: Any, tokenizer: Any = None) -> Any:
     return cfg
 
 
+def teacher_key(spec: str) -> str:
+    """What identifies the teacher for a resume (the data's fingerprint): its hub id, or its local directory's
+    config and weight files (name, size, and the config's bytes)."""
+    import hashlib
+    from pathlib import Path
+
+    local = Path(spec).expanduser()
+    if not local.is_dir():
+        return spec
+    h = hashlib.sha256()
+    for f in sorted(local.iterdir()):
+        if f.suffix in (".json", ".safetensors", ".bin") and f.is_file():
+            h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+            if f.name == "config.json":
+                h.update(f.read_bytes())
+    return f"{spec} ({h.hexdigest()[:16]})"
+
+
 def teacher(spec: str, student: Any, tokenizer: Any = None) -> Any:
     """The teacher, frozen and in eval mode (on the CPU in fp32 until its first forward moves it)."""
     import torch

@@ -199,6 +199,10 @@ def claim_and_agree(
         data.fingerprint["reference"] = reference_key(
             exp, data, plan.precision, plan.candidate.stage, plan.world_size
         )
+    if exp.train.objective == "distill":  # what the student is trained towards: its teacher
+        from trainer.objectives.distill import teacher_key
+
+        data.fingerprint["teacher"] = teacher_key(exp.train.distill.teacher)
     blind = rundir.shared_everywhere(exp.run_dir, env.rank, env.world_size, env.nodes)
     if blind:  # node-local disks: every node would hold its own, partial checkpoints
         raise UserError(
