@@ -8,6 +8,10 @@ from pydantic import Field
 
 from trainer.config.fields import Section
 
+# the divergence's working set (trainer/objectives/divergence.py), which the plan counts (planning/teacher.py)
+CHUNK = 8192  # vocabulary entries a chunk (Llama 3's 128,256: 16 chunks)
+TOKENS = 2048  # tokens a block: a chunk's fp32 logits are TOKENS x CHUNK x 4 bytes (64 MiB)
+
 
 class DistillSection(Section):
     """The teacher and the divergence the student is trained on (TRL's DistillationTrainer's and GKD's names)."""
@@ -81,3 +85,10 @@ def distill_problems(exp: Any) -> list[tuple[str, str]]:
             ("model.kernels", "liger's fused loss is not the divergence distill trains on; set it to none")
         )
     return out
+
+
+def working_bytes(tokens: int, vocab: int) -> int:
+    """The most the divergence holds at once beside its inputs for `tokens` tokens over `vocab` entries: a block's
+    chunk of both models' logits and what is made of them (log-probabilities, probabilities, the mixture, the
+    gradient: 8 fp32 tensors of a block by a chunk)."""
+    return 8 * min(TOKENS, tokens) * min(CHUNK, vocab) * 4

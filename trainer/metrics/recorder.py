@@ -79,8 +79,7 @@ class Metrics:
         loss_ranks: int | None = None,
         perplexity: bool = True,
     ) -> None:
-        self.is_main = is_main
-        self.perplexity = perplexity  # the eval loss is a token loss (not distillation's divergence)
+        self.is_main, self.perplexity = is_main, perplexity  # (distillation: its eval loss has no perplexity)
         # the ranks a step's loss is spread over: under sequence parallelism each rank holds its shard's
         # share, summed over its group, so the mean is over the data-parallel ranks
         self.loss_ranks = loss_ranks or world_size

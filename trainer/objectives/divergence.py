@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-CHUNK = 8192  # vocabulary entries a chunk (Llama 3's 128,256: 16 chunks)
-TOKENS = 2048  # tokens a block: a chunk's fp32 logits are TOKENS x CHUNK x 4 bytes (64 MiB)
+from trainer.config.distill_schema import CHUNK, TOKENS, working_bytes  # noqa: F401 (working_bytes: re-exported)
 
 
 def _logits(hidden: Any, weight: Any, start: int, stop: int, inv_t: float) -> Any:
@@ -128,10 +127,3 @@ def loss(h_s: Any, w_s: Any, h_t: Any, w_t: Any, mask: Any, beta: float, tempera
     keep = mask.reshape(-1).nonzero().flatten()
     div = per_token(h_s[keep], w_s, h_t[keep], w_t, beta, temperature, chunk)
     return div.sum() * scale / num_items
-
-
-def working_bytes(tokens: int, vocab: int) -> int:
-    """The most the divergence holds at once beside its inputs for `tokens` tokens over `vocab` entries: a block's
-    chunk of both models' logits and what is made of them (log-probabilities, probabilities, the mixture, the
-    gradient: 8 fp32 tensors of a block by a chunk)."""
-    return 8 * min(TOKENS, tokens) * min(CHUNK, vocab) * 4

@@ -34,7 +34,7 @@ def teacher_bytes(exp: Any, lp: int) -> int:
     """The teacher's bytes a rank (module docstring); 0 for another objective."""
     if exp.train.objective != "distill" or not exp.train.distill.teacher:
         return 0
-    from trainer.objectives.divergence import working_bytes
+    from trainer.config.distill_schema import working_bytes
 
     params, hidden, width, vocab = _shape(exp.train.distill.teacher)
     tokens = (
