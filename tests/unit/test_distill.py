@@ -101,12 +101,27 @@ BAD = {
     "no teacher": ({}, r"train.distill.teacher: distill needs its teacher"),
     "objective": ({"train.objective": "sft"}, r"train.distill: is train.objective distill's; the objective is sft"),
     "chunked": ({"model.chunked_loss": True}, r"model.chunked_loss: distill computes its own divergence"),
+    # review: accepted before (loss 0.0000 at every step; a non-finite loss at step 1, exit 4)
+    "hot": ({"train.distill.temperature": 1e300}, r"train.distill.temperature"),
+    "cold": ({"train.distill.temperature": 1e-300}, r"train.distill.temperature"),
+    # review: accepted, and the loss shifted the labels again over sequence parallelism's shifted ones
+    "sp": ({"strategy.sequence_parallel": 2}, r"strategy.sequence_parallel: distill with sequence parallelism"),
+    # review: said after the weights loaded, with chunked_loss's fix ("set it to false")
+    "gemma2": ({"train.distill.teacher": "GEMMA2"}, r"train.distill.teacher \(gemma2\): the model's config sets "
+               r"final_logit_softcapping \(30.0: .*\); distill computes the logits from the last hidden states"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_stops_with_the_key_and_the_fix(tmp_path, teacher_dir, case):
     sets, pattern = BAD[case]
+    if sets.get("train.distill.teacher") == "GEMMA2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        Gemma2ForCausalLM(Gemma2Config(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       final_logit_softcapping=30.0)).save_pretrained(tmp_path / "gemma2")  # fmt: skip
+        sets = {"train.distill.teacher": str(tmp_path / "gemma2")}
     if sets.get("train.distill.teacher") == "SMALL_VOCAB":
         GPT2LMHeadModel(GPT2Config(**{**GPT2, "vocab_size": 100})).save_pretrained(tmp_path / "small")
         sets = {"train.distill.teacher": str(tmp_path / "small")}
@@ -118,6 +133,7 @@ def test_bad_input_stops_with_the_key_and_the_fix(tmp_path, teacher_dir, case):
     import re
 
     assert re.search(pattern, r.output), r.output[-2000:]
+    assert "set it to false" not in r.output and "Loading weights" not in r.output
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))
 
 
@@ -213,3 +229,41 @@ def test_resume_is_exact_and_another_teacher_is_refused(tmp_path, teacher_dir):
     GPT2LMHeadModel(GPT2Config(**{**GPT2, "n_layer": 1})).save_pretrained(teacher)
     r = train(tmp_path / "other", sets, debug=False, check=False, extra_args=["--resume", str(ckpt)])
     assert r.returncode == 2 and "the teacher (train.distill.teacher)" in r.output, r.output[-2000:]
+
+
+def test_review_the_heads_gradient_has_no_fp32_copy_and_the_host_holds_the_teachers_load(
+    monkeypatch, teacher_dir
+):
+    """Review findings: the backward made the student head's gradient as a whole fp32 tensor and then a copy in the
+    head's precision (2.9 GiB a rank for a Llama 3 8B head, unplanned): now written into the head's precision a
+    chunk at a time; the ranks of a node each load the teacher on the host before it moves: the plan's host figure
+    holds their copies on a GPU machine (256 GB for an 8B teacher on 8 ranks in fp32 before: it loaded in fp32,
+    now in the compute precision)."""
+    from helpers import TINY, yaml_value
+
+    from trainer import config
+    from trainer.objectives import divergence
+    from trainer.strategy.planning.teacher import _shape, teacher_host_bytes
+
+    made = []
+    zeros = torch.zeros
+
+    def watched(*shape, **kw):
+        made.append(
+            (tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape, kw.get("dtype"))
+        )
+        return zeros(*shape, **kw)
+
+    h_s = torch.randn(6, 8, dtype=torch.bfloat16, requires_grad=True)
+    w_s = torch.randn(300, 8, dtype=torch.bfloat16, requires_grad=True)
+    loss = divergence.loss(h_s, w_s, torch.randn(6, 4), torch.randn(300, 4), torch.ones(6, dtype=torch.bool), 0.5,
+                           1.0, 6)  # fmt: skip
+    monkeypatch.setattr(torch, "zeros", watched)
+    loss.backward()
+    monkeypatch.undo()
+    assert w_s.grad.dtype == torch.bfloat16
+    assert ((300, 8), torch.float32) not in made, made
+    exp = config.load(
+        TINY, ["train.objective=distill", f"train.distill.teacher={yaml_value(str(teacher_dir))}"]
+    )
+    assert teacher_host_bytes(exp, 2, 8) == 8 * _shape(str(teacher_dir))[0] * 2

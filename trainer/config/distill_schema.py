@@ -30,7 +30,10 @@ class DistillSection(Section):
         "DistillationConfig's default 1.0, GKDConfig's 0.5)",
     )
     temperature: float = Field(
-        1.0, gt=0.0, description="divides both models' logits before the divergence (TRL's; no T^2 factor)"
+        1.0,
+        ge=0.01,
+        le=100.0,
+        description="divides both models' logits before the divergence (TRL's; no T^2 factor); 0.01 to 100",
     )
     temperature_squared: bool = Field(
         False,
@@ -80,6 +83,9 @@ def distill_problems(exp: Any) -> list[tuple[str, str]]:
     if exp.model.chunked_loss is True:
         out.append(("model.chunked_loss", "distill computes its own divergence a vocabulary chunk at a time (no "
                     "whole logits); set it to auto or false"))  # fmt: skip
+    if exp.strategy.sequence_parallel not in ("auto", 1):
+        out.append(("strategy.sequence_parallel", "distill with sequence parallelism is not verified yet; set it to 1 "
+                    "or auto"))  # fmt: skip
     if exp.model.kernels == "liger":
         out.append(
             ("model.kernels", "liger's fused loss is not the divergence distill trains on; set it to none")

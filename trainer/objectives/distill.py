@@ -35,6 +35,8 @@ def check_vocabulary(spec: str, student: Any, tokenizer: Any = None) -> Any:
     """The teacher's config, once its vocabulary is the student's (sizes, and where the teacher's local directory
     holds a tokenizer, the same tokens): exit 2 naming both, before any weight loads."""
     cfg = _config(spec)
+    for key, each in (("model", student), ("train.distill.teacher", cfg)):
+        _family(each, key)
     theirs, ours = cfg.get_text_config().vocab_size, student.get_text_config().vocab_size
     if theirs != ours:
         raise UserError(
@@ -81,31 +83,48 @@ def teacher_key(spec: str) -> str:
     return f"{spec} ({h.hexdigest()[:16]})"
 
 
-def teacher(spec: str, student: Any, tokenizer: Any = None) -> Any:
-    """The teacher, frozen and in eval mode (on the CPU in fp32 until its first forward moves it)."""
+def teacher(spec: str, student: Any, tokenizer: Any = None, dtype: Any = None) -> Any:
+    """The teacher, frozen and in eval mode, in `dtype` (the run's compute precision; on the host until its first
+    forward moves it to the device)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     cfg = check_vocabulary(spec, student, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(spec, config=cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec, config=cfg, dtype=dtype or torch.float32)
     model.eval().requires_grad_(False)
     _heads(model, "train.distill.teacher")
     return model
 
 
+def _family(config: Any, key: str) -> None:
+    """A causal LM whose logits are its LM head's output, unscaled and uncapped (the families model.chunked_loss
+    serves), and not a vision-language model: exit 2 otherwise, from its config."""
+    from trainer.config import chunked_loss_problem
+    from trainer.model.vision import is_vision
+
+    model_type = getattr(config, "model_type", None)
+    problem = chunked_loss_problem(model_type, config.get_text_config())
+    if is_vision(model_type):
+        problem = "a vision-language model, which distill is not verified with"
+    if problem:
+        problem = problem.replace(", which the tiled loss leaves out; set it to false", "").replace(
+            "; set it to false", ""
+        )
+        raise UserError(
+            f"{key} ({model_type}): {problem}; distill computes the logits from the last hidden states and the LM "
+            "head alone: give a model of a family whose logits are its head's output (llama, mistral, qwen2, qwen3, "
+            "gpt2 and the others model.chunked_loss serves)"
+        )
+
+
 def _heads(model: Any, key: str) -> tuple[Any, Any]:
     """(the base model, the LM head) of a transformers causal LM whose logits are head(hidden) unscaled and uncapped."""
-    from trainer.config import chunked_loss_problem
-
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(inner, "config", None)
-    problem = chunked_loss_problem(getattr(config, "model_type", None), config.get_text_config())
+    _family(inner.config, key)
     head = inner.get_output_embeddings()
-    if problem or head is None or getattr(head, "bias", None) is not None:
-        raise UserError(
-            f"{key}: {problem or type(inner).__name__ + ' has no bias-free LM head'}: distill computes the logits "
-            "from the last hidden states and the LM head alone"
-        )
+    if head is None or getattr(head, "bias", None) is not None:
+        raise UserError(f"{key}: {type(inner).__name__} has no bias-free LM head: distill computes the logits from the "
+                        "last hidden states and the LM head alone")  # fmt: skip
     return inner.base_model, head
 
 

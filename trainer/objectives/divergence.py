@@ -79,7 +79,8 @@ def _divergence_class() -> Any:
             beta, inv_t = ctx.beta, ctx.inv_t
             need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             grad_h = torch.zeros(h_s.shape, dtype=torch.float32, device=h_s.device) if need_h else None
-            grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if need_w else None
+            # the head's gradient in its own precision, written a chunk at a time (no fp32 copy of the whole head)
+            grad_w = torch.zeros(w_s.shape, dtype=w_s.dtype, device=w_s.device) if need_w else None
             for a, b in _chunks(w_s.shape[0], ctx.chunk):
                 log_ps = _logits(h_s, w_s, a, b, inv_t) - lz_s[:, None]
                 log_pt = _logits(h_t, w_t, a, b, inv_t) - lz_t[:, None]
@@ -94,9 +95,9 @@ def _divergence_class() -> Any:
                 if need_h:
                     grad_h += gz @ w_s[a:b].float()
                 if need_w:
-                    grad_w[a:b] = gz.t() @ h_s.float()
+                    grad_w[a:b] = (gz.t() @ h_s.float()).to(w_s.dtype)
             out_h = grad_h.to(h_s.dtype) if need_h else None
-            out_w = grad_w.to(w_s.dtype) if need_w else None
+            out_w = grad_w
             return out_h, out_w, None, None, None, None, None
 
     return ChunkedDivergence

@@ -50,7 +50,10 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         )
     if exp.train.objective == "distill":
         zero3 = built.get("zero_optimization", {}).get("stage") == 3
-        distill.attach(module, distill.teacher(exp.train.distill.teacher, module.config, data.tokenizer),
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(planned.plan.precision, torch.float32)
+        distill.attach(module, distill.teacher(exp.train.distill.teacher, module.config, data.tokenizer, dtype),
                        exp.train.distill, zero3)  # fmt: skip
     no_dropout = exp.train.distill if exp.train.objective == "distill" else exp.train.preference
     if exp.train.objective != "sft" and no_dropout.disable_dropout:

@@ -20,7 +20,7 @@ from trainer.strategy.planning.generation import reward_model_bytes
 from trainer.strategy.planning.host import host_needs, snapshot_bytes
 from trainer.strategy.planning.states import model_states, optimizer_implementation
 from trainer.strategy.planning.step import SUB_GROUP_SIZE, step_bytes
-from trainer.strategy.planning.teacher import teacher_bytes
+from trainer.strategy.planning.teacher import teacher_bytes, teacher_host_bytes
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,7 @@ def estimate_all(
         host = host_needs(c, info.params, info.largest_layer, world_size, gpus_per_node, info.trainable,
                           info.quantized)  # fmt: skip
         host += host_activations  # model.offload_activations: the checkpointed layer inputs, per node
+        host += teacher_host_bytes(exp, lp, gpus_per_node) if on_gpu else 0  # distill: its load, each rank's
         snap = 0
         if exp.checkpoint.async_ is not False:
             snap = snapshot_bytes(c, info.params, world_size, gpus_per_node, lp, state_bytes, info.trainable,

@@ -6,7 +6,9 @@ at every stage, held for the whole run, among every candidate's buffers:
   attention's projections and the MLP's widest activation, in the compute precision), and its last hidden
   states, which the divergence keeps for backward;
 - the divergence's working set (trainer/objectives/divergence.py `working_bytes`: a block of tokens' chunk of both
-  models' logits and what is made of them, in fp32).
+  models' logits and what is made of them, in fp32; the student head's gradient is written into the head's own
+  precision a chunk at a time, as the token loss's would be);
+- on the host, while the ranks load it: a whole copy each (`teacher_host_bytes`, on a GPU machine).
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ def teacher_bytes(exp: Any, lp: int) -> int:
     )
     in_flight = tokens * (4 * hidden + 2 * width) * lp
     return params * lp + in_flight + tokens * hidden * lp + working_bytes(tokens, vocab)
+
+
+def teacher_host_bytes(exp: Any, lp: int, ranks_per_node: int) -> int:
+    """The host memory a node needs while its ranks load the teacher (each a whole copy in the compute precision,
+    on the host until its first forward moves it to the device); 0 for another objective."""
+    if exp.train.objective != "distill" or not exp.train.distill.teacher:
+        return 0
+    return ranks_per_node * _shape(exp.train.distill.teacher)[0] * lp
 
 
 def teacher_line(exp: Any, lp: int) -> str:
