@@ -235,6 +235,14 @@ def test_tiny_distill_ends_closer_to_the_teacher_than_the_same_student_trained_o
     distilled = train(tmp_path / "distill", {"train.distill.teacher": str(teacher), "train.eval_every": 200},
                       experiment=example, launcher="none", debug=False, cache=cache)  # fmt: skip
     assert "(the divergence to the teacher)" in distilled.output and "teacher: " not in distilled.output
+    # docs/distillation.md's offline example: the teacher's top-32 stored once, then no teacher in memory
+    stored = {"train.distill.teacher": str(teacher), "train.eval_every": 200, "train.distill.offline": True,
+              "train.distill.top_k": 32}  # fmt: skip
+    prep = train(tmp_path / "prep", stored, experiment=example, extra_args=["--prepare-teacher"], debug=False,
+                 cache=cache)  # fmt: skip
+    assert "teacher: top-32 log-probabilities of" in prep.output, prep.output[-2000:]
+    offline = train(tmp_path / "offline", stored, experiment=example, debug=False, cache=cache)
+    assert "no teacher in memory" in offline.output
     plain = yaml.safe_load(example.read_text())
     plain["train"].pop("distill")
     plain["train"]["objective"] = "sft"
@@ -247,7 +255,7 @@ def test_tiny_distill_ends_closer_to_the_teacher_than_the_same_student_trained_o
     (held_out,) = set(cache.glob("**/eval.npy"))  # one cache: the same tokens, the same split, for both
     rows = torch.from_numpy(np.load(held_out)[:16].astype(np.int64))
     t = AutoModelForCausalLM.from_pretrained(teacher).eval()
-    for name, run in (("distill", distilled), ("sft", sft)):
+    for name, run in (("distill", distilled), ("offline", offline), ("sft", sft)):
         out = tmp_path / f"{name}-export"
         p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(run.run_dir), str(out)], cwd=ROOT,
                            env=env_for(1), capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -258,6 +266,7 @@ def test_tiny_distill_ends_closer_to_the_teacher_than_the_same_student_trained_o
             h_t = t.base_model(input_ids=rows)[0].reshape(-1, 128)
             kl[name] = divergence.per_token(h_s, s.lm_head.weight, h_t, t.lm_head.weight, 0.0).mean().item()
     print(
-        f"KL(teacher || student) a token: distilled {kl['distill']:.4f}, trained on the text {kl['sft']:.4f}"
+        f"KL(teacher || student) a token: distilled {kl['distill']:.4f}, from the stored top-32 "
+        f"{kl['offline']:.4f}, trained on the text {kl['sft']:.4f}"
     )
-    assert kl["distill"] < 0.9 * kl["sft"], kl
+    assert kl["distill"] < 0.9 * kl["sft"] and kl["offline"] < 0.9 * kl["sft"], kl

@@ -5,33 +5,15 @@ shifts them), loss and gradient; through bin/train the losses are the same howev
 
 import pytest
 import torch
+from distill_helpers import GPT2, make_student, make_teacher
 from helpers import SPLITS, split_losses, train
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from trainer.data.pack import IGNORE
 from trainer.objectives import distill
 
-GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 256, "vocab_size": 257, "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    """A tiny GPT-2 teacher (random, seeded) saved as a checkout holds it, the byte tokenizer's vocabulary."""
-    out = tmp_path_factory.mktemp("teacher")
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(**{**GPT2, "n_embd": 96, "n_layer": 3})).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def student_dir(tmp_path_factory):
-    """The student's initial weights saved (every ZeRO stage starts from them: zero.Init draws a config's
-    initial weights otherwise than a plain build)."""
-    out = tmp_path_factory.mktemp("student")
-    torch.manual_seed(3)
-    GPT2LMHeadModel(GPT2Config(**GPT2)).save_pretrained(out)
-    return out
+teacher_dir = pytest.fixture(scope="module")(make_teacher)
+student_dir = pytest.fixture(scope="module")(make_student)
 
 
 def settings(beta, temperature, squared=False):
@@ -48,7 +30,7 @@ def test_the_students_loss_is_trls_gkd_loss_on_the_batch(teacher_dir, beta, temp
     student = GPT2LMHeadModel(GPT2Config(**GPT2))
     ref = GPT2LMHeadModel(GPT2Config(**GPT2))
     ref.load_state_dict(student.state_dict())
-    teach = distill.teacher(str(teacher_dir), student.config)
+    teach = distill.teacher(str(teacher_dir), distill.check_vocabulary(str(teacher_dir), student.config))
     distill.attach(student, teach, settings(beta, temperature, squared))
     ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(2))
     labels = ids.clone()

@@ -16,7 +16,8 @@ from helpers import ROOT
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CHEAP = ("--plan", "--print-config", "--preview-data", "--describe-config")
 # what would train, launch or supervise: dropped (with its value) for the cheap form
-RUNS = {"--check": 0, "--overfit-batch": 0, "--profile": 0, "--dry-run": 0, "--prepare-data": 0,
+# (--prepare-teacher: run as documented by tests/e2e/test_tiny.py, on the teacher `make tiny` trains)
+RUNS = {"--check": 0, "--overfit-batch": 0, "--profile": 0, "--dry-run": 0, "--prepare-data": 0, "--prepare-teacher": 0,
         "--launcher": 1, "--hostfile": 1, "--max-restarts": 1, "--nproc-per-node": 1}  # fmt: skip
 STARTS = (
     "bin/train",

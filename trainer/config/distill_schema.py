@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from trainer.config.fields import Section
+from trainer.config.fields import Section, choice
 
 # the divergence's working set (trainer/objectives/divergence.py), which the plan counts (planning/teacher.py)
 CHUNK = 8192  # vocabulary entries a chunk (Llama 3's 128,256: 16 chunks)
@@ -53,6 +53,28 @@ class DistillSection(Section):
     disable_dropout: bool = Field(
         True, description="turn every dropout of the student off (TRL's default); false keeps it"
     )
+    top_k: int | None = Field(
+        None,
+        ge=1,
+        description="null = the teacher's whole distribution; k = its k most probable tokens a target token and the "
+        "rest as train.distill.missing says (DistillKit's sparse distillation; what offline stores)",
+    )
+    missing: choice("zero", "uniform") = Field(
+        "uniform",
+        description="with top_k, the teacher's mass outside its top-k (DistillKit's missing_probability_handling): "
+        "uniform = one bucket against the student's mass outside the same tokens (DistillKit's symmetric_uniform; "
+        "every beta); zero = none (its top-k renormalised; DistillKit's default; beta below 1)",
+    )
+    offline: bool = Field(
+        False,
+        description="true = the teacher's top-k read from the store `bin/train EXP.yaml --prepare-teacher` wrote "
+        "(no teacher in memory while training; needs top_k); false = the teacher runs beside the student",
+    )
+    store: str | None = Field(
+        None,
+        description="with offline: the stored teacher's directory (one prepared elsewhere; checked against this "
+        "run's data, tokenizer, teacher, top_k and temperature); null = in the data cache",
+    )
 
 
 def distill_problems(exp: Any) -> list[tuple[str, str]]:
@@ -80,6 +102,16 @@ def distill_problems(exp: Any) -> list[tuple[str, str]]:
         out.append(
             ("train.distill.seq_kd", "the teacher's generated completions are not built yet; set false")
         )
+    if ds.offline and ds.top_k is None:
+        out.append(("train.distill.offline", "the store holds the teacher's top-k a token: set train.distill.top_k "
+                    "(32 keeps 256 bytes a target token) or offline: false"))  # fmt: skip
+    if ds.store and not ds.offline:
+        out.append(
+            ("train.distill.store", "is where offline reads the teacher from: set offline: true or remove it")
+        )
+    if ds.top_k is not None and ds.missing == "zero" and ds.beta == 1:
+        out.append(("train.distill.missing", "zero gives the teacher no mass outside its top-k, where the student has "
+                    "some: the reverse KL (beta 1) is infinite there; set missing: uniform or beta below 1"))  # fmt: skip
     if exp.model.chunked_loss is True:
         out.append(("model.chunked_loss", "distill computes its own divergence a vocabulary chunk at a time (no "
                     "whole logits); set it to auto or false"))  # fmt: skip

@@ -65,32 +65,33 @@ def check_vocabulary(spec: str, student: Any, tokenizer: Any = None) -> Any:
     return cfg
 
 
-def teacher_key(spec: str) -> str:
+def teacher_key(settings: Any) -> str:
     """What identifies the teacher for a resume (the data's fingerprint): its hub id, or its local directory's
-    config and weight files (name, size, and the config's bytes)."""
+    config and weight files (name, size, and the config's bytes); and its top-k where only those train."""
     import hashlib
     from pathlib import Path
 
+    spec = settings.teacher
+    sparse = f", top-{settings.top_k} {settings.missing}" if settings.top_k else ""
     local = Path(spec).expanduser()
     if not local.is_dir():
-        return spec
+        return spec + sparse
     h = hashlib.sha256()
     for f in sorted(local.iterdir()):
         if f.suffix in (".json", ".safetensors", ".bin") and f.is_file():
             h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
             if f.name == "config.json":
                 h.update(f.read_bytes())
-    return f"{spec} ({h.hexdigest()[:16]})"
+    return f"{spec} ({h.hexdigest()[:16]}){sparse}"
 
 
-def teacher(spec: str, student: Any, tokenizer: Any = None, dtype: Any = None) -> Any:
-    """The teacher, frozen and in eval mode, in `dtype` (the run's compute precision; on the host until its first
-    forward moves it to the device)."""
+def teacher(spec: str, config: Any, dtype: Any = None) -> Any:
+    """The teacher of `config` (check_vocabulary's), frozen and in eval mode, in `dtype` (the run's compute
+    precision; on the host until its first forward moves it to the device)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = check_vocabulary(spec, student, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(spec, config=cfg, dtype=dtype or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype or torch.float32)
     model.eval().requires_grad_(False)
     _heads(model, "train.distill.teacher")
     return model
@@ -128,23 +129,26 @@ def _heads(model: Any, key: str) -> tuple[Any, Any]:
     return inner.base_model, head
 
 
-def attach(model: Any, teach: Any, settings: Any, zero3: bool = False) -> Any:
-    """Give the student `model` (under LoRA: peft's wrapper) the divergence to `teach` as its loss."""
+def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: Any = None) -> Any:
+    """Give the student `model` (under LoRA: peft's wrapper) the divergence to `teach` (or, offline, to the teacher's
+    top-k read from `store`: trainer/objectives/teacher_store.py) as its loss."""
     import torch
     from transformers.modeling_outputs import CausalLMOutput
 
     from trainer.data.pack import IGNORE
-    from trainer.objectives import divergence
+    from trainer.objectives import divergence, sparse
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     base, head = _heads(inner, "model")
-    t_base, t_head = _heads(teach, "train.distill.teacher")
+    if store is None:
+        t_base, t_head = _heads(teach, "train.distill.teacher")
     if zero3:
         import deepspeed
 
         deepspeed.zero.register_external_parameter(inner, head.weight)
     original = inner.forward
     scale = settings.temperature**2 if settings.temperature_squared else 1.0
+    beta, temp, k = settings.beta, settings.temperature, settings.top_k
 
     def forward(input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
         if labels is None:
@@ -152,19 +156,26 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False) -> Any:
         num_items = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("shift_labels", None)
         hidden = base(input_ids=input_ids, **kwargs)[0]
+        mask = labels[:, 1:] != IGNORE
+        count = num_items if num_items is not None else mask.sum().clamp(min=1)
+        keep = mask.reshape(-1).nonzero().flatten()
+        h_s = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
+        if store is not None:
+            t_ids, t_logp = store.lookup(input_ids, labels, kwargs.get("position_ids"))
+            div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
+            return CausalLMOutput(loss=div.sum() * scale / count)
         first = next(teach.parameters())
         if first.device != hidden.device or first.dtype != hidden.dtype:
             teach.to(device=hidden.device, dtype=hidden.dtype)
         with torch.no_grad():
             t_hidden = t_base(input_ids=input_ids, **kwargs)[0]
-        mask = labels[:, 1:] != IGNORE
-        count = num_items if num_items is not None else mask.sum().clamp(min=1)
-        loss = divergence.loss(
-            hidden[:, :-1].reshape(-1, hidden.shape[-1]), head.weight,
-            t_hidden[:, :-1].reshape(-1, t_hidden.shape[-1]), t_head.weight,
-            mask.reshape(-1), settings.beta, settings.temperature, count, scale,
-        )  # fmt: skip
-        return CausalLMOutput(loss=loss)
+        h_t = t_hidden[:, :-1].reshape(-1, t_hidden.shape[-1])[keep]
+        if k is not None:
+            t_ids, t_logp = sparse.teacher_topk(h_t, t_head.weight, k, temp)
+            div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
+        else:
+            div = divergence.per_token(h_s, head.weight, h_t, t_head.weight, beta, temp)
+        return CausalLMOutput(loss=div.sum() * scale / count)
 
     inner.forward = forward
     return model

@@ -202,7 +202,7 @@ def claim_and_agree(
     if exp.train.objective == "distill":  # what the student is trained towards: its teacher
         from trainer.objectives.distill import teacher_key
 
-        data.fingerprint["teacher"] = teacher_key(exp.train.distill.teacher)
+        data.fingerprint["teacher"] = teacher_key(exp.train.distill)
     blind = rundir.shared_everywhere(exp.run_dir, env.rank, env.world_size, env.nodes)
     if blind:  # node-local disks: every node would hold its own, partial checkpoints
         raise UserError(

@@ -23,11 +23,17 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
 
     if data.supervised and exp.data.packing and not data.pairs:
         data.packing = packing_verdict(exp, planned.model or exp.model, data)
-    if exp.train.objective == "distill":  # the teacher's vocabulary, before any weight loads
+    distill_store, teacher_config = None, None
+    if exp.train.objective == "distill":  # the teacher's vocabulary (or its store), before any weight loads
         from trainer.objectives import distill
+        from trainer.objectives.teacher_store import check_teacher
 
         student = model.hf_config(planned.model or exp.model, data.vocab_size, data.eos_id)
-        distill.check_vocabulary(exp.train.distill.teacher, student, data.tokenizer)
+        distill_store, teacher_config = check_teacher(exp, student, data)
+        if distill_store is not None and env.rank == 0:
+            m = distill_store.meta
+            log.info(f"teacher: the top-{m['top_k']} of {m['teacher_spec']} at {m['entries']:,} target tokens, read "
+                     f"from {distill_store.path} as the batches need them (no teacher in memory)")  # fmt: skip
     dist.seed_all(exp.seed)
     built = dict(planned.ds_config)
     # zero.Init (stage 3) reads the batch over the world, before AutoTP's mesh exists: DeepSpeed derives it there
@@ -53,8 +59,8 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         import torch
 
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(planned.plan.precision, torch.float32)
-        distill.attach(module, distill.teacher(exp.train.distill.teacher, module.config, data.tokenizer, dtype),
-                       exp.train.distill, zero3)  # fmt: skip
+        teach = None if distill_store else distill.teacher(exp.train.distill.teacher, teacher_config, dtype)
+        distill.attach(module, teach, exp.train.distill, zero3, distill_store)
     no_dropout = exp.train.distill if exp.train.objective == "distill" else exp.train.preference
     if exp.train.objective != "sft" and no_dropout.disable_dropout:
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)

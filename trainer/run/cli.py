@@ -1,6 +1,6 @@
 """`bin/train`: parse the arguments, load the experiment, and dispatch to a command (trainer/run/commands.py):
 
-- `--prepare-data`, `--preview-data`: the data only;
+- `--prepare-data`, `--preview-data`: the data only; `--prepare-teacher`: distillation's stored teacher;
 - `--plan` / `--print-config`: plan only (no process group, no torch);
 - `--launcher` / `--max-restarts`: start the launcher and supervise it (trainer/run/supervisor.py);
 - otherwise (under any launcher, or none): train.
@@ -21,6 +21,7 @@ from trainer.common.errors import EXIT_CHECK_FAILED, EXIT_USER_ERROR, UserError
 from trainer.run.commands import (
     plan_command,
     prepare_data_command,
+    prepare_teacher_command,
     preview_data_command,
     supervise_command,
     train_command,
@@ -37,6 +38,7 @@ examples:
   bin/train configs/experiments/tiny.yaml --print-config
   bin/train configs/experiments/tiny.yaml --prepare-data
   bin/train configs/experiments/tiny-sft.yaml --preview-data 2
+  bin/train configs/experiments/tiny-distill.yaml --prepare-teacher --set train.distill.offline=true
   bin/train configs/experiments/tiny.yaml --overfit-batch --set train.max_steps=150
   bin/train configs/experiments/llama7b.yaml --plan --world-size 8 --set strategy.device_memory=80GB
   deepspeed --num_gpus 2 bin/train configs/experiments/tiny.yaml
@@ -124,6 +126,15 @@ MODE_OPTIONS = [  # one at a time
             "help": "tokenize and pack the data into data.cache_dir on every core of this "
             "machine, then exit (no launcher, no process group, no DeepSpeed): the "
             "training job finds the cache",
+        },
+    ),
+    (
+        ("--prepare-teacher",),
+        {
+            **FLAG,
+            "help": "train.distill.offline: run the teacher once over the data and store its top-k "
+            "log-probabilities (on this machine's first GPU, or its CPU), then exit: training reads them "
+            "with no teacher in memory",
         },
     ),
     (
@@ -231,6 +242,8 @@ def _main(argv: list[str] | None = None) -> int:
         search(Path(args.experiment).resolve().parent, Path.cwd())  # the user's modules (rewards, factories)
         if args.prepare_data:
             return prepare_data_command(exp)
+        if args.prepare_teacher:
+            return prepare_teacher_command(exp)
         if args.preview_data is not None:
             return preview_data_command(exp, args)
         mode = next((m for m in MODES if getattr(args, m)), None)

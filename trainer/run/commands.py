@@ -148,6 +148,32 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
     return 0
 
 
+def prepare_teacher_command(exp: config_mod.Experiment) -> int:
+    """--prepare-teacher: the data cache, then the teacher's top-k over it (trainer/objectives/teacher_store.py),
+    in one process on this machine's first GPU (else its CPU), in the run's precision."""
+    import torch
+
+    from trainer import data as data_mod
+    from trainer.cluster.dist import cpu_cores, detect
+    from trainer.objectives.teacher_store import prepare
+
+    d = exp.train.distill
+    if exp.train.objective != "distill" or not d.offline:
+        raise UserError("--prepare-teacher stores the teacher of train.objective: distill for train.distill.offline: "
+                        "set both (and train.distill.top_k)")  # fmt: skip
+    if detect().world_size > 1:
+        raise UserError("--prepare-teacher runs the teacher in one process, without a launcher: run "
+                        "`bin/train EXPERIMENT.yaml --prepare-teacher` on its own")  # fmt: skip
+    cuda = torch.cuda.is_available()
+    precision = exp.train.precision
+    if precision == "auto":
+        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    data = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=True)
+    prepare(exp, data, torch.device("cuda", 0) if cuda else torch.device("cpu"), dtype)
+    return 0
+
+
 def preview_data_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
     """--preview-data [N]: the data as it will train (trainer/data/preview.py)."""
     from trainer import data as data_mod

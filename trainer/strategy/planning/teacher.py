@@ -9,6 +9,9 @@ at every stage, held for the whole run, among every candidate's buffers:
   models' logits and what is made of them, in fp32; the student head's gradient is written into the head's own
   precision a chunk at a time, as the token loss's would be);
 - on the host, while the ranks load it: a whole copy each (`teacher_host_bytes`, on a GPU machine).
+
+Offline (train.distill.offline: its top-k read from a store) none of it: a micro batch's stored entries (ids and
+log-probabilities, k a token, and what the divergence makes of them) and the student's chunk of logits.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def teacher_bytes(exp: Any, lp: int) -> int:
     tokens = (
         exp.train.micro_batch_size * exp.data.seq_len if isinstance(exp.train.micro_batch_size, int) else 0
     )
+    if (
+        exp.train.distill.offline
+    ):  # the store's entries (ids and log-probs a token) and the student's chunk alone
+        return tokens * exp.train.distill.top_k * 16 + working_bytes(tokens, vocab) * 3 // 8
     in_flight = tokens * (4 * hidden + 2 * width) * lp
     return params * lp + in_flight + tokens * hidden * lp + working_bytes(tokens, vocab)
 
@@ -49,7 +56,7 @@ def teacher_bytes(exp: Any, lp: int) -> int:
 def teacher_host_bytes(exp: Any, lp: int, ranks_per_node: int) -> int:
     """The host memory a node needs while its ranks load the teacher (each a whole copy in the compute precision,
     on the host until its first forward moves it to the device); 0 for another objective."""
-    if exp.train.objective != "distill" or not exp.train.distill.teacher:
+    if exp.train.objective != "distill" or not exp.train.distill.teacher or exp.train.distill.offline:
         return 0
     return ranks_per_node * _shape(exp.train.distill.teacher)[0] * lp
 
@@ -59,6 +66,10 @@ def teacher_line(exp: Any, lp: int) -> str:
     from trainer.config import format_size
 
     params = _shape(exp.train.distill.teacher)[0]
+    if exp.train.distill.offline:
+        return (f"teacher: {exp.train.distill.teacher}'s top-{exp.train.distill.top_k} read from its store "
+                f"(train.distill.offline): no teacher in memory; {format_size(teacher_bytes(exp, lp))} among the "
+                "buffers (the stored entries a micro batch, the divergence's chunk of the student's logits)")  # fmt: skip
     if not params:
         return (f"teacher: {exp.train.distill.teacher}: its config does not read here, so the plan holds nothing "
                 "for it (the run stops at load, naming it)")  # fmt: skip

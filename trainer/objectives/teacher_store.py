@@ -1,0 +1,241 @@
+"""The offline teacher (train.distill.offline): its top-k next-token log-probabilities at every target token of the
+data, computed once by `bin/train EXP.yaml --prepare-teacher` (`prepare`) and read by training (`TeacherStore`), so
+that no teacher is in memory while the student trains.
+
+What a stored entry is keyed by: an example's tokens. A training row holds examples kept apart (packing restarts the
+position ids at each: the models attend within an example), and a block of text is one sequence; each such segment's
+tokens up to its last target and which of them are targets digest to 8 bytes (`segments`). At a forward the same
+digests of the micro batch's rows find their entries, however the rows were cut to the batch's width or laid end to
+end (flash attention's one row): the order of the targets is the loss's.
+
+A store is a directory: `meta.json` (the format's VERSION, what it was made from: the teacher's files by content, the
+data's digest, the tokenizer, top_k, temperature, the precision it ran in), the segments' sorted digests with their
+first entry and count (`keys.npy`, `starts.npy`, `counts.npy`), and the entries (`ids.bin` int32 and `logp.bin` fp32,
+entries x top_k): 8 bytes a token per k (top_k 32: 256 bytes a target token). By default it lies in the data cache
+(`teacher/<digest of what it depends on>`); train.distill.store names another directory (a store made elsewhere),
+which is checked against the run's data, tokenizer, teacher, top_k and temperature before training reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.common.errors import UserError
+
+VERSION = 1
+
+
+def segments(ids: np.ndarray, labels: np.ndarray, pos: np.ndarray | None) -> list[tuple[int, int]]:
+    """A row's examples that hold targets, in order: (digest, targets). An example starts where the position ids
+    restart at 0 (the whole row for a block of text: `pos` None); its targets are the tokens after its first whose
+    label is not IGNORE; the digest covers its tokens up to its last target and where its targets are."""
+    from trainer.data.pack import IGNORE
+
+    starts = [0] if pos is None else [int(s) for s in np.flatnonzero(pos == 0)]
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    out = []
+    for s, e in zip(starts, [*starts[1:], len(ids)], strict=True):
+        target = labels[s + 1 : e] != IGNORE
+        if not target.any():
+            continue
+        last = s + 1 + int(np.flatnonzero(target)[-1])
+        h = hashlib.blake2b(digest_size=8)
+        h.update(np.ascontiguousarray(ids[s : last + 1], dtype=np.int64).tobytes())
+        h.update(np.packbits(target[: last - s]).tobytes())
+        out.append((int.from_bytes(h.digest(), "little"), int(target.sum())))
+    return out
+
+
+def batch_segments(input_ids: Any, labels: Any, position_ids: Any) -> list[tuple[int, int]]:
+    """`segments` of every row of a micro batch (tensors anywhere), rows in order: the loss's order of targets."""
+    ids = input_ids.detach().cpu().numpy()
+    lab = labels.detach().cpu().numpy()
+    pos = None if position_ids is None else position_ids.detach().cpu().numpy()
+    return [s for r in range(ids.shape[0]) for s in segments(ids[r], lab[r], None if pos is None else pos[r])]
+
+
+def identity(exp: Any, data: Any) -> dict[str, Any]:
+    """What a store's entries depend on (its key, and what a given store is checked against)."""
+    from trainer.objectives.reference import content_digests
+
+    spec, d = exp.train.distill.teacher, exp.train.distill
+    local = Path(spec).expanduser()
+    teacher = content_digests(local, exp.data.cache_dir) if local.is_dir() else spec
+    return {
+        "version": VERSION,
+        "teacher": hashlib.sha256(json.dumps(teacher).encode()).hexdigest()[:20],
+        "top_k": d.top_k,
+        "temperature": d.temperature,
+        "tokenizer": data.fingerprint.get("tokenizer"),
+        "train": data.fingerprint["train_digest"],
+        "eval": None
+        if data.eval is None
+        else hashlib.sha256(np.ascontiguousarray(data.eval).tobytes()).hexdigest()[:20],
+    }
+
+
+def store_path(exp: Any, data: Any, ident: dict[str, Any] | None = None) -> Path:
+    if exp.train.distill.store:
+        return Path(exp.train.distill.store).expanduser()
+    ident = ident or identity(exp, data)
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(data.cache_path) / "teacher" / key
+
+
+def _rows(rows: np.ndarray, at: np.ndarray) -> tuple[Any, Any, Any]:
+    """(input ids, labels, position ids or None) of rows as the loader gives them."""
+
+    from trainer.data.stream import _collate
+
+    batch = _collate(np.asarray(rows[at]), 1)
+    if batch.dim() == 2:
+        return batch, batch, None
+    return batch[:, 0], batch[:, 1], batch[:, 2]
+
+
+def prepare(exp: Any, data: Any, device: Any, dtype: Any, say: Any = print) -> Path:
+    """Run the teacher over every row of the data (train and eval) and write the store (module docstring); the
+    directory appears whole (written beside it, then renamed). Returns its path."""
+    import torch
+
+    from trainer.data.pack import IGNORE
+    from trainer.model import hf_config
+    from trainer.objectives.distill import _heads, check_vocabulary, teacher
+    from trainer.objectives.sparse import teacher_topk
+
+    d, ident = exp.train.distill, identity(exp, data)
+    final = store_path(exp, data, ident)
+    student = hf_config(exp.model, data.vocab_size, data.eos_id)
+    model = teacher(d.teacher, check_vocabulary(d.teacher, student, data.tokenizer), dtype).to(device)
+    base, head = _heads(model, "train.distill.teacher")
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    seen: dict[int, tuple[int, int]] = {}
+    total, t0, micro = 0, time.perf_counter(), exp.train.micro_batch_size
+    with open(tmp / "ids.bin", "wb") as f_ids, open(tmp / "logp.bin", "wb") as f_lp, torch.no_grad():
+        for rows in (r for r in (data.train, data.eval) if r is not None):
+            for a in range(0, len(rows), micro):
+                ids, labels, pos = _rows(rows, np.arange(a, min(a + micro, len(rows))))
+                extra = {} if pos is None else {"position_ids": pos.to(device)}
+                hidden = base(input_ids=ids.to(device), use_cache=False, **extra)[0][:, :-1]
+                mask = (labels[:, 1:] != IGNORE).to(device)
+                top_ids, top_lp = teacher_topk(hidden[mask], head.weight, d.top_k, d.temperature)
+                top_ids, top_lp = (
+                    top_ids.cpu().numpy().astype(np.int32),
+                    top_lp.cpu().numpy().astype(np.float32),
+                )
+                at = 0
+                for digest, count in batch_segments(ids, labels, pos):
+                    if digest not in seen:
+                        seen[digest] = (total, count)
+                        f_ids.write(top_ids[at : at + count].tobytes())
+                        f_lp.write(top_lp[at : at + count].tobytes())
+                        total += count
+                    at += count
+                assert at == len(top_ids), (at, len(top_ids))
+    keys = np.array(sorted(seen), dtype=np.uint64)
+    np.save(tmp / "keys.npy", keys)
+    np.save(tmp / "starts.npy", np.array([seen[int(k)][0] for k in keys], dtype=np.int64))
+    np.save(tmp / "counts.npy", np.array([seen[int(k)][1] for k in keys], dtype=np.int64))
+    meta = {**ident, "entries": total, "examples": len(keys), "vocab_size": data.vocab_size,
+            "teacher_spec": d.teacher, "dtype": str(dtype).replace("torch.", ""),
+            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, final)
+    size = sum(p.stat().st_size for p in final.iterdir())
+    say(f"teacher: top-{d.top_k} log-probabilities of {total:,} target tokens ({len(keys):,} examples) by "
+        f"{d.teacher} in {meta['dtype']} in {meta['seconds']} s: {size / 2**20:,.1f} MiB in {final}")  # fmt: skip
+    return final
+
+
+class TeacherStore:
+    """A store read back: `lookup` gives a micro batch's entries in the loss's order."""
+
+    def __init__(self, path: Path, top_k: int) -> None:
+        self.path = path
+        meta = json.loads((path / "meta.json").read_text())
+        self.meta, n = meta, int(meta["entries"])
+        self.keys = np.load(path / "keys.npy")
+        self.starts, self.counts = np.load(path / "starts.npy"), np.load(path / "counts.npy")
+        self.ids = np.memmap(path / "ids.bin", dtype=np.int32, mode="r", shape=(n, top_k)) if n else None
+        self.logp = np.memmap(path / "logp.bin", dtype=np.float32, mode="r", shape=(n, top_k)) if n else None
+
+    def lookup(self, input_ids: Any, labels: Any, position_ids: Any) -> tuple[Any, Any]:
+        import torch
+
+        parts = []
+        for digest, count in batch_segments(input_ids, labels, position_ids):
+            i = int(np.searchsorted(self.keys, np.uint64(digest)))
+            if i >= len(self.keys) or int(self.keys[i]) != digest or int(self.counts[i]) != count:
+                raise UserError(
+                    f"train.distill.offline: an example of this batch is not in the stored teacher {self.path} (the "
+                    "data changed since it was prepared); run `bin/train EXPERIMENT.yaml --prepare-teacher` again"
+                )
+            parts.append(slice(int(self.starts[i]), int(self.starts[i]) + count))
+        if not parts:
+            k = self.ids.shape[1] if self.ids is not None else 1
+            return torch.zeros((0, k), dtype=torch.int64), torch.zeros((0, k))
+        ids = np.concatenate([self.ids[s] for s in parts])
+        logp = np.concatenate([self.logp[s] for s in parts])
+        device = input_ids.device
+        return torch.from_numpy(ids).to(device).long(), torch.from_numpy(logp).to(device)
+
+
+def open_store(exp: Any, data: Any) -> TeacherStore:
+    """The run's store, checked against what it must have been made from: exit 2 naming what differs (or that there
+    is none, and how to make it)."""
+    ident = identity(exp, data)
+    path = store_path(exp, data, ident)
+    if not (path / "meta.json").is_file():
+        where = "train.distill.store" if exp.train.distill.store else "the data cache"
+        raise UserError(
+            f"train.distill.offline: no stored teacher at {path} ({where}) for this data, teacher, top_k and "
+            "temperature; run `bin/train EXPERIMENT.yaml --prepare-teacher` first (the teacher runs once over the "
+            "data), or set offline: false (the teacher beside the student)"
+        )
+    meta = json.loads((path / "meta.json").read_text())
+    names = {"version": "its format", "teacher": "train.distill.teacher (its files)", "top_k": "train.distill.top_k",
+             "temperature": "train.distill.temperature", "tokenizer": "data.tokenizer",
+             "train": "the training data (its tokens)", "eval": "the eval data (its tokens)"}  # fmt: skip
+    spec = exp.train.distill.teacher
+    if not Path(spec).expanduser().is_dir() and meta.get("teacher_spec") == spec:
+        names.pop(
+            "teacher"
+        )  # prepared where the teacher's directory is, read where it is not: its record stands
+    for key, what in names.items():
+        if meta.get(key) != ident[key]:
+            raise UserError(
+                f"train.distill.store: {path} was prepared from another {what} ({meta.get(key)!r}; this run's "
+                f"{ident[key]!r}); run `bin/train EXPERIMENT.yaml --prepare-teacher` to prepare this run's, or give "
+                "the store prepared for it"
+            )
+    return TeacherStore(path, int(exp.train.distill.top_k))
+
+
+def check_teacher(exp: Any, student: Any, data: Any) -> tuple[Any, Any]:
+    """(the stored teacher, None) offline; (None, the teacher's config) otherwise, once its vocabulary is the
+    student's. top_k at most the vocabulary. Exit 2 naming what is wrong, before any weight loads."""
+    from trainer.objectives.distill import _family, check_vocabulary
+
+    d = exp.train.distill
+    vocab = student.get_text_config().vocab_size
+    if d.top_k is not None and d.top_k > vocab:
+        raise UserError(f"train.distill.top_k: {d.top_k:,} is more than the vocabulary ({vocab:,}); set at most "
+                        f"{vocab:,} (null: the whole distribution)")  # fmt: skip
+    if d.offline:
+        _family(student, "model")
+        return open_store(exp, data), None
+    return None, check_vocabulary(d.teacher, student, data.tokenizer)
