@@ -54,7 +54,8 @@ def test_the_students_loss_is_trls_gkd_loss_on_the_batch(teacher_dir, beta, temp
 
 
 def test_split_invariant_and_falling(tmp_path, teacher_dir, student_dir):
-    """4 x 1, 1 x 4 and 2 ranks x 2 log the same losses (split_losses: 1e-6), which fall; ZeRO-3 on 2 ranks too."""
+    """4 x 1, 1 x 4 and 2 ranks x 2 log the same losses (split_losses: 1e-6), which fall; ZeRO-1, 2 and 3 on 2 ranks too
+    (at 3 the teacher sharded: half its parameters a rank)."""
 
     def sets_for(split):
         return {"train.objective": "distill", "train.distill.teacher": str(teacher_dir), "train.distill.beta": 0.5,
@@ -67,10 +68,23 @@ def test_split_invariant_and_falling(tmp_path, teacher_dir, student_dir):
     assert ref[6] < ref[1]
     # ZeRO-3 on 2 ranks: the student's LM head gathered for the divergence (an external parameter), the teacher
     # a whole copy a rank
-    zero3 = train(tmp_path / "zero3", sets_for({"train.micro_batch_size": 2, "strategy.zero_stage": 3}),
-                  launcher="torchrun", nproc=2, debug=False)  # fmt: skip
-    for step, value in ref.items():
-        assert zero3.losses[step] == pytest.approx(value, rel=1e-5), (zero3.losses, ref)
+    # the teacher sharded at ZeRO-3 too (its own inference engine, as TRL's); a whole copy a rank at ZeRO-1 and 2
+    whole = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(teacher_dir).parameters())
+    for stage in (3, 1, 2):
+        why = {"strategy.justification": "the teacher beside a partitioned optimizer"} if stage < 3 else {}
+        run = train(tmp_path / f"zero{stage}", sets_for({"train.micro_batch_size": 2, "strategy.zero_stage": stage,
+                                                           **why}), launcher="torchrun", nproc=2, debug=False)  # fmt: skip
+        for step, value in ref.items():
+            assert run.losses[step] == pytest.approx(value, rel=1e-5), (stage, run.losses, ref)
+        assert ("teacher: sharded at ZeRO-3" in run.output) == (stage == 3)
+        if stage == 3:
+            held = int(
+                run.output.split("teacher: sharded at ZeRO-3")[1]
+                .split(" of its ")[0]
+                .split(", ")[-1]
+                .replace(",", "")
+            )
+            assert held <= whole // 2 + 64 and f"of its {whole:,} parameters on this rank" in run.output
 
 
 BAD = {
@@ -162,6 +176,12 @@ def test_the_plan_holds_the_teacher(tmp_path, teacher_dir, capsys):
     assert planned(out) - planned(plain) == pytest.approx(
         teacher_bytes(exp, 4) / 2**20, abs=0.01
     )  # (MB: MiB)
+    # at ZeRO-3 the teacher is sharded as the student is: its share of the weights, a layer and its head gathered
+    share = -(-params // 2) * 4 + (4 * 96 * 96 + 3 * 96 * 384 + 257 * 96) * 4
+    assert teacher_bytes(exp, 4, 3, 2) - teacher_bytes(exp, 4) == share - params * 4
+    z3 = {**sets, "strategy.zero_stage": 3}
+    main([str(TINY), "--plan", "--world-size", "2", *(f"--set={k}={yaml_value(v)}" for k, v in z3.items())])
+    assert f"({params / 1e6:,.1f}M parameters), sharded at ZeRO-3 over 2 rank(s)" in capsys.readouterr().out
 
 
 def test_a_saved_experiment_of_another_objective_loads_again(tmp_path):

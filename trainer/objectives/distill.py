@@ -85,16 +85,41 @@ def teacher_key(settings: Any) -> str:
     return f"{spec} ({h.hexdigest()[:16]}){sparse}"
 
 
-def teacher(spec: str, config: Any, dtype: Any = None) -> Any:
+def teacher(spec: str, config: Any, dtype: Any = None, ds_config: Any = None) -> Any:
     """The teacher of `config` (check_vocabulary's), frozen and in eval mode, in `dtype` (the run's compute
-    precision; on the host until its first forward moves it to the device)."""
+    precision; on the host until its first forward moves it to the device). With `ds_config` (the student's, at
+    ZeRO-3) it is loaded partitioned (zero.Init) and run by a DeepSpeed inference engine of its own, as TRL does:
+    each rank holds its share, and each layer is gathered for its forward."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype or torch.float32)
+    if ds_config is None:
+        model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype or torch.float32)
+        model.eval().requires_grad_(False)
+        _heads(model, "train.distill.teacher")
+        return model
+    import deepspeed
+
+    from trainer.model.create import _zero3_context
+
+    with _zero3_context(ds_config):
+        model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype or torch.float32)
     model.eval().requires_grad_(False)
     _heads(model, "train.distill.teacher")
+    cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    cfg["zero_optimization"] = {k: v for k, v in cfg["zero_optimization"].items() if k != "offload_optimizer"}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    engine.eval()
+    model.inference_engine = engine  # (its hooks gather each layer: kept alive with the model)
     return model
+
+
+def shard_line(model: Any) -> str:
+    """The start-up log's line for a teacher partitioned at ZeRO-3: the share of its parameters this rank holds."""
+    held = sum(int(getattr(p, "ds_tensor", p).numel()) for p in model.parameters())
+    whole = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    return (f"teacher: sharded at ZeRO-3 (an inference engine of its own: each layer gathered for its forward), "
+            f"{held:,} of its {whole:,} parameters on this rank")  # fmt: skip
 
 
 def _family(config: Any, key: str) -> None:
@@ -140,6 +165,7 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     base, head = _heads(inner, "model")
+    sharded = store is None and hasattr(teach, "inference_engine")
     if store is None:
         t_base, t_head = _heads(teach, "train.distill.teacher")
     if zero3:
@@ -165,17 +191,28 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
             div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
             return CausalLMOutput(loss=div.sum() * scale / count)
         first = next(teach.parameters())
-        if first.device != hidden.device or first.dtype != hidden.dtype:
+        if not sharded and (first.device != hidden.device or first.dtype != hidden.dtype):
             teach.to(device=hidden.device, dtype=hidden.dtype)
         with torch.no_grad():
             t_hidden = t_base(input_ids=input_ids, **kwargs)[0]
         h_t = t_hidden[:, :-1].reshape(-1, t_hidden.shape[-1])[keep]
-        if k is not None:
-            t_ids, t_logp = sparse.teacher_topk(h_t, t_head.weight, k, temp)
-            div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
-        else:
-            div = divergence.per_token(h_s, head.weight, h_t, t_head.weight, beta, temp)
+        with _gathered(t_head.weight, sharded):  # the teacher's head whole for the divergence (at ZeRO-3)
+            if k is not None:
+                t_ids, t_logp = sparse.teacher_topk(h_t, t_head.weight, k, temp)
+                div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
+            else:
+                div = divergence.per_token(h_s, head.weight, h_t, t_head.weight, beta, temp)
         return CausalLMOutput(loss=div.sum() * scale / count)
 
     inner.forward = forward
     return model
+
+
+def _gathered(weight: Any, sharded: bool) -> Any:
+    import contextlib
+
+    if not sharded:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)

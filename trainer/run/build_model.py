@@ -59,7 +59,13 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         import torch
 
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(planned.plan.precision, torch.float32)
-        teach = None if distill_store else distill.teacher(exp.train.distill.teacher, teacher_config, dtype)
+        teach = None
+        if distill_store is None:  # at ZeRO-3 sharded as the student is (TRL's), else a whole copy a rank
+            teach = distill.teacher(
+                exp.train.distill.teacher, teacher_config, dtype, built if zero3 else None
+            )
+            if zero3 and env.rank == 0:
+                log.info(distill.shard_line(teach))
         distill.attach(module, teach, exp.train.distill, zero3, distill_store)
     no_dropout = exp.train.distill if exp.train.objective == "distill" else exp.train.preference
     if exp.train.objective != "sft" and no_dropout.disable_dropout:

@@ -81,7 +81,8 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         if exp.train.objective == "distill":
             from trainer.strategy.planning.teacher import teacher_line
 
-            print(teacher_line(exp, strategy.low_precision_bytes(planned.plan.precision)))
+            print(teacher_line(exp, strategy.low_precision_bytes(planned.plan.precision), planned.plan.candidate.stage,
+                               world))  # fmt: skip
         if planned.batch is not None and planned.batch.why:
             print(f"batch: {planned.batch.why}")
         if exp.checkpoint.every_minutes == "auto":  # the interval before any save is measured

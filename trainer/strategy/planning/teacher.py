@@ -1,5 +1,6 @@
 """Distillation's teacher in the plan (train.objective distill; trainer/objectives/distill.py): a whole copy a rank
-at every stage, held for the whole run, among every candidate's buffers:
+at ZeRO 0-2, partitioned as the student is at ZeRO-3 (its own inference engine, as TRL's: each rank's share, and
+a layer and the head gathered at once), held for the whole run, among every candidate's buffers:
 
 - its weights in the run's compute precision (its parameters counted on the meta device from its config);
 - its forward, without gradients: one layer's working set in flight a micro batch (its hidden states, the
@@ -35,8 +36,9 @@ def _shape(spec: str) -> tuple[int, int, int, int]:
     return params, hidden, width, int(getattr(text, "vocab_size", 0) or 0)
 
 
-def teacher_bytes(exp: Any, lp: int) -> int:
-    """The teacher's bytes a rank (module docstring); 0 for another objective."""
+def teacher_bytes(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> int:
+    """The teacher's bytes a rank (module docstring) beside a student at ZeRO `stage` over `ranks`; 0 for another
+    objective."""
     if exp.train.objective != "distill" or not exp.train.distill.teacher:
         return 0
     from trainer.config.distill_schema import working_bytes
@@ -50,7 +52,15 @@ def teacher_bytes(exp: Any, lp: int) -> int:
     ):  # the store's entries (ids and log-probs a token) and the student's chunk alone
         return tokens * exp.train.distill.top_k * 16 + working_bytes(tokens, vocab) * 3 // 8
     in_flight = tokens * (4 * hidden + 2 * width) * lp
-    return params * lp + in_flight + tokens * hidden * lp + working_bytes(tokens, vocab)
+    weights = params * lp
+    if (
+        stage == 3
+    ):  # its share, and what its forward gathers at once: a layer (attention and a gated MLP), the head
+        weights = (
+            -(-params // max(ranks, 1)) * lp
+            + (4 * hidden * hidden + 3 * hidden * width + vocab * hidden) * lp
+        )
+    return weights + in_flight + tokens * hidden * lp + working_bytes(tokens, vocab)
 
 
 def teacher_host_bytes(exp: Any, lp: int, ranks_per_node: int) -> int:
@@ -61,7 +71,7 @@ def teacher_host_bytes(exp: Any, lp: int, ranks_per_node: int) -> int:
     return ranks_per_node * _shape(exp.train.distill.teacher)[0] * lp
 
 
-def teacher_line(exp: Any, lp: int) -> str:
+def teacher_line(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> str:
     """--plan's line for distill."""
     from trainer.config import format_size
 
@@ -73,8 +83,12 @@ def teacher_line(exp: Any, lp: int) -> str:
     if not params:
         return (f"teacher: {exp.train.distill.teacher}: its config does not read here, so the plan holds nothing "
                 "for it (the run stops at load, naming it)")  # fmt: skip
+    where = (
+        "a whole copy a rank" if stage != 3 else f"sharded at ZeRO-3 over {ranks} rank(s) as the student is"
+    )
     return (
-        f"teacher: {exp.train.distill.teacher} ({params / 1e6:,.1f}M parameters), a whole copy a rank: "
-        f"{format_size(teacher_bytes(exp, lp))} among the buffers (its weights in the compute precision, its forward "
-        "without gradients, the divergence's chunk of both models' logits)"
+        f"teacher: {exp.train.distill.teacher} ({params / 1e6:,.1f}M parameters), {where}: "
+        f"{format_size(teacher_bytes(exp, lp, stage, ranks))} among the buffers (its weights in the compute precision"
+        f"{', a layer and its head gathered' if stage == 3 else ''}, its forward without gradients, the divergence's "
+        "chunk of both models' logits)"
     )
