@@ -163,18 +163,25 @@ def test_gpt2_conv1d_layers_export_merged_into_their_own_layout(tmp_path):
     assert merged < 0.25 * original
 
 
-def test_a_qlora_student_distilled_is_lora_over_its_dequantized_base(tmp_path, shared_dir):
+def test_a_qlora_student_distilled_is_lora_over_its_dequantized_base_and_a_4bit_teacher_mirrors_it(tmp_path, shared_dir):
     """Distillation (train.objective distill) with a QLoRA student: the teacher is the base itself in bf16, the
     student its NF4 quantization with adapters. Its losses are LoRA's over the dequantized NF4 weights bit for bit
     (the divergence reaches the adapters through the 4-bit layers as the token loss does), the first is the
-    quantization's own divergence from the base (above 0)."""
+    quantization's own divergence from the base (above 0). A 4-bit teacher (train.distill.quantization) the other
+    way round (the base in bf16 as the student, its NF4 copy teaching) gives the same first divergence: at beta 0.5
+    the JSD is symmetric (1.2e-3 apart measured, each side's forward rounding its bf16 products its own way)."""
     small = qlora_base(shared_dir, small=True)
     sets = {**QLORA, "model.config": None, "train.objective": "distill", "train.distill.teacher": str(small),
-            "train.max_steps": 6, "train.log_every": 1, "train.eval_every": 0, "train.eval_prompts": [],
-            "train.micro_batch_size": 2, "data.seq_len": 64, "data.eval_fraction": 0, "data.num_workers": 0,
-            "optim.lr": 3e-3, "checkpoint.every_steps": 0, "checkpoint.save_final": False}  # fmt: skip
+            "train.distill.beta": 0.5, "train.max_steps": 6, "train.log_every": 1, "train.eval_every": 0,
+            "train.eval_prompts": [], "train.micro_batch_size": 2, "data.seq_len": 64, "data.eval_fraction": 0,
+            "data.num_workers": 0, "optim.lr": 3e-3, "checkpoint.every_steps": 0, "checkpoint.save_final": False}  # fmt: skip
     q = train(tmp_path / "qlora", {**sets, "model.pretrained": str(small)}, debug=False).losses
     d = train(tmp_path / "dequantized", {**sets, "model.pretrained": str(dequantized_base(shared_dir)),
                                          "model.lora.quantization": "none"}, debug=False).losses  # fmt: skip
-    print(f"QLoRA student from its bf16 base: divergence {q[1]:.3g} at step 1, {q[6]:.3g} at step 6")
+    four = train(tmp_path / "teacher4bit", {**sets, "model.pretrained": str(small), "model.lora": None,
+                                            "train.max_steps": 1, "train.distill.quantization": "4bit"}, debug=False)  # fmt: skip
+    print(f"QLoRA student from its bf16 base: divergence {q[1]:.4g} at step 1, {q[6]:.4g} at step 6; the base from its "
+          f"4-bit copy: {four.losses[1]:.4g}")  # fmt: skip
     assert sorted(q) == list(range(1, 7)) and q == d and 0 < q[1]
+    assert "teacher: 14 linear layers in 4 bits (NF4, double quantization)" in four.output, four.output[-2000:]
+    assert four.losses[1] == pytest.approx(q[1], rel=5e-3)  # (1.2e-3 apart measured: the two sides' bf16 products)

@@ -148,7 +148,7 @@ def test_the_plan_holds_the_teacher(tmp_path, teacher_dir, capsys):
     from trainer import config
     from trainer.objectives.divergence import working_bytes
     from trainer.run.cli import main
-    from trainer.strategy.planning.teacher import _shape, teacher_bytes
+    from trainer.strategy.planning.teacher import _four_bit, _shape, teacher_bytes
 
     sets = {"train.objective": "distill", "train.distill.teacher": str(teacher_dir), "train.precision": "fp32",
             "train.micro_batch_size": 8, "run_dir": str(tmp_path / "run")}  # fmt: skip
@@ -179,6 +179,24 @@ def test_the_plan_holds_the_teacher(tmp_path, teacher_dir, capsys):
     z3 = {**sets, "strategy.zero_stage": 3}
     main([str(TINY), "--plan", "--world-size", "2", *(f"--set={k}={yaml_value(v)}" for k, v in z3.items())])
     assert f"({params / 1e6:,.1f}M parameters), sharded at ZeRO-3 over 2 rank(s)" in capsys.readouterr().out
+    # a 4-bit teacher: its linear layers (3 blocks of GPT-2's 4 Conv1D, 96 wide) packed with their NF4 state
+    four = config.load(
+        TINY, [f"{k}={yaml_value(v)}" for k, v in {**sets, "train.distill.quantization": "4bit"}.items()]
+    )
+    linear = 3 * (96 * 288 + 96 * 96 + 2 * 96 * 384)
+    assert _four_bit(str(teacher_dir))[0] == linear
+    assert teacher_bytes(four, 4) - teacher_bytes(exp, 4) == int(_four_bit(str(teacher_dir))[1]) - linear * 4
+    main(
+        [
+            str(TINY),
+            "--plan",
+            *(
+                f"--set={k}={yaml_value(v)}"
+                for k, v in {**sets, "train.distill.quantization": "4bit"}.items()
+            ),
+        ]
+    )
+    assert "its linear layers in 4 bits (NF4), a whole copy a rank" in capsys.readouterr().out
 
 
 def test_a_saved_experiment_of_another_objective_loads_again(tmp_path):

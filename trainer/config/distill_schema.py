@@ -53,6 +53,12 @@ class DistillSection(Section):
     disable_dropout: bool = Field(
         True, description="turn every dropout of the student off (TRL's default); false keeps it"
     )
+    quantization: choice("none", "4bit") = Field(
+        "none",
+        description="the teacher's linear layers in 4 bits (bitsandbytes' NF4 with double quantization, as QLoRA's "
+        "base; computing in the run's precision): a whole copy a rank at every ZeRO stage, its embeddings and head "
+        "in the run's precision; none = all of it in the run's precision",
+    )
     top_k: int | None = Field(
         None,
         ge=1,

@@ -8,7 +8,7 @@ from typing import Any
 
 from trainer.common.errors import UserError
 from trainer.config import ModelSection
-from trainer.strategy.planning.candidates import Quantized
+from trainer.strategy.planning.candidates import Quantized, nf4
 
 
 def quantization(
@@ -74,7 +74,6 @@ def quiet_bitsandbytes() -> None:
 
 # bitsandbytes' 4-bit layout: 4 bits an element packed; a block of 64 elements shares an absmax, in fp32,
 # or with double quantization in 8 bits, those in blocks of 256 sharing an fp32 absmax of their own
-BNB_BLOCK, BNB_NESTED_BLOCK = 64, 256
 
 
 def quantized_count(module: Any, section: ModelSection) -> Quantized | None:
@@ -98,12 +97,7 @@ def quantized_count(module: Any, section: ModelSection) -> Quantized | None:
     if q == "8bit":  # int8 weights and an fp32 scale per output row
         rows = sum(m.weight.shape[1 if isinstance(m, Conv1D) else 0] for m in layers)
         return Quantized(sum(sizes), 1.0, 0.0, 4 * rows // max(1, len(layers)), sizes)
-    if section.lora.double_quant:  # the absmax in 8 bits, an fp32 absmax per 256 of them; NF4's code,
-        # the offset and the 8-bit code table in fp32 a layer
-        return Quantized(
-            sum(sizes), 0.5, 1 / BNB_BLOCK + 4 / (BNB_BLOCK * BNB_NESTED_BLOCK), 16 * 4 + 4 + 256 * 4, sizes
-        )
-    return Quantized(sum(sizes), 0.5, 4 / BNB_BLOCK, 16 * 4, sizes)
+    return nf4(sizes, section.lora.double_quant)
 
 
 def stored_quantized(section: ModelSection, cfg: Any) -> None:

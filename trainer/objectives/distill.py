@@ -85,16 +85,39 @@ def teacher_key(settings: Any) -> str:
     return f"{spec} ({h.hexdigest()[:16]}){sparse}"
 
 
-def teacher(spec: str, config: Any, dtype: Any = None, ds_config: Any = None) -> Any:
+def four_bit(dtype: Any) -> dict[str, Any]:
+    """from_pretrained's arguments for a 4-bit teacher (train.distill.quantization): QLoRA's NF4 with double
+    quantization computing in `dtype`, on this rank's device; its embeddings and head stay in `dtype`."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("train.distill.quantization: 4bit needs bitsandbytes, which is not installed: pip install -e "
+                        "'.[qlora]' (or pip install 'bitsandbytes>=0.50'), or set it to none")  # fmt: skip
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)  # fmt: skip
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}
+
+
+def teacher(
+    spec: str, config: Any, dtype: Any = None, ds_config: Any = None, quantization: str = "none"
+) -> Any:
     """The teacher of `config` (check_vocabulary's), frozen and in eval mode, in `dtype` (the run's compute
     precision; on the host until its first forward moves it to the device). With `ds_config` (the student's, at
     ZeRO-3) it is loaded partitioned (zero.Init) and run by a DeepSpeed inference engine of its own, as TRL does:
-    each rank holds its share, and each layer is gathered for its forward."""
+    each rank holds its share, and each layer is gathered for its forward. `quantization` 4bit: its linear layers
+    in NF4 (`four_bit`), a whole copy a rank at every stage."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if ds_config is None:
-        model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype or torch.float32)
+        more = four_bit(dtype or torch.float32) if quantization == "4bit" else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            spec, config=config, dtype=dtype or torch.float32, **more
+        )
         model.eval().requires_grad_(False)
         _heads(model, "train.distill.teacher")
         return model
@@ -166,6 +189,9 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     base, head = _heads(inner, "model")
     sharded = store is None and hasattr(teach, "inference_engine")
+    placed = sharded or getattr(
+        teach, "is_loaded_in_4bit", False
+    )  # (4 bits: on its device already, not castable)
     if store is None:
         t_base, t_head = _heads(teach, "train.distill.teacher")
     if zero3:
@@ -191,7 +217,7 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
             div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
             return CausalLMOutput(loss=div.sum() * scale / count)
         first = next(teach.parameters())
-        if not sharded and (first.device != hidden.device or first.dtype != hidden.dtype):
+        if not placed and (first.device != hidden.device or first.dtype != hidden.dtype):
             teach.to(device=hidden.device, dtype=hidden.dtype)
         with torch.no_grad():
             t_hidden = t_base(input_ids=input_ids, **kwargs)[0]

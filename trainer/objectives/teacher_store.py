@@ -74,6 +74,7 @@ def identity(exp: Any, data: Any) -> dict[str, Any]:
         "version": VERSION,
         "teacher": hashlib.sha256(json.dumps(teacher).encode()).hexdigest()[:20],
         "top_k": d.top_k,
+        "quantization": d.quantization,
         "temperature": d.temperature,
         "tokenizer": data.fingerprint.get("tokenizer"),
         "train": data.fingerprint["train_digest"],
@@ -115,7 +116,11 @@ def prepare(exp: Any, data: Any, device: Any, dtype: Any, say: Any = print) -> P
     d, ident = exp.train.distill, identity(exp, data)
     final = store_path(exp, data, ident)
     student = hf_config(exp.model, data.vocab_size, data.eos_id)
-    model = teacher(d.teacher, check_vocabulary(d.teacher, student, data.tokenizer), dtype).to(device)
+    model = teacher(
+        d.teacher, check_vocabulary(d.teacher, student, data.tokenizer), dtype, None, d.quantization
+    )
+    if d.quantization == "none":
+        model = model.to(device)
     base, head = _heads(model, "train.distill.teacher")
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -208,6 +213,7 @@ def open_store(exp: Any, data: Any) -> TeacherStore:
         )
     meta = json.loads((path / "meta.json").read_text())
     names = {"version": "its format", "teacher": "train.distill.teacher (its files)", "top_k": "train.distill.top_k",
+             "quantization": "train.distill.quantization",
              "temperature": "train.distill.temperature", "tokenizer": "data.tokenizer",
              "train": "the training data (its tokens)", "eval": "the eval data (its tokens)"}  # fmt: skip
     spec = exp.train.distill.teacher

@@ -23,17 +23,9 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
 
     if data.supervised and exp.data.packing and not data.pairs:
         data.packing = packing_verdict(exp, planned.model or exp.model, data)
-    distill_store, teacher_config = None, None
-    if exp.train.objective == "distill":  # the teacher's vocabulary (or its store), before any weight loads
-        from trainer.objectives import distill
-        from trainer.objectives.teacher_store import check_teacher
-
-        student = model.hf_config(planned.model or exp.model, data.vocab_size, data.eos_id)
-        distill_store, teacher_config = check_teacher(exp, student, data)
-        if distill_store is not None and env.rank == 0:
-            m = distill_store.meta
-            log.info(f"teacher: the top-{m['top_k']} of {m['teacher_spec']} at {m['entries']:,} target tokens, read "
-                     f"from {distill_store.path} as the batches need them (no teacher in memory)")  # fmt: skip
+    teacher = distill_check(
+        exp, env, planned, data
+    )  # (the teacher's vocabulary or its store, before any load)
     dist.seed_all(exp.seed)
     built = dict(planned.ds_config)
     # zero.Init (stage 3) reads the batch over the world, before AutoTP's mesh exists: DeepSpeed derives it there
@@ -55,18 +47,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
             "model.config.output_router_logits: false (the router trains on the objective alone) or train sft"
         )
     if exp.train.objective == "distill":
-        zero3 = built.get("zero_optimization", {}).get("stage") == 3
-        import torch
-
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(planned.plan.precision, torch.float32)
-        teach = None
-        if distill_store is None:  # at ZeRO-3 sharded as the student is (TRL's), else a whole copy a rank
-            teach = distill.teacher(
-                exp.train.distill.teacher, teacher_config, dtype, built if zero3 else None
-            )
-            if zero3 and env.rank == 0:
-                log.info(distill.shard_line(teach))
-        distill.attach(module, teach, exp.train.distill, zero3, distill_store)
+        distill_attach(exp, env, planned, built, module, *teacher)
     no_dropout = exp.train.distill if exp.train.objective == "distill" else exp.train.preference
     if exp.train.objective != "sft" and no_dropout.disable_dropout:
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
@@ -97,6 +78,48 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         layout = names_and_aliases(module, model.param_groups(module, exp.optim.weight_decay))
     dist.seed_all(exp.seed + 1 + env.rank)
     return engine, layout
+
+
+def distill_check(exp: Experiment, env: Any, planned: Any, data: Any) -> tuple[Any, Any]:
+    """Distillation: (its store, None) offline, (None, the teacher's config) otherwise, checked against the student
+    before any weight loads (trainer/objectives/teacher_store.py: check_teacher); (None, None) for another
+    objective."""
+    if exp.train.objective != "distill":
+        return None, None
+    from trainer import model
+    from trainer.objectives.teacher_store import check_teacher
+
+    student = model.hf_config(planned.model or exp.model, data.vocab_size, data.eos_id)
+    store, config = check_teacher(exp, student, data)
+    if store is not None and env.rank == 0:
+        m = store.meta
+        log.info(f"teacher: the top-{m['top_k']} of {m['teacher_spec']} at {m['entries']:,} target tokens, read from "
+                 f"{store.path} as the batches need them (no teacher in memory)")  # fmt: skip
+    return store, config
+
+
+def distill_attach(exp: Experiment, env: Any, planned: Any, built: dict[str, Any], module: Any, store: Any,
+                   config: Any) -> None:  # fmt: skip
+    """The student's divergence to its teacher (trainer/objectives/distill.py): the store's, or the teacher loaded
+    here, sharded at ZeRO-3 as the student is (TRL's), else a whole copy a rank (in 4 bits where asked)."""
+    import torch
+
+    from trainer.objectives import distill
+
+    zero3 = built.get("zero_optimization", {}).get("stage") == 3
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(planned.plan.precision, torch.float32)
+    teach, d = None, exp.train.distill
+    if store is None:
+        shard = zero3 and d.quantization == "none"  # (4 bits: a whole copy a rank)
+        teach = distill.teacher(d.teacher, config, dtype, built if shard else None, d.quantization)
+        if shard and env.rank == 0:
+            log.info(distill.shard_line(teach))
+        if d.quantization == "4bit" and env.rank == 0:
+            from trainer.model.quantized import quantized_layers
+
+            log.info(f"teacher: {quantized_layers(teach)} linear layers in 4 bits (NF4, double quantization), a whole "
+                     "copy a rank")  # fmt: skip
+    distill.attach(module, teach, d, zero3, store)
 
 
 def vision_inputs(exp: Experiment, planned: Any, module: Any, data: Any) -> Any:

@@ -107,6 +107,23 @@ class Quantized:
         return self.state * self.elements + self.per_layer * len(self.sizes)
 
 
+BNB_BLOCK, BNB_NESTED_BLOCK = (
+    64,
+    256,
+)  # bitsandbytes' 4-bit blocks: an absmax per 64, a nested one per 256 of those
+
+
+def nf4(sizes: tuple[int, ...], double_quant: bool = True) -> Quantized:
+    """Linear layers of `sizes` elements in 4 bits (bitsandbytes' NF4): half a byte an element and the state:
+    with double quantization the absmax in 8 bits, an fp32 absmax per 256 of them, NF4's code, the offset and the
+    8-bit code table in fp32 a layer; without, an fp32 absmax per block."""
+    if double_quant:
+        return Quantized(
+            sum(sizes), 0.5, 1 / BNB_BLOCK + 4 / (BNB_BLOCK * BNB_NESTED_BLOCK), 16 * 4 + 4 + 256 * 4, sizes
+        )
+    return Quantized(sum(sizes), 0.5, 4 / BNB_BLOCK, 16 * 4, sizes)
+
+
 def describe_params(info: ModelInfo, lora: Any = None) -> str:
     """'N parameters', and with LoRA how many train and how many are frozen."""
     active = f" ({info.active:,} active a token: its top-k experts)" if info.active else ""

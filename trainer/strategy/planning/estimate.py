@@ -127,12 +127,8 @@ def estimate_all(
             persistent,
             local.quantized,
         )
-        # grpo: reward models; distill: the teacher
-        buf = (
-            buffers(c, info, lp, on_gpu, template)
-            + reward_model_bytes(exp, lp)
-            + teacher_bytes(exp, lp, c.stage, n)
-        )
+        # grpo's reward models, distill's teacher
+        buf = buffers(c, info, lp, on_gpu, template) + reward_model_bytes(exp, lp) + teacher_bytes(exp, lp, c.stage, n)  # fmt: skip
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
         fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         step = step_bytes(c, trainable, n, lp, fused_wrapper, largest_tensor, sub_group)

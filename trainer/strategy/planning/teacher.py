@@ -2,7 +2,9 @@
 at ZeRO 0-2, partitioned as the student is at ZeRO-3 (its own inference engine, as TRL's: each rank's share, and
 a layer and the head gathered at once), held for the whole run, among every candidate's buffers:
 
-- its weights in the run's compute precision (its parameters counted on the meta device from its config);
+- its weights in the run's compute precision (its parameters counted on the meta device from its config); with
+  train.distill.quantization 4bit its linear layers packed in 4 bits with their quantization state, as the
+  student's QLoRA base is counted (trainer/model/quantized.py), a whole copy a rank at every stage;
 - its forward, without gradients: one layer's working set in flight a micro batch (its hidden states, the
   attention's projections and the MLP's widest activation, in the compute precision), and its last hidden
   states, which the divergence keeps for backward;
@@ -36,6 +38,34 @@ def _shape(spec: str) -> tuple[int, int, int, int]:
     return params, hidden, width, int(getattr(text, "vocab_size", 0) or 0)
 
 
+@functools.lru_cache(maxsize=8)
+def _four_bit(spec: str) -> tuple[int, float]:
+    """(the elements of the linear layers bitsandbytes stores in 4 bits, their packed bytes and quantization state)
+    of the causal LM at `spec` (as trainer/model/quantized.py counts a QLoRA base: NF4 with double quantization);
+    zeros where its config does not read."""
+    import torch
+    import transformers
+    from transformers.pytorch_utils import Conv1D
+
+    from trainer.strategy.planning.candidates import nf4
+
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(spec)
+            )
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0.0
+    head = (
+        model.get_output_embeddings()
+    )  # (transformers converts every linear layer but the head, GPT-2's Conv1D too)
+    sizes = tuple(
+        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear | Conv1D) and m is not head
+    )
+    q = nf4(sizes)
+    return q.elements, q.elements * q.packed + q.state_bytes()
+
+
 def teacher_bytes(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> int:
     """The teacher's bytes a rank (module docstring) beside a student at ZeRO `stage` over `ranks`; 0 for another
     objective."""
@@ -53,13 +83,17 @@ def teacher_bytes(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> int:
         return tokens * exp.train.distill.top_k * 16 + working_bytes(tokens, vocab) * 3 // 8
     in_flight = tokens * (4 * hidden + 2 * width) * lp
     weights = params * lp
+    share = -(-params // max(ranks, 1)) * lp
+    gathered = (
+        4 * hidden * hidden + 3 * hidden * width + vocab * hidden
+    ) * lp  # a layer (attention, gated MLP), head
     if (
-        stage == 3
-    ):  # its share, and what its forward gathers at once: a layer (attention and a gated MLP), the head
-        weights = (
-            -(-params // max(ranks, 1)) * lp
-            + (4 * hidden * hidden + 3 * hidden * width + vocab * hidden) * lp
-        )
+        exp.train.distill.quantization == "4bit"
+    ):  # a whole copy a rank: its linear layers packed, the rest in lp
+        elements, packed = _four_bit(exp.train.distill.teacher)
+        weights = int((params - elements) * lp + packed)
+    elif stage == 3:  # its share, and what its forward gathers at once
+        weights = share + gathered
     return weights + in_flight + tokens * hidden * lp + working_bytes(tokens, vocab)
 
 
@@ -86,6 +120,8 @@ def teacher_line(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> str:
     where = (
         "a whole copy a rank" if stage != 3 else f"sharded at ZeRO-3 over {ranks} rank(s) as the student is"
     )
+    if exp.train.distill.quantization == "4bit":
+        where, stage = "its linear layers in 4 bits (NF4), a whole copy a rank", 0
     return (
         f"teacher: {exp.train.distill.teacher} ({params / 1e6:,.1f}M parameters), {where}: "
         f"{format_size(teacher_bytes(exp, lp, stage, ranks))} among the buffers (its weights in the compute precision"
