@@ -133,7 +133,7 @@ def test_the_stored_teacher_trains_as_the_live_one_restricted_to_its_top_k(
 ):
     """--prepare-teacher, then training from the store (no teacher in memory) logs the live teacher's losses at the
     same top_k, step by step and at eval: token blocks on one rank, packed chat rows (several examples a row) on 2
-    ranks at ZeRO-2 against one rank's 2 x 2."""
+    ranks at ZeRO-2 against one rank's 2 x 2; prepared by 2 ranks the store is the one process's, byte for byte."""
     chat = kind == "chat"
     experiment = SFT if chat else ROOT / "configs" / "experiments" / "tiny.yaml"
     cache = tmp_path / "cache"
@@ -145,6 +145,16 @@ def test_the_stored_teacher_trains_as_the_live_one_restricted_to_its_top_k(
     assert "teacher: top-8 log-probabilities of" in prep.output, prep.output[-2000:]
     store = next((cache).glob("*/teacher/*/meta.json"))
     meta = json.loads(store.read_text())
+    if (
+        chat
+    ):  # --prepare-teacher under a launcher: 2 ranks share the micro batches; the same store, byte for byte
+        one = {f.name: f.read_bytes() for f in store.parent.iterdir() if f.name != "meta.json"}
+        two = train(tmp_path / "prep2", _sets(teacher_dir, student_dir, **more, **{"train.distill.offline": True}),
+                    experiment=experiment, extra_args=["--prepare-teacher"], launcher="torchrun", nproc=2,
+                    debug=False, cache=cache)  # fmt: skip
+        assert "on 2 rank(s)" in two.output and json.loads(store.read_text())["ranks"] == 2
+        assert {f.name: f.read_bytes() for f in store.parent.iterdir() if f.name != "meta.json"} == one
+        assert not list(store.parent.parent.glob(".*"))  # (the ranks' parts removed)
     assert meta["top_k"] == 8 and meta["entries"] > 0 and meta["teacher_spec"] == str(teacher_dir)
     live = train(tmp_path / "live", _sets(teacher_dir, student_dir, **more), experiment=experiment, debug=False,
                  cache=cache)  # fmt: skip

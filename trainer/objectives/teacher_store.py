@@ -103,16 +103,76 @@ def _rows(rows: np.ndarray, at: np.ndarray) -> tuple[Any, Any, Any]:
     return batch[:, 0], batch[:, 1], batch[:, 2]
 
 
-def prepare(exp: Any, data: Any, device: Any, dtype: Any, say: Any = print) -> Path:
-    """Run the teacher over every row of the data (train and eval) and write the store (module docstring); the
-    directory appears whole (written beside it, then renamed). Returns its path."""
+def _batches(data: Any, micro: int) -> list[tuple[Any, np.ndarray]]:
+    """Every micro batch of rows the store covers, in order: (the rows' array, their indices), train then eval."""
+    return [(rows, np.arange(a, min(a + micro, len(rows)))) for rows in (data.train, data.eval) if rows is not None
+            for a in range(0, len(rows), micro)]  # fmt: skip
+
+
+def _part(
+    model: Any, batches: list[tuple[Any, np.ndarray]], mine: range, device: Any, d: Any, out: Path
+) -> None:
+    """This rank's micro batches `mine` through the teacher: each example's entries in order (`ids.bin`,
+    `logp.bin`) and (batch, digest, count) for each (`segments.npy`), into `out`."""
     import torch
 
     from trainer.data.pack import IGNORE
-    from trainer.model import hf_config
-    from trainer.objectives.distill import _heads, check_vocabulary, teacher
+    from trainer.objectives.distill import _heads
     from trainer.objectives.sparse import teacher_topk
 
+    base, head = _heads(model, "train.distill.teacher")
+    out.mkdir(parents=True)
+    segs = []
+    with open(out / "ids.bin", "wb") as f_ids, open(out / "logp.bin", "wb") as f_lp, torch.no_grad():
+        for b in mine:
+            ids, labels, pos = _rows(*batches[b])
+            extra = {} if pos is None else {"position_ids": pos.to(device)}
+            hidden = base(input_ids=ids.to(device), use_cache=False, **extra)[0][:, :-1]
+            mask = (labels[:, 1:] != IGNORE).to(device)
+            top_ids, top_lp = teacher_topk(hidden[mask], head.weight, d.top_k, d.temperature)
+            f_ids.write(top_ids.cpu().numpy().astype(np.int32).tobytes())
+            f_lp.write(top_lp.cpu().numpy().astype(np.float32).tobytes())
+            segs += [(b, digest, count) for digest, count in batch_segments(ids, labels, pos)]
+    np.save(out / "segments.npy", np.array(segs, dtype=np.uint64).reshape(-1, 3))
+
+
+def _merge(parts: list[Path], k: int, tmp: Path) -> tuple[int, int]:
+    """The ranks' parts (rank r's holds the batches r, r + world, ...) into one store at `tmp`, in the batches'
+    order, each example once: (entries, examples)."""
+    segs = [np.load(p / "segments.npy") for p in parts]
+    spans = [np.concatenate([[0], np.cumsum(s[:, 2].astype(np.int64))]) for s in segs]
+    arrays = [(np.memmap(p / "ids.bin", dtype=np.int32, mode="r", shape=(int(sp[-1]), k)) if sp[-1] else None,
+               np.memmap(p / "logp.bin", dtype=np.float32, mode="r", shape=(int(sp[-1]), k)) if sp[-1] else None)
+              for p, sp in zip(parts, spans, strict=True)]  # fmt: skip
+    order = sorted((int(s[i, 0]), r, i) for r, s in enumerate(segs) for i in range(len(s)))
+    seen: dict[int, tuple[int, int]] = {}
+    total = 0
+    with open(tmp / "ids.bin", "wb") as f_ids, open(tmp / "logp.bin", "wb") as f_lp:
+        for _, r, i in order:
+            digest, count = int(segs[r][i, 1]), int(segs[r][i, 2])
+            if digest in seen:
+                continue
+            a, b = int(spans[r][i]), int(spans[r][i + 1])
+            f_ids.write(np.ascontiguousarray(arrays[r][0][a:b]).tobytes())
+            f_lp.write(np.ascontiguousarray(arrays[r][1][a:b]).tobytes())
+            seen[digest] = (total, count)
+            total += count
+    keys = np.array(sorted(seen), dtype=np.uint64)
+    np.save(tmp / "keys.npy", keys)
+    np.save(tmp / "starts.npy", np.array([seen[int(x)][0] for x in keys], dtype=np.int64))
+    np.save(tmp / "counts.npy", np.array([seen[int(x)][1] for x in keys], dtype=np.int64))
+    return total, len(keys)
+
+
+def prepare(exp: Any, data: Any, device: Any, dtype: Any, rank: int = 0, world: int = 1, barrier: Any = None,
+            say: Any = print) -> Path | None:  # fmt: skip
+    """Run the teacher over every row of the data (train and eval) and write the store (module docstring): rank r
+    of `world` (one node's ranks, `barrier` between them) the micro batches r, r + world, ...; rank 0 merges the
+    parts. The directory appears whole (written beside it, then renamed). Returns its path on rank 0."""
+    from trainer.model import hf_config
+    from trainer.objectives.distill import check_vocabulary, teacher
+
+    barrier = barrier or (lambda: None)
     d, ident = exp.train.distill, identity(exp, data)
     final = store_path(exp, data, ident)
     student = hf_config(exp.model, data.vocab_size, data.eos_id)
@@ -121,48 +181,31 @@ def prepare(exp: Any, data: Any, device: Any, dtype: Any, say: Any = print) -> P
     )
     if d.quantization == "none":
         model = model.to(device)
-    base, head = _heads(model, "train.distill.teacher")
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    seen: dict[int, tuple[int, int]] = {}
-    total, t0, micro = 0, time.perf_counter(), exp.train.micro_batch_size
-    with open(tmp / "ids.bin", "wb") as f_ids, open(tmp / "logp.bin", "wb") as f_lp, torch.no_grad():
-        for rows in (r for r in (data.train, data.eval) if r is not None):
-            for a in range(0, len(rows), micro):
-                ids, labels, pos = _rows(rows, np.arange(a, min(a + micro, len(rows))))
-                extra = {} if pos is None else {"position_ids": pos.to(device)}
-                hidden = base(input_ids=ids.to(device), use_cache=False, **extra)[0][:, :-1]
-                mask = (labels[:, 1:] != IGNORE).to(device)
-                top_ids, top_lp = teacher_topk(hidden[mask], head.weight, d.top_k, d.temperature)
-                top_ids, top_lp = (
-                    top_ids.cpu().numpy().astype(np.int32),
-                    top_lp.cpu().numpy().astype(np.float32),
-                )
-                at = 0
-                for digest, count in batch_segments(ids, labels, pos):
-                    if digest not in seen:
-                        seen[digest] = (total, count)
-                        f_ids.write(top_ids[at : at + count].tobytes())
-                        f_lp.write(top_lp[at : at + count].tobytes())
-                        total += count
-                    at += count
-                assert at == len(top_ids), (at, len(top_ids))
-    keys = np.array(sorted(seen), dtype=np.uint64)
-    np.save(tmp / "keys.npy", keys)
-    np.save(tmp / "starts.npy", np.array([seen[int(k)][0] for k in keys], dtype=np.int64))
-    np.save(tmp / "counts.npy", np.array([seen[int(k)][1] for k in keys], dtype=np.int64))
-    meta = {**ident, "entries": total, "examples": len(keys), "vocab_size": data.vocab_size,
-            "teacher_spec": d.teacher, "dtype": str(dtype).replace("torch.", ""),
+    work = final.with_name(f".{final.name}.parts")  # (one name every rank agrees on)
+    if rank == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    barrier()
+    t0, batches = time.perf_counter(), _batches(data, exp.train.micro_batch_size)
+    _part(model, batches, range(rank, len(batches), world), device, d, work / f"rank{rank}")
+    barrier()
+    if rank != 0:
+        return None
+    tmp = work / "store"
+    tmp.mkdir()
+    total, examples = _merge([work / f"rank{r}" for r in range(world)], d.top_k, tmp)
+    meta = {**ident, "entries": total, "examples": examples, "vocab_size": data.vocab_size,
+            "teacher_spec": d.teacher, "dtype": str(dtype).replace("torch.", ""), "ranks": world,
             "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     if final.exists():
         shutil.rmtree(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, final)
+    shutil.rmtree(work, ignore_errors=True)
     size = sum(p.stat().st_size for p in final.iterdir())
-    say(f"teacher: top-{d.top_k} log-probabilities of {total:,} target tokens ({len(keys):,} examples) by "
-        f"{d.teacher} in {meta['dtype']} in {meta['seconds']} s: {size / 2**20:,.1f} MiB in {final}")  # fmt: skip
+    say(f"teacher: top-{d.top_k} log-probabilities of {total:,} target tokens ({examples:,} examples) by "
+        f"{d.teacher} in {meta['dtype']} on {world} rank(s) in {meta['seconds']} s: {size / 2**20:,.1f} MiB in "
+        f"{final}")  # fmt: skip
     return final
 
 

@@ -151,27 +151,34 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
 
 def prepare_teacher_command(exp: config_mod.Experiment) -> int:
     """--prepare-teacher: the data cache, then the teacher's top-k over it (trainer/objectives/teacher_store.py),
-    in one process on this machine's first GPU (else its CPU), in the run's precision."""
+    in the run's precision: in one process on this machine's first GPU (else its CPU), or under a launcher on one
+    node, its ranks sharing the micro batches (a GPU each)."""
     import torch
 
     from trainer import data as data_mod
-    from trainer.cluster.dist import cpu_cores, detect
+    from trainer.cluster import dist
     from trainer.objectives.teacher_store import prepare
 
-    d = exp.train.distill
+    d, env = exp.train.distill, dist.detect()
     if exp.train.objective != "distill" or not d.offline:
         raise UserError("--prepare-teacher stores the teacher of train.objective: distill for train.distill.offline: "
                         "set both (and train.distill.top_k)")  # fmt: skip
-    if detect().world_size > 1:
-        raise UserError("--prepare-teacher runs the teacher in one process, without a launcher: run "
-                        "`bin/train EXPERIMENT.yaml --prepare-teacher` on its own")  # fmt: skip
-    cuda = torch.cuda.is_available()
+    if env.nodes > 1:
+        raise UserError(f"--prepare-teacher runs on one node ({env.nodes} launched): its ranks write the store beside "
+                        "the node's data cache; launch it with one node's GPUs")  # fmt: skip
+    runtime = dist.setup() if env.world_size > 1 else None
+    device = runtime.device if runtime else torch.device("cuda", 0) if torch.cuda.is_available() else None
+    device = device or torch.device("cpu")
     precision = exp.train.precision
     if precision == "auto":
-        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    data = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=True)
-    prepare(exp, data, torch.device("cuda", 0) if cuda else torch.device("cpu"), dtype)
+    cores = dist.cpu_cores() // max(1, env.local_world_size)
+    data = data_mod.build(
+        exp.data, exp.seed, is_main=env.local_rank == 0, num_proc=max(1, cores), progress=True
+    )
+    barrier = torch.distributed.barrier if runtime else None
+    prepare(exp, data, device, dtype, env.rank, env.world_size, barrier)
     return 0
 
 
