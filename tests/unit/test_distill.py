@@ -72,12 +72,21 @@ def test_split_invariant_and_falling(tmp_path, teacher_dir, student_dir):
     # a whole copy a rank
     # the teacher sharded at ZeRO-3 too (its own inference engine, as TRL's); a whole copy a rank at ZeRO-1 and 2
     whole = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(teacher_dir).parameters())
-    for stage in (3, 1, 2):
-        why = {"strategy.justification": "the teacher beside a partitioned optimizer"} if stage < 3 else {}
-        run = train(tmp_path / f"zero{stage}", sets_for({"train.micro_batch_size": 2, "strategy.zero_stage": stage,
-                                                           **why}), launcher="torchrun", nproc=2, debug=False)  # fmt: skip
+    # (and at ZeRO-3 with the parameters offloaded to the host: the teacher's share with the student's)
+    offload = {"strategy.offload": "cpu", "strategy.offload_params": True}
+    for name, stage, more in (
+        ("zero3", 3, {}),
+        ("zero1", 1, {}),
+        ("zero2", 2, {}),
+        ("zero3+cpu", 3, offload),
+    ):
+        why = (
+            {"strategy.justification": "the teacher beside a partitioned model"} if stage < 3 or more else {}
+        )
+        run = train(tmp_path / name, sets_for({"train.micro_batch_size": 2, "strategy.zero_stage": stage, **why, **more}),
+                    launcher="torchrun", nproc=2, debug=False)  # fmt: skip
         for step, value in ref.items():
-            assert run.losses[step] == pytest.approx(value, rel=1e-5), (stage, run.losses, ref)
+            assert run.losses[step] == pytest.approx(value, rel=1e-5), (name, run.losses, ref)
         assert ("teacher: sharded at ZeRO-3" in run.output) == (stage == 3)
         if stage == 3:
             held = int(re.search(r"forward\), ([\d,]+) of its", run.output).group(1).replace(",", ""))
@@ -176,6 +185,9 @@ def test_the_plan_holds_the_teacher(tmp_path, teacher_dir, capsys):
     # at ZeRO-3 the teacher is sharded as the student is: its share of the weights, a layer and its head gathered
     share = -(-params // 2) * 4 + (4 * 96 * 96 + 3 * 96 * 384 + 257 * 96) * 4
     assert teacher_bytes(exp, 4, 3, 2) - teacher_bytes(exp, 4) == share - params * 4
+    assert (
+        teacher_bytes(exp, 4, 3, 2) - teacher_bytes(exp, 4, 3, 2, True) == -(-params // 2) * 4
+    )  # (its share offloaded)
     z3 = {**sets, "strategy.zero_stage": 3}
     main([str(TINY), "--plan", "--world-size", "2", *(f"--set={k}={yaml_value(v)}" for k, v in z3.items())])
     assert f"({params / 1e6:,.1f}M parameters), sharded at ZeRO-3 over 2 rank(s)" in capsys.readouterr().out

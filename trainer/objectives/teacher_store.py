@@ -14,6 +14,12 @@ first entry and count (`keys.npy`, `starts.npy`, `counts.npy`), and the entries 
 entries x top_k): 8 bytes a token per k (top_k 32: 256 bytes a target token). By default it lies in the data cache
 (`teacher/<digest of what it depends on>`); train.distill.store names another directory (a store made elsewhere),
 which is checked against the run's data, tokenizer, teacher, top_k and temperature before training reads it.
+
+Written and read back as the checkpoints are: meta.json records each file's size and digest and its own digest, and
+a store is read only once they hold (`_verified`: exit 2 naming it otherwise); --prepare-teacher replaces a store
+and nothing else (a directory that is not one, or a file, is refused), works in a directory of its own job
+(`_work_name`), removes it whatever happens, and swaps the new store in under a lock without a moment where neither
+is there.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 
 from trainer.common.errors import UserError
 
-VERSION = 1
+VERSION = 2  # 2: each file's size and digest, and meta.json's own, in meta.json
 
 
 def segments(ids: np.ndarray, labels: np.ndarray, pos: np.ndarray | None) -> list[tuple[int, int]]:
@@ -164,44 +170,96 @@ def _merge(parts: list[Path], k: int, tmp: Path) -> tuple[int, int]:
     return total, len(keys)
 
 
+def _target(final: Path, key: str = "train.distill.store") -> None:
+    """What --prepare-teacher may replace at `final`: nothing there, or a store (it never removes anything else)."""
+    if final.is_file() or (final.exists() and not final.is_dir()):
+        raise UserError(
+            f"{key}: {final} is a file; give a directory for the store (a new one, or a store to replace)"
+        )
+    if final.is_dir() and any(final.iterdir()) and not (final / "meta.json").is_file():
+        raise UserError(f"{key}: {final} is not a store (no meta.json): give a new directory or a store's; "
+                        "--prepare-teacher replaces a store and never removes anything else")  # fmt: skip
+
+
+def _work_name() -> str:
+    """This job's work directory's name part, one for every rank of a launch (its rendezvous: no two jobs share it on
+    a node at once) and unique to a process without one (containers on two nodes give theirs the same pids)."""
+    import socket
+
+    port = os.environ.get("MASTER_PORT") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    return f"{socket.gethostname()}.{port or os.getpid()}"
+
+
+def _publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """The merged store at `tmp` made `final`, with each file's size and digest and meta.json's own digest; a store
+    there before is replaced in two renames (it is never gone without the new one in its place)."""
+    from trainer.checkpoint.writer import file_digest
+    from trainer.common.files import file_lock
+
+    meta["files"] = {p.name: [p.stat().st_size, file_digest(p)] for p in sorted(tmp.iterdir())}
+    meta["meta_digest"] = _meta_digest(meta)
+    with open(tmp / "meta.json", "w") as f:
+        f.write(json.dumps(meta, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(
+        final.parent / f".{final.name}.lock"
+    ):  # (two jobs preparing the same store: one at a time here)
+        old = final.with_name(f".{final.name}.{_work_name()}.old")
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _meta_digest(meta: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "meta_digest"}, sort_keys=True).encode()).hexdigest()[:20]  # fmt: skip
+
+
 def prepare(exp: Any, data: Any, device: Any, dtype: Any, rank: int = 0, world: int = 1, barrier: Any = None,
             say: Any = print) -> Path | None:  # fmt: skip
     """Run the teacher over every row of the data (train and eval) and write the store (module docstring): rank r
     of `world` (one node's ranks, `barrier` between them) the micro batches r, r + world, ...; rank 0 merges the
-    parts. The directory appears whole (written beside it, then renamed). Returns its path on rank 0."""
+    parts. The directory appears whole (written beside it, then renamed); a write that fails removes the work and
+    stops naming the store (exit 2). Returns its path on rank 0."""
     from trainer.model import hf_config
     from trainer.objectives.distill import check_vocabulary, teacher
 
     barrier = barrier or (lambda: None)
     d, ident = exp.train.distill, identity(exp, data)
     final = store_path(exp, data, ident)
+    _target(final)
     student = hf_config(exp.model, data.vocab_size, data.eos_id)
+    check_top_k(d, student)
     model = teacher(
         d.teacher, check_vocabulary(d.teacher, student, data.tokenizer), dtype, None, d.quantization
     )
     if d.quantization == "none":
         model = model.to(device)
-    work = final.with_name(f".{final.name}.parts")  # (one name every rank agrees on)
-    if rank == 0:
-        shutil.rmtree(work, ignore_errors=True)
-    barrier()
-    t0, batches = time.perf_counter(), _batches(data, exp.train.micro_batch_size)
-    _part(model, batches, range(rank, len(batches), world), device, d, work / f"rank{rank}")
-    barrier()
-    if rank != 0:
-        return None
-    tmp = work / "store"
-    tmp.mkdir()
-    total, examples = _merge([work / f"rank{r}" for r in range(world)], d.top_k, tmp)
-    meta = {**ident, "entries": total, "examples": examples, "vocab_size": data.vocab_size,
-            "teacher_spec": d.teacher, "dtype": str(dtype).replace("torch.", ""), "ranks": world,
-            "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, final)
-    shutil.rmtree(work, ignore_errors=True)
+    work = final.with_name(f".{final.name}.{_work_name()}.parts")
+    try:
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
+        barrier()
+        t0, batches = time.perf_counter(), _batches(data, exp.train.micro_batch_size)
+        _part(model, batches, range(rank, len(batches), world), device, d, work / f"rank{rank}")
+        barrier()
+        if rank != 0:
+            return None
+        tmp = work / "store"
+        tmp.mkdir()
+        total, examples = _merge([work / f"rank{r}" for r in range(world)], d.top_k, tmp)
+        meta = {**ident, "entries": total, "examples": examples, "vocab_size": data.vocab_size,
+                "teacher_spec": d.teacher, "dtype": str(dtype).replace("torch.", ""), "ranks": world,
+                "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        _publish(tmp, final, meta)
+    except OSError as e:
+        raise UserError(f"train.distill.store: cannot write the stored teacher at {final} ({e}); free the room it needs "
+                        "or give train.distill.store a writable directory, and run --prepare-teacher again") from None  # fmt: skip
+    finally:
+        if rank == 0:
+            shutil.rmtree(work, ignore_errors=True)
     size = sum(p.stat().st_size for p in final.iterdir())
     say(f"teacher: top-{d.top_k} log-probabilities of {total:,} target tokens ({examples:,} examples) by "
         f"{d.teacher} in {meta['dtype']} on {world} rank(s) in {meta['seconds']} s: {size / 2**20:,.1f} MiB in "
@@ -247,6 +305,8 @@ def open_store(exp: Any, data: Any) -> TeacherStore:
     is none, and how to make it)."""
     ident = identity(exp, data)
     path = store_path(exp, data, ident)
+    if path.exists() and not (path / "meta.json").is_file():
+        _target(path)  # (a file, or a directory that is not a store: said as such)
     if not (path / "meta.json").is_file():
         where = "train.distill.store" if exp.train.distill.store else "the data cache"
         raise UserError(
@@ -254,7 +314,7 @@ def open_store(exp: Any, data: Any) -> TeacherStore:
             "temperature; run `bin/train EXPERIMENT.yaml --prepare-teacher` first (the teacher runs once over the "
             "data), or set offline: false (the teacher beside the student)"
         )
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _verified(path, exp.data.cache_dir)
     names = {"version": "its format", "teacher": "train.distill.teacher (its files)", "top_k": "train.distill.top_k",
              "quantization": "train.distill.quantization",
              "temperature": "train.distill.temperature", "tokenizer": "data.tokenizer",
@@ -274,16 +334,44 @@ def open_store(exp: Any, data: Any) -> TeacherStore:
     return TeacherStore(path, int(exp.train.distill.top_k))
 
 
+def _verified(path: Path, cache_dir: str) -> dict[str, Any]:
+    """A store's meta.json, once it and every file it lists are whole: their sizes and digests (the digests kept in
+    the cache by path, size and time: reference.content_digests); exit 2 naming the store otherwise."""
+    from trainer.objectives.reference import content_digests
+
+    def damaged(what: str) -> UserError:
+        return UserError(f"train.distill.store: {path} is damaged ({what}); run `bin/train EXPERIMENT.yaml "
+                         "--prepare-teacher` again to make it anew")  # fmt: skip
+
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise damaged(f"meta.json: {type(e).__name__}") from None
+    if not isinstance(meta, dict) or meta.get("meta_digest") != _meta_digest(meta) or "files" not in meta:
+        raise damaged("meta.json is not the one it was written as")
+    have = dict(content_digests(path, cache_dir))
+    for name, (size, digest) in meta["files"].items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size or have.get(name) != digest:
+            raise damaged(f"{name}: not the bytes it was written with")
+    return meta
+
+
+def check_top_k(d: Any, student: Any) -> None:
+    """train.distill.top_k at most the student's vocabulary (exit 2)."""
+    vocab = student.get_text_config().vocab_size
+    if d.top_k is not None and d.top_k > vocab:
+        raise UserError(f"train.distill.top_k: {d.top_k:,} is more than the vocabulary ({vocab:,}); set at most "
+                        f"{vocab:,} (null: the whole distribution)")  # fmt: skip
+
+
 def check_teacher(exp: Any, student: Any, data: Any) -> tuple[Any, Any]:
     """(the stored teacher, None) offline; (None, the teacher's config) otherwise, once its vocabulary is the
     student's. top_k at most the vocabulary. Exit 2 naming what is wrong, before any weight loads."""
     from trainer.objectives.distill import _family, check_vocabulary
 
     d = exp.train.distill
-    vocab = student.get_text_config().vocab_size
-    if d.top_k is not None and d.top_k > vocab:
-        raise UserError(f"train.distill.top_k: {d.top_k:,} is more than the vocabulary ({vocab:,}); set at most "
-                        f"{vocab:,} (null: the whole distribution)")  # fmt: skip
+    check_top_k(d, student)
     if d.offline:
         _family(student, "model")
         return open_store(exp, data), None

@@ -128,7 +128,7 @@ def estimate_all(
             local.quantized,
         )
         # grpo's reward models, distill's teacher
-        buf = buffers(c, info, lp, on_gpu, template) + reward_model_bytes(exp, lp) + teacher_bytes(exp, lp, c.stage, n)  # fmt: skip
+        buf = buffers(c, info, lp, on_gpu, template) + reward_model_bytes(exp, lp) + teacher_bytes(exp, lp, c.stage, n, c.offload_params)  # fmt: skip
         impl = optimizer_implementation(exp.optim.implementation, "cuda" if on_gpu else "cpu", c.offload)
         fused_wrapper = adam and impl == "deepspeed"  # DeepSpeed's FusedAdam
         step = step_bytes(c, trainable, n, lp, fused_wrapper, largest_tensor, sub_group)

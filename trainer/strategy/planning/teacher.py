@@ -66,9 +66,9 @@ def _four_bit(spec: str) -> tuple[int, float]:
     return q.elements, q.elements * q.packed + q.state_bytes()
 
 
-def teacher_bytes(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> int:
-    """The teacher's bytes a rank (module docstring) beside a student at ZeRO `stage` over `ranks`; 0 for another
-    objective."""
+def teacher_bytes(exp: Any, lp: int, stage: int = 0, ranks: int = 1, offloaded: bool = False) -> int:
+    """The teacher's bytes a rank (module docstring) beside a student at ZeRO `stage` over `ranks` (`offloaded`: its
+    parameters offloaded to the host, the teacher's share with them); 0 for another objective."""
     if exp.train.objective != "distill" or not exp.train.distill.teacher:
         return 0
     from trainer.config.distill_schema import working_bytes
@@ -92,8 +92,10 @@ def teacher_bytes(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> int:
     ):  # a whole copy a rank: its linear layers packed, the rest in lp
         elements, packed = _four_bit(exp.train.distill.teacher)
         weights = int((params - elements) * lp + packed)
-    elif stage == 3:  # its share, and what its forward gathers at once
-        weights = share + gathered
+    elif (
+        stage == 3
+    ):  # its share (on the host where the student's parameters are), and what its forward gathers
+        weights = (0 if offloaded else share) + gathered
     return weights + in_flight + tokens * hidden * lp + working_bytes(tokens, vocab)
 
 
