@@ -191,6 +191,17 @@ def test_the_plan_holds_the_teacher(tmp_path, teacher_dir, capsys):
     z3 = {**sets, "strategy.zero_stage": 3}
     main([str(TINY), "--plan", "--world-size", "2", *(f"--set={k}={yaml_value(v)}" for k, v in z3.items())])
     assert f"({params / 1e6:,.1f}M parameters), sharded at ZeRO-3 over 2 rank(s)" in capsys.readouterr().out
+    off = {**z3, "strategy.offload": "cpu", "strategy.offload_params": True, "strategy.justification": "x"}
+    main([str(TINY), "--plan", "--world-size", "2", *(f"--set={k}={yaml_value(v)}" for k, v in off.items())])
+    out = (
+        capsys.readouterr().out
+    )  # (second review: the line said the device's share at the rung that offloads it)
+    from trainer.config import format_size
+
+    assert (
+        f"its share on the host with the student's parameters: {format_size(teacher_bytes(exp, 4, 3, 2, True))}"
+        in out
+    )
     # a 4-bit teacher: its linear layers (3 blocks of GPT-2's 4 Conv1D, 96 wide) packed with their NF4 state
     four = config.load(
         TINY, [f"{k}={yaml_value(v)}" for k, v in {**sets, "train.distill.quantization": "4bit"}.items()]

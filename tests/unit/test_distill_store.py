@@ -205,6 +205,9 @@ BAD = {
                         r"was prepared from another train.distill.teacher \(its files\)"),
     "another data": ({"train.distill.offline": True, "train.distill.store": "STORE", "data.seq_len": 64},
                      r"was prepared from another the training data \(its tokens\)"),
+    # second review: bitsandbytes' CPU inference kernel fails on layers not 64 wide (a traceback, exit 1)
+    "4bit on CPU": ({"train.distill.quantization": "4bit"}, r"train.distill.quantization: 4bit on CPU: bitsandbytes' "
+                    r"4-bit inference needs each layer's inputs in multiples of 64, and the teacher's are 96 wide"),
     # review: --prepare-teacher wrote a 908 MB store of 257 columns said to be 300 (4.5 minutes), refused at training
     "prepare top_k over the vocabulary": ({"PREPARE": True, "train.distill.offline": True, "train.distill.top_k": 300},
                                           r"train.distill.top_k: 300 is more than the vocabulary \(257\)"),
@@ -338,16 +341,21 @@ def test_review_prepare_never_deletes_what_store_names_and_leaves_nothing_behind
                                                                                   monkeypatch):  # fmt: skip
     """--prepare-teacher removed the directory train.distill.store named, whatever it held (a user's `~/stores`); a
     file there, a full disk, stopped with a traceback and left the partial store (28 MiB a try) behind. Now a
-    directory that is not a store, or a file, is refused (exit 2, nothing touched) and a failed write removes its
-    work (exit 2 naming the store)."""
+    directory that is not a store (a meta.json of its own too), or a file, is refused (exit 2, nothing touched), a
+    failed write removes its work (exit 2 naming the store), and the work a killed job left is swept."""
     mine = tmp_path / "mine"
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("precious")
     afile = tmp_path / "afile"
     afile.write_text("a file")
+    withmeta = tmp_path / "withmeta"  # (second review: any meta.json passed, and the folder went)
+    withmeta.mkdir()
+    (withmeta / "meta.json").write_text('{"my": "settings"}')
+    (withmeta / "notes.txt").write_text("precious")
     base = {**_sets(teacher_dir, student_dir), "train.distill.offline": True, "train.max_steps": 1}
     for where, pattern in (
-        (mine, r"is not a store \(no meta.json\): give a new directory"),
+        (mine, r"is not a store \(no meta.json of one\): give a new directory"),
+        (withmeta, r"is not a store \(no meta.json of one\)"),
         (afile, "is a file"),
     ):
         r = train(tmp_path / f"{where.name}-run", {**base, "train.distill.store": str(where)}, extra_args=["--prepare-teacher"],
@@ -359,6 +367,7 @@ def test_review_prepare_never_deletes_what_store_names_and_leaves_nothing_behind
         and (mine / "sub").is_dir()
         and afile.read_text() == "a file"
     )
+    assert sorted(p.name for p in withmeta.iterdir()) == ["meta.json", "notes.txt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     # a write that fails (a full disk) in process: exit 2's error naming the store, its work removed
     from helpers import TINY, yaml_value
@@ -369,6 +378,12 @@ def test_review_prepare_never_deletes_what_store_names_and_leaves_nothing_behind
     from trainer.objectives import teacher_store
 
     store = tmp_path / "full" / "store"
+    ghost = (
+        tmp_path / "full" / ".store.otherhost.1234.parts"
+    )  # a killed job's work (second review: kept for good)
+    (ghost / "rank0").mkdir(parents=True)
+    (ghost / "rank0" / "ids.bin").write_bytes(b"x" * 1000)
+    (tmp_path / "full" / ".store.otherhost.1234.parts.lock").write_text("")
     exp = config.load(
         TINY, [f"{k}={yaml_value(v)}" for k, v in {**base, "train.distill.store": str(store)}.items()]
     )

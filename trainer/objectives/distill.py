@@ -85,14 +85,36 @@ def teacher_key(settings: Any) -> str:
     return f"{spec} ({h.hexdigest()[:16]}){sparse}"
 
 
-def four_bit(dtype: Any) -> dict[str, Any]:
-    """from_pretrained's arguments for a 4-bit teacher (train.distill.quantization): QLoRA's NF4 with double
-    quantization computing in `dtype`, on this rank's device; its embeddings and head stay in `dtype`."""
+def require_bitsandbytes() -> None:
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UserError("train.distill.quantization: 4bit needs bitsandbytes, which is not installed: pip install -e "
                         "'.[qlora]' (or pip install 'bitsandbytes>=0.50'), or set it to none")  # fmt: skip
+
+
+def cpu_four_bit(config: Any) -> None:
+    """bitsandbytes' 4-bit inference on CPU (eval mode, no gradients: the teacher's) reshapes each layer's absmax by
+    its in-features over 64 and fails otherwise (0.50.2: "shape '[288, 1]' is invalid"): such a teacher is refused
+    on CPU from its config (exit 2), before any weight loads."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    text = config.get_text_config()
+    widths = {int(getattr(text, k)) for k in ("hidden_size", "n_embd", "intermediate_size", "n_inner")
+              if isinstance(getattr(text, k, None), int)}  # fmt: skip
+    odd = sorted(w for w in widths if w % 64)
+    if odd:
+        raise UserError(f"train.distill.quantization: 4bit on CPU: bitsandbytes' 4-bit inference needs each layer's "
+                        f"inputs in multiples of 64, and the teacher's are {', '.join(map(str, odd))} wide; set it to "
+                        "none on CPU (a GPU runs it)")  # fmt: skip
+
+
+def four_bit(dtype: Any) -> dict[str, Any]:
+    """from_pretrained's arguments for a 4-bit teacher (train.distill.quantization): QLoRA's NF4 with double
+    quantization computing in `dtype`, on this rank's device; its embeddings and head stay in `dtype`."""
+    require_bitsandbytes()
     import torch
     from transformers import BitsAndBytesConfig
 

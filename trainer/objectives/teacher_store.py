@@ -176,9 +176,35 @@ def _target(final: Path, key: str = "train.distill.store") -> None:
         raise UserError(
             f"{key}: {final} is a file; give a directory for the store (a new one, or a store to replace)"
         )
-    if final.is_dir() and any(final.iterdir()) and not (final / "meta.json").is_file():
-        raise UserError(f"{key}: {final} is not a store (no meta.json): give a new directory or a store's; "
+    if final.is_dir() and any(final.iterdir()) and not _is_store(final):
+        raise UserError(f"{key}: {final} is not a store (no meta.json of one): give a new directory or a store's; "
                         "--prepare-teacher replaces a store and never removes anything else")  # fmt: skip
+
+
+def _is_store(path: Path) -> bool:
+    """A directory --prepare-teacher wrote: its meta.json parses, is a store's (its own digest holds) and lists
+    every other file there."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(meta, dict) or "files" not in meta or meta.get("meta_digest") != _meta_digest(meta):
+        return False
+    return {p.name for p in path.iterdir()} <= {*meta["files"], "meta.json"}
+
+
+def _sweep(final: Path) -> None:
+    """Work directories of earlier prepares of `final` whose jobs are gone (killed: their lock is free): removed."""
+    import fcntl
+
+    for lock in final.parent.glob(f".{final.name}.*.parts.lock"):
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a job at work
+            shutil.rmtree(lock.with_suffix(""), ignore_errors=True)
+            lock.unlink(missing_ok=True)
 
 
 def _work_name() -> str:
@@ -224,7 +250,7 @@ def prepare(exp: Any, data: Any, device: Any, dtype: Any, rank: int = 0, world: 
     parts. The directory appears whole (written beside it, then renamed); a write that fails removes the work and
     stops naming the store (exit 2). Returns its path on rank 0."""
     from trainer.model import hf_config
-    from trainer.objectives.distill import check_vocabulary, teacher
+    from trainer.objectives.distill import check_vocabulary, cpu_four_bit, teacher
 
     barrier = barrier or (lambda: None)
     d, ident = exp.train.distill, identity(exp, data)
@@ -232,15 +258,23 @@ def prepare(exp: Any, data: Any, device: Any, dtype: Any, rank: int = 0, world: 
     _target(final)
     student = hf_config(exp.model, data.vocab_size, data.eos_id)
     check_top_k(d, student)
-    model = teacher(
-        d.teacher, check_vocabulary(d.teacher, student, data.tokenizer), dtype, None, d.quantization
-    )
+    config = check_vocabulary(d.teacher, student, data.tokenizer)
+    if d.quantization == "4bit" and device.type == "cpu":
+        cpu_four_bit(config)
+    model = teacher(d.teacher, config, dtype, None, d.quantization)
     if d.quantization == "none":
         model = model.to(device)
     work = final.with_name(f".{final.name}.{_work_name()}.parts")
+    held = None
     try:
-        if rank == 0:
+        if rank == 0:  # this job's work, locked while it lasts; the work of jobs killed before is swept
+            import fcntl
+
+            final.parent.mkdir(parents=True, exist_ok=True)
+            held = open(work.with_name(work.name + ".lock"), "a")  # noqa: SIM115 (held until the finally)
+            fcntl.flock(held, fcntl.LOCK_EX)
             shutil.rmtree(work, ignore_errors=True)
+            _sweep(final)
         barrier()
         t0, batches = time.perf_counter(), _batches(data, exp.train.micro_batch_size)
         _part(model, batches, range(rank, len(batches), world), device, d, work / f"rank{rank}")
@@ -260,6 +294,9 @@ def prepare(exp: Any, data: Any, device: Any, dtype: Any, rank: int = 0, world: 
     finally:
         if rank == 0:
             shutil.rmtree(work, ignore_errors=True)
+            if held is not None:
+                Path(held.name).unlink(missing_ok=True)
+                held.close()
     size = sum(p.stat().st_size for p in final.iterdir())
     say(f"teacher: top-{d.top_k} log-probabilities of {total:,} target tokens ({examples:,} examples) by "
         f"{d.teacher} in {meta['dtype']} on {world} rank(s) in {meta['seconds']} s: {size / 2**20:,.1f} MiB in "
@@ -368,11 +405,15 @@ def check_top_k(d: Any, student: Any) -> None:
 def check_teacher(exp: Any, student: Any, data: Any) -> tuple[Any, Any]:
     """(the stored teacher, None) offline; (None, the teacher's config) otherwise, once its vocabulary is the
     student's. top_k at most the vocabulary. Exit 2 naming what is wrong, before any weight loads."""
-    from trainer.objectives.distill import _family, check_vocabulary
+    from trainer.objectives.distill import _family, check_vocabulary, cpu_four_bit, require_bitsandbytes
 
     d = exp.train.distill
     check_top_k(d, student)
     if d.offline:
         _family(student, "model")
         return open_store(exp, data), None
-    return None, check_vocabulary(d.teacher, student, data.tokenizer)
+    config = check_vocabulary(d.teacher, student, data.tokenizer)
+    if d.quantization == "4bit":  # (before the student's weights load too)
+        require_bitsandbytes()
+        cpu_four_bit(config)
+    return None, config

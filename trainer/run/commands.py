@@ -81,8 +81,9 @@ def plan_command(exp: config_mod.Experiment, args: argparse.Namespace) -> int:
         if exp.train.objective == "distill":
             from trainer.strategy.planning.teacher import teacher_line
 
-            print(teacher_line(exp, strategy.low_precision_bytes(planned.plan.precision), planned.plan.candidate.stage,
-                               world))  # fmt: skip
+            c = planned.plan.candidate
+            print(teacher_line(exp, strategy.low_precision_bytes(planned.plan.precision), c.stage, world,
+                               c.offload_params))  # fmt: skip
         if planned.batch is not None and planned.batch.why:
             print(f"batch: {planned.batch.why}")
         if exp.checkpoint.every_minutes == "auto":  # the interval before any save is measured

@@ -107,7 +107,7 @@ def teacher_host_bytes(exp: Any, lp: int, ranks_per_node: int) -> int:
     return ranks_per_node * _shape(exp.train.distill.teacher)[0] * lp
 
 
-def teacher_line(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> str:
+def teacher_line(exp: Any, lp: int, stage: int = 0, ranks: int = 1, offloaded: bool = False) -> str:
     """--plan's line for distill."""
     from trainer.config import format_size
 
@@ -120,13 +120,16 @@ def teacher_line(exp: Any, lp: int, stage: int = 0, ranks: int = 1) -> str:
         return (f"teacher: {exp.train.distill.teacher}: its config does not read here, so the plan holds nothing "
                 "for it (the run stops at load, naming it)")  # fmt: skip
     where = (
-        "a whole copy a rank" if stage != 3 else f"sharded at ZeRO-3 over {ranks} rank(s) as the student is"
+        "a whole copy a rank"
+        if stage != 3
+        else f"sharded at ZeRO-3 over {ranks} rank(s) as the student is"
+        + (", its share on the host with the student's parameters" if offloaded else "")
     )
     if exp.train.distill.quantization == "4bit":
         where, stage = "its linear layers in 4 bits (NF4), a whole copy a rank", 0
     return (
         f"teacher: {exp.train.distill.teacher} ({params / 1e6:,.1f}M parameters), {where}: "
-        f"{format_size(teacher_bytes(exp, lp, stage, ranks))} among the buffers (its weights in the compute precision"
+        f"{format_size(teacher_bytes(exp, lp, stage, ranks, offloaded))} among the buffers (its weights in the compute precision"
         f"{', a layer and its head gathered' if stage == 3 else ''}, its forward without gradients, the divergence's "
         "chunk of both models' logits)"
     )
