@@ -72,10 +72,6 @@ def quiet_bitsandbytes() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-# bitsandbytes' 4-bit layout: 4 bits an element packed; a block of 64 elements shares an absmax, in fp32,
-# or with double quantization in 8 bits, those in blocks of 256 sharing an fp32 absmax of their own
-
-
 def quantized_count(module: Any, section: ModelSection) -> Quantized | None:
     """ModelInfo.quantized for model.lora.quantization, from the model on the meta device: the linear
     layers bitsandbytes replaces (every nn.Linear and GPT-2's Conv1D but the output embedding, as

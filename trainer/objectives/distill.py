@@ -124,6 +124,13 @@ def four_bit(dtype: Any) -> dict[str, Any]:
     return {"quantization_config": config, "device_map": {"": device}}
 
 
+def compute_dtype(precision: str) -> Any:
+    """The torch dtype a run's precision computes in (bf16, fp16; else fp32): the teacher's."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
 def teacher(
     spec: str, config: Any, dtype: Any = None, ds_config: Any = None, quantization: str = "none"
 ) -> Any:
@@ -132,30 +139,29 @@ def teacher(
     ZeRO-3) it is loaded partitioned (zero.Init) and run by a DeepSpeed inference engine of its own, as TRL does:
     each rank holds its share, and each layer is gathered for its forward. `quantization` 4bit: its linear layers
     in NF4 (`four_bit`), a whole copy a rank at every stage."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    if ds_config is None:
-        more = four_bit(dtype or torch.float32) if quantization == "4bit" else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            spec, config=config, dtype=dtype or torch.float32, **more
-        )
-        model.eval().requires_grad_(False)
-        _heads(model, "train.distill.teacher")
-        return model
-    import deepspeed
-
     from trainer.model.create import _zero3_context
 
-    with _zero3_context(ds_config):
-        model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype or torch.float32)
+    dtype = dtype or torch.float32
+    more = four_bit(dtype) if quantization == "4bit" else {}
+    with _zero3_context(ds_config) if ds_config is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(spec, config=config, dtype=dtype, **more)
     model.eval().requires_grad_(False)
     _heads(model, "train.distill.teacher")
-    cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
-    cfg["zero_optimization"] = {k: v for k, v in cfg["zero_optimization"].items() if k != "offload_optimizer"}
-    engine, *_ = deepspeed.initialize(model=model, config=cfg)
-    engine.eval()
-    model.inference_engine = engine  # (its hooks gather each layer: kept alive with the model)
+    if ds_config is not None:
+        import deepspeed
+
+        cfg = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+        cfg["zero_optimization"] = {
+            k: v for k, v in cfg["zero_optimization"].items() if k != "offload_optimizer"
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        engine.eval()
+        model.inference_engine = engine  # (its hooks gather each layer: kept alive with the model)
     return model
 
 
@@ -211,9 +217,8 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     base, head = _heads(inner, "model")
     sharded = store is None and hasattr(teach, "inference_engine")
-    placed = sharded or getattr(
-        teach, "is_loaded_in_4bit", False
-    )  # (4 bits: on its device already, not castable)
+    # (4 bits: on its device already, and not castable)
+    placed = sharded or getattr(teach, "is_loaded_in_4bit", False)
     if store is None:
         t_base, t_head = _heads(teach, "train.distill.teacher")
     if zero3:
@@ -236,20 +241,20 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
         h_s = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]
         if store is not None:
             t_ids, t_logp = store.lookup(input_ids, labels, kwargs.get("position_ids"))
+        else:
+            first = next(teach.parameters())
+            if not placed and (first.device != hidden.device or first.dtype != hidden.dtype):
+                teach.to(device=hidden.device, dtype=hidden.dtype)
+            with torch.no_grad():
+                t_hidden = t_base(input_ids=input_ids, **kwargs)[0]
+            h_t = t_hidden[:, :-1].reshape(-1, t_hidden.shape[-1])[keep]
+            with _gathered(t_head.weight, sharded):  # the teacher's head whole for what reads it (at ZeRO-3)
+                if k is None:
+                    div = divergence.per_token(h_s, head.weight, h_t, t_head.weight, beta, temp)
+                else:
+                    t_ids, t_logp = sparse.teacher_topk(h_t, t_head.weight, k, temp)
+        if store is not None or k is not None:  # the top-k, stored or the live teacher's
             div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
-            return CausalLMOutput(loss=div.sum() * scale / count)
-        first = next(teach.parameters())
-        if not placed and (first.device != hidden.device or first.dtype != hidden.dtype):
-            teach.to(device=hidden.device, dtype=hidden.dtype)
-        with torch.no_grad():
-            t_hidden = t_base(input_ids=input_ids, **kwargs)[0]
-        h_t = t_hidden[:, :-1].reshape(-1, t_hidden.shape[-1])[keep]
-        with _gathered(t_head.weight, sharded):  # the teacher's head whole for the divergence (at ZeRO-3)
-            if k is not None:
-                t_ids, t_logp = sparse.teacher_topk(h_t, t_head.weight, k, temp)
-                div = sparse.per_token(h_s, head.weight, t_ids, t_logp, beta, temp, settings.missing)
-            else:
-                div = divergence.per_token(h_s, head.weight, h_t, t_head.weight, beta, temp)
         return CausalLMOutput(loss=div.sum() * scale / count)
 
     inner.forward = forward

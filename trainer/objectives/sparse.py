@@ -109,9 +109,8 @@ def _rest(log_probs: Any) -> Any:
     import torch
 
     x = torch.logsumexp(log_probs, -1).clamp(max=math.log1p(-EPS))
-    near = x > -math.log(
-        2
-    )  # each branch on inputs where it is finite: a where's other branch still has a gradient
+    # each branch on inputs where it is finite: a where's other branch still has a gradient
+    near = x > -math.log(2)
     low, high = torch.where(near, x, -math.log(2)), torch.where(near, -math.log(2), x)
     return torch.where(near, torch.log(-torch.expm1(low)), torch.log1p(-torch.exp(high)))
 

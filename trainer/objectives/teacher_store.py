@@ -212,8 +212,11 @@ def _work_name() -> str:
     a node at once) and unique to a process without one (containers on two nodes give theirs the same pids)."""
     import socket
 
-    port = os.environ.get("MASTER_PORT") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    return f"{socket.gethostname()}.{port or os.getpid()}"
+    from trainer.objectives.reference import _writer
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("MASTER_PORT"):
+        return f"{socket.gethostname()}.{os.environ['MASTER_PORT']}"
+    return _writer()
 
 
 def _publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
@@ -250,17 +253,13 @@ def prepare(exp: Any, data: Any, device: Any, dtype: Any, rank: int = 0, world: 
     parts. The directory appears whole (written beside it, then renamed); a write that fails removes the work and
     stops naming the store (exit 2). Returns its path on rank 0."""
     from trainer.model import hf_config
-    from trainer.objectives.distill import check_vocabulary, cpu_four_bit, teacher
+    from trainer.objectives.distill import teacher
 
     barrier = barrier or (lambda: None)
     d, ident = exp.train.distill, identity(exp, data)
     final = store_path(exp, data, ident)
     _target(final)
-    student = hf_config(exp.model, data.vocab_size, data.eos_id)
-    check_top_k(d, student)
-    config = check_vocabulary(d.teacher, student, data.tokenizer)
-    if d.quantization == "4bit" and device.type == "cpu":
-        cpu_four_bit(config)
+    config = teacher_config(d, hf_config(exp.model, data.vocab_size, data.eos_id), data.tokenizer)
     model = teacher(d.teacher, config, dtype, None, d.quantization)
     if d.quantization == "none":
         model = model.to(device)
@@ -405,15 +404,24 @@ def check_top_k(d: Any, student: Any) -> None:
 def check_teacher(exp: Any, student: Any, data: Any) -> tuple[Any, Any]:
     """(the stored teacher, None) offline; (None, the teacher's config) otherwise, once its vocabulary is the
     student's. top_k at most the vocabulary. Exit 2 naming what is wrong, before any weight loads."""
-    from trainer.objectives.distill import _family, check_vocabulary, cpu_four_bit, require_bitsandbytes
+    from trainer.objectives.distill import _family
 
     d = exp.train.distill
-    check_top_k(d, student)
     if d.offline:
+        check_top_k(d, student)
         _family(student, "model")
         return open_store(exp, data), None
-    config = check_vocabulary(d.teacher, student, data.tokenizer)
-    if d.quantization == "4bit":  # (before the student's weights load too)
+    return None, teacher_config(d, student, data.tokenizer)
+
+
+def teacher_config(d: Any, student: Any, tokenizer: Any) -> Any:
+    """The config of train.distill's teacher (`d`) once top_k, its vocabulary and, in 4 bits, bitsandbytes and its
+    widths hold against the student (exit 2 otherwise), before any weight loads: a run's and --prepare-teacher's."""
+    from trainer.objectives.distill import check_vocabulary, cpu_four_bit, require_bitsandbytes
+
+    check_top_k(d, student)
+    config = check_vocabulary(d.teacher, student, tokenizer)
+    if d.quantization == "4bit":
         require_bitsandbytes()
         cpu_four_bit(config)
-    return None, config
+    return config

@@ -23,9 +23,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
 
     if data.supervised and exp.data.packing and not data.pairs:
         data.packing = packing_verdict(exp, planned.model or exp.model, data)
-    teacher = distill_check(
-        exp, env, planned, data
-    )  # (the teacher's vocabulary or its store, before any load)
+    teacher = distill_check(exp, env, planned, data)  # (its vocabulary or its store, before any weight loads)
     dist.seed_all(exp.seed)
     built = dict(planned.ds_config)
     # zero.Init (stage 3) reads the batch over the world, before AutoTP's mesh exists: DeepSpeed derives it there
@@ -102,12 +100,10 @@ def distill_attach(exp: Experiment, env: Any, planned: Any, built: dict[str, Any
                    config: Any) -> None:  # fmt: skip
     """The student's divergence to its teacher (trainer/objectives/distill.py): the store's, or the teacher loaded
     here, sharded at ZeRO-3 as the student is (TRL's), else a whole copy a rank (in 4 bits where asked)."""
-    import torch
-
     from trainer.objectives import distill
 
     zero3 = built.get("zero_optimization", {}).get("stage") == 3
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(planned.plan.precision, torch.float32)
+    dtype = distill.compute_dtype(planned.plan.precision)
     teach, d = None, exp.train.distill
     if store is None:
         shard = zero3 and d.quantization == "none"  # (4 bits: a whole copy a rank)

@@ -158,6 +158,7 @@ def prepare_teacher_command(exp: config_mod.Experiment) -> int:
 
     from trainer import data as data_mod
     from trainer.cluster import dist
+    from trainer.objectives.distill import compute_dtype
     from trainer.objectives.teacher_store import prepare
 
     d, env = exp.train.distill, dist.detect()
@@ -168,12 +169,14 @@ def prepare_teacher_command(exp: config_mod.Experiment) -> int:
         raise UserError(f"--prepare-teacher runs on one node ({env.nodes} launched): its ranks write the store beside "
                         "the node's data cache; launch it with one node's GPUs")  # fmt: skip
     runtime = dist.setup() if env.world_size > 1 else None
-    device = runtime.device if runtime else torch.device("cuda", 0) if torch.cuda.is_available() else None
-    device = device or torch.device("cpu")
+    if runtime is not None:
+        device = runtime.device
+    else:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     precision = exp.train.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    dtype = compute_dtype(precision)
     cores = dist.cpu_cores() // max(1, env.local_world_size)
     data = data_mod.build(
         exp.data, exp.seed, is_main=env.local_rank == 0, num_proc=max(1, cores), progress=True

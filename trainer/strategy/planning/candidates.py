@@ -107,10 +107,8 @@ class Quantized:
         return self.state * self.elements + self.per_layer * len(self.sizes)
 
 
-BNB_BLOCK, BNB_NESTED_BLOCK = (
-    64,
-    256,
-)  # bitsandbytes' 4-bit blocks: an absmax per 64, a nested one per 256 of those
+# bitsandbytes' 4-bit blocks: an absmax per 64 elements, a nested one per 256 of those
+BNB_BLOCK, BNB_NESTED_BLOCK = 64, 256
 
 
 def nf4(sizes: tuple[int, ...], double_quant: bool = True) -> Quantized:

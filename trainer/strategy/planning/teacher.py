@@ -24,17 +24,32 @@ from typing import Any
 
 
 @functools.lru_cache(maxsize=8)
-def _shape(spec: str) -> tuple[int, int, int, int]:
-    """(parameters, hidden size, MLP width, vocabulary) of the causal LM at `spec`, counted on the meta device; zeros where it
-    does not read (the run then stops at load, naming it)."""
-    from trainer.strategy.planning.generation import meta_count
+def _meta(spec: str) -> Any:
+    """The causal LM at `spec` built on the meta device (no memory), once for every count below; None where its
+    config does not read (the run then stops at load, naming it)."""
+    import torch
+    import transformers
 
-    cfg, params = meta_count(spec, "AutoModelForCausalLM")
-    if cfg is None:
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(spec)
+            )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _shape(spec: str) -> tuple[int, int, int, int]:
+    """(parameters, hidden size, MLP width, vocabulary) of the causal LM at `spec`, counted on the meta device; zeros
+    where it does not read."""
+    model = _meta(spec)
+    if model is None:
         return 0, 0, 0, 0
-    text = cfg.get_text_config()
+    text = model.config.get_text_config()
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)
     width = int(getattr(text, "intermediate_size", 0) or getattr(text, "n_inner", 0) or 4 * hidden)
+    params = sum(p.numel() for p in model.parameters())
     return params, hidden, width, int(getattr(text, "vocab_size", 0) or 0)
 
 
@@ -44,24 +59,18 @@ def _four_bit(spec: str) -> tuple[int, float]:
     of the causal LM at `spec` (as trainer/model/quantized.py counts a QLoRA base: NF4 with double quantization);
     zeros where its config does not read."""
     import torch
-    import transformers
     from transformers.pytorch_utils import Conv1D
 
     from trainer.strategy.planning.candidates import nf4
 
-    try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                transformers.AutoConfig.from_pretrained(spec)
-            )
-    except (OSError, ValueError, KeyError, TypeError):
+    model = _meta(spec)
+    if model is None:
         return 0, 0.0
     head = (
         model.get_output_embeddings()
-    )  # (transformers converts every linear layer but the head, GPT-2's Conv1D too)
-    sizes = tuple(
-        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear | Conv1D) and m is not head
-    )
+    )  # (transformers converts every linear layer but it, GPT-2's Conv1D too)
+    sizes = tuple(m.weight.numel() for m in model.modules()
+                  if isinstance(m, torch.nn.Linear | Conv1D) and m is not head)  # fmt: skip
     q = nf4(sizes)
     return q.elements, q.elements * q.packed + q.state_bytes()
 
