@@ -12,7 +12,7 @@ PYTHON ?= python3
 # bytecode compiled (imports would otherwise compile at every start) and a constraint that keeps
 # the torch installed first; plain pip where uv cannot be installed.
 
-.PHONY: setup ops tokenizers tiny tiny-sft tiny-distill tiny-sft-lora tiny-dpo tiny-grpo tiny-vlm test test-avx2 test-fast lint format reference clean
+.PHONY: setup ops tokenizers tiny tiny-sft tiny-distill tiny-distill-chat tiny-sft-lora tiny-dpo tiny-grpo tiny-vlm test test-avx2 test-fast lint format reference clean
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,13 @@ tiny-distill: setup                          ## tiny's model teaches a student a
 	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml
 	test -f runs/tiny/export/config.json || $(PY) bin/export runs/tiny runs/tiny/export
 	$(PY) bin/train configs/experiments/tiny-distill.yaml
+
+tiny-distill-chat: setup                     ## tiny-sft's model teaches a small student on its own answers (on-policy, ~2 min)
+	test -f runs/tiny-sft/checkpoints/latest || $(MAKE) tiny-sft
+	test -f runs/tiny-sft/export/config.json || $(PY) bin/export runs/tiny-sft runs/tiny-sft/export
+	test -f runs/tiny-sft-small/checkpoints/latest || $(PY) bin/train configs/experiments/tiny-sft-small.yaml
+	test -f runs/tiny-sft-small/export/config.json || $(PY) bin/export runs/tiny-sft-small runs/tiny-sft-small/export
+	$(PY) bin/train configs/experiments/tiny-distill-chat.yaml
 
 tiny-sft-lora: setup                         ## tiny-sft with LoRA adapters on the frozen model
 	test -f runs/tiny/checkpoints/latest || $(PY) bin/train configs/experiments/tiny.yaml

@@ -196,17 +196,27 @@ def test_local_rank_argument_is_accepted():
     assert p.returncode == 0, p.stderr
 
 
-def test_tiny_sft_fine_tunes_the_exported_model_to_answer_and_stop(tiny, tmp_path):
-    """`make tiny-sft`'s steps on the tiny run above: bin/export, then configs/experiments/tiny-sft.yaml
-    from the exported model (model.pretrained) on data/tiny/python_qa.jsonl: the banner counts the
-    conversations, the answer-token loss falls, and the eval prompts' completions end with the
-    end-of-turn token."""
-    export = tmp_path / "export"
-    p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(tiny.run_dir), str(export)],
-                       cwd=ROOT, env=env_for(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+def export(run_dir, out):
+    p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(run_dir), str(out)], cwd=ROOT,
+                       env=env_for(1), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    r = train(tmp_path, {"model.pretrained": str(export)}, experiment=ROOT / "configs" / "experiments" / "tiny-sft.yaml",
-              launcher="none", debug=False)  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_sft(tiny, tmp_path_factory):
+    """`make tiny-sft`'s steps on the tiny run above: bin/export, then configs/experiments/tiny-sft.yaml from the
+    exported model (model.pretrained): (the run, its export)."""
+    tmp = tmp_path_factory.mktemp("tiny-sft")
+    r = train(tmp, {"model.pretrained": str(export(tiny.run_dir, tmp / "export"))},
+              experiment=ROOT / "configs" / "experiments" / "tiny-sft.yaml", launcher="none", debug=False)  # fmt: skip
+    return r, export(r.run_dir, tmp / "sft-export")
+
+
+def test_tiny_sft_fine_tunes_the_exported_model_to_answer_and_stop(tiny_sft):
+    """tiny-sft on data/tiny/python_qa.jsonl: the banner counts the conversations, the answer-token loss falls, and
+    the eval prompts' completions end with the end-of-turn token."""
+    r, _ = tiny_sft
     assert "fine-tuning data (chat): 331 of 331 examples in 149 sequences" in r.output, r.output[-3000:]
     assert '[[The "assert" statement<|endoftext|>]]' in r.output
     losses = [m["loss"] for m in r.metrics if "loss" in m]
@@ -270,3 +280,82 @@ def test_tiny_distill_ends_closer_to_the_teacher_than_the_same_student_trained_o
         f"{kl['offline']:.4f}, trained on the text {kl['sft']:.4f}"
     )
     assert kl["distill"] < 0.9 * kl["sft"] and kl["offline"] < 0.9 * kl["sft"], kl
+
+
+def _kl_on_answers(student, teacher, rows, prompts):
+    """The mean forward KL(teacher || student) a token (trainer/objectives/divergence.py, beta 0) at the held-out
+    rows' answers, and at the student's own answers to their questions (8 sampled a question at temperature 1, the
+    distribution it answers from)."""
+    import torch
+
+    from trainer.data.pack import IGNORE
+    from trainer.objectives import divergence
+
+    def kl(ids, labels, pos):
+        with torch.no_grad():
+            h_s = student.base_model(input_ids=ids, position_ids=pos)[0][:, :-1]
+            h_t = teacher.base_model(input_ids=ids, position_ids=pos)[0][:, :-1]
+        at = labels[:, 1:] != IGNORE
+        return divergence.per_token(h_s[at], student.lm_head.weight, h_t[at], teacher.lm_head.weight, 0.0)
+
+    answers = kl(rows[:, 0], rows[:, 1], rows[:, 2]).mean().item()
+    torch.manual_seed(0)
+    own = []
+    for p in prompts * 8:
+        with torch.no_grad():
+            out = student.generate(torch.tensor([p]), do_sample=True, top_k=0, max_new_tokens=32, eos_token_id=256,
+                                   pad_token_id=0)  # fmt: skip
+        labels = out.clone()
+        labels[:, : len(p)] = IGNORE
+        own.append(kl(out, labels, torch.arange(out.shape[1])[None]))
+    return answers, torch.cat(own).mean().item()
+
+
+def test_tiny_distill_chat_on_policy_ends_closer_on_its_own_answers(tiny_sft, tmp_path):
+    """`make tiny-distill-chat`'s steps: tiny-sft's export teaches configs/experiments/tiny-sft-small.yaml's student
+    (a quarter of its size, fine-tuned on the same questions) by configs/experiments/tiny-distill-chat.yaml: on half
+    of the steps on its own answers (on-policy, lmbda 0.5). From the same student, as many steps of sft on the data's
+    answers end farther from the teacher on the student's own answers to the held-out questions (what it says when
+    used); off-policy distillation (lmbda 0) ends closer than sft on the data's answers."""
+    import numpy as np
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from trainer.objectives.on_policy import prompts_of
+
+    _, teacher = tiny_sft
+    cache = tmp_path / "cache"
+    small = train(tmp_path / "small", {}, experiment=ROOT / "configs" / "experiments" / "tiny-sft-small.yaml",
+                  debug=False, cache=cache)  # fmt: skip
+    student = export(small.run_dir, tmp_path / "small-export")
+    example = ROOT / "configs" / "experiments" / "tiny-distill-chat.yaml"
+    sets = {"train.distill.teacher": str(teacher), "model.pretrained": str(student)}
+    on = train(tmp_path / "on", sets, experiment=example, debug=False, cache=cache)
+    shares = [m["on_policy"] for m in on.metrics if "on_policy" in m]
+    assert 0.3 < np.mean(shares) < 0.7 and "each example's last reply sampled anew" in on.output, shares
+    runs = {"on-policy": on}
+    for name, change in (("off-policy", {"lmbda": 0.0}), ("sft", None)):
+        exp = yaml.safe_load(example.read_text())
+        if change is None:
+            exp["train"].pop("distill")
+            exp["train"]["objective"] = "sft"
+        else:
+            exp["train"]["distill"].update(change)
+            exp["train"]["distill"].pop("generation")
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(exp))
+        more = {k: v for k, v in sets.items() if change is not None or k == "model.pretrained"}
+        runs[name] = train(
+            tmp_path / name, more, experiment=tmp_path / f"{name}.yaml", debug=False, cache=cache
+        )
+    (held_out,) = {p for p in cache.glob("**/eval.npy") if np.load(p, mmap_mode="r").ndim == 3}
+    rows = np.load(held_out).astype(np.int64)
+    t = AutoModelForCausalLM.from_pretrained(teacher).eval()
+    kl = {}
+    for name, run in runs.items():
+        s = AutoModelForCausalLM.from_pretrained(export(run.run_dir, tmp_path / f"{name}-export")).eval()
+        kl[name] = _kl_on_answers(s, t, torch.from_numpy(rows), prompts_of(rows))
+    print("KL(teacher || student) a token, on the held-out answers / on the student's own: "
+          + ", ".join(f"{n} {a:.4f} / {o:.4f}" for n, (a, o) in kl.items()))  # fmt: skip
+    assert kl["on-policy"][1] < 0.95 * kl["sft"][1], kl
+    assert kl["off-policy"][0] < kl["sft"][0], kl

@@ -27,13 +27,21 @@ def test_the_shipped_templates_are_the_ones_the_design_names():
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.name)
 def test_experiment_loads_and_plans(path: Path, tmp_path):
-    # tiny-sft, tiny-sft-lora and tiny-dpo start from tiny's model as `make tiny-sft` exports it: plan that
-    if path.name.startswith(("tiny-sft", "tiny-dpo")):
-        text = path.read_text().replace(
-            "  pretrained: runs/tiny/export",
-            "  config: {model_type: gpt2, n_layer: 4, n_embd: 128, n_head: 4, n_positions: 256}",
+    # tiny-sft, tiny-sft-lora and tiny-dpo start from tiny's model as `make tiny-sft` exports it, tiny-distill-chat
+    # from tiny-sft-small's: plan that
+    if path.name.startswith(("tiny-sft", "tiny-dpo", "tiny-distill-chat")):
+        text = (
+            path.read_text()
+            .replace(
+                "  pretrained: runs/tiny/export",
+                "  config: {model_type: gpt2, n_layer: 4, n_embd: 128, n_head: 4, n_positions: 256}",
+            )
+            .replace(
+                "  pretrained: runs/tiny-sft-small/export",
+                "  config: {model_type: gpt2, n_layer: 2, n_embd: 64, n_head: 4, n_positions: 256}",
+            )
         )
-        assert "n_layer: 4" in text
+        assert "pretrained: runs/" not in text and "n_layer: " in text
         path = tmp_path / path.name
         path.write_text(text)
     exp = config.load(path)

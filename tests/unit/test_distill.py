@@ -99,7 +99,6 @@ BAD = {
               r"train.distill.teacher: '.*' has a vocabulary of 100 and the student \(gpt2\) one of 257"),
     "beta": ({"train.distill.beta": 1.5}, r"train.distill.beta"),
     "temperature": ({"train.distill.temperature": 0}, r"train.distill.temperature"),
-    "lmbda": ({"train.distill.lmbda": 0.5}, r"train.distill.lmbda: 0.5: training on the student's own completions"),
     "no teacher": ({}, r"train.distill.teacher: distill needs its teacher"),
     "objective": ({"train.objective": "sft"}, r"train.distill: is train.objective distill's; the objective is sft"),
     "chunked": ({"model.chunked_loss": True}, r"model.chunked_loss: distill computes its own divergence"),
@@ -238,14 +237,20 @@ def test_a_saved_experiment_of_another_objective_loads_again(tmp_path):
 
 
 def test_a_lora_student_trains_its_adapters_only(tmp_path, teacher_dir, student_dir):
-    """LoRA on the student: the divergence's gradient reaches the adapters through peft's wrapper (the loss falls)."""
+    """LoRA on the student: the divergence's gradient reaches the adapters through peft's wrapper (the loss falls),
+    and the student generates its own completions through it (on-policy, lmbda 1: trainer/objectives/on_policy.py)."""
+    from helpers import ROOT
+
     r = train(tmp_path, {"train.objective": "distill", "train.distill.teacher": str(teacher_dir),
-                         "model.config": None, "model.pretrained": str(student_dir),
+                         "train.distill.lmbda": 1.0, "train.distill.generation.max_new_tokens": 8, "data.seq_len": 128,
+                         "model.config": None, "model.pretrained": str(student_dir), "train.micro_batch_size": 4,
                          "model.lora": {"r": 4, "dropout": 0.0, "target_modules": ["c_attn"]}, "train.max_steps": 4,
                          "train.log_every": 1, "train.eval_every": 0, "train.eval_prompts": [], "optim.lr": 1e-2,
-                         "optim.warmup_steps": 0, "checkpoint.save_final": False}, debug=False)  # fmt: skip
+                         "optim.warmup_steps": 0, "checkpoint.save_final": False},
+              experiment=ROOT / "configs" / "experiments" / "tiny-sft.yaml", debug=False)  # fmt: skip
     assert r.losses[4] < r.losses[1], r.losses
     assert "LoRA" in r.output or "lora" in r.output, r.output[-2000:]
+    assert [m["on_policy"] for m in r.metrics if "on_policy" in m] == [1.0] * 4
 
 
 def test_resume_is_exact_and_another_teacher_is_refused(tmp_path, teacher_dir):

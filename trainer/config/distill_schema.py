@@ -13,6 +13,37 @@ CHUNK = 8192  # vocabulary entries a chunk (Llama 3's 128,256: 16 chunks)
 TOKENS = 2048  # tokens a block: a chunk's fp32 logits are TOKENS x CHUNK x 4 bytes (64 MiB)
 
 
+class GenerationSection(Section):
+    """How the on-policy completions (train.distill.lmbda) and the teacher's (seq_kd) are sampled: GRPO's sampling
+    (trainer/rl/generate.py), at train.distill.temperature (TRL's: the divergence's and the sampling's)."""
+
+    max_new_tokens: int = Field(
+        128,
+        ge=1,
+        description="a completion's longest (GKD's max_new_tokens 128; TRL's DistillationConfig's "
+        "max_completion_length 512); a completion is also cut where its row would pass data.seq_len",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (1 = off; TRL's top_p)")
+    top_k: int = Field(
+        0,
+        ge=0,
+        description="top-k sampling (0 = off; TRL's DistillationConfig top_k, not train.distill.top_k)",
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="min-p sampling: tokens under min_p x the likeliest's probability dropped",
+    )
+    batch: int | None = Field(
+        None,
+        ge=1,
+        description="prompts a generate call samples together; null = all of a rank's prompts of the step (the "
+        "fewest decode passes); lower it where their key/value cache does not fit. On CPU in fp32 the completions "
+        "do not depend on it",
+    )
+
+
 class DistillSection(Section):
     """The teacher and the divergence the student is trained on (TRL's DistillationTrainer's and GKD's names)."""
 
@@ -43,12 +74,19 @@ class DistillSection(Section):
         0.0,
         ge=0.0,
         le=1.0,
-        description="the share of steps trained on the student's own completions (on-policy); 0 = the data's "
-        "completions (off-policy). TRL's DistillationConfig defaults to 1: on-policy is not built here yet, so "
-        "only 0 is accepted",
+        description="the share of steps trained on the student's own completions of the data's prompts "
+        "(on-policy; drawn a step from train.seed and the step's place in the data, the same on every rank and "
+        "in a resumed run); 0 = the data's completions (off-policy); 1 = on-policy only (TRL's "
+        "DistillationTrainer; GKD's default 0.5)",
     )
     seq_kd: bool = Field(
-        False, description="train on the teacher's generated completions (GKD's seq_kd): not built here yet"
+        False,
+        description="the steps that are not on-policy train on the teacher's own completions of the data's prompts "
+        "(GKD's seq_kd: sequence-level distillation) instead of the data's",
+    )
+    generation: GenerationSection = Field(
+        default_factory=GenerationSection,
+        description="the sampling of the on-policy (lmbda) and the teacher's (seq_kd) completions",
     )
     disable_dropout: bool = Field(
         True, description="turn every dropout of the student off (TRL's default); false keeps it"
@@ -101,13 +139,7 @@ def distill_problems(exp: Any) -> list[tuple[str, str]]:
         out.append(("data.train.kind", "distill trains the student on the teacher's distribution over the data's "
                     "own tokens (off-policy): give chat, prompt_completion or text data, not "
                     f"{', '.join(sorted(kinds & {'preference', 'prompt'}))}"))  # fmt: skip
-    if ds.lmbda > 0:
-        out.append(("train.distill.lmbda", f"{ds.lmbda}: training on the student's own completions (on-policy) is "
-                    "not built yet; set 0 (the data's completions)"))  # fmt: skip
-    if ds.seq_kd:
-        out.append(
-            ("train.distill.seq_kd", "the teacher's generated completions are not built yet; set false")
-        )
+    out += _generated(exp, kinds)
     if ds.offline and ds.top_k is None:
         out.append(("train.distill.offline", "the store holds the teacher's top-k a token: set train.distill.top_k "
                     "(32 keeps 256 bytes a target token) or offline: false"))  # fmt: skip
@@ -128,6 +160,36 @@ def distill_problems(exp: Any) -> list[tuple[str, str]]:
         out.append(
             ("model.kernels", "liger's fused loss is not the divergence distill trains on; set it to none")
         )
+    return out
+
+
+def _generated(exp: Any, kinds: set[str]) -> list[tuple[str, str]]:
+    """What on-policy steps (lmbda > 0) and the teacher's completions (seq_kd) need: prompts in the data, a teacher
+    that runs, and the levers generation is verified with."""
+    ds, key = (
+        exp.train.distill,
+        "train.distill.lmbda" if exp.train.distill.lmbda > 0 else "train.distill.seq_kd",
+    )
+    if ds.lmbda == 0 and not ds.seq_kd:
+        if ds.generation != GenerationSection():
+            return [("train.distill.generation", "samples the on-policy (lmbda > 0) and the teacher's (seq_kd) "
+                     "completions, and neither is asked for: remove it or set lmbda or seq_kd")]  # fmt: skip
+        return []
+    what = f"{key} ({ds.lmbda if key.endswith('lmbda') else 'true'})"
+    out: list[tuple[str, str]] = []
+    if "text" in kinds:
+        out.append(("data.train.kind", f"{what} completes the data's prompts: give chat or prompt_completion data "
+                    "(a block of text has no prompt)"))  # fmt: skip
+    if ds.offline:
+        out.append(("train.distill.offline", f"{what}: the store holds the teacher at the data's completions only, "
+                    "and the generated ones are new each step; set offline: false, or lmbda 0 and seq_kd false"))  # fmt: skip
+    s = exp.strategy
+    levers = [n for n, on in (("strategy.tensor_parallel", s.tensor_parallel not in ("auto", 1)),
+                              ("strategy.pipeline_stages", s.pipeline_stages not in ("auto", 1)),
+                              ("train.compile", exp.train.compile)) if on]  # fmt: skip
+    if levers:
+        out.append((levers[0], f"{what}: generation with it is not verified; set it off (or lmbda 0 and seq_kd "
+                    "false)"))  # fmt: skip
     return out
 
 

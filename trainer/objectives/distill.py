@@ -161,7 +161,9 @@ def teacher(
         }
         engine, *_ = deepspeed.initialize(model=model, config=cfg)
         engine.eval()
-        model.inference_engine = engine  # (its hooks gather each layer: kept alive with the model)
+        # (its hooks gather each layer: kept alive with the model, and not as its submodule: the engine's module is
+        # the model, and a module's train() or modules() would go round the circle)
+        object.__setattr__(model, "inference_engine", engine)
     return model
 
 
@@ -242,9 +244,8 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
         if store is not None:
             t_ids, t_logp = store.lookup(input_ids, labels, kwargs.get("position_ids"))
         else:
-            first = next(teach.parameters())
-            if not placed and (first.device != hidden.device or first.dtype != hidden.dtype):
-                teach.to(device=hidden.device, dtype=hidden.dtype)
+            if not placed:
+                place(teach, hidden.device, hidden.dtype)
             with torch.no_grad():
                 t_hidden = t_base(input_ids=input_ids, **kwargs)[0]
             h_t = t_hidden[:, :-1].reshape(-1, t_hidden.shape[-1])[keep]
@@ -259,6 +260,13 @@ def attach(model: Any, teach: Any, settings: Any, zero3: bool = False, store: An
 
     inner.forward = forward
     return model
+
+
+def place(teach: Any, device: Any, dtype: Any) -> None:
+    """A whole teacher (not sharded, not in 4 bits) on the student's device in its compute dtype."""
+    first = next(teach.parameters())
+    if first.device != device or first.dtype != dtype:
+        teach.to(device=device, dtype=dtype)
 
 
 def _gathered(weight: Any, sharded: bool) -> Any:

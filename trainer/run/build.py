@@ -149,6 +149,11 @@ def prepare_objective(
     """A preference objective: the reference's log-probs (before a checkpoint is loaded: computed by
     the model as training starts, or read from the cache) and its metrics; the banner's lines."""
     objective = engine.objective
+    if hasattr(stream, "samplers"):  # distill's on-policy steps and the teacher's completions
+        from trainer.objectives.on_policy import prepare
+
+        mets.reduced = stream.flush
+        return prepare(exp, env, engine, data, stream)
     if objective is None:
         return []
     mets.reduced = lambda: objective.flush(env.world_size)
@@ -307,6 +312,10 @@ def data_for_rank(
                                accum=t.grad_accum, seed=exp.seed, seq_len=exp.data.seq_len, tokenizer=data.tokenizer)  # fmt: skip
         return stream, Evaluator(None, 0, env.world_size, None)
     stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, accum=t.grad_accum, **where)
+    if t.objective == "distill" and (t.distill.lmbda > 0 or t.distill.seq_kd):  # completions sampled a step
+        from trainer.objectives.on_policy import PolicyStream
+
+        stream = PolicyStream(stream, t.distill, seed=exp.seed, seq_len=exp.data.seq_len)
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
     asked = eval_prompts(exp, data)
     if asked and sp > 1 and runtime.is_main:

@@ -44,8 +44,11 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
             "router's auxiliary loss that output_router_logits asks for would never be added; set "
             "model.config.output_router_logits: false (the router trains on the objective alone) or train sft"
         )
-    if exp.train.objective == "distill":
+    teach = (
         distill_attach(exp, env, planned, built, module, *teacher)
+        if exp.train.objective == "distill"
+        else None
+    )
     no_dropout = exp.train.distill if exp.train.objective == "distill" else exp.train.preference
     if exp.train.objective != "sft" and no_dropout.disable_dropout:
         model.disable_dropout(module)  # the reference's log-probs are computed without it (eval mode)
@@ -70,6 +73,7 @@ def model_and_engine(exp: Experiment, env: Any, planned: Any, data: Any) -> tupl
         one_row=one_row, sequence=sequence_levers(exp, env, planned, module, one_row), objective=objectives.make(exp),
         vision=vision_inputs(exp, planned, module, data),
     )  # fmt: skip
+    engine.teacher = teach  # (distill: its completions with seq_kd, trainer/objectives/on_policy.py)
     if engine.vision is not None:  # the idle image's hook, after DeepSpeed's own (trainer/model/vision.py)
         engine.vision.install()
     if planned.plan.tp > 1 or planned.plan.ep > 1:  # AutoTP and AutoEP replaced layers: their names now
@@ -97,9 +101,10 @@ def distill_check(exp: Experiment, env: Any, planned: Any, data: Any) -> tuple[A
 
 
 def distill_attach(exp: Experiment, env: Any, planned: Any, built: dict[str, Any], module: Any, store: Any,
-                   config: Any) -> None:  # fmt: skip
+                   config: Any) -> Any:  # fmt: skip
     """The student's divergence to its teacher (trainer/objectives/distill.py): the store's, or the teacher loaded
-    here, sharded at ZeRO-3 as the student is (TRL's), else a whole copy a rank (in 4 bits where asked)."""
+    here, sharded at ZeRO-3 as the student is (TRL's), else a whole copy a rank (in 4 bits where asked); returns the
+    teacher (None offline)."""
     from trainer.objectives import distill
 
     zero3 = built.get("zero_optimization", {}).get("stage") == 3
@@ -116,6 +121,7 @@ def distill_attach(exp: Experiment, env: Any, planned: Any, built: dict[str, Any
             log.info(f"teacher: {quantized_layers(teach)} linear layers in 4 bits (NF4, double quantization), a whole "
                      "copy a rank")  # fmt: skip
     distill.attach(module, teach, d, zero3, store)
+    return teach
 
 
 def vision_inputs(exp: Experiment, planned: Any, module: Any, data: Any) -> Any:

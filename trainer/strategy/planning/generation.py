@@ -68,18 +68,40 @@ def largest_layer_cache(info: Any, sequences: int, length: int, lp: int) -> int:
     return int(layer_cache_per_token(info, lp) * sequences * length)
 
 
+def distill_generates(exp: Any) -> bool:
+    """Distillation's on-policy steps or the teacher's completions (trainer/objectives/on_policy.py)."""
+    d = exp.train.distill
+    return exp.train.objective == "distill" and (d.lmbda > 0 or d.seq_kd)
+
+
+def _sampling(exp: Any) -> tuple[Any, int]:
+    """(what sampling reads: temperature, top_p, top_k, min_p; max_new_tokens) of grpo or distill."""
+    if not distill_generates(exp):
+        return exp.train.rl, exp.train.rl.max_new_tokens
+    from types import SimpleNamespace
+
+    d, g = exp.train.distill, exp.train.distill.generation
+    return SimpleNamespace(
+        temperature=d.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p
+    ), g.max_new_tokens
+
+
 def generation_rows(exp: Any) -> int:
-    """The sequences a generate call samples: G x train.rl.generation_batch prompts, at most a rank's step's."""
+    """The sequences a generate call samples: G x train.rl.generation_batch prompts, at most a rank's step's
+    (distill: train.distill.generation.batch, else a rank's step's rows, an example each: a row packing several
+    shorter ones holds as many prompts of fewer tokens)."""
     t, rl = exp.train, exp.train.rl
+    if distill_generates(exp):
+        return t.distill.generation.batch or int(t.micro_batch_size) * t.grad_accum
     per_rank = max(int(t.micro_batch_size) * t.grad_accum // rl.num_generations, 1)
     return rl.num_generations * min(rl.generation_batch or per_rank, per_rank)
 
 
 def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     """What generation holds on a rank beyond the weights (see the module's doc); 0 for other objectives."""
-    if not is_rl(exp):
+    if not is_rl(exp) and not distill_generates(exp):
         return 0
-    g, new = generation_rows(exp), exp.train.rl.max_new_tokens
+    (sampling, new), g = _sampling(exp), generation_rows(exp)
     prompt = max(exp.data.seq_len - new, 1)
     hidden = info.hidden or 0
     # the prompt's forward: its keys and values so far (a sliding layer's too: the whole prompt), and one
@@ -99,7 +121,7 @@ def generation_bytes(exp: Any, info: Any, lp: int) -> int:
     # position's logits
     length = row_length(exp)
     decode = kv_cache_bytes(info, g, length, lp) + largest_layer_cache(info, g, length, lp) / 2
-    decode += logits_bytes(exp.train.rl, g, info.vocab or 0)
+    decode += logits_bytes(sampling, g, info.vocab or 0)
     scoring = max((m[1] for m in reward_models(exp, lp)), default=0)
     return int(max(prefill, decode, scoring))
 

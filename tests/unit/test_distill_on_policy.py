@@ -1,0 +1,181 @@
+"""train.distill.lmbda and seq_kd (trainer/objectives/on_policy.py): each example's last reply cut off and sampled
+anew, from the student (on-policy) or the teacher (seq_kd), the step's kind drawn from the seed and the step's place;
+through bin/train the losses are the same however a step is split (one rank's 4 x 1 against 2 ranks at ZeRO-3, where
+the generation is synced and the teacher sharded), a resume is exact, and bad input stops with the key and the fix."""
+
+import numpy as np
+import pytest
+import torch
+from distill_helpers import make_student, make_teacher
+from helpers import ROOT, train
+
+from trainer.data.pack import IGNORE
+from trainer.objectives.on_policy import DATA, STUDENT, TEACHER, prompts_of, rows_of, step_kind
+
+teacher_dir = pytest.fixture(scope="module")(make_teacher)
+student_dir = pytest.fixture(scope="module")(make_student)
+SFT = ROOT / "configs" / "experiments" / "tiny-sft.yaml"
+N = IGNORE
+
+
+def test_the_prompt_is_everything_before_the_last_reply_and_the_rows_put_it_back():
+    """A packed row of a two-turn example and a one-turn one, then padding: the prompts are the tokens before each
+    example's last run of targets (the first turn's reply is context); the rows made of (prompt, reply) are the
+    examples' own tokens, targets and positions, one a row, padded as the data pads."""
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 0])
+    labels = np.array([N, N, 3, N, N, 6, 7, N, N, 10, 11, N, N])  # turn 1: 3; turn 2: 6 7 | one turn: 10 11
+    pos = np.array([0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 0, 1])
+    prompts = prompts_of(np.stack([ids, labels, pos])[None])
+    assert prompts == [[1, 2, 3, 4, 5], [8, 9]]
+    rows = rows_of([(prompts[0], [6, 7]), (prompts[1], [10, 11, 12])], multiple=1, seq_len=16, pad=0).numpy()
+    assert rows.shape == (2, 3, 7)
+    assert rows[0].tolist() == [[1, 2, 3, 4, 5, 6, 7], [N, N, N, N, N, 6, 7], [0, 1, 2, 3, 4, 5, 6]]
+    assert rows[1].tolist() == [[8, 9, 10, 11, 12, 0, 0], [N, N, 10, 11, 12, N, N], [0, 1, 2, 3, 4, 0, 1]]
+    assert (
+        rows_of([([1, 2], [3])], multiple=4, seq_len=16, pad=0).shape[-1] == 4
+    )  # (the data's width multiple)
+    assert rows_of([([1, 2], [3])], multiple=0, seq_len=16, pad=0).shape[-1] == 16  # (0: seq_len wide)
+    assert prompts_of(np.stack([ids, np.full(13, N), pos])[None]) == []  # no targets: nothing to complete
+
+
+def test_the_steps_kind_is_drawn_from_the_seed_and_the_place():
+    places = [(e, s) for e in range(4) for s in range(0, 10_000, 4)]
+    assert {step_kind(0.0, False, 1, e, s) for e, s in places} == {DATA}
+    assert {step_kind(0.0, True, 1, e, s) for e, s in places} == {TEACHER}
+    assert {step_kind(1.0, True, 1, e, s) for e, s in places} == {STUDENT}
+    share = np.mean([step_kind(0.3, False, 1, e, s) == STUDENT for e, s in places])
+    assert share == pytest.approx(0.3, abs=0.02)
+    again = [step_kind(0.5, True, 1, e, s) for e, s in places[:50]]
+    assert again == [step_kind(0.5, True, 1, e, s) for e, s in places[:50]]
+    assert again != [step_kind(0.5, True, 2, e, s) for e, s in places[:50]]  # another seed, other draws
+
+
+def _sets(teacher_dir, student_dir, **more):
+    return {"train.objective": "distill", "train.distill.teacher": str(teacher_dir), "train.distill.beta": 0.5,
+            "train.distill.temperature": 0.9, "data.seq_len": 128,
+            "train.max_steps": 8, "train.log_every": 1, "train.eval_every": 0, "train.eval_prompts": [],
+            "optim.lr": 3e-3, "optim.warmup_steps": 0, "model.config": None, "model.pretrained": str(student_dir),
+            "checkpoint.save_final": False, **more}  # fmt: skip
+
+
+def _kinds(run):
+    return {m["step"]: (m["on_policy"], m["teacher_completions"]) for m in run.metrics if "on_policy" in m}
+
+
+def test_split_invariant_over_ranks_and_zero3s_synced_generation(tmp_path, teacher_dir, student_dir):
+    """lmbda 0.5 with seq_kd: steps on the student's completions and steps on the teacher's (seed 1234's draws: the
+    teacher's at steps 1-5 and 7, the student's at 6 and 8); one rank's 4 x 1 and 2 ranks' 1 x 2 at ZeRO-3 (each
+    rank's generate synced with the other's, the teacher sharded and generating too) log the same losses. The
+    completions are the student's and the teacher's own: the losses are not the data's completions' ones."""
+    mix = {
+        "train.distill.lmbda": 0.5,
+        "train.distill.seq_kd": True,
+        "train.distill.generation.max_new_tokens": 12,
+    }
+    one = train(tmp_path / "one", _sets(teacher_dir, student_dir, **mix, **{"train.micro_batch_size": 4}),
+                experiment=SFT, debug=False)  # fmt: skip
+    kinds = _kinds(one)
+    assert kinds == {s: (1.0, 0.0) if s in (6, 8) else (0.0, 1.0) for s in range(1, 9)}, kinds
+    assert all(0 < m["completion_length"] <= 12 for m in one.metrics if "completion_length" in m)
+    assert (
+        "objective: distill on the student's completions on a share 0.5 of the steps, the teacher's"
+        in one.output
+    )
+    two = train(tmp_path / "two", _sets(teacher_dir, student_dir, **mix, **{
+        "train.micro_batch_size": 1, "train.grad_accum": 2, "strategy.zero_stage": 3,
+        "strategy.justification": "generation synced over ranks of a partitioned model"}),
+        experiment=SFT, launcher="torchrun", nproc=2, debug=False)  # fmt: skip
+    assert "teacher: sharded at ZeRO-3" in two.output
+    for step, value in one.losses.items():
+        assert two.losses[step] == pytest.approx(value, rel=1e-5), (step, one.losses, two.losses)
+    assert _kinds(two) == kinds
+    data = train(tmp_path / "data", _sets(teacher_dir, student_dir, **{"train.micro_batch_size": 4}),
+                 experiment=SFT, debug=False)  # fmt: skip
+    assert all(abs(data.losses[s] - one.losses[s]) > 1e-4 * one.losses[s] for s in (1, 6)), (
+        data.losses,
+        one.losses,
+    )
+
+
+def test_on_policy_resumes_exactly(tmp_path, teacher_dir, student_dir):
+    """lmbda 1 (TRL's DistillationTrainer: every step on the student's completions): a resume from step 2 samples
+    the completions the uninterrupted run sampled (the draw and the streams from the data's position) and logs its
+    losses after it, bit for bit."""
+    sets = _sets(teacher_dir, student_dir, **{"train.distill.lmbda": 1.0, "train.max_steps": 4,
+                                              "train.distill.generation.max_new_tokens": 12,
+                                              "checkpoint.every_steps": 2, "checkpoint.keep_last": 0})  # fmt: skip
+    whole = train(tmp_path / "whole", sets, experiment=SFT, debug=False)
+    assert {m["on_policy"] for m in whole.metrics if "on_policy" in m} == {1.0}
+    ckpt = whole.run_dir / "checkpoints" / "step_00000002"
+    again = train(tmp_path / "again", sets, experiment=SFT, debug=False, extra_args=["--resume", str(ckpt)])
+    assert {s: v for s, v in again.losses.items() if s > 2} == {
+        s: v for s, v in whole.losses.items() if s > 2
+    }
+
+
+BAD = {
+    "text": ({"train.distill.lmbda": 0.5}, None,
+             r"data.train.kind: train.distill.lmbda \(0.5\) completes the data's prompts: give chat or "
+             r"prompt_completion data"),
+    "offline": ({"train.distill.seq_kd": True, "train.distill.offline": True, "train.distill.top_k": 8}, SFT,
+                r"train.distill.offline: train.distill.seq_kd \(true\): the store holds the teacher at the data's "
+                r"completions only"),
+    "generation alone": ({"train.distill.generation.max_new_tokens": 8}, SFT,
+                         r"train.distill.generation: samples the on-policy \(lmbda > 0\) and the teacher's"),
+    "compile": ({"train.distill.lmbda": 1.0, "train.compile": True}, SFT,
+                r"train.compile: train.distill.lmbda \(1.0\): generation with it is not verified"),
+    "lmbda": ({"train.distill.lmbda": 1.5}, SFT, r"train.distill.lmbda"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_stops_with_the_key_and_the_fix(tmp_path, teacher_dir, case):
+    import re
+
+    sets, experiment, pattern = BAD[case]
+    base = {"train.objective": "distill", "train.distill.teacher": str(teacher_dir), "train.max_steps": 1}
+    r = train(tmp_path, {**base, **sets}, experiment=experiment or ROOT / "configs" / "experiments" / "tiny.yaml",
+              debug=False, check=False)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.output, r.output[-2000:]
+    assert re.search(pattern, r.output), r.output[-2000:]
+    assert "Loading weights" not in r.output
+
+
+def test_the_completions_are_sampled_from_the_prompts(teacher_dir):
+    """The stream's rows on a generated step: each example's prompt kept, its reply the sampler's completion (cut at
+    seq_len), every completion token a target; the sampler gets each prompt once, with a stream from its tokens."""
+    from types import SimpleNamespace
+
+    from trainer.config.distill_schema import DistillSection
+    from trainer.data.stream import Position
+    from trainer.objectives.on_policy import PolicyStream
+    from trainer.rl.generate import Sampling
+
+    ids = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 0])
+    labels = np.array([N, N, 3, 4, N, N, N, 8, 9, N])
+    pos = np.array([0, 1, 2, 3, 0, 1, 2, 3, 4, 0])
+    batch = torch.from_numpy(np.stack([ids, labels, pos])[None])
+
+    class Inner:
+        sampler = SimpleNamespace(global_batch=1, usable=100, world=1)
+        position, multiple = Position(), 1
+
+        def next(self):
+            return batch
+
+    seen = []
+
+    class Sampler:
+        sampling = Sampling(max_new_tokens=4, pad=0)
+
+        def sample(self, prompts, streams):
+            seen.append((prompts, streams, self.sampling.width))
+            return [([40 + i] * (2 + i), True) for i in range(len(prompts))]
+
+    stream = PolicyStream(Inner(), DistillSection(lmbda=1.0), seed=1, seq_len=5)
+    stream.attach(Sampler())
+    assert stream.loss_denominator(1) == 2 + 2  # [40 40], and [41 41 41] cut where its row reaches seq_len 5
+    (rows,) = stream.queue
+    assert seen[0][0] == [[1, 2], [5, 6, 7]] and seen[0][2] == 4 and len(set(seen[0][1])) == 2
+    assert rows[:, 0].tolist() == [[1, 2, 40, 40, 0], [5, 6, 7, 41, 41]]
+    assert rows[:, 1].tolist() == [[N, N, 40, 40, N], [N, N, N, 41, 41]]

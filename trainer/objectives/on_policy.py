@@ -1,0 +1,256 @@
+"""On-policy distillation (train.distill.lmbda > 0) and the teacher's own completions (train.distill.seq_kd): GKD's
+steps (TRL's GKDTrainer; lmbda 1 is TRL's DistillationTrainer), over the data's prompts.
+
+`PolicyStream` wraps the run's TrainStream. At a step's start (`loss_denominator`, where GRPO's RolloutStream
+generates) it draws the step's kind from train.seed and the step's place in the data (`step_kind`): the student's
+completions with probability lmbda, else the teacher's with seq_kd, else the data's rows as they are. On a generated
+step it takes the step's micro batches from the data, cuts each example before its last run of targets (its last
+reply: the prompt is everything before it, earlier turns included, as GKD's chat collator cuts it), samples a
+completion of each prompt and makes rows of prompt + completion with the completion as the targets (the stop token
+included, as TRL's completion mask), one example a row. A completion's random stream is a function of (train.seed,
+the step's place, the prompt's tokens) only (trainer/rl/generate.py's Gumbel-max): a step's completions are the same
+however it is split over ranks, micro batches and generate calls (on CPU in fp32), and a resumed run draws the ones
+the uninterrupted run drew from nothing more than the data's position in the checkpoint. The step's targets over
+every rank divide each micro batch's summed divergence (one all-reduce), as the data's rows' targets do.
+
+The eval loss stays on the data's completions (one fixed measure across steps); TRL's DistillationTrainer evaluates
+on fresh completions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from trainer.data.pack import IGNORE
+from trainer.data.stream import Position
+
+DATA, STUDENT, TEACHER = "the data's", "the student's", "the teacher's"
+
+
+def step_kind(lmbda: float, seq_kd: bool, seed: int, epoch: int, sample: int) -> str:
+    """Whose completions the step at `sample` of epoch `epoch` trains on: the student's with probability lmbda (a
+    uniform from a hash of the three: the same on every rank and in a resumed run), else the teacher's with seq_kd,
+    else the data's."""
+    h = hashlib.blake2b(f"distill:{seed}:{epoch}:{sample}".encode(), digest_size=8).digest()
+    if (int.from_bytes(h, "little") >> 11) / 2.0**53 < lmbda:
+        return STUDENT
+    return TEACHER if seq_kd else DATA
+
+
+def prompts_of(rows: np.ndarray) -> list[list[int]]:
+    """Each example of fine-tuning rows (rows, 3, width) that holds targets, in order: its tokens before its last run
+    of targets (an example starts where the position ids restart at 0; padding has no targets)."""
+    out = []
+    for ids, labels, pos in rows:
+        starts = [int(s) for s in np.flatnonzero(pos == 0)]
+        starts = starts if starts and starts[0] == 0 else [0, *starts]
+        for s, e in zip(starts, [*starts[1:], len(ids)], strict=True):
+            target = labels[s:e] != IGNORE
+            if not target.any():
+                continue
+            last = int(np.flatnonzero(target)[-1])
+            before = np.flatnonzero(~target[:last])
+            out.append([int(t) for t in ids[s : s + int(before[-1]) + 1]])
+    return out
+
+
+def rows_of(examples: list[tuple[list[int], list[int]]], multiple: int, seq_len: int, pad: int) -> Any:
+    """Rows (examples, 3, width) of (prompt, completion) pairs, one a row: the completion's tokens the targets,
+    positions from 0, right-padded (pad, IGNORE, positions of their own) to the longest rounded up to `multiple`
+    (0: seq_len wide), as the data's rows are laid."""
+    import torch
+
+    longest = max(len(p) + len(c) for p, c in examples)
+    width = seq_len if not multiple else min(seq_len, -(-longest // multiple) * multiple)
+    out = np.full((len(examples), 3, width), IGNORE, dtype=np.int64)
+    out[:, 0] = pad
+    for r, (p, c) in enumerate(examples):
+        n = len(p) + len(c)
+        out[r, 0, :n] = p + c
+        out[r, 1, len(p) : n] = c
+        out[r, 2, :n] = np.arange(n)
+        out[r, 2, n:] = np.arange(width - n)
+    return torch.from_numpy(out)
+
+
+def _all_reduce(values: list[int], op: str) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return [int(v) for v in t.tolist()]
+
+
+class PolicyStream:
+    """See the module's doc. `attach` gives it the student's sampler (and the teacher's, with seq_kd) once the
+    engine exists; everything else is its TrainStream's (the position, the checkpoint's, the eval's)."""
+
+    def __init__(self, inner: Any, settings: Any, *, seed: int, seq_len: int) -> None:
+        self.inner, self.d, self.seed, self.seq_len = inner, settings, seed, seq_len
+        self.samplers: dict[str, Any] = {}
+        self.queue: list[Any] | None = None
+        self.fed = 0
+        self.counts = {DATA: 0, STUDENT: 0, TEACHER: 0, "completions": 0, "tokens": 0}  # since the last log
+
+    def attach(self, student: Any, teacher: Any = None) -> None:
+        self.samplers = {STUDENT: student, TEACHER: teacher}
+
+    def __getattr__(self, name: str) -> Any:  # the TrainStream's (sampler, steps_per_epoch, padding...)
+        return getattr(self.inner, name)
+
+    @property
+    def position(self) -> Position:
+        return self.inner.position
+
+    @property
+    def record(self) -> Any:
+        return self.inner.record
+
+    @record.setter
+    def record(self, value: Any) -> None:
+        self.inner.record = value
+
+    def seek(self, position: Position) -> None:
+        self.inner.seek(position)
+        self.queue = None
+
+    def step_tokens(self, micro_steps: int) -> int | None:
+        return self.fed if self.queue is not None else self.inner.step_tokens(micro_steps)
+
+    def next(self) -> Any:
+        return self.queue.pop(0) if self.queue is not None else self.inner.next()
+
+    def loss_denominator(self, micro_steps: int) -> float | None:
+        """A step begins: its kind drawn; on a generated step its completions sampled (every rank together) and the
+        step's targets over every rank counted."""
+        sampler, pos = self.inner.sampler, self.inner.position
+        epoch, sample = pos.epoch, pos.sample
+        if (
+            sample + sampler.global_batch > sampler.usable
+        ):  # (as the stream rolls over: a resumed run's place)
+            epoch, sample = epoch + 1, 0
+        kind = step_kind(self.d.lmbda, self.d.seq_kd, self.seed, epoch, sample)
+        self.counts[kind] += 1
+        self.queue = None
+        if kind == DATA:
+            return self.inner.loss_denominator(micro_steps)
+        batches = [self.inner.next() for _ in range(micro_steps)]
+        self.queue = self._generated(batches, self.samplers[kind], f"{self.seed}:{epoch}:{sample}:{kind}")
+        targets = sum(int((b[:, 1] != IGNORE).sum()) for b in self.queue)
+        fed = sum(int(b.shape[0] * b.shape[2]) for b in self.queue)
+        made = sum(int(b.shape[0]) for b in self.queue)
+        targets, self.fed, made = _all_reduce([targets, fed, made], "sum")
+        self.counts["completions"] += made
+        self.counts["tokens"] += targets  # (a completion is all targets)
+        return max(targets, 1) / (sampler.world * micro_steps)
+
+    def flush(self) -> dict[str, Any]:
+        """The logged interval's metrics (the same on every rank: the kinds are drawn alike, the counts all-reduced):
+        the share of its steps on the student's completions, on the teacher's (seq_kd), and their mean length."""
+        c, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        steps = max(c[DATA] + c[STUDENT] + c[TEACHER], 1)
+        out = {"on_policy": c[STUDENT] / steps}
+        if self.d.seq_kd:
+            out["teacher_completions"] = c[TEACHER] / steps
+        if c["completions"]:
+            out["completion_length"] = c["tokens"] / c["completions"]
+        return out
+
+    def _generated(self, batches: list[Any], sampler: Any, key: str) -> list[Any]:
+        """The micro batches `batches` with each example's last reply replaced by `sampler`'s completion of what
+        comes before it."""
+        from trainer.rl.rollout import _hash63, row_stream
+
+        per = [prompts_of(b.numpy()) for b in batches]
+        prompts = [p for ps in per for p in ps]
+        s = sampler.sampling
+        chunk = self.d.generation.batch or max(len(prompts), 1)
+        # every call of the step padded alike (the longest prompt of every rank), and as many calls a rank (ZeRO-3's
+        # synced generation runs every rank's forward together)
+        longest, calls = _all_reduce([max(len(p) for p in prompts), -(-len(prompts) // chunk)], "max")
+        sampler.sampling = dataclasses.replace(s, width=longest + 1)
+        group = _hash63(key)
+        streams = [row_stream(group, _hash63(",".join(map(str, p)))) for p in prompts]
+        done: list[Any] = []
+        try:
+            for at in range(0, calls * chunk, chunk):
+                got = sampler.sample(prompts[at : at + chunk] or [[s.pad]], streams[at : at + chunk] or [0])
+                done += got[: len(prompts[at : at + chunk])]
+        finally:
+            sampler.sampling = s
+        completions = iter(c for c, _ in done)
+        out = []
+        for ps in per:
+            examples = [(p, next(completions)[: self.seq_len - len(p)]) for p in ps]
+            out.append(rows_of(examples, self.inner.multiple, self.seq_len, s.pad))
+        return out
+
+
+class _Holder:
+    """What ModelSampler reads of an engine (its module and device), for the teacher."""
+
+    def __init__(self, module: Any, device: Any) -> None:
+        self.ds, self.device = type("DS", (), {"module": module})(), device
+
+
+def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: PolicyStream) -> list[str]:
+    """The samplers of the student (and, with seq_kd, of the teacher), wired to the stream; the banner's line."""
+    from trainer.common.errors import UserError
+    from trainer.objectives import distill
+    from trainer.rl.generate import ModelSampler, Sampling, stop_tokens
+
+    d, tok = exp.train.distill, data.tokenizer
+    ds = engine.ds
+    if getattr(engine, "pipe", None) is not None or engine.sp > 1:
+        raise UserError("train.distill.lmbda: generation under pipeline stages or sequence parallelism is not "
+                        "verified; set strategy.pipeline_stages and strategy.sequence_parallel to 1")  # fmt: skip
+    eot = ""
+    if (data.finetune or {}).get("chat"):  # a chat example's reply ends at the turn's end
+        from trainer.data.examples import chat_profile
+
+        eot = chat_profile(exp.data, tok).eot
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    g = d.generation
+
+    def sampling(model: Any) -> Any:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return Sampling(max_new_tokens=g.max_new_tokens, temperature=d.temperature, top_p=g.top_p, top_k=g.top_k,
+                        min_p=g.min_p, pad=int(pad), stop=tuple(t for t in stop_tokens(tok, eot, getattr(
+                            base, "generation_config", None)) if t < data.vocab_size))  # fmt: skip
+
+    stage3 = ds.zero_optimization_stage() == 3
+    student = ModelSampler(engine, sampling(ds.module), env.world_size > 1 and stage3, batch=1 << 30)
+    teacher = None
+    teach = getattr(engine, "teacher", None)
+    if d.seq_kd:
+        sharded = hasattr(teach, "inference_engine")
+        if not sharded and not getattr(teach, "is_loaded_in_4bit", False):
+            distill.place(teach, engine.device, distill.compute_dtype(_precision(ds)))
+        teacher = ModelSampler(_Holder(teach, engine.device), sampling(teach), env.world_size > 1 and sharded,
+                               batch=1 << 30)  # fmt: skip
+    stream.attach(student, teacher)
+    s = student.sampling
+    calls = f"{g.batch} prompt(s)" if g.batch else "all of a rank's prompts of the step"
+    stops = ", ".join(repr(tok.decode([t])) for t in s.stop) or "none"
+    whose = f"the student's completions on a share {d.lmbda:g} of the steps" if d.lmbda else ""
+    rest = "the teacher's" if d.seq_kd else "the data's"
+    return [
+        f"objective: distill on {whose + ', ' if whose else ''}{rest} on the others"
+        if d.lmbda < 1
+        else "objective: distill on the student's completions (on-policy) at every step",
+        f"generation: each example's last reply sampled anew from its prompt, at most {g.max_new_tokens} new tokens "
+        f"(temperature {d.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k or 'off'}), stopping at {stops}; "
+        f"{calls} a generate call",
+    ]
+
+
+def _precision(ds: Any) -> str:
+    return "bf16" if ds.bfloat16_enabled() else "fp16" if ds.fp16_enabled() else "fp32"
