@@ -58,6 +58,10 @@ def _sets(teacher_dir, student_dir, **more):
             "checkpoint.save_final": False, **more}  # fmt: skip
 
 
+PROMPTS = {"data.train.files": "data/tiny/count_chat_prompts.jsonl", "data.train.kind": "prompt",
+           "data.eval_fraction": 0}  # fmt: skip
+
+
 def _kinds(run):
     return {m["step"]: (m["on_policy"], m["teacher_completions"]) for m in run.metrics if "on_policy" in m}
 
@@ -98,13 +102,14 @@ def test_split_invariant_over_ranks_and_zero3s_synced_generation(tmp_path, teach
 
 
 def test_on_policy_resumes_exactly(tmp_path, teacher_dir, student_dir):
-    """lmbda 1 (TRL's DistillationTrainer: every step on the student's completions): a resume from step 2 samples
-    the completions the uninterrupted run sampled (the draw and the streams from the data's position) and logs its
-    losses after it, bit for bit."""
+    """lmbda 1 (TRL's DistillationTrainer: every step on the student's completions) over prompt-only data (chat
+    prompts rendered with the generation prompt): a resume from step 2 samples the completions the uninterrupted run
+    sampled (the draw and the streams from the data's position) and logs its losses after it, bit for bit."""
     sets = _sets(teacher_dir, student_dir, **{"train.distill.lmbda": 1.0, "train.max_steps": 4,
-                                              "train.distill.generation.max_new_tokens": 12,
+                                              "train.distill.generation.max_new_tokens": 12, **PROMPTS,
                                               "checkpoint.every_steps": 2, "checkpoint.keep_last": 0})  # fmt: skip
     whole = train(tmp_path / "whole", sets, experiment=SFT, debug=False)
+    assert "distill reads the prompt alone (the other columns are not used)" in whole.output
     assert {m["on_policy"] for m in whole.metrics if "on_policy" in m} == {1.0}
     ckpt = whole.run_dir / "checkpoints" / "step_00000002"
     again = train(tmp_path / "again", sets, experiment=SFT, debug=False, extra_args=["--resume", str(ckpt)])
@@ -125,6 +130,11 @@ BAD = {
     "compile": ({"train.distill.lmbda": 1.0, "train.compile": True}, SFT,
                 r"train.compile: train.distill.lmbda \(1.0\): generation with it is not verified"),
     "lmbda": ({"train.distill.lmbda": 1.5}, SFT, r"train.distill.lmbda"),
+    "prompts without answers": ({"train.distill.lmbda": 0.5, **PROMPTS}, SFT,
+                                r"data.train.kind: prompt data has no answers for the steps that are not on-policy "
+                                r"\(lmbda 0.5\): set train.distill.lmbda: 1"),
+    "preference": ({"data.train.files": "data/tiny/python_prefs.jsonl", "data.train.kind": "preference"}, SFT,
+                   r"data.train.kind: distill trains the student on the teacher's distribution at an answer"),
 }  # fmt: skip
 
 
@@ -179,3 +189,40 @@ def test_the_completions_are_sampled_from_the_prompts(teacher_dir):
     assert seen[0][0] == [[1, 2], [5, 6, 7]] and seen[0][2] == 4 and len(set(seen[0][1])) == 2
     assert rows[:, 0].tolist() == [[1, 2, 40, 40, 0], [5, 6, 7, 41, 41]]
     assert rows[:, 1].tolist() == [[N, N, 40, 40, N], [N, N, N, 41, 41]]
+
+
+def test_prompt_rows_are_a_steps_prompts_however_it_is_split():
+    """Prompt-only data: a step's prompts over every rank and micro step are the same global slice of the epoch's
+    order for one rank's 4 x 1 and 2 ranks' 1 x 2 (so the completions, keyed by the prompt, are too); each row is
+    its prompt and one pad target after it, which prompts_of cuts back to the prompt; an epoch rolls over and a
+    seek resumes where a step begins."""
+    from types import SimpleNamespace
+
+    from trainer.data.stream import Position
+    from trainer.objectives.on_policy import PromptRows
+
+    raw = np.full((10, 6), N)
+    for i in range(10):
+        raw[i, : 2 + i % 4] = np.arange(2 + i % 4) + 10 * i + 1
+    data, section = SimpleNamespace(train=raw), SimpleNamespace(shuffle=True)
+
+    def steps(world, micro, accum, n):
+        streams = [PromptRows(data, section, rank=r, world=world, micro=micro, accum=accum, seed=3, pad=0)
+                   for r in range(world)]  # fmt: skip
+        out = []
+        for _ in range(n):
+            rows = [s.next() for _ in range(accum) for s in streams]
+            out.append(sorted(tuple(p) for r in rows for p in prompts_of(r.numpy())))
+            for r in rows:
+                assert (r[:, 1] != N).sum(dim=1).tolist() == [1] * len(r)  # the one pad target a row
+        return out, streams
+
+    one, _ = steps(1, 4, 1, 5)
+    two, _ = steps(2, 1, 2, 5)
+    assert (
+        one == two and len(one[0]) == 4 and one[2] != one[0]
+    )  # (8 of 10 rows an epoch: step 3 is epoch 1's)
+    assert {tuple(int(t) for t in row if t != N) for row in raw} >= {p for step in one for p in step}
+    again = PromptRows(data, section, rank=0, world=1, micro=4, accum=1, seed=3, pad=0)
+    again.seek(Position(1, 4))
+    assert sorted(tuple(p) for p in prompts_of(again.next().numpy())) == one[3]

@@ -46,7 +46,8 @@ class DataSource(Section):
         "(messages_field, OpenAI-style messages passed to the chat template as they are: the loss on assistant "
         "turns), preference (prompt_field + chosen_field + rejected_field, for train.objective dpo, ipo, "
         "simpo, orpo; docs/fine-tuning.md) or prompt (prompt_field: a string, or chat messages rendered with the "
-        "generation prompt; every other column goes to the reward functions; train.objective grpo, docs/rl.md)",
+        "generation prompt; every other column goes to the reward functions; train.objective grpo, docs/rl.md, or "
+        "distill on-policy, docs/distillation.md)",
     )
     prompt_field: str = Field(
         "prompt", description="kinds prompt_completion, preference, prompt: the prompt's column"

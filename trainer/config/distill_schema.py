@@ -135,10 +135,13 @@ def distill_problems(exp: Any) -> list[tuple[str, str]]:
         out.append(("train.distill.teacher", "distill needs its teacher: a local directory or hub id of a causal LM "
                     "with the student's vocabulary"))  # fmt: skip
     kinds = {s.kind for _, s in d.sources} | ({d.eval.kind} if d.eval is not None else set())
-    if kinds & {"preference", "prompt"}:
-        out.append(("data.train.kind", "distill trains the student on the teacher's distribution over the data's "
-                    "own tokens (off-policy): give chat, prompt_completion or text data, not "
-                    f"{', '.join(sorted(kinds & {'preference', 'prompt'}))}"))  # fmt: skip
+    if "preference" in kinds:
+        out.append(("data.train.kind", "distill trains the student on the teacher's distribution at an answer: give "
+                    "chat, prompt_completion, text or (on-policy) prompt data, not preference pairs"))  # fmt: skip
+    if "prompt" in kinds and ds.lmbda < 1 and not ds.seq_kd:
+        out.append(("data.train.kind", f"prompt data has no answers for the steps that are not on-policy (lmbda "
+                    f"{ds.lmbda:g}): set train.distill.lmbda: 1 (every step on the student's own answers, TRL's "
+                    "DistillationTrainer) or seq_kd: true (the teacher's), or give chat or prompt_completion data"))  # fmt: skip
     out += _generated(exp, kinds)
     if ds.offline and ds.top_k is None:
         out.append(("train.distill.offline", "the store holds the teacher's top-k a token: set train.distill.top_k "

@@ -194,6 +194,67 @@ class PolicyStream:
         return out
 
 
+class PromptRows:
+    """The stream under PolicyStream for prompt-only data (data.train.kind prompt: the cache's prompts, rendered as
+    GRPO's are, with the chat template's generation prompt): a rank's micro batches in the data's global order as
+    TrainStream takes them, each prompt a row whose one target is a pad token after it: the reply every step
+    replaces (lmbda 1 or seq_kd: no step trains on the data's rows)."""
+
+    def __init__(self, data: Any, section: Any, *, rank: int, world: int, micro: int, accum: int, seed: int,
+                 pad: int) -> None:  # fmt: skip
+        from trainer.common.errors import UserError
+        from trainer.data.stream import RankSampler
+
+        self.prompts, self.pad, self.micro = np.asarray(data.train), pad, micro
+        self.sampler = RankSampler(len(self.prompts), rank, world, micro, seed, section.shuffle, accum=accum)
+        if self.sampler.steps_per_epoch() == 0:
+            raise UserError(f"data.train: {len(self.prompts)} prompts are fewer than one step's global batch ({world} "
+                            f"ranks x train.micro_batch_size {micro} x train.grad_accum {accum}); lower the micro "
+                            "batch or add prompts")  # fmt: skip
+        self.position, self.multiple = Position(), 1
+        self.record: list[str] | None = None
+        self._it: Any = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch()
+
+    def seek(self, position: Position) -> None:
+        if position.sample + self.sampler.global_batch > self.sampler.usable:  # (TrainStream's)
+            position = Position(position.epoch + 1, 0)
+        self.position, self._it = Position(position.epoch, position.sample), None
+
+    def next(self) -> Any:
+        if self._it is None:
+            self.sampler.set_epoch(self.position.epoch, self.position.sample)
+            self._it = iter(self.sampler)
+        at = [i for _, i in zip(range(self.micro), self._it, strict=False)]
+        if not at:
+            self.position = Position(self.position.epoch + 1, 0)
+            self._it = None
+            return self.next()
+        self.position.sample += self.sampler.global_batch
+        prompts = [[int(t) for t in self.prompts[i] if t != IGNORE] for i in at]
+        rows = rows_of([(p, [self.pad]) for p in prompts], 1, max(len(p) for p in prompts) + 1, self.pad)
+        if self.record is not None:
+            from trainer.data.stream import row_digest
+
+            self.record += [row_digest(r) for r in rows]
+        return rows
+
+    def tokens_by_source(self) -> None:
+        return None
+
+    def padding(self) -> None:
+        return None
+
+    def step_tokens(self, micro_steps: int) -> None:
+        return None
+
+    def loss_denominator(self, micro_steps: int) -> None:
+        return None
+
+
 class _Holder:
     """What ModelSampler reads of an engine (its module and device), for the teacher."""
 

@@ -63,7 +63,8 @@ def data_lines(run: Run) -> list[str]:
         lines.append(f"prompts: {f['kept']:,} of {f['examples']:,} rows ({f['dropped_too_long']:,} longer than data.seq_len "
                      f"dropped), the longest {f['longest_prompt']} tokens; "
                      + ("chat messages rendered with the template's generation prompt" if f["chat"] else "strings")
-                     + "; every other column goes to the reward functions")  # fmt: skip
+                     + ("; every other column goes to the reward functions" if exp.train.objective == "grpo" else
+                        "; distill reads the prompt alone (the other columns are not used)"))  # fmt: skip
         return lines
     from trainer.data.examples import describe, describe_template
 

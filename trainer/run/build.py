@@ -305,6 +305,18 @@ def data_for_rank(
         # that few shapes are compiled (CUDA graphs record one per shape); 0: seq_len wide
         "width_multiple": 0 if fixed else WIDTH_MULTIPLE_COMPILED if t.compile else 1,
     }
+    if (
+        t.objective == "distill" and exp.data.kind == "prompt"
+    ):  # completed each step (on_policy.py); no eval loss
+        from trainer.objectives.on_policy import PolicyStream, PromptRows
+
+        tok = data.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        inner = PromptRows(data, exp.data, rank=where["rank"], world=where["world"], micro=t.micro_batch_size,
+                           accum=t.grad_accum, seed=exp.seed, pad=int(pad))  # fmt: skip
+        return PolicyStream(inner, t.distill, seed=exp.seed, seq_len=exp.data.seq_len), Evaluator(
+            None, 0, env.world_size, None
+        )
     if t.objective == "grpo":  # prompts, generated and scored each step (trainer/rl/rollout.py); no eval loss
         from trainer.rl.rollout import RolloutStream
 
