@@ -36,6 +36,29 @@ def test_the_prompt_is_everything_before_the_last_reply_and_the_rows_put_it_back
     )  # (the data's width multiple)
     assert rows_of([([1, 2], [3])], multiple=0, seq_len=16, pad=0).shape[-1] == 16  # (0: seq_len wide)
     assert prompts_of(np.stack([ids, np.full(13, N), pos])[None]) == []  # no targets: nothing to complete
+    # packed as the data is (review: one example a row made a step's micro batch twice the tokens of the data's):
+    # as many a row as fit in seq_len, positions restarting at each
+    packed = rows_of(
+        [([1, 2], [3]), ([4], [5, 6]), ([7, 8, 9], [10])], multiple=1, seq_len=7, pad=0, pack=True
+    )
+    assert packed.numpy().tolist() == [
+        [[1, 2, 3, 4, 5, 6], [N, N, 3, N, 5, 6], [0, 1, 2, 0, 1, 2]],
+        [[7, 8, 9, 10, 0, 0], [N, N, N, 10, N, N], [0, 1, 2, 3, 0, 1]],
+    ]
+
+
+def test_the_plan_holds_a_generated_steps_rows():
+    """Review: the plan counted a generated step's micro batch as the data's (rows of seq_len): a row's tokens and a
+    new answer of up to max_new_tokens now (planning/generation.py row_length)."""
+    from trainer import config
+    from trainer.strategy.planning.generation import distill_generates, row_length
+
+    exp = config.load(ROOT / "configs" / "experiments" / "tiny-distill-chat.yaml")
+    off = exp.model_copy(
+        update={"train": exp.train.model_copy(update={"distill": type(exp.train.distill)(teacher="t")})}
+    )
+    assert distill_generates(exp) and not distill_generates(off)
+    assert row_length(exp) == 256 + 32 and row_length(off) == 256
 
 
 def test_the_steps_kind_is_drawn_from_the_seed_and_the_place():
@@ -133,6 +156,9 @@ BAD = {
     "prompts without answers": ({"train.distill.lmbda": 0.5, **PROMPTS}, SFT,
                                 r"data.train.kind: prompt data has no answers for the steps that are not on-policy "
                                 r"\(lmbda 0.5\): set train.distill.lmbda: 1"),
+    # review: every token but the first a target: the prompt was the example's first token, silently
+    "train_on_prompt": ({"train.distill.lmbda": 1.0, "data.train_on_prompt": True}, SFT,
+                        r"data.train_on_prompt: train.distill.lmbda \(1.0\) samples each example's answer"),
     "preference": ({"data.train.files": "data/tiny/python_prefs.jsonl", "data.train.kind": "preference"}, SFT,
                    r"data.train.kind: distill trains the student on the teacher's distribution at an answer"),
 }  # fmt: skip
@@ -167,7 +193,7 @@ def test_the_completions_are_sampled_from_the_prompts(teacher_dir):
     batch = torch.from_numpy(np.stack([ids, labels, pos])[None])
 
     class Inner:
-        sampler = SimpleNamespace(global_batch=1, usable=100, world=1)
+        sampler = SimpleNamespace(global_batch=1, usable=100, world=1, rank=0, micro=1)
         position, multiple = Position(), 1
 
         def next(self):
@@ -179,16 +205,24 @@ def test_the_completions_are_sampled_from_the_prompts(teacher_dir):
         sampling = Sampling(max_new_tokens=4, pad=0)
 
         def sample(self, prompts, streams):
-            seen.append((prompts, streams, self.sampling.width))
+            seen.append((prompts, streams, self.sampling.width, self.sampling.max_new_tokens))
             return [([40 + i] * (2 + i), True) for i in range(len(prompts))]
 
     stream = PolicyStream(Inner(), DistillSection(lmbda=1.0), seed=1, seq_len=5)
     stream.attach(Sampler())
     assert stream.loss_denominator(1) == 2 + 2  # [40 40], and [41 41 41] cut where its row reaches seq_len 5
     (rows,) = stream.queue
-    assert seen[0][0] == [[1, 2], [5, 6, 7]] and seen[0][2] == 4 and len(set(seen[0][1])) == 2
+    # (review: generation ran max_new_tokens past data.seq_len: at most what the longest prompt leaves now)
+    assert seen[0][0] == [[1, 2], [5, 6, 7]] and seen[0][2] == 4 and seen[0][3] == 5 - 3
+    assert len(set(seen[0][1])) == 2
     assert rows[:, 0].tolist() == [[1, 2, 40, 40, 0], [5, 6, 7, 41, 41]]
     assert rows[:, 1].tolist() == [[N, N, 40, 40, N], [N, N, N, 41, 41]]
+    # review: two examples with the same prompt drew the same completion (the stream was the prompt's): each
+    # example's stream is its place's now (its row's in the epoch's order, its own in the row)
+    twice = np.stack([ids[:4], labels[:4], pos[:4]])
+    batch = torch.from_numpy(np.concatenate([twice, twice], axis=1)[None])
+    stream.loss_denominator(1)
+    assert seen[1][0] == [[1, 2], [1, 2]] and len(set(seen[1][1])) == 2
 
 
 def test_prompt_rows_are_a_steps_prompts_however_it_is_split():
@@ -226,3 +260,44 @@ def test_prompt_rows_are_a_steps_prompts_however_it_is_split():
     again = PromptRows(data, section, rank=0, world=1, micro=4, accum=1, seed=3, pad=0)
     again.seek(Position(1, 4))
     assert sorted(tuple(p) for p in prompts_of(again.next().numpy())) == one[3]
+
+
+def test_review_a_chat_templates_end_of_turn_ends_a_completion(tmp_path):
+    """Review: on chat data the chat template's end-of-turn token was no stop token (only prompt data's chat was
+    read), so a base model's student (EOS <|endoftext|>, turns ending in <|im_end|>) generated past its turn's end
+    and trained on it. Qwen3's tokenizer with a base model's EOS: both stop a completion."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    src, tok_dir = ROOT / ".cache" / "tokenizers" / "qwen3", tmp_path / "tok"
+    tok_dir.mkdir()
+    shutil.copy(src / "tokenizer.json", tok_dir)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    shape = {"n_layer": 1, "n_head": 2, "n_positions": 256, "vocab_size": len(tok), "bos_token_id": None,
+             "eos_token_id": tok.eos_token_id}  # fmt: skip
+    for name, width in (("teacher", 32), ("student", 16)):
+        GPT2LMHeadModel(GPT2Config(n_embd=width, **shape)).save_pretrained(tmp_path / name)
+    r = train(tmp_path, {"train.objective": "distill", "train.distill.teacher": str(tmp_path / "teacher"),
+                         "model.pretrained": str(tmp_path / "student"), "data.tokenizer": str(tok_dir),
+                         "train.distill.lmbda": 1.0, "train.distill.generation.max_new_tokens": 8, "data.seq_len": 128,
+                         "train.micro_batch_size": 2, "train.eval_prompts": []},
+              experiment=SFT, extra_args=["--dry-run"], debug=False)  # fmt: skip
+    assert "stopping at '<|endoftext|>', '<|im_end|>'" in r.output, r.output[-3000:]
+
+
+def test_review_overfit_batch_is_refused_where_every_step_samples(tmp_path, teacher_dir, student_dir):
+    """Review: --overfit-batch trained on the data's rows while the banner said every step was on-policy (and
+    logged on_policy 0.0 for steps that drew nothing): refused now, with the fix."""
+    r = train(tmp_path, {"train.objective": "distill", "train.distill.teacher": str(teacher_dir),
+                         "model.pretrained": str(student_dir), "model.config": None,
+                         "train.distill.lmbda": 1.0, "data.seq_len": 128, "train.max_steps": 2,
+                         "train.micro_batch_size": 2, "train.eval_prompts": []},
+              experiment=SFT, extra_args=["--overfit-batch"], debug=False, check=False)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.output, r.output[-2000:]
+    assert (
+        "--overfit-batch repeats one batch of the data, and train.distill.lmbda or seq_kd samples" in r.output
+    )

@@ -35,6 +35,14 @@ class GenerationSection(Section):
         le=1.0,
         description="min-p sampling: tokens under min_p x the likeliest's probability dropped",
     )
+    temperature: float | None = Field(
+        None,
+        ge=0.01,
+        le=100.0,
+        description="sampling's temperature; null = train.distill.temperature (TRL's DistillationTrainer: one for "
+        "the sampling and the divergence). GKD samples at its temperature and takes the divergence at 1: set "
+        "train.distill.temperature: 1 and this",
+    )
     batch: int | None = Field(
         None,
         ge=1,
@@ -180,6 +188,9 @@ def _generated(exp: Any, kinds: set[str]) -> list[tuple[str, str]]:
         return []
     what = f"{key} ({ds.lmbda if key.endswith('lmbda') else 'true'})"
     out: list[tuple[str, str]] = []
+    if exp.data.train_on_prompt:
+        out.append(("data.train_on_prompt", f"{what} samples each example's answer from what comes before it, and "
+                    "with train_on_prompt every token but the first is a target (no prompt is left): set it false"))  # fmt: skip
     if "text" in kinds:
         out.append(("data.train.kind", f"{what} completes the data's prompts: give chat or prompt_completion data "
                     "(a block of text has no prompt)"))  # fmt: skip

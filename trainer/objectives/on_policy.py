@@ -7,8 +7,9 @@ completions with probability lmbda, else the teacher's with seq_kd, else the dat
 step it takes the step's micro batches from the data, cuts each example before its last run of targets (its last
 reply: the prompt is everything before it, earlier turns included, as GKD's chat collator cuts it), samples a
 completion of each prompt and makes rows of prompt + completion with the completion as the targets (the stop token
-included, as TRL's completion mask), one example a row. A completion's random stream is a function of (train.seed,
-the step's place, the prompt's tokens) only (trainer/rl/generate.py's Gumbel-max): a step's completions are the same
+included, as TRL's completion mask), packed as the data's rows are. A completion's random stream is a function of
+(train.seed, the step's place, the example's place: its row's in the epoch's order and its own in the row) only
+(trainer/rl/generate.py's Gumbel-max; two examples with one prompt draw their own): a step's completions are the same
 however it is split over ranks, micro batches and generate calls (on CPU in fp32), and a resumed run draws the ones
 the uninterrupted run drew from nothing more than the data's position in the checkpoint. The step's targets over
 every rank divide each micro batch's summed divergence (one all-reduce), as the data's rows' targets do.
@@ -44,36 +45,52 @@ def step_kind(lmbda: float, seq_kd: bool, seed: int, epoch: int, sample: int) ->
 def prompts_of(rows: np.ndarray) -> list[list[int]]:
     """Each example of fine-tuning rows (rows, 3, width) that holds targets, in order: its tokens before its last run
     of targets (an example starts where the position ids restart at 0; padding has no targets)."""
+    return [p for _, _, p in examples_of(rows)]
+
+
+def examples_of(rows: np.ndarray) -> list[tuple[int, int, list[int]]]:
+    """prompts_of's prompts with where each example is: (its row, its place among the row's examples)."""
     out = []
-    for ids, labels, pos in rows:
+    for r, (ids, labels, pos) in enumerate(rows):
         starts = [int(s) for s in np.flatnonzero(pos == 0)]
         starts = starts if starts and starts[0] == 0 else [0, *starts]
-        for s, e in zip(starts, [*starts[1:], len(ids)], strict=True):
+        for k, (s, e) in enumerate(zip(starts, [*starts[1:], len(ids)], strict=True)):
             target = labels[s:e] != IGNORE
             if not target.any():
                 continue
             last = int(np.flatnonzero(target)[-1])
             before = np.flatnonzero(~target[:last])
-            out.append([int(t) for t in ids[s : s + int(before[-1]) + 1]])
+            out.append((r, k, [int(t) for t in ids[s : s + int(before[-1]) + 1]]))
     return out
 
 
-def rows_of(examples: list[tuple[list[int], list[int]]], multiple: int, seq_len: int, pad: int) -> Any:
-    """Rows (examples, 3, width) of (prompt, completion) pairs, one a row: the completion's tokens the targets,
-    positions from 0, right-padded (pad, IGNORE, positions of their own) to the longest rounded up to `multiple`
-    (0: seq_len wide), as the data's rows are laid."""
+def rows_of(examples: list[tuple[list[int], list[int]]], multiple: int, seq_len: int, pad: int,
+            pack: bool = False) -> Any:  # fmt: skip
+    """Rows (rows, 3, width) of (prompt, completion) pairs, each at most seq_len tokens: the completion's tokens the
+    targets, positions from 0 at each example, right-padded (pad, IGNORE, positions of their own) to the longest
+    row rounded up to `multiple` (0: seq_len wide), as the data's rows are laid; one example a row, or with `pack`
+    as many as fit in seq_len, in order (the data's packing)."""
     import torch
 
-    longest = max(len(p) + len(c) for p, c in examples)
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    for p, c in examples:
+        if pack and rows and sum(len(a) + len(b) for a, b in rows[-1]) + len(p) + len(c) <= seq_len:
+            rows[-1].append((p, c))
+        else:
+            rows.append([(p, c)])
+    longest = max(sum(len(p) + len(c) for p, c in row) for row in rows)
     width = seq_len if not multiple else min(seq_len, -(-longest // multiple) * multiple)
-    out = np.full((len(examples), 3, width), IGNORE, dtype=np.int64)
+    out = np.full((len(rows), 3, width), IGNORE, dtype=np.int64)
     out[:, 0] = pad
-    for r, (p, c) in enumerate(examples):
-        n = len(p) + len(c)
-        out[r, 0, :n] = p + c
-        out[r, 1, len(p) : n] = c
-        out[r, 2, :n] = np.arange(n)
-        out[r, 2, n:] = np.arange(width - n)
+    for r, row in enumerate(rows):
+        at = 0
+        for p, c in row:
+            n = len(p) + len(c)
+            out[r, 0, at : at + n] = p + c
+            out[r, 1, at + len(p) : at + n] = c
+            out[r, 2, at : at + n] = np.arange(n)
+            at += n
+        out[r, 2, at:] = np.arange(width - at)
     return torch.from_numpy(out)
 
 
@@ -93,8 +110,10 @@ class PolicyStream:
     """See the module's doc. `attach` gives it the student's sampler (and the teacher's, with seq_kd) once the
     engine exists; everything else is its TrainStream's (the position, the checkpoint's, the eval's)."""
 
-    def __init__(self, inner: Any, settings: Any, *, seed: int, seq_len: int) -> None:
-        self.inner, self.d, self.seed, self.seq_len = inner, settings, seed, seq_len
+    def __init__(self, inner: Any, settings: Any, *, seed: int, seq_len: int, pack: bool = False) -> None:
+        self.inner, self.d, self.seed, self.seq_len, self.pack = inner, settings, seed, seq_len, pack
+        self.capped = False  # (said once: a step's longest prompt left less than max_new_tokens in seq_len)
+        self.made = 0  # the examples of this rank's last generated step
         self.samplers: dict[str, Any] = {}
         self.queue: list[Any] | None = None
         self.fed = 0
@@ -143,10 +162,15 @@ class PolicyStream:
         if kind == DATA:
             return self.inner.loss_denominator(micro_steps)
         batches = [self.inner.next() for _ in range(micro_steps)]
-        self.queue = self._generated(batches, self.samplers[kind], f"{self.seed}:{epoch}:{sample}:{kind}")
+        # each row's place in the epoch's order (TrainStream's: a micro step takes the next world x micro rows, a
+        # rank its micro of them): an example's random stream is its place's, the same however the step is split
+        first = [sample + i * sampler.global_batch + sampler.rank * sampler.micro for i in range(micro_steps)]
+        self.queue = self._generated(
+            batches, first, self.samplers[kind], f"{self.seed}:{epoch}:{sample}:{kind}"
+        )
         targets = sum(int((b[:, 1] != IGNORE).sum()) for b in self.queue)
         fed = sum(int(b.shape[0] * b.shape[2]) for b in self.queue)
-        made = sum(int(b.shape[0]) for b in self.queue)
+        made = self.made  # (examples: a row may pack several)
         targets, self.fed, made = _all_reduce([targets, fed, made], "sum")
         self.counts["completions"] += made
         self.counts["tokens"] += targets  # (a completion is all targets)
@@ -156,7 +180,9 @@ class PolicyStream:
         """The logged interval's metrics (the same on every rank: the kinds are drawn alike, the counts all-reduced):
         the share of its steps on the student's completions, on the teacher's (seq_kd), and their mean length."""
         c, self.counts = self.counts, dict.fromkeys(self.counts, 0)
-        steps = max(c[DATA] + c[STUDENT] + c[TEACHER], 1)
+        steps = c[DATA] + c[STUDENT] + c[TEACHER]
+        if not steps:  # (nothing drawn in the interval: no share to say)
+            return {}
         out = {"on_policy": c[STUDENT] / steps}
         if self.d.seq_kd:
             out["teacher_completions"] = c[TEACHER] / steps
@@ -164,33 +190,50 @@ class PolicyStream:
             out["completion_length"] = c["tokens"] / c["completions"]
         return out
 
-    def _generated(self, batches: list[Any], sampler: Any, key: str) -> list[Any]:
-        """The micro batches `batches` with each example's last reply replaced by `sampler`'s completion of what
-        comes before it."""
+    def _generated(self, batches: list[Any], first: list[int], sampler: Any, key: str) -> list[Any]:
+        """The micro batches `batches` (whose first rows are at `first` in the epoch's order) with each example's last
+        reply replaced by `sampler`'s completion of what comes before it."""
         from trainer.rl.rollout import _hash63, row_stream
 
-        per = [prompts_of(b.numpy()) for b in batches]
-        prompts = [p for ps in per for p in ps]
+        per = [examples_of(b.numpy()) for b in batches]
+        prompts = [p for ex in per for _, _, p in ex]
+        self.made = len(prompts)
+        group = _hash63(key)
+        streams = [row_stream(group, _hash63(f"{at + r}:{k}")) for ex, at in zip(per, first, strict=True)
+                   for r, k, _ in ex]  # fmt: skip
         s = sampler.sampling
         chunk = self.d.generation.batch or max(len(prompts), 1)
-        # every call of the step padded alike (the longest prompt of every rank), and as many calls a rank (ZeRO-3's
-        # synced generation runs every rank's forward together)
-        longest, calls = _all_reduce([max(len(p) for p in prompts), -(-len(prompts) // chunk)], "max")
-        sampler.sampling = dataclasses.replace(s, width=longest + 1)
-        group = _hash63(key)
-        streams = [row_stream(group, _hash63(",".join(map(str, p)))) for p in prompts]
+        # every call of the step padded alike (the longest prompt of every rank), as many calls a rank (ZeRO-3's
+        # synced generation runs every rank's forward together), and no completion past data.seq_len
+        longest, calls = _all_reduce(
+            [max((len(p) for p in prompts), default=0), -(-len(prompts) // chunk)], "max"
+        )
+        new = min(s.max_new_tokens, self.seq_len - longest)
+        if new < s.max_new_tokens and not self.capped and self.inner.sampler.rank == 0:
+            import logging
+
+            logging.getLogger("trainer").warning(
+                f"warning: train.distill.generation.max_new_tokens {s.max_new_tokens}: a step's longest prompt "
+                f"({longest} tokens) leaves {max(new, 0)} within data.seq_len {self.seq_len}: that step's completions "
+                "are at most as long (said once; raise data.seq_len for more)"
+            )
+            self.capped = True
         done: list[Any] = []
-        try:
-            for at in range(0, calls * chunk, chunk):
-                got = sampler.sample(prompts[at : at + chunk] or [[s.pad]], streams[at : at + chunk] or [0])
-                done += got[: len(prompts[at : at + chunk])]
-        finally:
-            sampler.sampling = s
-        completions = iter(c for c, _ in done)
+        if new > 0:
+            sampler.sampling = dataclasses.replace(s, width=longest + 1, max_new_tokens=new)
+            try:
+                for at in range(0, calls * chunk, chunk):
+                    got = sampler.sample(
+                        prompts[at : at + chunk] or [[s.pad]], streams[at : at + chunk] or [0]
+                    )
+                    done += got[: len(prompts[at : at + chunk])]
+            finally:
+                sampler.sampling = s
+        completions = iter([c for c, _ in done] or [[] for _ in prompts])
         out = []
-        for ps in per:
-            examples = [(p, next(completions)[: self.seq_len - len(p)]) for p in ps]
-            out.append(rows_of(examples, self.inner.multiple, self.seq_len, s.pad))
+        for ex in per:
+            examples = [(p, next(completions)[: self.seq_len - len(p)]) for _, _, p in ex]
+            out.append(rows_of(examples, self.inner.multiple, self.seq_len, s.pad, self.pack))
         return out
 
 
@@ -270,20 +313,27 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: PolicyStream) ->
 
     d, tok = exp.train.distill, data.tokenizer
     ds = engine.ds
-    if getattr(engine, "pipe", None) is not None or engine.sp > 1:
-        raise UserError("train.distill.lmbda: generation under pipeline stages or sequence parallelism is not "
-                        "verified; set strategy.pipeline_stages and strategy.sequence_parallel to 1")  # fmt: skip
+    from trainer.strategy.planning.axes import parallel_degrees
+
+    if (
+        getattr(engine, "pipe", None) is not None
+        or getattr(engine, "sp", 1) > 1
+        or parallel_degrees(getattr(engine, "ds_config", None))[0] > 1
+    ):
+        raise UserError("train.distill.lmbda: generation under pipeline stages, sequence or tensor parallelism is not "
+                        "verified; set strategy.pipeline_stages, sequence_parallel and tensor_parallel to 1")  # fmt: skip
     eot = ""
-    if (data.finetune or {}).get("chat"):  # a chat example's reply ends at the turn's end
+    if exp.data.kind == "chat" or (data.finetune or {}).get("chat"):  # a reply ends at the turn's end
         from trainer.data.examples import chat_profile
 
         eot = chat_profile(exp.data, tok).eot
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     g = d.generation
+    temperature = g.temperature or d.temperature
 
     def sampling(model: Any) -> Any:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return Sampling(max_new_tokens=g.max_new_tokens, temperature=d.temperature, top_p=g.top_p, top_k=g.top_k,
+        return Sampling(max_new_tokens=g.max_new_tokens, temperature=temperature, top_p=g.top_p, top_k=g.top_k,
                         min_p=g.min_p, pad=int(pad), stop=tuple(t for t in stop_tokens(tok, eot, getattr(
                             base, "generation_config", None)) if t < data.vocab_size))  # fmt: skip
 
@@ -308,7 +358,7 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: PolicyStream) ->
         if d.lmbda < 1
         else "objective: distill on the student's completions (on-policy) at every step",
         f"generation: each example's last reply sampled anew from its prompt, at most {g.max_new_tokens} new tokens "
-        f"(temperature {d.temperature:g}, top_p {g.top_p:g}, top_k {g.top_k or 'off'}), stopping at {stops}; "
+        f"(temperature {temperature:g}, top_p {g.top_p:g}, top_k {g.top_k or 'off'}), stopping at {stops}; "
         f"{calls} a generate call",
     ]
 

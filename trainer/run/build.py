@@ -327,7 +327,9 @@ def data_for_rank(
     if t.objective == "distill" and (t.distill.lmbda > 0 or t.distill.seq_kd):  # completions sampled a step
         from trainer.objectives.on_policy import PolicyStream
 
-        stream = PolicyStream(stream, t.distill, seed=exp.seed, seq_len=exp.data.seq_len)
+        stream = PolicyStream(
+            stream, t.distill, seed=exp.seed, seq_len=exp.data.seq_len, pack=bool(data.packing)
+        )
     eval_loader = data_mod.eval_batches(data, exp.data, limit=t.eval_batches, **where)
     asked = eval_prompts(exp, data)
     if asked and sp > 1 and runtime.is_main:

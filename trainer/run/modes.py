@@ -95,6 +95,11 @@ def train(run: Run) -> int:
 
 def overfit_batch(run: Run) -> int:
     """--overfit-batch: train.max_steps steps on this rank's first micro batch."""
+    if hasattr(run.stream, "samplers"):  # distill's generated steps (trainer/objectives/on_policy.py)
+        from trainer.common.errors import UserError
+
+        raise UserError("--overfit-batch repeats one batch of the data, and train.distill.lmbda or seq_kd samples new "
+                        "completions at every step: set lmbda: 0 and seq_kd: false to overfit the data's batch")  # fmt: skip
     run.stream = FixedBatch(run.stream)
     start(run, checks=False)
     return training(

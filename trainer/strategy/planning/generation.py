@@ -52,7 +52,11 @@ def is_rl(exp: Any) -> bool:
 
 def row_length(exp: Any) -> int:
     """The tokens of a trained row at most: data.seq_len (grpo: a prompt and its completion, which the stream
-    checks at start: the longest prompt + max_new_tokens <= seq_len)."""
+    checks at start: the longest prompt + max_new_tokens <= seq_len). Distill's generated steps: seq_len +
+    max_new_tokens, a row's tokens and a new answer of its example (the rows' examples and their new answers packed
+    into rows of seq_len: one example a row, exact; k a row, up to (k - 1) x max_new_tokens more)."""
+    if distill_generates(exp):
+        return exp.data.seq_len + exp.train.distill.generation.max_new_tokens
     return exp.data.seq_len
 
 
@@ -81,9 +85,10 @@ def _sampling(exp: Any) -> tuple[Any, int]:
     from types import SimpleNamespace
 
     d, g = exp.train.distill, exp.train.distill.generation
-    return SimpleNamespace(
-        temperature=d.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p
-    ), g.max_new_tokens
+    sampling = SimpleNamespace(
+        temperature=g.temperature or d.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p
+    )
+    return sampling, g.max_new_tokens
 
 
 def generation_rows(exp: Any) -> int:
