@@ -195,6 +195,66 @@ def test_numpy_numbers_bools_none_and_nan_are_taken_as_trl_takes_them():
     assert got[:, 0].tolist()[:3] == [0.5, 2.0, 1.0] and math.isnan(got[3, 0]) and math.isnan(got[1, 1])
 
 
+def test_the_forms_trl_accepts_are_accepted_as_trl_reads_them():
+    """Issue 74 item 6: an (n, 1) tensor, a generator and a list of one-element tensors were refused here; TRL's
+    `_calculate_rewards` takes each (its list comprehension, then torch.tensor): the same rewards now."""
+
+    def column(**kw):
+        return torch.tensor([[0.5], [1.0], [0.0], [2.0]])
+
+    def generator(**kw):
+        return (float(len(c)) for c in kw["completion_ids"])
+
+    def one_element(**kw):
+        return [torch.tensor([0.25]), torch.tensor([1.0]), torch.tensor([0.5]), torch.tensor([3.0])]
+
+    b = batch()
+    funcs = [column, generator, one_element]
+    got = torch.tensor(R.score([R.Reward(f.__name__, f, 1.0, {}) for f in funcs], b), dtype=torch.float64).T
+    same(got, theirs([column, generator, one_element], b))
+    assert got[:, 1].tolist() == [4.0, 2.0, 6.0, 8.0]
+    with pytest.raises(UserError, match="returned array"):  # (two elements: not a number, as TRL's error)
+        R.score([R.Reward("two", lambda **kw: [np.array([1.0, 2.0])] * 4, 1.0, {})], b)
+
+
+def test_scale_rewards_true_and_false_are_trls_group_and_none():
+    """Issue 74 item 6: TRL's GRPOConfig maps scale_rewards True / False to group / none; a ported config keeps it."""
+    from trainer.config.rl_schema import RLSection
+
+    assert RLSection(scale_rewards=True).scale_rewards == "group"
+    assert RLSection(scale_rewards=False).scale_rewards == "none"
+    assert RLSection(scale_rewards="batch").scale_rewards == "batch"
+
+
+def test_completions_no_function_scored_are_warned_about_naming_one(caplog):
+    """Issue 74 item 7: rows whose every reward is None trained on advantage 0 without a word (TRL warns, naming
+    the first); warned now, with their count, the rows and one prompt and completion."""
+    import logging
+
+    from trainer.rl.rollout import scored_by
+
+    def some(**kw):
+        return [1.0, None, 0.5, None]
+
+    def none_of_them(**kw):
+        return [None] * 4
+
+    b = batch()
+    comps = [(ids, True) for ids in IDS]
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        values, _ = scored_by([R.Reward("some", some, 1.0, {}), R.Reward("none", none_of_them, 1.0, {})], b.prompts,
+                              TEXTS, comps, {}, b.trainer_state, "rows 0, 1 of data.train", lambda *a: None)  # fmt: skip
+    assert torch.isnan(values).all(dim=1).tolist() == [False, True, False, True]
+    (line,) = [r.message for r in caplog.records if "returned None" in r.message]
+    assert "every reward function returned None for 2 of 4 completions (rows 0, 1 of data.train)" in line
+    assert "<think>sum</think>4" in line and "advantage of 0" in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        scored_by([R.Reward("some", lambda **kw: [1.0] * 4, 1.0, {})], b.prompts, TEXTS, comps, {}, b.trainer_state,
+                  "rows", lambda *a: None)  # fmt: skip
+    assert not [r for r in caplog.records if "returned None" in r.message]
+
+
 @pytest.mark.parametrize(
     "values,needle",
     [(["good"] * 4, "returned 'good' (a str) for completion 0"), ([1.0, math.inf, 0.0, 0.0], "returned inf"),

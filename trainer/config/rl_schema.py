@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trainer.config.fields import FrozenMapping, Section, choice
 
@@ -49,8 +49,16 @@ class RLSection(Section):
         "within its group, sum them weighted, and normalise the sums over the step (GDPO; scale_rewards unused)",
     )
     scale_rewards: choice("group", "batch", "none") = Field(
-        "group", description="advantages over the group's reward std, the step's (every rank), or not scaled"
+        "group",
+        description="advantages over the group's reward std, the step's (every rank), or not scaled; true and false "
+        "are group and none (TRL's GRPOConfig maps them so)",
     )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_scale_rewards(cls, value: Any) -> Any:
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
     beta: float = Field(
         0.0,
         ge=0.0,

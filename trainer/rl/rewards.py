@@ -144,8 +144,14 @@ class Reward:
     def values(self, out: Any, batch: Batch) -> list[float]:
         """Its output as floats, NaN for None (and NaN): an error naming the function and the rows otherwise."""
         n, where = len(batch.completions), batch.where
+        if (
+            hasattr(out, "reshape") and getattr(out, "ndim", 1) == 2 and out.shape[-1] == 1
+        ):  # (n, 1): TRL reads it
+            out = out.reshape(-1)
         if hasattr(out, "tolist") and getattr(out, "ndim", 1) == 1:  # a numpy array or a tensor
             out = out.tolist()
+        if not isinstance(out, list | tuple | str | bytes | dict) and hasattr(out, "__next__"):
+            out = list(out)  # a generator or an iterator (TRL's list comprehension takes them)
         if not isinstance(out, list | tuple) or len(out) != n:
             got = f"{len(out)} values" if isinstance(out, list | tuple) else type(out).__name__
             hint = " (a factory? give its options: it is called with them once its parameters take no completions)"
@@ -158,12 +164,17 @@ def number(name: str, v: Any, i: int, where: str) -> float:
     """A reward value as a float: None and NaN are NaN (no opinion); bools and numpy's numbers converted."""
     if v is None:
         return math.nan
-    if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:  # numpy's scalars, 0-d arrays and tensors
+    if hasattr(v, "item") and _size(v) == 1:  # numpy's scalars, arrays and tensors of one element (TRL's)
         v = v.item()
     if isinstance(v, bool | int | float) and not (isinstance(v, float) and math.isinf(v)):
         return float(v)
     raise UserError(f"train.rl.rewards: {name} returned {v!r} (a {type(v).__name__}) for completion {i} ({where}); "
                     "it must return a finite number or None")  # fmt: skip
+
+
+def _size(v: Any) -> int:
+    size = v.numel() if callable(getattr(v, "numel", None)) else getattr(v, "size", 1)
+    return int(size) if isinstance(size, int) else 1
 
 
 class Loop:

@@ -251,6 +251,12 @@ def scored_by(rewards: list[Any], prompts: list[Any], texts: list[str], completi
     values = torch.tensor(score(rewards, batch), dtype=torch.float64).T.reshape(
         len(completions), len(rewards)
     )
+    unscored = torch.isnan(values).all(dim=1).nonzero().flatten().tolist()
+    if unscored:  # (TRL warns, naming the first such row: they train on advantage 0)
+        i = unscored[0]
+        log.warning(f"warning: every reward function returned None for {len(unscored)} of {len(completions)} "
+                    f"completions ({where}), e.g. prompt {str(prompts[i])[:200]!r}, completion {texts[i][:200]!r}: "
+                    "they train on an advantage of 0; make at least one function score each completion")  # fmt: skip
     return values, {k: v for k, v in logged.items() if len(v) == len(completions)}  # (one value a completion)
 
 
