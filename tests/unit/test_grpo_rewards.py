@@ -217,6 +217,36 @@ def test_the_forms_trl_accepts_are_accepted_as_trl_reads_them():
         R.score([R.Reward("two", lambda **kw: [np.array([1.0, 2.0])] * 4, 1.0, {})], b)
 
 
+def test_the_columns_reach_the_functions_with_their_types(tmp_path):
+    """Issue 74 item 4: a parquet's datetime and bytes columns reached the reward functions as strings (the cache's
+    JSON wrote what it has no type for as its str); they come back as the data gave them now (numpy's numbers and
+    arrays as Python's, as datasets gives them)."""
+    import datetime
+    import decimal
+
+    from trainer.data.prompts import build_prompts, read_columns, write_columns
+
+    when = datetime.datetime(2026, 11, 30, 18, 30, 5, 123456, tzinfo=datetime.UTC)
+    values = {"at": when, "day": datetime.date(2026, 11, 30), "clock": datetime.time(7, 5), "took": datetime.timedelta(
+        seconds=1.5), "raw": b"\x00\xffpng", "price": decimal.Decimal("1.10"), "n": np.int64(3), "x": np.float32(0.5),
+        "arr": np.array([1, 2]), "nested": {"when": [when], "t": (1, "a")}, "none": None, "flag": True}  # fmt: skip
+    tok = SimpleNamespace(bos_token=None, eos_token=None, __call__=None)
+    section = SimpleNamespace(train=SimpleNamespace(prompt_field="prompt"), seq_len=64)
+    from unittest import mock
+
+    with mock.patch("trainer.data.prompts.prompt_ids", lambda *a: [1, 2, 3]):
+        _, columns, _ = build_prompts([{"prompt": "q", **values}], tok, section)
+    write_columns(tmp_path, columns)
+    (back,) = read_columns(tmp_path)
+    want = {**values, "n": 3, "x": 0.5, "arr": [1, 2], "nested": {"when": [when], "t": [1, "a"]}}
+    assert {k: back[k] for k in values} == want
+    assert (
+        type(back["at"]) is datetime.datetime
+        and type(back["day"]) is datetime.date
+        and type(back["n"]) is int
+    )
+
+
 def test_scale_rewards_true_and_false_are_trls_group_and_none():
     """Issue 74 item 6: TRL's GRPOConfig maps scale_rewards True / False to group / none; a ported config keeps it."""
     from trainer.config.rl_schema import RLSection

@@ -5,8 +5,9 @@ A prompt is a string (tokenized after the tokenizer's own leading special tokens
 is) or a list of chat messages, rendered by the chat template with its generation prompt (a template without
 one is refused: generation would start inside the user's turn). The cache (trainer/data/cache.py) holds
 `train.npy`, the prompts as rows of token ids padded with IGNORE to the longest (at most data.seq_len; a
-longer one is dropped and counted), and `columns.json`, each row's other columns (JSON; values JSON cannot
-hold are written as strings)."""
+longer one is dropped and counted), and `columns.json`, each row's other columns (JSON, each value read back as
+the data gave it: datetimes, dates, times, durations, bytes and decimals tagged, numpy's numbers and arrays as
+Python's; `_plain`)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,54 @@ def prompt_ids(row: Any, n: int, section: DataSection, tok: Any, where: Any, pro
     )
 
 
+TYPED = "\u0000type"  # a JSON object standing for a value JSON has no type for: {TYPED: name, "value": text}
+
+
 def _plain(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+    """A column's value as columns.json holds it, its type kept (read_columns gives it back as it was): datetimes,
+    dates, times, durations, bytes and decimals tagged (JSON has none of them); numpy's numbers and arrays as Python's
+    (datasets' own); lists, tuples (as lists) and dicts through; anything else as its str (said in docs/rl.md)."""
+    import base64
+    import datetime
+    import decimal
+
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic | np.ndarray):
+        return _plain(value.tolist() if isinstance(value, np.ndarray) else value.item())
+    for kind, text in ((datetime.datetime, datetime.datetime.isoformat), (datetime.date, datetime.date.isoformat),
+                       (datetime.time, datetime.time.isoformat)):  # fmt: skip
+        if isinstance(value, kind):
+            return {TYPED: kind.__name__, "value": text(value)}
+    if isinstance(value, datetime.timedelta):
+        return {TYPED: "timedelta", "value": repr(value.total_seconds())}
+    if isinstance(value, bytes | bytearray):
+        return {TYPED: "bytes", "value": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, decimal.Decimal):
+        return {TYPED: "Decimal", "value": str(value)}
+    return str(value)
+
+
+def _typed(obj: dict[str, Any]) -> Any:
+    """json's object hook: a tagged value back to its type (_plain's inverse)."""
+    if TYPED not in obj:
+        return obj
+    import base64
+    import datetime
+    import decimal
+
+    kind, text = obj[TYPED], obj["value"]
+    if kind == "timedelta":
+        return datetime.timedelta(seconds=float(text))
+    if kind == "bytes":
+        return base64.b64decode(text)
+    if kind == "Decimal":
+        return decimal.Decimal(text)
+    return getattr(datetime, kind).fromisoformat(text)
 
 
 def build_prompts(
@@ -95,7 +142,7 @@ def write_columns(directory: Path, columns: list[dict[str, Any]]) -> None:
 
 def read_columns(directory: Path) -> list[dict[str, Any]] | None:
     path = Path(directory) / COLUMNS
-    return json.loads(path.read_text()) if path.exists() else None
+    return json.loads(path.read_text(), object_hook=_typed) if path.exists() else None
 
 
 def lengths(prompts: np.ndarray) -> np.ndarray:
