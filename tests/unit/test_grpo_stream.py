@@ -222,3 +222,24 @@ def test_min_p_is_transformers_min_p_after_the_other_warpers():
         theirs = MinPLogitsWarper(m)(None, theirs)
         assert torch.equal(ours, theirs), (t, k, m)
         assert (ours > -torch.inf).sum() < scores.numel()  # something was dropped
+
+
+def test_one_rule_for_long_prompts_they_are_left_out_and_counted():
+    """Issue 74 item 5: a prompt over seq_len - max_new_tokens by a few tokens stopped the run (exit 2) while one
+    over seq_len was dropped and counted: one rule now, a prompt that leaves fewer than max_new_tokens within
+    data.seq_len is left out and counted (its columns with it); the run stops only where none is left."""
+    from trainer.common.errors import UserError
+
+    prompts = np.full((6, 15), IGNORE, dtype=np.int32)
+    for i, n in enumerate([3, 14, 5, 15, 4, 6]):  # seq_len 16, max_new_tokens 2: at most 14 fit
+        prompts[i, :n] = 65 + i
+    data = SimpleNamespace(train=prompts, columns=[{PROMPT: f"p{i}", "i": i} for i in range(6)])
+    s = RolloutStream(data, SimpleNamespace(shuffle=True), RL, rank=0, world=1, micro=2, accum=1, seed=7,
+                      seq_len=16, tokenizer=byte_tokenizer())  # fmt: skip
+    assert s.left_out == 1 and len(s.prompts) == 5 and [c["i"] for c in s.columns] == [0, 1, 2, 4, 5]
+    assert s.longest == 14 and all(
+        int(p[0]) == 65 + c["i"] for p, c in zip(s.prompts, s.columns, strict=True)
+    )
+    with pytest.raises(UserError, match="every prompt and its completion would exceed data.seq_len 4"):
+        RolloutStream(data, SimpleNamespace(shuffle=True), RL, rank=0, world=1, micro=2, accum=1, seed=7,
+                      seq_len=4, tokenizer=byte_tokenizer())  # fmt: skip

@@ -63,8 +63,12 @@ def prepare(
     names = ", ".join(f"{r.name} x {r.weight:g}" for r in rewards)
     stops = ", ".join(repr(tok.decode([t])) for t in sampling.stop) or "none"
     min_p = f", min_p {rl.min_p:g}" if rl.min_p is not None else ""
+    kept = len(stream.prompts)
+    long = (f"; {stream.left_out:,} of {kept + stream.left_out:,} prompts left out: longer than data.seq_len "
+            f"{exp.data.seq_len} - max_new_tokens {rl.max_new_tokens} (TRL keeps them: raise data.seq_len to)"
+            if stream.left_out else "")  # fmt: skip
     return [
-        f"objective: {objective.describe()}; rewards: {names}",
+        f"objective: {objective.describe()}; rewards: {names}{long}",
         f"generation: {stream.per_rank} prompt(s) x {rl.num_generations} completions a rank a step, "
         f"{min(prompts, stream.per_rank)} prompt(s) a generate call, at most "
         f"{rl.max_new_tokens} new tokens (temperature {rl.temperature:g}, top_p {rl.top_p:g}, top_k {rl.top_k or 'off'}"

@@ -103,11 +103,18 @@ class RolloutStream:
         if clash:
             raise UserError(f"data.train: the column(s) {', '.join(clash)} have the names of what TRL's reward functions "
                             f"are given ({', '.join(GIVEN)}); rename them in the data")  # fmt: skip
+        # one rule for long prompts: a prompt that leaves fewer than max_new_tokens within data.seq_len is left out
+        # and counted (the cache has left out those of seq_len or more); the run stops only where none is left
+        fits = lengths(self.prompts) + rl.max_new_tokens <= seq_len
+        self.left_out = int((~fits).sum())
+        if not fits.any():
+            raise UserError(f"train.rl.max_new_tokens {rl.max_new_tokens}: every prompt and its completion would exceed "
+                            f"data.seq_len {seq_len}; lower max_new_tokens or raise seq_len")  # fmt: skip
+        if self.left_out:
+            self.prompts = self.prompts[fits]
+            self.columns = [c for c, f in zip(self.columns, fits, strict=True) if f]
         self.sampler = RankSampler(len(self.prompts), rank, world, self.per_rank, seed, section.shuffle)
-        self.longest = longest = int(lengths(self.prompts).max())
-        if longest + rl.max_new_tokens > seq_len:
-            raise UserError(f"train.rl.max_new_tokens {rl.max_new_tokens}: the longest prompt ({longest} tokens) and "
-                            f"its completion exceed data.seq_len {seq_len}; lower max_new_tokens or raise seq_len")  # fmt: skip
+        self.longest = int(lengths(self.prompts).max())
         if self.sampler.steps_per_epoch() == 0:
             raise UserError(f"data.train: {len(self.prompts)} prompts are fewer than a step's {world * self.per_rank} "
                             f"({world} rank(s) x {self.per_rank}); add prompts or lower the batch")  # fmt: skip
