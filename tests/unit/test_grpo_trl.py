@@ -45,6 +45,34 @@ def test_the_defaults_that_differ_are_stated_with_trl_s_true_value():
         assert f"| `{NAMES.get(k, k)}` ({theirs}) | `train.rl.{k}` ({here} here" in docs, k
 
 
+def test_the_optimizers_defaults_that_differ_from_grpoconfigs_are_stated_and_the_banner_says_the_rate():
+    """Issue 74 item 1: the table said the defaults map, and the optimizer's do not (TRL's GRPOConfig trains at 1e-6,
+    betas (0.9, 0.999), linear decay; ours at 3e-4, (0.9, 0.95), cosine): each stated beside TRL's true value, the
+    ones that agree said so, and the GRPO banner's optimizer line says the rate and TRL's."""
+    from helpers import ROOT
+
+    from trainer.config.schema import OptimSection, TrainSection
+
+    d, o = trl_ref.config_defaults(), OptimSection()
+    docs = (ROOT / "docs" / "rl.md").read_text()
+    assert (d["learning_rate"], o.lr) == (
+        1e-6,
+        3e-4,
+    ) and "| `learning_rate` (1e-06) | `optim.lr` (3e-4 here" in docs
+    assert (d["adam_beta1"], d["adam_beta2"], o.betas) == (0.9, 0.999, (0.9, 0.95))
+    assert "| `adam_beta1`, `adam_beta2` (0.9, 0.999) | `optim.betas` ((0.9, 0.95) here" in docs
+    assert (d["lr_scheduler_type"], o.schedule) == (
+        "linear",
+        "cosine",
+    ) and "`optim.schedule` (cosine here" in docs
+    same = (d["warmup_steps"], d["adam_epsilon"], d["weight_decay"], d["max_grad_norm"])
+    assert same == (o.warmup_steps, o.eps, o.weight_decay, TrainSection.model_fields["grad_clip"].default)
+    from trainer.rl import optimizer_line
+
+    line = optimizer_line(OptimSection())
+    assert "lr 3e-04" in line and "TRL's GRPOConfig: 1e-06, betas (0.9, 0.999), linear" in line
+
+
 def test_the_loss_settings_defaults_are_trl_s():
     """grpo_loss.Settings says its defaults are TRL 1.16's: every one of them (max_new_tokens said 256)."""
     import dataclasses

@@ -69,11 +69,20 @@ def prepare(
             if stream.left_out else "")  # fmt: skip
     return [
         f"objective: {objective.describe()}; rewards: {names}{long}",
+        optimizer_line(exp.optim),
         f"generation: {stream.per_rank} prompt(s) x {rl.num_generations} completions a rank a step, "
         f"{min(prompts, stream.per_rank)} prompt(s) a generate call, at most "
         f"{rl.max_new_tokens} new tokens (temperature {rl.temperature:g}, top_p {rl.top_p:g}, top_k {rl.top_k or 'off'}"
         f"{min_p}), stopping at {stops}; {rl.generation_cache} cache; from the trained weights ({'ZeRO-3 gathered, ranks in step' if synced else 'in place'})",
     ]
+
+
+def optimizer_line(o: Any) -> str:
+    """The banner's optimizer line (a script ported from TRL leaves the rate at GRPOConfig's 1e-6: here it is
+    optim.lr's, docs/rl.md's table)."""
+    return (f"optimizer: AdamW, lr {o.lr:.0e} (peak), betas ({o.betas[0]:g}, {o.betas[1]:g}), {o.schedule} schedule, "
+            f"{o.warmup_steps} warmup steps (TRL's GRPOConfig: 1e-06, betas (0.9, 0.999), linear: optim.lr, "
+            "optim.betas, optim.schedule)")  # fmt: skip
 
 
 def load_rewards(exp: Any, engine: Any) -> list[Any]:
