@@ -25,3 +25,28 @@ def make_student(tmp_path_factory):
     torch.manual_seed(3)
     GPT2LMHeadModel(GPT2Config(**GPT2)).save_pretrained(out)
     return out
+
+
+def qwen3_base_tokenizer(tmp_path):
+    """Qwen3's published tokenizer with a base model's EOS (<|endoftext|>): its ChatML template ends a turn with
+    <|im_end|>, which is no EOS id (the base models' case). Returns (its directory, the tokenizer)."""
+    import json
+    import shutil
+
+    from helpers import ROOT
+    from transformers import AutoTokenizer
+
+    src, out = ROOT / ".cache" / "tokenizers" / "qwen3", tmp_path / "qwen3-base-tokenizer"
+    out.mkdir()
+    shutil.copy(src / "tokenizer.json", out)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    return out, AutoTokenizer.from_pretrained(out)
+
+
+def gpt2_of(tok, path, width=16):
+    """A one-layer GPT-2 of `tok`'s vocabulary, saved at `path`."""
+    shape = {"n_layer": 1, "n_head": 2, "n_positions": 256, "vocab_size": len(tok), "bos_token_id": None,
+             "eos_token_id": tok.eos_token_id}  # fmt: skip
+    GPT2LMHeadModel(GPT2Config(n_embd=width, **shape)).save_pretrained(path)
+    return path

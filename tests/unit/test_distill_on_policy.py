@@ -266,23 +266,11 @@ def test_review_a_chat_templates_end_of_turn_ends_a_completion(tmp_path):
     """Review: on chat data the chat template's end-of-turn token was no stop token (only prompt data's chat was
     read), so a base model's student (EOS <|endoftext|>, turns ending in <|im_end|>) generated past its turn's end
     and trained on it. Qwen3's tokenizer with a base model's EOS: both stop a completion."""
-    import json
-    import shutil
+    from distill_helpers import gpt2_of, qwen3_base_tokenizer
 
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-
-    src, tok_dir = ROOT / ".cache" / "tokenizers" / "qwen3", tmp_path / "tok"
-    tok_dir.mkdir()
-    shutil.copy(src / "tokenizer.json", tok_dir)
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    shape = {"n_layer": 1, "n_head": 2, "n_positions": 256, "vocab_size": len(tok), "bos_token_id": None,
-             "eos_token_id": tok.eos_token_id}  # fmt: skip
-    for name, width in (("teacher", 32), ("student", 16)):
-        GPT2LMHeadModel(GPT2Config(n_embd=width, **shape)).save_pretrained(tmp_path / name)
-    r = train(tmp_path, {"train.objective": "distill", "train.distill.teacher": str(tmp_path / "teacher"),
-                         "model.pretrained": str(tmp_path / "student"), "data.tokenizer": str(tok_dir),
+    tok_dir, tok = qwen3_base_tokenizer(tmp_path)
+    r = train(tmp_path, {"train.objective": "distill", "train.distill.teacher": str(gpt2_of(tok, tmp_path / "t", 32)),
+                         "model.pretrained": str(gpt2_of(tok, tmp_path / "s")), "data.tokenizer": str(tok_dir),
                          "train.distill.lmbda": 1.0, "train.distill.generation.max_new_tokens": 8, "data.seq_len": 128,
                          "train.micro_batch_size": 2, "train.eval_prompts": []},
               experiment=SFT, extra_args=["--dry-run"], debug=False)  # fmt: skip

@@ -84,3 +84,20 @@ def test_trl_s_warnings_are_given(sets, needle):
 
     exp = config.load(EXP, sets)
     assert any(needle in w for w in config.warnings(exp)), config.warnings(exp)
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_the_end_of_turn_stops_a_completion_unless_trls_behaviour_is_asked_for(stop, tmp_path):
+    """Issue 74 item 2: where a chat template's end-of-turn token is no EOS id (Qwen3's tokenizer with a base
+    model's EOS <|endoftext|>: turns end in <|im_end|>), TRL generates past it; ours stops there, a difference
+    said in docs/rl.md, and train.rl.stop_at_end_of_turn: false gives TRL's."""
+    from distill_helpers import gpt2_of, qwen3_base_tokenizer
+    from helpers import train
+
+    tok_dir, tok = qwen3_base_tokenizer(tmp_path)
+    r = train(tmp_path, {"model.pretrained": str(gpt2_of(tok, tmp_path / "m")), "model.config": None,
+                         "data.tokenizer": str(tok_dir), "data.train.files": "data/tiny/count_chat_prompts.jsonl",
+                         "data.seq_len": 160, "train.rl.stop_at_end_of_turn": stop},
+              experiment=EXP, extra_args=["--dry-run"], debug=False)  # fmt: skip
+    stops = "stopping at '<|endoftext|>', '<|im_end|>';" if stop else "stopping at '<|endoftext|>';"
+    assert stops in r.output, r.output[-3000:]

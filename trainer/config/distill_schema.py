@@ -43,6 +43,11 @@ class GenerationSection(Section):
         "the sampling and the divergence). GKD samples at its temperature and takes the divergence at 1: set "
         "train.distill.temperature: 1 and this",
     )
+    stop_at_end_of_turn: bool = Field(
+        True,
+        description="chat data and chat prompts: a completion also ends at the chat template's end-of-turn token "
+        "where it is not an EOS id (a base model's ChatML <|im_end|>); false = TRL's (its EOS ids only)",
+    )
     batch: int | None = Field(
         None,
         ge=1,

@@ -121,6 +121,12 @@ class RLSection(Section):
         "(docs/rl.md)",
     )
     max_new_tokens: int = Field(64, ge=1, description="a completion's longest (truncated there)")
+    stop_at_end_of_turn: bool = Field(
+        True,
+        description="chat prompts: a completion also ends at the chat template's end-of-turn token where it is not "
+        "an EOS id (a base model's ChatML <|im_end|>); false = TRL's: at the tokenizer's and the generation "
+        "config's EOS ids only (it generates past the turn's end)",
+    )
     generation_batch: int | None = Field(
         None,
         ge=1,

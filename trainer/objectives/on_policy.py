@@ -323,7 +323,8 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: PolicyStream) ->
         raise UserError("train.distill.lmbda: generation under pipeline stages, sequence or tensor parallelism is not "
                         "verified; set strategy.pipeline_stages, sequence_parallel and tensor_parallel to 1")  # fmt: skip
     eot = ""
-    if exp.data.kind == "chat" or (data.finetune or {}).get("chat"):  # a reply ends at the turn's end
+    chat = exp.data.kind == "chat" or (data.finetune or {}).get("chat")
+    if chat and d.generation.stop_at_end_of_turn:  # a reply ends at the turn's end
         from trainer.data.examples import chat_profile
 
         eot = chat_profile(exp.data, tok).eot

@@ -21,7 +21,9 @@ def prepare(
     objective.world, objective.engine, objective.device = env.world_size, engine, engine.device
     rewards = load_rewards(exp, engine)
     eot = ""
-    if (data.finetune or {}).get("chat"):  # prompts of chat messages: their answers end at the turn's end
+    if (data.finetune or {}).get(
+        "chat"
+    ) and rl.stop_at_end_of_turn:  # chat prompts' answers end at the turn's end
         from trainer.data.examples import chat_profile
 
         eot = chat_profile(exp.data, tok).eot

@@ -9,8 +9,8 @@ and QLoRA (peft's model, bitsandbytes' layers). It samples `batch` rows a call (
 prompts' groups: by default all of a rank's step, the fewest decode passes). Prompts are left-padded to
 `width` at least (the data's longest prompt and one more: every row of every call padded alike, so that no call
 takes transformers' unmasked path), and every completion starts at the same position; sampling stops where
-`generate` and TRL stop: at the tokenizer's EOS, every `eos_token_id` of the model's generation config, and
-the chat template's end-of-turn token (`stop_tokens`).
+`generate` and TRL stop: at the tokenizer's EOS and every `eos_token_id` of the model's generation config; and
+(not TRL's, train.rl.stop_at_end_of_turn) at the chat template's end-of-turn token (`stop_tokens`).
 
 Sampling is Gumbel-max with a counter-based noise: a row's token at decode step t is the argmax of its
 processed logits (/ temperature, top-k, top-p, min-p, as transformers' warpers) plus Gumbel noise that is a function of
