@@ -82,7 +82,7 @@ def _sets(teacher_dir, student_dir, **more):
 
 
 PROMPTS = {"data.train.files": "data/tiny/count_chat_prompts.jsonl", "data.train.kind": "prompt",
-           "data.eval_fraction": 0}  # fmt: skip
+           "data.eval_fraction": 0, "train.eval_every": 0, "train.eval_prompts": []}  # fmt: skip
 
 
 def _kinds(run):
@@ -159,6 +159,16 @@ BAD = {
     # review: every token but the first a target: the prompt was the example's first token, silently
     "train_on_prompt": ({"train.distill.lmbda": 1.0, "data.train_on_prompt": True}, SFT,
                         r"data.train_on_prompt: train.distill.lmbda \(1.0\) samples each example's answer"),
+    # second review: exit 0 with the eval asked for silently dropped, a mixture a traceback, seq_kd doing nothing
+    "prompt data's eval": ({"train.distill.lmbda": 1.0, **PROMPTS, "train.eval_every": 5, "data.eval_fraction": 0.2,
+                            "train.eval_prompts": ["x"]}, SFT, r"(?s)(?=.*train.eval_every: prompt data has no answers)"
+                           r"(?=.*data.eval: distill over prompt data holds no prompts out)(?=.*train.eval_prompts: dis)"),
+    "prompt mixture": ({"train.distill.lmbda": 1.0, **PROMPTS, "data.train": [
+        {"files": "data/tiny/count_chat_prompts.jsonl", "kind": "prompt", "weight": 1.0},
+        {"files": "data/tiny/count_prompts.jsonl", "kind": "prompt", "weight": 0.5}]}, SFT,
+        r"data.train: a mixture of prompt sources is not built for distill"),
+    "seq_kd at lmbda 1": ({"train.distill.lmbda": 1.0, "train.distill.seq_kd": True}, SFT,
+                          r"train.distill.seq_kd: does nothing at lmbda 1"),
     "preference": ({"data.train.files": "data/tiny/python_prefs.jsonl", "data.train.kind": "preference"}, SFT,
                    r"data.train.kind: distill trains the student on the teacher's distribution at an answer"),
 }  # fmt: skip

@@ -37,6 +37,10 @@ BAD = {
     "log_completions not a number": (["train.rl.log_completions=all"], ["train.rl.log_completions", "integer"]),
     "scale_rewards with normalize_then_sum": (["train.rl.multi_objective_aggregation=normalize_then_sum",
                                                "train.rl.scale_rewards=none"], ["train.rl.scale_rewards", "remove scale_rewards"]),
+    # a second review of distill found it: a mixture of prompt sources stopped with a traceback in the data cache
+    "a mixture of prompt sources": (['data.train=[{"files": "data/tiny/count_prompts.jsonl", "kind": "prompt"}, '
+                                     '{"files": "data/tiny/count_chat_prompts.jsonl", "kind": "prompt", "weight": 0.5}]'],
+                                    ["data.train", "a mixture of prompt sources is not built for grpo"]),
     "a reward model without a path": ([model({})], ["train.rl.rewards[0].options.path", "sequence-classification"]),
     "a reward model with an empty path": ([model({"path": ""})], ["train.rl.rewards[0].options.path"]),
     "a reward model's batch size 0": ([model({"path": "m", "batch_size": 0})],

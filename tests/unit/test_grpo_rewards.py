@@ -535,3 +535,42 @@ def test_an_option_or_a_column_named_as_what_trl_gives_is_refused_not_overwritte
     with pytest.raises(UserError, match="the column.s. trainer_state have the names"):
         RolloutStream(data, SimpleNamespace(shuffle=True), rl, rank=0, world=1, micro=2, accum=1, seed=7, seq_len=16,
                       tokenizer=byte_tokenizer())  # fmt: skip
+
+
+def test_a_tokenizer_with_a_response_template_gives_the_parsed_completions_as_trl():
+    """Issue 74 item 3: where the tokenizer ships a response template (Gemma 4's repositories do; here Qwen3's
+    tokenizer with TRL's qwen3 template), TRL 1.16 gives its reward functions the parsed completion
+    ({"role", "reasoning_content", "content"}) and we gave the raw text: think_format_reward scored 1.0 where TRL's
+    scores 0.0. The parse is TRL's parse_response (its code called), a malformed one falls back to the text."""
+    from helpers import ROOT
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import parse_response, qwen3_template
+    from trl.rewards import think_format_reward
+
+    from trainer.data.tokenizer import byte_tokenizer
+    from trainer.rl.rollout import parse_responses, scored_by
+
+    tok = AutoTokenizer.from_pretrained(ROOT / ".cache" / "tokenizers" / "qwen3")
+    tok.response_template = qwen3_template
+    prompt = list(tok.apply_chat_template(CHAT[0], add_generation_prompt=True, tokenize=True)["input_ids"])
+    raw = [
+        "<think>\nadd them\n</think>\n\n4<|im_end|>",
+        "just 4<|im_end|>",
+        "<think>\nunclosed 4",
+        "<|im_end|>",
+    ]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in raw]
+    texts = [tok.decode(i, skip_special_tokens=True) for i in ids]
+    parsed = parse_responses(tok, [prompt] * 4, ids, texts, chat=True)
+    assert parsed == [parse_response(tok, i, prefix=prompt) for i in ids]
+    assert parsed[0] == {"role": "assistant", "reasoning_content": "add them", "content": "4"}
+    values, _ = scored_by([R.Reward("think", think_format_reward, 1.0, {})], [CHAT[0]] * 4, texts,
+                          [(i, True) for i in ids], {}, R.TrainerState(0, 0.0, 1), "rows", lambda *a: None, parsed)  # fmt: skip
+    assert values[:, 0].tolist() == think_format_reward([[p] for p in parsed])
+    assert values[0, 0] == 0.0 and think_format_reward([[{"role": "assistant", "content": texts[0]}]]) == [
+        1.0
+    ]
+    assert parse_responses(tok, [prompt] * 4, ids, texts, chat=False) is None  # (string prompts: the text)
+    assert (
+        parse_responses(byte_tokenizer(), [[1]], [[2]], ["x"], chat=True) is None
+    )  # (no template: the text)

@@ -193,6 +193,11 @@ def _generated(exp: Any, kinds: set[str]) -> list[tuple[str, str]]:
         return []
     what = f"{key} ({ds.lmbda if key.endswith('lmbda') else 'true'})"
     out: list[tuple[str, str]] = []
+    if ds.lmbda == 1 and ds.seq_kd:
+        out.append(("train.distill.seq_kd", "does nothing at lmbda 1 (every step is on the student's completions): "
+                    "set it false, or lmbda below 1"))  # fmt: skip
+    if "prompt" in kinds:
+        out += _prompt_only(exp)
     if exp.data.train_on_prompt:
         out.append(("data.train_on_prompt", f"{what} samples each example's answer from what comes before it, and "
                     "with train_on_prompt every token but the first is a target (no prompt is left): set it false"))  # fmt: skip
@@ -209,6 +214,26 @@ def _generated(exp: Any, kinds: set[str]) -> list[tuple[str, str]]:
     if levers:
         out.append((levers[0], f"{what}: generation with it is not verified; set it off (or lmbda 0 and seq_kd "
                     "false)"))  # fmt: skip
+    return out
+
+
+def _prompt_only(exp: Any) -> list[tuple[str, str]]:
+    """Prompt-only data (on-policy): no answers for an eval loss, one source (a mixture of prompt sources is not
+    built)."""
+    t, d = exp.train, exp.data
+    out = []
+    if t.eval_every:
+        out.append(("train.eval_every", "prompt data has no answers to take an eval divergence at; set it to 0, or "
+                    "give chat or prompt_completion data"))  # fmt: skip
+    if d.eval is not None or (d.eval_fraction > 0 and "eval_fraction" in d.model_fields_set):
+        out.append(("data.eval", "distill over prompt data holds no prompts out for an eval loss; remove data.eval "
+                    "and data.eval_fraction"))  # fmt: skip
+    if t.eval_prompts:
+        out.append(
+            ("train.eval_prompts", "distill over prompt data has no evaluator to sample them; set it to []")
+        )
+    if len(d.sources) > 1:
+        out.append(("data.train", "a mixture of prompt sources is not built for distill; give one source"))
     return out
 
 

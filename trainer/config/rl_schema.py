@@ -189,6 +189,8 @@ def rl_problems(exp: Any) -> list[tuple[str, str]]:
         out.append(
             ("train.eval_every", "grpo has no eval loss (its metrics are the step's rewards); set it to 0")
         )
+    if len(d.sources) > 1:  # (the data cache's mixture path renders its rows as conversations: a traceback)
+        out.append(("data.train", "a mixture of prompt sources is not built for grpo; give one source"))
     if d.eval is not None or (d.eval_fraction > 0 and "eval_fraction" in d.model_fields_set):
         out.append(("data.eval", "grpo holds no prompts out for an eval loss (its metrics are the step's rewards); "
                     "remove data.eval and data.eval_fraction"))  # fmt: skip

@@ -227,13 +227,16 @@ class RolloutStream:
             self.tok.decode(c, skip_special_tokens=True) for c, _ in completions
         ]  # (TRL's: no EOS, no EOT)
         prompts = [self.columns_prompt(i) for i in indices for _ in range(self.group)]
+        prompt_ids = [p for p in rows for _ in range(self.group)]
+        parsed = parse_responses(self.tok, prompt_ids, [c for c, _ in completions], texts, chat=not isinstance(
+            prompts[0], str) if prompts else False)  # fmt: skip
         columns = {k: [self.columns[i].get(k) for i in indices for _ in range(self.group)]
                    for k in (self.columns[indices[0]] if indices else {}) if k != PROMPT}  # fmt: skip
         where = (
             f"rows {', '.join(str(i) for i in indices[:5])}{' ...' if len(indices) > 5 else ''} of data.train"
         )
         rewards, logged = scored_by(self.rewards, prompts, texts, completions, columns, self.state, where,
-                                    self.log_metric)  # fmt: skip
+                                    self.log_metric, parsed)  # fmt: skip
         return Scored(list(indices), completions, rewards, texts=texts, logged=logged)
 
     def columns_prompt(self, i: int) -> Any:
@@ -241,16 +244,46 @@ class RolloutStream:
         return self.columns[i][PROMPT]
 
 
+def parse_responses(tok: Any, prompt_ids: list[list[int]], ids: list[list[int]], texts: list[str],
+                    chat: bool) -> list[dict[str, Any]] | None:  # fmt: skip
+    """Chat completions as TRL 1.16 gives them to reward functions where the tokenizer ships a response template
+    (`response_template`, or the legacy `response_schema`: Gemma 4's repositories ship one): the tokenizer's
+    `parse_response` of each completion's ids after its prompt's (`{"role", "content", "reasoning_content"...}`;
+    trl.chat_template_utils.parse_response: the content without a trailing EOS, "" where none, the decoded text where
+    parsing fails); None where the tokenizer has neither, or the prompts are strings."""
+    template = getattr(tok, "response_template", None) is not None
+    if not chat or not (template or getattr(tok, "response_schema", None) is not None):
+        return None
+    out = []
+    for prefix, c, text in zip(prompt_ids, ids, texts, strict=True):
+        try:
+            parsed = tok.parse_response(c, prefix=prefix) if template else tok.parse_response(c)
+            if parsed is None:
+                raise ValueError("parse_response returned None")
+            parsed = dict(parsed)
+            if isinstance(parsed.get("content"), str) and tok.eos_token:
+                parsed["content"] = parsed["content"].removesuffix(tok.eos_token)
+            parsed["content"] = parsed.get("content") or ""
+        except (ValueError, TypeError):
+            parsed = {"role": "assistant", "content": text}
+        out.append(parsed)
+    return out
+
+
 def scored_by(rewards: list[Any], prompts: list[Any], texts: list[str], completions: list[Any],
-              columns: dict[str, list[Any]], state: Any, where: str, log_metric: Any) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+              columns: dict[str, list[Any]], state: Any, where: str, log_metric: Any,
+              parsed: list[dict[str, Any]] | None = None) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """The completions' rewards (completions, functions), NaN for None, as TRL's reward functions get them
-    (trainer/rl/rewards.py), and the columns they logged with log_extra."""
+    (trainer/rl/rewards.py), and the columns they logged with log_extra. `parsed`: the chat completions as the
+    tokenizer's response template parses them (parse_responses), else one assistant message of the text."""
     import torch
 
     from trainer.rl.rewards import Batch, score
 
     chat = bool(prompts) and not isinstance(prompts[0], str)  # TRL's: one assistant message for chat prompts
     given = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    if chat and parsed is not None:
+        given = [[p] for p in parsed]
     logged: dict[str, list[Any]] = {}
     batch = Batch(prompts, given, [list(c) for c, _ in completions], columns, state, where,
                   log_extra=lambda column, values: logged.__setitem__(str(column), list(values)),
