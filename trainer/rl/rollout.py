@@ -103,16 +103,9 @@ class RolloutStream:
         if clash:
             raise UserError(f"data.train: the column(s) {', '.join(clash)} have the names of what TRL's reward functions "
                             f"are given ({', '.join(GIVEN)}); rename them in the data")  # fmt: skip
-        # one rule for long prompts: a prompt that leaves fewer than max_new_tokens within data.seq_len is left out
-        # and counted (the cache has left out those of seq_len or more); the run stops only where none is left
-        fits = lengths(self.prompts) + rl.max_new_tokens <= seq_len
-        self.left_out = int((~fits).sum())
-        if not fits.any():
-            raise UserError(f"train.rl.max_new_tokens {rl.max_new_tokens}: every prompt and its completion would exceed "
-                            f"data.seq_len {seq_len}; lower max_new_tokens or raise seq_len")  # fmt: skip
-        if self.left_out:
-            self.prompts = self.prompts[fits]
-            self.columns = [c for c, f in zip(self.columns, fits, strict=True) if f]
+        self.prompts, self.columns, self.left_out = fitting(
+            self.prompts, self.columns, rl.max_new_tokens, seq_len
+        )
         self.sampler = RankSampler(len(self.prompts), rank, world, self.per_rank, seed, section.shuffle)
         self.longest = int(lengths(self.prompts).max())
         if self.sampler.steps_per_epoch() == 0:
@@ -242,6 +235,19 @@ class RolloutStream:
     def columns_prompt(self, i: int) -> Any:
         """The row's prompt as the data gives it (the reward functions' `prompts`: a string or the messages)."""
         return self.columns[i][PROMPT]
+
+
+def fitting(prompts: Any, columns: list[Any], max_new: int, seq_len: int) -> tuple[Any, list[Any], int]:
+    """One rule for long prompts: a prompt that leaves fewer than max_new_tokens within data.seq_len is left out
+    with its columns and counted (the cache has left out those of seq_len or more); the run stops only where none is
+    left. (the prompts, their columns, how many were left out)"""
+    fits = lengths(prompts) + max_new <= seq_len
+    if not fits.any():
+        raise UserError(f"train.rl.max_new_tokens {max_new}: every prompt and its completion would exceed "
+                        f"data.seq_len {seq_len}; lower max_new_tokens or raise seq_len")  # fmt: skip
+    if fits.all():
+        return prompts, columns, 0
+    return prompts[fits], [c for c, f in zip(columns, fits, strict=True) if f], int((~fits).sum())
 
 
 def parse_responses(tok: Any, prompt_ids: list[list[int]], ids: list[list[int]], texts: list[str],
