@@ -301,13 +301,17 @@ def _kl_on_answers(student, teacher, rows, prompts):
     answers = kl(rows[:, 0], rows[:, 1], rows[:, 2]).mean().item()
     torch.manual_seed(0)
     own = []
-    for p in prompts * 8:
+    for (
+        p
+    ) in prompts:  # a question's 8 answers in one call (an answer ends at its first EOS, padding after it)
         with torch.no_grad():
             out = student.generate(torch.tensor([p]), do_sample=True, top_k=0, max_new_tokens=32, eos_token_id=256,
-                                   pad_token_id=0)  # fmt: skip
-        labels = out.clone()
-        labels[:, : len(p)] = IGNORE
-        own.append(kl(out, labels, torch.arange(out.shape[1])[None]))
+                                   pad_token_id=0, num_return_sequences=8)  # fmt: skip
+        answer = out[:, len(p) :]
+        ended = (answer == 256).int().cumsum(dim=1)
+        labels = torch.cat([torch.full((8, len(p)), IGNORE), answer.masked_fill((ended - (answer == 256).int()) > 0,
+                                                                                IGNORE)], dim=1)  # fmt: skip
+        own.append(kl(out, labels, torch.arange(out.shape[1]).expand(8, -1)))
     return answers, torch.cat(own).mean().item()
 
 
