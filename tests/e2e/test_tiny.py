@@ -196,11 +196,18 @@ def test_local_rank_argument_is_accepted():
     assert p.returncode == 0, p.stderr
 
 
-def export(run_dir, out):
-    p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(run_dir), str(out)], cwd=ROOT,
-                       env=env_for(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+def export(*pairs):
+    """bin/export's main on each (run directory, out directory) pair, in one process (its start-up once); the last
+    out directory."""
+    script = (
+        "import sys\nfrom trainer.checkpoint.export import main\nfor a, b in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    assert main([a, b]) == 0, a\n"
+    )  # fmt: skip
+    args = [str(x) for pair in zip(pairs[::2], pairs[1::2], strict=True) for x in pair]
+    p = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env_for(1), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    return out
+    return pairs[-1]
 
 
 @pytest.fixture(scope="module")
@@ -265,12 +272,10 @@ def test_tiny_distill_ends_closer_to_the_teacher_than_the_same_student_trained_o
     (held_out,) = set(cache.glob("**/eval.npy"))  # one cache: the same tokens, the same split, for both
     rows = torch.from_numpy(np.load(held_out)[:16].astype(np.int64))
     t = AutoModelForCausalLM.from_pretrained(teacher).eval()
-    for name, run in (("distill", distilled), ("offline", offline), ("sft", sft)):
-        out = tmp_path / f"{name}-export"
-        p = subprocess.run([sys.executable, str(ROOT / "bin" / "export"), str(run.run_dir), str(out)], cwd=ROOT,
-                           env=env_for(1), capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert p.returncode == 0, p.stderr[-3000:]
-        s = AutoModelForCausalLM.from_pretrained(out).eval()
+    runs = (("distill", distilled), ("offline", offline), ("sft", sft))
+    export(*[x for name, run in runs for x in (run.run_dir, tmp_path / f"{name}-export")])
+    for name, _ in runs:
+        s = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-export").eval()
         with torch.no_grad():
             h_s = s.base_model(input_ids=rows)[0].reshape(-1, 64)
             h_t = t.base_model(input_ids=rows)[0].reshape(-1, 128)
@@ -356,8 +361,9 @@ def test_tiny_distill_chat_on_policy_ends_closer_on_its_own_answers(tiny_sft, tm
     rows = np.load(held_out).astype(np.int64)
     t = AutoModelForCausalLM.from_pretrained(teacher).eval()
     kl = {}
-    for name, run in runs.items():
-        s = AutoModelForCausalLM.from_pretrained(export(run.run_dir, tmp_path / f"{name}-export")).eval()
+    export(*[x for name, run in runs.items() for x in (run.run_dir, tmp_path / f"{name}-export")])
+    for name in runs:
+        s = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-export").eval()
         kl[name] = _kl_on_answers(s, t, torch.from_numpy(rows), prompts_of(rows))
     print("KL(teacher || student) a token, on the held-out answers / on the student's own: "
           + ", ".join(f"{n} {a:.4f} / {o:.4f}" for n, (a, o) in kl.items()))  # fmt: skip
