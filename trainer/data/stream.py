@@ -265,6 +265,14 @@ class Position:
         return {"epoch": self.epoch, "sample": self.sample}
 
 
+def step_start(position: Position, sampler: Any) -> Position:
+    """Where the step from `position` begins: the next epoch's start where less than a micro step of every rank is
+    left of this one (an epoch yields whole optimizer steps only: `RankSampler.usable`)."""
+    if position.sample + sampler.global_batch > sampler.usable:
+        return Position(position.epoch + 1, 0)
+    return Position(position.epoch, position.sample)
+
+
 def row_digest(row: Any) -> str:
     """A fed row's digest, as a stream records it (`record`: the samples in consistency's debug report)."""
     return hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest()
@@ -311,11 +319,8 @@ class TrainStream:
         self.record: list[str] | None = None  # digests of consumed rows, when a test asks for them
 
     def seek(self, position: Position) -> None:
-        """Continue from `position` (global samples in the epoch; any world size)."""
-        gb = self.sampler.global_batch
-        if position.sample + gb > self.sampler.usable:  # the saved epoch was finished
-            position = Position(position.epoch + 1, 0)
-        self.position = Position(position.epoch, position.sample)
+        """Continue from `position` (global samples in the epoch; any world size; a finished epoch: the next)."""
+        self.position = step_start(position, self.sampler)
         self._it = None
 
     def next(self) -> Any:

@@ -94,18 +94,6 @@ def rows_of(examples: list[tuple[list[int], list[int]]], multiple: int, seq_len:
     return torch.from_numpy(out)
 
 
-def _all_reduce(values: list[int], op: str) -> list[int]:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return [int(v) for v in t.tolist()]
-
-
 class PolicyStream:
     """See the module's doc. `attach` gives it the student's sampler (and the teacher's, with seq_kd) once the
     engine exists; everything else is its TrainStream's (the position, the checkpoint's, the eval's)."""
@@ -113,7 +101,6 @@ class PolicyStream:
     def __init__(self, inner: Any, settings: Any, *, seed: int, seq_len: int, pack: bool = False) -> None:
         self.inner, self.d, self.seed, self.seq_len, self.pack = inner, settings, seed, seq_len, pack
         self.capped = False  # (said once: a step's longest prompt left less than max_new_tokens in seq_len)
-        self.made = 0  # the examples of this rank's last generated step
         self.samplers: dict[str, Any] = {}
         self.queue: list[Any] | None = None
         self.fed = 0
@@ -150,12 +137,12 @@ class PolicyStream:
     def loss_denominator(self, micro_steps: int) -> float | None:
         """A step begins: its kind drawn; on a generated step its completions sampled (every rank together) and the
         step's targets over every rank counted."""
-        sampler, pos = self.inner.sampler, self.inner.position
-        epoch, sample = pos.epoch, pos.sample
-        if (
-            sample + sampler.global_batch > sampler.usable
-        ):  # (as the stream rolls over: a resumed run's place)
-            epoch, sample = epoch + 1, 0
+        from trainer.data.stream import step_start
+        from trainer.rl.rollout import all_reduce
+
+        sampler = self.inner.sampler
+        start = step_start(self.inner.position, sampler)  # (as the stream rolls over: a resumed run's place)
+        epoch, sample = start.epoch, start.sample
         kind = step_kind(self.d.lmbda, self.d.seq_kd, self.seed, epoch, sample)
         self.counts[kind] += 1
         self.queue = None
@@ -165,13 +152,14 @@ class PolicyStream:
         # each row's place in the epoch's order (TrainStream's: a micro step takes the next world x micro rows, a
         # rank its micro of them): an example's random stream is its place's, the same however the step is split
         first = [sample + i * sampler.global_batch + sampler.rank * sampler.micro for i in range(micro_steps)]
-        self.queue = self._generated(
+        self.queue, made = self._generated(
             batches, first, self.samplers[kind], f"{self.seed}:{epoch}:{sample}:{kind}"
         )
         targets = sum(int((b[:, 1] != IGNORE).sum()) for b in self.queue)
         fed = sum(int(b.shape[0] * b.shape[2]) for b in self.queue)
-        made = self.made  # (examples: a row may pack several)
-        targets, self.fed, made = _all_reduce([targets, fed, made], "sum")
+        targets, self.fed, made = all_reduce(
+            [targets, fed, made], "sum"
+        )  # (made: examples; a row may pack several)
         self.counts["completions"] += made
         self.counts["tokens"] += targets  # (a completion is all targets)
         return max(targets, 1) / (sampler.world * micro_steps)
@@ -190,14 +178,15 @@ class PolicyStream:
             out["completion_length"] = c["tokens"] / c["completions"]
         return out
 
-    def _generated(self, batches: list[Any], first: list[int], sampler: Any, key: str) -> list[Any]:
+    def _generated(
+        self, batches: list[Any], first: list[int], sampler: Any, key: str
+    ) -> tuple[list[Any], int]:
         """The micro batches `batches` (whose first rows are at `first` in the epoch's order) with each example's last
-        reply replaced by `sampler`'s completion of what comes before it."""
-        from trainer.rl.rollout import _hash63, row_stream
+        reply replaced by `sampler`'s completion of what comes before it; and how many examples they hold."""
+        from trainer.rl.rollout import _hash63, all_reduce, row_stream
 
         per = [examples_of(b.numpy()) for b in batches]
         prompts = [p for ex in per for _, _, p in ex]
-        self.made = len(prompts)
         group = _hash63(key)
         streams = [row_stream(group, _hash63(f"{at + r}:{k}")) for ex, at in zip(per, first, strict=True)
                    for r, k, _ in ex]  # fmt: skip
@@ -205,7 +194,7 @@ class PolicyStream:
         chunk = self.d.generation.batch or max(len(prompts), 1)
         # every call of the step padded alike (the longest prompt of every rank), as many calls a rank (ZeRO-3's
         # synced generation runs every rank's forward together), and no completion past data.seq_len
-        longest, calls = _all_reduce(
+        longest, calls = all_reduce(
             [max((len(p) for p in prompts), default=0), -(-len(prompts) // chunk)], "max"
         )
         new = min(s.max_new_tokens, self.seq_len - longest)
@@ -234,7 +223,7 @@ class PolicyStream:
         for ex in per:
             examples = [(p, next(completions)[: self.seq_len - len(p)]) for _, _, p in ex]
             out.append(rows_of(examples, self.inner.multiple, self.seq_len, s.pad, self.pack))
-        return out
+        return out, len(prompts)
 
 
 class PromptRows:
@@ -263,9 +252,9 @@ class PromptRows:
         return self.sampler.steps_per_epoch()
 
     def seek(self, position: Position) -> None:
-        if position.sample + self.sampler.global_batch > self.sampler.usable:  # (TrainStream's)
-            position = Position(position.epoch + 1, 0)
-        self.position, self._it = Position(position.epoch, position.sample), None
+        from trainer.data.stream import step_start
+
+        self.position, self._it = step_start(position, self.sampler), None
 
     def next(self) -> Any:
         if self._it is None:
@@ -309,7 +298,7 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: PolicyStream) ->
     """The samplers of the student (and, with seq_kd, of the teacher), wired to the stream; the banner's line."""
     from trainer.common.errors import UserError
     from trainer.objectives import distill
-    from trainer.rl.generate import ModelSampler, Sampling, stop_tokens
+    from trainer.rl.generate import ModelSampler, Sampling, pad_id, stop_tokens
 
     d, tok = exp.train.distill, data.tokenizer
     ds = engine.ds
@@ -328,14 +317,13 @@ def prepare(exp: Any, env: Any, engine: Any, data: Any, stream: PolicyStream) ->
         from trainer.data.examples import chat_profile
 
         eot = chat_profile(exp.data, tok).eot
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     g = d.generation
     temperature = g.temperature or d.temperature
 
     def sampling(model: Any) -> Any:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         return Sampling(max_new_tokens=g.max_new_tokens, temperature=temperature, top_p=g.top_p, top_k=g.top_k,
-                        min_p=g.min_p, pad=int(pad), stop=tuple(t for t in stop_tokens(tok, eot, getattr(
+                        min_p=g.min_p, pad=pad_id(tok), stop=tuple(t for t in stop_tokens(tok, eot, getattr(
                             base, "generation_config", None)) if t < data.vocab_size))  # fmt: skip
 
     stage3 = ds.zero_optimization_stage() == 3

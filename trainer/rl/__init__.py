@@ -14,7 +14,7 @@ def prepare(
 ) -> list[str]:
     """The run's rewards (imported now: an error stops it before training), its sampler and objective, wired
     to the stream; the banner's lines."""
-    from trainer.rl.generate import ModelSampler, Sampling, stop_tokens
+    from trainer.rl.generate import ModelSampler, Sampling, pad_id, stop_tokens
 
     rl, tok = exp.train.rl, data.tokenizer
     objective = engine.objective
@@ -29,10 +29,9 @@ def prepare(
         eot = chat_profile(exp.data, tok).eot
     module = engine.ds.module
     base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     stop = stop_tokens(tok, eot, getattr(base, "generation_config", None))
     sampling = Sampling(max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                        top_k=rl.top_k, min_p=rl.min_p, stop=stop, pad=int(pad), width=stream.longest + 1)  # fmt: skip
+                        top_k=rl.top_k, min_p=rl.min_p, stop=stop, pad=pad_id(tok), width=stream.longest + 1)  # fmt: skip
     # (width: the data's longest prompt and one more, so that every row of every call is padded: transformers
     # drops an attention mask of ones, and its attention would then take another path for some calls)
     stage3 = engine.ds.zero_optimization_stage() == 3

@@ -140,6 +140,11 @@ def gumbel_processor(s: Sampling, streams: Any, width: int) -> Any:
     return GumbelMax()
 
 
+def pad_id(tok: Any) -> int:
+    """The id generation pads with: the tokenizer's pad token, else its EOS, else 0."""
+    return int(tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0))
+
+
 def stop_tokens(tok: Any, eot: str = "", generation_config: Any = None) -> tuple[int, ...]:
     """Where a completion ends, as `generate` and TRL's GRPOTrainer end it: the tokenizer's EOS, every
     `eos_token_id` of the model's generation config (an int or a list: Llama 3.1's <|eom_id|> and

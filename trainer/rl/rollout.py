@@ -25,7 +25,7 @@ import numpy as np
 from trainer.common.errors import UserError
 from trainer.data.pack import IGNORE
 from trainer.data.prompts import PROMPT, lengths
-from trainer.data.stream import Position, RankSampler
+from trainer.data.stream import Position, RankSampler, step_start
 
 log = logging.getLogger("trainer")
 
@@ -138,9 +138,7 @@ class RolloutStream:
         return self.sampler.steps_per_epoch()
 
     def seek(self, position: Position) -> None:
-        if position.sample + self.sampler.global_batch > self.sampler.usable:
-            position = Position(position.epoch + 1, 0)
-        self.position = Position(position.epoch, position.sample)
+        self.position = step_start(position, self.sampler)
         if self.rl.num_iterations > 1:
             log.warning("warning: train.rl.num_iterations > 1: the resumed run generates its next completions from "
                         "the resumed weights (the interrupted generation's remaining steps are not replayed)")  # fmt: skip
@@ -177,8 +175,7 @@ class RolloutStream:
     def _take(self) -> tuple[list[int], list[int], int]:
         """This rank's next prompts (indices in the data), their places in the epoch's order, the epoch."""
         gb = self.sampler.global_batch
-        if self.position.sample + gb > self.sampler.usable:
-            self.position = Position(self.position.epoch + 1, 0)
+        self.position = step_start(self.position, self.sampler)
         order = self.sampler.order(self.position.epoch)
         start = self.position.sample + self.rank * self.per_rank
         places = list(range(start, start + self.per_rank))
@@ -329,15 +326,20 @@ def _spread(s: Scored, group: int, weights: list[float]) -> list[bool]:
 
 
 def _all_min(value: int, world: int) -> int:
+    return all_reduce([value], "min")[0] if world > 1 else value
+
+
+def all_reduce(values: list[int], op: str) -> list[int]:
+    """Whole numbers reduced over every rank (op: sum, max or min), in one collective; as they are in one process."""
     import torch
     import torch.distributed as dist
 
-    if world > 1 and dist.is_initialized():
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t[0])
-    return value
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return [int(v) for v in t.tolist()]
 
 
 def _select(s: Scored, group: int, keep: int, dynamic: bool, weights: list[float]) -> Scored:

@@ -309,11 +309,10 @@ def data_for_rank(
         t.objective == "distill" and exp.data.kind == "prompt"
     ):  # completed each step (on_policy.py); no eval loss
         from trainer.objectives.on_policy import PolicyStream, PromptRows
+        from trainer.rl.generate import pad_id
 
-        tok = data.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         inner = PromptRows(data, exp.data, rank=where["rank"], world=where["world"], micro=t.micro_batch_size,
-                           accum=t.grad_accum, seed=exp.seed, pad=int(pad))  # fmt: skip
+                           accum=t.grad_accum, seed=exp.seed, pad=pad_id(data.tokenizer))  # fmt: skip
         return PolicyStream(inner, t.distill, seed=exp.seed, seq_len=exp.data.seq_len), Evaluator(
             None, 0, env.world_size, None
         )
