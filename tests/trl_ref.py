@@ -114,6 +114,21 @@ def calculate_rewards(funcs: list[Any], inputs: list[dict[str, Any]], prompts: l
     return t._calculate_rewards(inputs, prompts, completions, completion_ids), t
 
 
+def scoring(t: Any, per_function: Any, weights: list[float]) -> None:
+    """What `_generate_and_score_completions` reads of a trainer (GRPO's or RLOO's) beside its generation:
+    the reward functions (their values given), the tokenizer's pad and EOS ids (0 and 1), the state and logs."""
+    t.reward_funcs = [None] * per_function.shape[1]
+    t.reward_func_names = [f"f{i}" for i in range(per_function.shape[1])]
+    t.reward_weights = torch.tensor(weights, dtype=torch.float32)
+    t._tokenizer = types.SimpleNamespace(pad_token_id=0)
+    t.processing_class = t._tokenizer
+    t.eos_token_ids = [1]
+    t.num_generations_eval = t.num_generations
+    t.state = types.SimpleNamespace(num_input_tokens_seen=0, global_step=0)
+    t._logs = {"prompt": [], "completion": [], "rewards": collections.defaultdict(list), "advantages": [],
+               "extra": collections.defaultdict(list), "images": []}  # fmt: skip
+
+
 def generate_and_score(rows: list[dict[str, Any]], completions: list[str], per_function: Any, weights: list[float],
                        **over: Any) -> tuple[dict[str, Any], dict[str, list[float]]]:  # fmt: skip
     """TRL's `_generate_and_score_completions` on `rows` (each repeated G times, as its sampler gives them) with
@@ -121,18 +136,71 @@ def generate_and_score(rows: list[dict[str, Any]], completions: list[str], per_f
     `per_function` (completions, functions): its output (advantages) and its metrics."""
     t = trainer(**over)
     n = len(rows)
-    t.reward_funcs = [None] * per_function.shape[1]
-    t.reward_func_names = [f"f{i}" for i in range(per_function.shape[1])]
-    t.reward_weights = torch.tensor(weights, dtype=torch.float32)
-    t._tokenizer = types.SimpleNamespace(pad_token_id=0)
-    t.processing_class = t._tokenizer
-    t.eos_token_ids = [1]
+    scoring(t, per_function, weights)
     t.pad_to_multiple_of = None
-    t.num_generations_eval = t.num_generations
-    t.state = types.SimpleNamespace(num_input_tokens_seen=0, global_step=0)
-    t._logs = {"prompt": [], "completion": [], "rewards": collections.defaultdict(list), "advantages": [],
-               "extra": collections.defaultdict(list), "images": []}  # fmt: skip
     t._generate = lambda prompts: ([[2]] * n, [[3, 1]] * n, None, list(completions), None, {}, None, [])
     t._calculate_rewards = lambda *a: per_function.to(torch.float32)
     out = t._generate_and_score_completions(rows)
     return out, dict(t._metrics["train"])
+
+
+def rloo_trainer(**over: Any) -> Any:
+    """TRL's RLOOTrainer at RLOOConfig's defaults but `over`, its attributes as its __init__ sets them."""
+    from trl import RLOOConfig
+    from trl.trainer.rloo_trainer import RLOOTrainer
+
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(RLOOConfig) if f.default is not dataclasses.MISSING
+    }
+    args = types.SimpleNamespace(**{**defaults, "steps_per_generation": 1, "gradient_accumulation_steps": 1,
+                                    "device": torch.device("cpu"), "past_index": -1, "per_device_train_batch_size": 8,
+                                    **over})  # fmt: skip
+    t = RLOOTrainer.__new__(RLOOTrainer)
+    t.args = args
+    for name in ("beta", "num_generations", "normalize_advantages", "reward_clip_range", "mask_truncated_completions",
+                 "num_iterations", "temperature", "use_vllm", "log_completions"):  # fmt: skip
+        setattr(t, name, getattr(args, name))
+    t.epsilon_low = args.epsilon
+    t.epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    t.accelerator = Accelerator()
+    t.model = types.SimpleNamespace(training=True, is_gradient_checkpointing=False)
+    t.ref_model = types.SimpleNamespace(training=False)
+    t.aux_loss_enabled = False
+    t._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    t._pending_extra_logs, t._pending_metrics = collections.defaultdict(list), collections.defaultdict(list)
+    t.chat_template_kwargs = {}
+    t.log_multimodal = False
+    t.pad_to_multiple_of = None
+    return t
+
+
+def rloo_generate_and_score(completion_ids: list[list[int]], per_function: Any, weights: list[float], old: Any,
+                            ref: Any, **over: Any) -> tuple[dict[str, Any], dict[str, list[float]]]:  # fmt: skip
+    """TRL's RLOOTrainer `_generate_and_score_completions` with its generation replaced by `completion_ids` (EOS
+    id 1; a completion not ending in it was truncated), its rewards by `per_function` (completions, functions)
+    and the policy's and the reference's per-token log-probs by `old` and `ref`: its output and its metrics."""
+    t = rloo_trainer(**over)
+    n = len(completion_ids)
+    scoring(t, per_function, weights)
+    t._generate = lambda prompts: ([[2]] * n, completion_ids, ["c"] * n)
+    t._get_per_token_logps_and_entropies = lambda model, *a, **k: (
+        old if model is t.model else ref,
+        None,
+        None,
+    )
+    t._calculate_rewards = lambda *a: per_function.to(torch.float32)
+    out = t._generate_and_score_completions([{"prompt": f"p{i}"} for i in range(n)])
+    return out, dict(t._metrics["train"])
+
+
+def rloo_compute_loss(logps: Any, mask: Any, adv: Any, old_logps: Any, **over: Any) -> Any:
+    """TRL's RLOOTrainer `_compute_loss` on one micro batch of one process (its forward replaced by `logps`)."""
+    from trl.trainer.rloo_trainer import RLOOTrainer
+
+    t = rloo_trainer(**over)
+    B, T = logps.shape
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros_like(logps), None)
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_logps": old_logps}  # fmt: skip
+    return RLOOTrainer._compute_loss(t, None, inputs)

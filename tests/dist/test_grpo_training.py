@@ -61,6 +61,29 @@ def test_a_step_s_gradient_does_not_depend_on_its_split(tmp_path, loss_type):
         assert_close(grads(out[name]), ref)
 
 
+def test_rloo_s_step_with_the_kl_in_its_reward_does_not_depend_on_its_split(tmp_path):
+    """advantage: rloo (issue 74): the leave-one-out baseline over every rank's rewards, less beta x each
+    completion's log-ratio to the reference (LoRA's adapters off), gathered as the rewards are: step 2's gradient
+    (the adapters have moved: a KL to pay) is the same on 1 rank x 4 and 2 ranks x 2."""
+    exp = tmp_path / "tiny-rloo.yaml"  # tiny-grpo's without its loss_type (GRPO's key: refused with rloo)
+    exp.write_text(EXP.read_text().replace("    loss_type: dapo\n", ""))
+    out = {}
+    for name in ("1x4", "2x2"):
+        n, launcher, micro, accum = SPLITS[name]
+        sets = {**BASE, "train.rl.advantage": "rloo", "train.rl.beta": 0.05, "train.max_steps": 2, "optim.lr": 1e-2,
+                "optim.warmup_steps": 0, "model.lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+                "train.micro_batch_size": micro, "train.grad_accum": accum}  # fmt: skip
+        out[name] = train(tmp_path / name, sets, launcher=launcher, nproc=n, experiment=exp,
+                          env={"TRAINER_DEBUG_GRADS": "2"})  # fmt: skip
+    kl = [m["kl"] for m in out["1x4"].metrics if "kl" in m]
+    assert len(kl) == 2 and kl[0] == 0 and kl[1] != 0, kl  # the adapters start at zero: the KL from step 2
+    assert "rloo (4 completions a prompt" in out["1x4"].output
+    a, b = (torch.load(out[k].debug_dir / "grads_step2.pt") for k in ("1x4", "2x2"))
+    assert any(float(g.abs().max()) > 0 for g in a.values())
+    assert rewards(out["2x2"]) == pytest.approx(rewards(out["1x4"]), rel=1e-12)
+    assert_close(b, a)
+
+
 def pretrained(tmp_path):
     """tiny-grpo's model saved once: the same weights at every stage (ZeRO-3's own initialisation draws others)."""
     from transformers import AutoConfig, AutoModelForCausalLM

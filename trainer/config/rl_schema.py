@@ -32,6 +32,20 @@ class RLSection(Section):
     """GRPO and its relatives (docs/rl.md: the loss types and their normalisations written out)."""
 
     num_generations: int = Field(8, ge=2, description="completions a prompt (G): a group")
+    advantage: choice("group", "rloo") = Field(
+        "group",
+        description="group = GRPO's (a completion's reward minus its group's mean, scaled by scale_rewards); rloo "
+        "= TRL's RLOOTrainer: the reward minus beta x the completion's summed log-ratio to the reference, minus "
+        "the mean of the other completions of its group (leave-one-out), and a clipped ratio of the whole "
+        "completion's log-probability, averaged over the step's completions (docs/rl.md)",
+    )
+    normalize_advantages: bool = Field(
+        False, description="rloo: the step's advantages (every rank's) to mean 0 and std 1 (+1e-4), TRL's"
+    )
+    reward_clip_range: tuple[float, float] | None = Field(
+        None,
+        description="rloo: each completion's combined reward clipped to [min, max] before the KL (TRL's)",
+    )
     loss_type: choice("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo") = Field(
         "dapo",
         description="dapo = tokens of the step; grpo = each completion's token mean, then over completions; "
@@ -181,6 +195,7 @@ def rl_problems(exp: Any) -> list[tuple[str, str]]:
     if exp.strategy.sequence_parallel not in ("auto", 1):
         out.append(("strategy.sequence_parallel", "grpo with sequence parallelism is not supported (generation "
                     "runs whole sequences on each rank); set it to 1 or auto"))  # fmt: skip
+    out += rloo_problems(rl)
     if rl.beta > 0 and exp.model.lora is None:
         out.append(("train.rl.beta", "a KL penalty without LoRA needs a second copy of the weights as the reference, "
                     "which is not supported yet; use LoRA (the reference is the model with its adapters off) or "
@@ -255,3 +270,35 @@ def static_generation(exp: Any) -> bool:
     """GRPO sampling with a static key/value cache (on a GPU a compiled, graphed decode step): the weights
     must stay in place, ZeRO 0-2 (config/rules.py refuses a pinned stage 3, the planner the stage-3 rungs)."""
     return exp.train.objective == "grpo" and exp.train.rl.generation_cache == "static"
+
+
+# the keys of GRPO's loss and advantages that RLOO (TRL's RLOOTrainer) does not have
+NOT_RLOO = ("loss_type", "importance_sampling_level", "multi_objective_aggregation", "scale_rewards",
+            "use_bias_correction_kl", "top_entropy_quantile", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+            "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "dynamic_sampling")  # fmt: skip
+
+
+def rloo_problems(rl: Any) -> list[tuple[str, str]]:
+    """advantage: rloo takes TRL's RLOOTrainer's keys only; its own keys need it."""
+    out: list[tuple[str, str]] = []
+    if rl.advantage != "rloo":
+        for k in ("normalize_advantages", "reward_clip_range"):
+            if k in rl.model_fields_set:
+                out.append(
+                    (
+                        f"train.rl.{k}",
+                        "is RLOO's (TRL's RLOOTrainer): set train.rl.advantage: rloo, or remove it",
+                    )
+                )
+        return out
+    for k in NOT_RLOO:
+        if k in rl.model_fields_set:
+            out.append((f"train.rl.{k}", "advantage: rloo is TRL's RLOOTrainer: a leave-one-out baseline and a clipped "
+                        "ratio of each whole completion, with the KL in the reward; it has no such key (GRPO's: "
+                        "advantage: group); remove it"))  # fmt: skip
+    clip = rl.reward_clip_range
+    if clip is not None and not (math.isfinite(clip[0]) and math.isfinite(clip[1]) and clip[0] < clip[1]):
+        out.append(
+            ("train.rl.reward_clip_range", f"{list(clip)}: give [min, max], two finite numbers, min < max")
+        )
+    return out

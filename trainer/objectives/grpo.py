@@ -51,6 +51,14 @@ class GRPO:
 
     def describe(self) -> str:
         r = self.rl
+        if r.advantage == "rloo":
+            clip = f"epsilon {r.epsilon:g}" + (f"/{r.epsilon_high:g}" if r.epsilon_high is not None else "")
+            more = (", advantages normalised over the step" if r.normalize_advantages else "") + (
+                f", rewards clipped to {list(r.reward_clip_range)}" if r.reward_clip_range else "")  # fmt: skip
+            kl = "no reference" if r.beta == 0 else "the KL to the reference in the reward"
+            return (f"rloo ({r.num_generations} completions a prompt, a leave-one-out baseline, the ratio of each "
+                    f"whole completion clipped at {clip}, beta {r.beta:g}: {kl}, num_iterations "
+                    f"{r.num_iterations}{more})")  # fmt: skip
         clip = f"epsilon {r.epsilon:g}" + (f"/{r.epsilon_high:g}" if r.epsilon_high is not None else "")
         more = [f"importance sampling at the {r.importance_sampling_level} level"]
         if r.multi_objective_aggregation != "sum_then_normalize":

@@ -109,12 +109,32 @@ def aggregate(
     return torch.nan_to_num(adv, nan=0.0), torch.isclose(total, torch.zeros_like(total))
 
 
+def loo_advantages(rewards: Any, kl: Any, group: int, beta: float, normalize: bool,
+                   clip: Any = None) -> tuple[Any, Any]:  # fmt: skip
+    """RLOO's advantages (TRL's RLOOTrainer): the combined rewards (NaN where unscorable) clipped to `clip`, minus
+    beta x each completion's summed log-ratio to the reference `kl`; each minus the mean of its group's other
+    scorable completions (a group with one scorable completion: advantage 0); with `normalize`, the step's to mean
+    0 and std 1 (+1e-4). Returns (the advantages, whether each group's std of the rewards is zero)."""
+    r = rewards if clip is None else rewards.clamp(min=clip[0], max=clip[1])
+    if beta != 0.0:
+        r = r - beta * kl
+    grouped = r.view(-1, group)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    total = torch.nansum(grouped, dim=1, keepdim=True)
+    adv = r - ((total - grouped) / (scorable - 1)).view(-1)
+    if normalize:
+        adv = (adv - torch.nanmean(adv)) / (nanstd(adv) + 1e-4)
+    std = nanstd(grouped, dim=1).repeat_interleave(group)
+    return torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
 @dataclass(frozen=True)
 class Settings:
     """What the loss reads of train.rl (the defaults: TRL 1.16's GRPOConfig's, max_new_tokens its
     max_completion_length; train.rl's own max_new_tokens default is 64, docs/rl.md)."""
 
     loss_type: str = "dapo"
+    advantage: str = "group"
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -172,6 +192,14 @@ def token_losses(logps: Any, old: Any, ref: Any, adv: Any, mask: Any, s: Setting
         w = log_ratio
     else:
         raise ValueError(f"importance_sampling_level: {s.importance_sampling_level}")
+    if s.advantage == "rloo":  # TRL's RLOOTrainer: the whole completion's ratio, the KL in the reward
+        ratio = torch.exp((log_ratio * m).sum(-1, keepdim=True))
+        low, high = 1 - s.epsilon, 1 + s.high
+        t = Terms(loss=-torch.min(ratio * a, torch.clamp(ratio, low, high) * a))
+        t.low, t.high = (ratio < low) & (a < 0), (ratio > high) & (a > 0)
+        if ref is not None:  # the metric only: (old - ref), as TRL logs it
+            t.kl = (old - ref).detach()
+        return t
     ratio = torch.exp(w)
     t = Terms(loss=None)
     if s.beta != 0.0:
@@ -210,6 +238,8 @@ def micro_loss(logps: Any, old: Any, ref: Any, adv: Any, mask: Any, s: Settings,
 
 def reduce(per_token: Any, mask: Any, s: Settings, normaliser: float) -> Any:
     m = mask.to(per_token.dtype)
+    if s.advantage == "rloo":  # a loss a completion (rows, 1): over the completions counted
+        return (per_token[:, 0] * (m.sum(-1) > 0)).sum() / normaliser
     if s.loss_type in ("grpo", "sapo"):
         total = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum()
     else:
@@ -219,6 +249,8 @@ def reduce(per_token: Any, mask: Any, s: Settings, normaliser: float) -> Any:
 
 def step_normaliser(s: Settings, completions: int, tokens: int) -> float:
     """The step's normaliser (every rank's completions and their masked tokens) of every type but bnpo."""
+    if s.advantage == "rloo":
+        return float(max(completions, 1))
     if s.loss_type in PER_COMPLETION:
         return float(max(completions, 1))
     if s.loss_type in PER_TOKEN:
