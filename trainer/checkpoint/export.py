@@ -156,7 +156,9 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
     from trainer.model.create import auto_class
 
     with torch.device("meta"):
-        module = auto_class(cfg).from_config(cfg)  # (a vision-language model's image-text-to-text class)
+        module = auto_class(cfg, exp.model.head).from_config(
+            cfg
+        )  # (a vision-language model's image-text-to-text class)
         if exp.model.lora is not None:
             from trainer.model import adapters
 
@@ -179,6 +181,8 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32", adapter: bool = False) ->
             f"unexpected {sorted(unexpected)[:5]})"
         )
     module.tie_weights()
+    if exp.model.head == "score":  # a reward model finds its last token by the tokenizer's pad (as trained)
+        _score_pad(module, tok)
     module = module.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     if adapter:
@@ -275,3 +279,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _score_pad(module: Any, tok: Any) -> None:
+    from trainer.model.score import set_pad
+
+    set_pad(module, tok)

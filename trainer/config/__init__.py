@@ -11,7 +11,10 @@ Precedence is defaults < YAML < `--set section.key=value`.
 """
 
 from trainer.common.units import format_size, parse_size
-from trainer.config import axes_rules  # noqa: F401  (registers its rules)
+from trainer.config import (
+    axes_rules,  # noqa: F401  (registers its rules)
+    reward_rules,  # noqa: F401  (registers its rules)
+)
 from trainer.config.data_schema import MAP_KEYS, PRESETS, ROLES
 from trainer.config.describe import describe, describe_table
 from trainer.config.fields import thaw

@@ -61,6 +61,12 @@ class DataSource(Section):
         "rejected",
         description="kind preference: the other response's column (a string or assistant messages)",
     )
+    margin_field: str = Field(
+        "margin",
+        description="kind preference, train.objective reward: the column of each pair's margin (a number the "
+        "chosen response's reward must exceed the rejected one's by: TRL's RewardTrainer's margin); used where "
+        "the data has it, then every row must hold a number",
+    )
     messages_field: str = Field(
         "messages", description="kind chat: the column of message lists (sharegpt: conversations)"
     )

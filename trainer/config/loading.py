@@ -170,6 +170,9 @@ def validate(
     raw = dict(raw)
     if not raw.get("run_dir") and isinstance(raw.get("name", "experiment"), str):
         raw["run_dir"] = f"runs/{raw.get('name', 'experiment')}"
+    from trainer.config.schema import reward_head
+
+    raw = reward_head(raw)
 
     fields = Experiment.model_fields
     for key in raw:

@@ -217,7 +217,9 @@ def rl_problems(exp: Any) -> list[tuple[str, str]]:
                     "completion's history, while the loss takes its log-probs from softmax(logits / temperature) "
                     "(TRL samples with it and computes them without it); exact log-probs would need the history "
                     "over the vocabulary at every trained token, not planned; remove it (1.0)"))  # fmt: skip
-    if rl.multi_objective_aggregation == "normalize_then_sum" and "scale_rewards" in rl.model_fields_set:
+    if (
+        rl.multi_objective_aggregation == "normalize_then_sum" and rl.scale_rewards != "group"
+    ):  # (not the default)
         out.append(("train.rl.scale_rewards", "normalize_then_sum normalises each reward function within its group "
                     "and the sums over the step, whatever scale_rewards says (as TRL's); remove scale_rewards or "
                     "use sum_then_normalize"))  # fmt: skip
@@ -281,9 +283,10 @@ NOT_RLOO = ("loss_type", "importance_sampling_level", "multi_objective_aggregati
 def rloo_problems(rl: Any) -> list[tuple[str, str]]:
     """advantage: rloo takes TRL's RLOOTrainer's keys only; its own keys need it."""
     out: list[tuple[str, str]] = []
+    default = RLSection()  # (a key as written, or as a saved experiment holds it: its default is no key)
     if rl.advantage != "rloo":
         for k in ("normalize_advantages", "reward_clip_range"):
-            if k in rl.model_fields_set:
+            if getattr(rl, k) != getattr(default, k):
                 out.append(
                     (
                         f"train.rl.{k}",
@@ -292,10 +295,10 @@ def rloo_problems(rl: Any) -> list[tuple[str, str]]:
                 )
         return out
     for k in NOT_RLOO:
-        if k in rl.model_fields_set:
+        if getattr(rl, k) != getattr(default, k):
             out.append((f"train.rl.{k}", "advantage: rloo is TRL's RLOOTrainer: a leave-one-out baseline and a clipped "
                         "ratio of each whole completion, with the KL in the reward; it has no such key (GRPO's: "
-                        "advantage: group); remove it"))  # fmt: skip
+                        f"advantage: group); remove it (or leave it at its default, {getattr(default, k)!r})"))  # fmt: skip
     clip = rl.reward_clip_range
     if clip is not None and not (math.isfinite(clip[0]) and math.isfinite(clip[1]) and clip[0] < clip[1]):
         out.append(

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainer.common.optimizers import OPTIMIZERS
 from trainer.config.checkpoint_schema import FLEET_MTBF_NODE_HOURS, CheckpointSection  # noqa: F401 (re-exported)
@@ -183,6 +183,12 @@ class ModelSection(Section):
         description="fused GPU kernels for the model's layers: liger = Liger-Kernel's RMSNorm, SwiGLU, "
         "RoPE, and with chunked_loss its fused linear cross-entropy; CUDA only, see docs/experiments.md",
     )
+    head: choice("causal_lm", "score") = Field(
+        "causal_lm",
+        description="causal_lm = the language model's head (AutoModelForCausalLM); score = one number a sequence "
+        "read at its last token that is not padding (AutoModelForSequenceClassification, num_labels 1: a reward "
+        "model, TRL's RewardTrainer's); train.objective reward sets it (docs/preference.md)",
+    )
     lora: LoraSection | None = Field(
         None, description="LoRA adapters on the frozen model (null = full training); see docs/fine-tuning.md"
     )
@@ -220,16 +226,29 @@ class PreferenceSection(Section):
     )
 
 
+class RewardSection(Section):
+    """train.objective reward's settings (TRL's RewardConfig's)."""
+
+    center_rewards_coefficient: float | None = Field(
+        None,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="adds this x the mean of (chosen reward + rejected reward)^2 to the loss, centring the rewards "
+        "on 0 (TRL's; 0.01 recommended there); null = none",
+    )
+
+
 class TrainSection(Section):
     """Batch, length and precision of training."""
 
-    objective: choice("sft", "dpo", "ipo", "simpo", "orpo", "grpo", "distill") = Field(
+    objective: choice("sft", "dpo", "ipo", "simpo", "orpo", "grpo", "distill", "reward") = Field(
         "sft",
         description="sft = next-token loss on the targets; dpo, ipo (against the reference: the model as "
         "training starts, its log-probs computed once) and simpo, orpo (reference-free) train on data of kind "
         "preference (docs/fine-tuning.md); grpo generates completions of prompts (data of kind prompt) and "
         "trains on their rewards (train.rl, docs/rl.md); distill trains on a teacher's next-token distributions "
-        "over the data's tokens (train.distill, docs/distillation.md)",
+        "over the data's tokens (train.distill, docs/distillation.md); reward trains a reward model on preference "
+        "pairs (model.head score, train.reward, docs/preference.md)",
     )
     rl: RLSection = Field(
         default_factory=RLSection, description="train.objective grpo's settings (docs/rl.md)"
@@ -239,6 +258,9 @@ class TrainSection(Section):
     )
     distill: DistillSection = Field(
         default_factory=DistillSection, description="train.objective distill's teacher and divergence"
+    )
+    reward: RewardSection = Field(
+        default_factory=RewardSection, description="train.objective reward's settings (docs/preference.md)"
     )
 
     micro_batch_size: auto_or_count("a number of sequences") = Field(
@@ -370,6 +392,14 @@ class LoggingSection(Section):
     wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases")
 
 
+def reward_head(data: Any) -> Any:
+    """train.objective reward: the model's head is a score (model.head), unless written (the raw experiment)."""
+    train, model = (data.get("train"), data.get("model")) if isinstance(data, Mapping) else (None, None)
+    if isinstance(train, Mapping) and train.get("objective") == "reward" and isinstance(model, Mapping):
+        return data if "head" in model else {**data, "model": {**model, "head": "score"}}
+    return data
+
+
 class Experiment(Section):
     """One experiment: everything `bin/train` needs."""
 
@@ -386,6 +416,11 @@ class Experiment(Section):
     )
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="checkpoints")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="logging")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_head(cls, data: Any) -> Any:
+        return reward_head(data)
 
     def to_dict(self) -> dict[str, Any]:
         return thaw(self.model_dump(mode="python", by_alias=True))

@@ -28,7 +28,7 @@ from trainer.common.files import file_lock, write_atomic
 from trainer.config import DataSection
 from trainer.data.image_rows import images_digest, save_images, stale_images, stored_images
 from trainer.data.keys import cache_key, rebuilt_why
-from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
+from trainer.data.pack import IGNORE, blocks, file_digest, fill_blocks, tokenize_documents
 from trainer.data.prompts import read_columns
 from trainer.data.sources import _where, load_raw
 from trainer.data.tokenizer import load_tokenizer
@@ -63,6 +63,8 @@ class Data:
     eval_images: Any = None
     idle_image: Any = None  # a blank image's tensors (trainer/model/vision.py: the idle image)
     vision: dict[str, Any] | None = None  # the images' statistics, keys and token types (meta.json)
+    margins: np.ndarray | None = None  # preference pairs: each one's margin (NaN: none; objective reward)
+    eval_margins: np.ndarray | None = None
 
     @property
     def supervised(self) -> bool:
@@ -140,7 +142,15 @@ def build(
         targets=np.load(final / "targets.npy", mmap_mode="r") if (final / "targets.npy").exists() else None,
         columns=read_columns(final),
         lengths=_lengths(final, train),
+        margins=_side(final, "margins.npy"),
+        eval_margins=_side(final, "eval_margins.npy"),
     )
+
+
+def _side(directory: Path, name: str, write: np.ndarray | None = None) -> np.ndarray | None:
+    """A side array of the rows (preference pairs' margins.npy): read, or with `write` written where not None."""
+    _ = write is not None and np.save(directory / name, write)
+    return np.load(directory / name) if write is None and (directory / name).exists() else None
 
 
 def _lengths(directory: Path, train: np.ndarray) -> np.ndarray | None:
@@ -162,15 +172,6 @@ def row_lengths(rows: np.ndarray) -> np.ndarray:
     has = labels != IGNORE
     last = labels.shape[1] - np.argmax(has[:, ::-1], axis=1)
     return np.where(has.any(axis=1), last, 1).astype(np.int32)
-
-
-def file_digest(path: Path, chunk: int = 1 << 24) -> str:
-    """sha256 of a file's bytes, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -409,6 +410,7 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
     from trainer.data.examples import build_rows
 
     train, stats = build_rows(raw, tok, section, section.train, "data.train")
+    margins, eval_margins = stats.pop("margins", None), None  # preference pairs' (train.objective reward)
     vision = stats.pop("vision", None)
     store, idle = (vision.pop("store") if vision else None), None
     eval_, eval_store = None, None
@@ -416,10 +418,18 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
         eval_, eval_stats = build_rows(
             load_raw(section.eval, "data.eval"), tok, section, section.eval, "data.eval"
         )
-        eval_store = (eval_stats.get("vision") or {}).get("store")
+        eval_store, eval_margins = (
+            (eval_stats.get("vision") or {}).get("store"),
+            eval_stats.pop("margins", None),
+        )
+        stats["eval"] = {
+            k: eval_stats[k] for k in ("margin_problem", "identical", "margin_rows") if k in eval_stats
+        }
     elif section.eval_fraction > 0:
         n_eval = _held_out(len(train), section.eval_fraction, seq_len=section.seq_len)
         train, eval_ = train[:-n_eval], train[-n_eval:]
+        if margins is not None:
+            margins, eval_margins = margins[:-n_eval], margins[-n_eval:]
         if store is not None:
             store, eval_store = store.take(0, len(train)), store.take(len(train), len(train) + n_eval)
     if vision is not None:
@@ -428,20 +438,13 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
     def write_train(d: Path) -> None:
         _save_rows(d, train)
         save_images(d, "train", store, idle)
+        _side(d, "margins.npy", margins)
 
     def write_eval(d: Path) -> None:
         np.save(d / "eval.npy", eval_)
         save_images(d, "eval", eval_store)
+        _side(d, "eval_margins.npy", eval_margins)
 
-    _publish(
-        final,
-        write_train,
-        write_eval if eval_ is not None else None,
-        {
-            **key,
-            "key": key,
-            "train_sequences": len(train),
-            "eval_sequences": len(eval_) if eval_ is not None else 0,
-            "finetune": stats,
-        },  # fmt: skip
-    )
+    _publish(final, write_train, write_eval if eval_ is not None else None,
+             {**key, "key": key, "train_sequences": len(train), "eval_sequences": len(eval_) if eval_ is not None else 0,
+              "finetune": stats})  # fmt: skip

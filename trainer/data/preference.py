@@ -125,11 +125,29 @@ def _without_prompt(prompt: list[Any], response: Any, field: str, prompt_field: 
 
 
 class PairCounts:
-    """What build_pairs counts for the banner and the cache's meta.json."""
+    """What build_pairs counts for the banner and the cache's meta.json, and each kept pair's margin (the
+    margin_field's number where the row has one, else NaN: train.objective reward reads them, margins.npy)."""
 
     def __init__(self) -> None:
         self.pairs = self.kept = self.truncated = self.dropped_long = self.no_target = 0
         self.tokens = self.chosen_targets = self.rejected_targets = 0
+        self.margins: list[float] = []
+        self.margin_problem: str | None = None  # the first row whose margin is not a finite number
+        self.identical: list[
+            str
+        ] = []  # the first rows whose two responses render alike (reward refuses them)
+
+    def margin(self, row: Mapping[str, Any], field: str, where: str) -> float:
+        """The row's margin: NaN where it has none; a value that is not a finite number is recorded."""
+        import math
+
+        if field not in row:
+            return math.nan
+        value = row[field]
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok and self.margin_problem is None:
+            self.margin_problem = f"{where}: {field} is {value!r}, not a finite number"
+        return float(value) if ok else math.nan
 
 
 def build_pairs(
@@ -164,6 +182,9 @@ def build_pairs(
         if not all(any(e.targets[1:]) for e in pair):
             c.no_target += 1
             continue
+        if pair[0].ids == pair[1].ids and len(c.identical) < 3:
+            c.identical.append(str(where(n)))
+        c.margins.append(c.margin(row, src.margin_field, where(n)))
         if shown is None:
             shown = [e.show(tok) for e in pair]
         kept += pair
@@ -194,6 +215,11 @@ def build_pairs(
         "rows": 2 * c.kept,
         "padding_share": 1 - c.tokens / (2 * c.kept * seq_len),
         "example": None if shown is None else f"chosen: {shown[0]} | rejected: {shown[1]}",
+        "margins": np.asarray(c.margins, dtype=np.float64),  # (popped into margins.npy by the cache)
+        "margin_field": src.margin_field,
+        "margin_rows": int(np.isfinite(np.asarray(c.margins)).sum()),
+        "margin_problem": c.margin_problem,
+        "identical": c.identical,
     }
     return rows, stats
 

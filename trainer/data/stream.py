@@ -188,7 +188,15 @@ def _collate(rows: Any, multiple: int = 1) -> Any:
     if isinstance(rows, tuple):  # _PairRows: (rows (pairs, 2, 3, seq_len), indices)
         arr, index = rows
         arr = np.asarray(arr)
-        return Pairs(_collate(arr.transpose(1, 0, 2, 3).reshape(-1, *arr.shape[2:]), multiple),
+        flat = arr.transpose(1, 0, 2, 3).reshape(-1, *arr.shape[2:])
+        if (
+            multiple
+        ):  # cut to the longest row's last token (a response's tail after its targets kept: a reward
+            # model's score is read there, trainer/objectives/reward.py); padding restarts its positions at 0
+            restart = flat[:, 2, 1:] == 0
+            real = np.where(restart.any(axis=1), np.argmax(restart, axis=1) + 1, flat.shape[2])
+            flat = flat[:, :, : min(flat.shape[2], -(-int(real.max()) // multiple) * multiple)]
+        return Pairs(torch.from_numpy(np.ascontiguousarray(flat).astype(np.int64, copy=False)),
                      torch.from_numpy(np.asarray(index, dtype=np.int64)))  # fmt: skip
     if isinstance(rows, list) and rows and isinstance(rows[0], tuple):  # _PairRows item by item
         return _collate(

@@ -81,6 +81,9 @@ def apply(model: Any, lora: Any) -> Any:
     conv1d = any(
         t == "Conv1D" for n, t in present.items() if any(n == x or n.endswith("." + x) for x in names)
     )
+    # a reward model (model.head score): its new score layer trains in full beside the adapters (peft's SEQ_CLS task
+    # adds it to modules_to_save, as TRL recommends)
+    score = type(model).__name__.endswith("ForSequenceClassification")
     cfg = LoraConfig(
         exclude_modules=_vision_excluded(model),
         r=lora.r,
@@ -93,7 +96,7 @@ def apply(model: Any, lora: Any) -> Any:
         ensure_weight_tying=bool(lora.train_modules)
         and bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)),
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if score else "CAUSAL_LM",
     )
     import warnings
 

@@ -103,7 +103,7 @@ def _info_key(section: ModelSection, vocab_size: int | None, eos_id: int | None)
     except importlib.metadata.PackageNotFoundError:
         return None
     payload = {
-        "v": 17,  # 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14-15: the layers' shape; 16: qkv_bias; 17: vision
+        "v": 18,  # 18: a score head not quantized; 4: intermediate, kv_heads; 5: ulysses; 6: masks dropped; 7: window; 8: active; 9: chunked; 13: quantized; 14-15: the layers' shape; 16: qkv_bias; 17: vision
         "model": thaw(section.model_dump(mode="python")),
         "vocab": vocab_size,
         "eos": eos_id,
@@ -134,7 +134,7 @@ def _count(section: ModelSection, vocab_size: int | None, eos_id: int | None) ->
     cfg = hf_config(section, vocab_size, eos_id)
     kwargs = attn_kwargs(section, cfg)
     with torch.device("meta"), _quiet_transformers():
-        module = auto_class(cfg).from_config(cfg, **kwargs)
+        module = auto_class(cfg, section.head).from_config(cfg, **kwargs)
         attn = getattr(module.config, "_attn_implementation", None)
         frozen = _frozen(module, cfg, section)
         module, trainable = _with_lora(module, section)
@@ -172,15 +172,22 @@ def _vision_record(cfg: Any, module: Any) -> Vision | None:
     return measure(cfg, tuple(part for part in vision.PARTS if part not in trained))
 
 
-def auto_class(cfg: Any) -> Any:
-    """transformers' auto class for the config: image-text-to-text for a vision-language model."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+def auto_class(cfg: Any, head: str = "causal_lm") -> Any:
+    """transformers' auto class for the config: image-text-to-text for a vision-language model; with model.head
+    score, sequence classification (a reward model)."""
+    import transformers
 
     from trainer.model.vision import is_vision
 
-    return (
-        AutoModelForImageTextToText if is_vision(getattr(cfg, "model_type", None)) else AutoModelForCausalLM
-    )
+    vision = is_vision(getattr(cfg, "model_type", None))
+    if head == "score" and vision:
+        raise UserError(f"model.head: score: {cfg.model_type} is a vision-language model; a reward model over images "
+                        "is not built (train.objective reward): give a text model")  # fmt: skip
+    if head == "score":
+        return transformers.AutoModelForSequenceClassification
+    if vision:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def _frozen(module: Any, cfg: Any, section: ModelSection) -> int:
@@ -336,7 +343,7 @@ def _transformers_model(
     cfg = hf_config(section, vocab_size, eos_id)
     check_seq_len(cfg, seq_len)
     kwargs = attn_kwargs(section, cfg)
-    auto = auto_class(cfg)
+    auto = auto_class(cfg, section.head)
     if section.config is not None:
         model = auto.from_config(cfg, **kwargs)
     else:

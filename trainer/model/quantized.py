@@ -86,6 +86,11 @@ def quantized_count(module: Any, section: ModelSection) -> Quantized | None:
 
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     skip = unquantized(getattr(getattr(module, "config", None), "model_type", None))  # a vision tower's
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    if type(base).__name__.endswith(
+        "ForSequenceClassification"
+    ):  # its score head (the output layer): bnb keeps it
+        skip = (*skip, "score")
     layers = [m for name, m in module.named_modules() if isinstance(m, torch.nn.Linear | Conv1D)
               and m is not head and ".lora_" not in name and not m.weight.requires_grad
               and not any(f".{s}." in f".{name}." for s in skip)]  # the frozen base's  # fmt: skip

@@ -92,6 +92,23 @@ def attn_kwargs(section: ModelSection, cfg: Any = None) -> dict[str, Any]:
 
 def hf_config(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> Any:
     """The transformers config for `config:` or `pretrained:` models."""
+    cfg = _hf_config(section, vocab_size, eos_id)
+    if section.head == "score":  # a reward model: one label, read at the last token that is not padding
+        classifier = any(
+            a.endswith("ForSequenceClassification") for a in getattr(cfg, "architectures", None) or []
+        )
+        if section.pretrained and classifier and getattr(cfg, "num_labels", 1) != 1:
+            raise UserError(f"model.pretrained: {section.pretrained} is a sequence classifier of {cfg.num_labels} labels; "
+                            "a reward model has one (TRL refuses it too): give a causal LM (its score head is drawn "
+                            "new) or a one-label reward model")  # fmt: skip
+        cfg.num_labels = 1
+        text = cfg.get_text_config()
+        if getattr(text, "pad_token_id", None) is None:
+            text.pad_token_id = eos_id  # (the run sets the tokenizer's: trainer/objectives/reward.py)
+    return cfg
+
+
+def _hf_config(section: ModelSection, vocab_size: int | None, eos_id: int | None) -> Any:
     from transformers import AutoConfig
 
     if section.config is not None:

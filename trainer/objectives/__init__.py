@@ -9,6 +9,7 @@
 - `reference_free.py`: SimPO and ORPO;
 - `reference.py`: the reference's log-probs, computed once before training from the model as it
   starts (with LoRA: the base, the adapters adding nothing yet) and cached with the data;
+- `reward.py`: a reward model (train.objective reward): TRL's RewardTrainer's loss over each pair's scores;
 - `grpo.py`: GRPO and its relatives (train.objective: grpo): the advantages of a step's completions and
   the clipped policy loss (generation and rewards: trainer/rl/).
 
@@ -22,6 +23,13 @@ from typing import Any
 from trainer.objectives.pairs import PairObjective
 
 
+def check_data(exp: Any, data: Any) -> None:
+    """What the objective needs of the data, checked as soon as it is built (exit 2): reward's pairs."""
+    from trainer.objectives.reward import check_data as reward_data
+
+    reward_data(exp, data)
+
+
 def make(exp: Any) -> Any:
     """train.objective's objective, or None for sft."""
     from trainer.objectives.reference_based import DPO, IPO
@@ -32,6 +40,10 @@ def make(exp: Any) -> Any:
 
         return GRPO(exp.train.rl, 1, exp.train.grad_accum)  # its world is set when the run is prepared
 
+    if exp.train.objective == "reward":
+        from trainer.objectives.reward import Reward
+
+        return Reward(exp.train.reward)
     kinds = {"dpo": DPO, "ipo": IPO, "simpo": SimPO, "orpo": ORPO}
     name = exp.train.objective
     return kinds[name](exp.train.preference) if name in kinds else None

@@ -161,6 +161,10 @@ def prepare_objective(
         from trainer.rl import prepare
 
         return prepare(exp, env, engine, data, stream, mets, state)
+    if exp.train.objective == "reward":
+        objective.attach(data, engine.ds.module)  # (the margins, the pad token its score is read by)
+        return [f"objective: {objective.describe()}; each pair's two responses in one forward, pad token "
+                f"{objective.pad_id}"]  # fmt: skip
     lines = [f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward; "
              + ("dropout off (train.preference.disable_dropout, as TRL: the reference is computed without it)"
                 if exp.train.preference.disable_dropout else "the model's dropout kept (train.preference."
@@ -184,6 +188,7 @@ def claim_and_agree(
     Returns (data, every rank's host, notes on changed data and the lineage, the resume as checked, the
     checkpoints directory as rank 0 left it: None elsewhere), or None: nothing left to train."""
     from trainer import data as data_mod
+    from trainer import objectives
     from trainer.checkpoint.policy import undamaged
     from trainer.cluster import dist
     from trainer.common.errors import UserError
@@ -192,13 +197,11 @@ def claim_and_agree(
 
     env = runtime.env
     data = data_mod.build(exp.data, exp.seed, is_main=env.local_rank == 0)
+    objectives.check_data(exp, data)  # (the objective's own checks of what the data holds: reward's pairs)
     if data.built:
         why = f" (rebuilt: {data.rebuilt}; the earlier cache is not reused)" if data.rebuilt else ""
         log.info(f"data: tokenized and cached in {data.cache_path}{why}")
-    if exp.train.objective in (
-        "dpo",
-        "ipo",
-    ):  # what the reference's log-probs depend on (objectives/reference.py)
+    if exp.train.objective in ("dpo", "ipo"):  # what the reference's log-probs depend on (reference.py)
         from trainer.objectives.reference import reference_key
 
         data.fingerprint["reference"] = reference_key(

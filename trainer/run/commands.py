@@ -128,6 +128,7 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
     import time
 
     from trainer import data as data_mod
+    from trainer import objectives
     from trainer.cluster.dist import cpu_cores, detect
 
     if detect().world_size > 1:
@@ -137,6 +138,7 @@ def prepare_data_command(exp: config_mod.Experiment) -> int:
         )
     t0 = time.perf_counter()
     d = data_mod.build(exp.data, exp.seed, is_main=True, num_proc=cpu_cores(), progress=True)
+    objectives.check_data(exp, d)
     n_eval = len(d.eval) if d.eval is not None else 0
     done = f"built in {time.perf_counter() - t0:.1f} s" if d.built else "already there"
     if d.rebuilt:
