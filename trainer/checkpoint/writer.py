@@ -197,11 +197,9 @@ def file_digest(path: Path, chunk: int = 1 << 24) -> str:
     """The digest write_file records, of a file on disk (xxh3-128 of its bytes)."""
     import xxhash
 
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    from trainer.common.files import hash_file
+
+    return hash_file(path, xxhash.xxh3_128(), chunk)
 
 
 def recording_engine(base: Any, record: dict[str, tuple[int, str]], after: Any = None) -> Any:

@@ -15,6 +15,7 @@ import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def fsync_dir(path: Path) -> None:
@@ -54,3 +55,11 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def hash_file(path: str | os.PathLike, h: Any, chunk: int = 1 << 24) -> str:
+    """The hex digest of a file's bytes through the hasher `h` (hashlib's or xxhash's), read in chunks."""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

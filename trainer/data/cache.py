@@ -27,8 +27,8 @@ from trainer.common.errors import UserError
 from trainer.common.files import file_lock, write_atomic
 from trainer.config import DataSection
 from trainer.data.image_rows import images_digest, save_images, stale_images, stored_images
-from trainer.data.keys import cache_key, rebuilt_why
-from trainer.data.pack import IGNORE, blocks, file_digest, fill_blocks, tokenize_documents
+from trainer.data.keys import cache_key, file_digest, rebuilt_why
+from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
 from trainer.data.prompts import read_columns
 from trainer.data.sources import _where, load_raw
 from trainer.data.tokenizer import load_tokenizer

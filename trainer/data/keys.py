@@ -151,3 +151,10 @@ def rebuilt_why(root: Path, key: dict[str, Any], digest: str) -> str | None:
         WHY[k] for k in WHY if old.get(k) != key.get(k) and not (k == "finetune" and "key" not in best[1])
     ]
     return "; ".join(differ) or "its key changed"
+
+
+def file_digest(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 of a file's bytes (the data cache's train_digest)."""
+    from trainer.common.files import hash_file
+
+    return hash_file(path, hashlib.sha256(), chunk)

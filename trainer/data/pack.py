@@ -3,8 +3,6 @@ token lost: the last block is padded); fine-tuning examples -> packed rows kept 
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -135,12 +133,3 @@ def pack_examples(
     for r, (i, lab, p) in enumerate(rows):
         out["input_ids"][r], out["labels"][r], out["position_ids"][r] = i, lab, p
     return out
-
-
-def file_digest(path: Path, chunk: int = 1 << 24) -> str:
-    """sha256 of a file's bytes, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
