@@ -313,6 +313,24 @@ def cli(
     return p.returncode, p.stdout + p.stderr
 
 
+def refused_by_print_config(
+    exp: Any, sets: list[str], needles: list[str], tmp_path: Path, capsys: Any
+) -> None:
+    """`bin/train EXP --print-config --set ...` (in process) exits 2 without a traceback, naming the experiment's
+    file and each of `needles`."""
+    from trainer.run.cli import main
+
+    args = [str(exp), "--print-config", "--set", f"run_dir={tmp_path / 'run'}"]
+    for s in sets:
+        args += ["--set", s]
+    capsys.readouterr()
+    code = main(args)
+    out = "".join(capsys.readouterr())
+    assert code == 2 and "Traceback" not in out and Path(exp).name in out, out
+    for needle in needles:
+        assert needle in out, f"{needle!r} not in:\n{out}"
+
+
 def yaml_value(v: Any) -> str:
     """A value as --set KEY=VALUE writes it."""
     if isinstance(v, bool):

@@ -50,7 +50,7 @@ SOURCE = {
     "kind": "prompt_completion", "prompt_field": "question", "completion_field": "answer", "chosen_field": "good",
     "rejected_field": "bad", "messages_field": "conversation", "tools_field": "functions", "formatting": "sharegpt",
     "format_map": {"roles": {"human": "user"}}, "weight": 2.0, "sample_by": "line", "images_field": "pictures",
-    "image_field": "picture", "margin_field": "score",
+    "image_field": "picture", "margin_field": "score", "label_field": "liked",
 }  # fmt: skip
 
 

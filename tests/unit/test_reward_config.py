@@ -6,7 +6,7 @@ model's head, a factory, Liger, micro_batch_size auto) are refused by --print-co
 import json
 
 import pytest
-from helpers import ROOT, cli
+from helpers import ROOT, cli, refused_by_print_config
 
 from trainer.run.cli import main
 
@@ -28,16 +28,7 @@ BAD = {
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_a_bad_reward_key_exits_2_naming_the_file_the_key_and_the_fix(name, tmp_path, capsys):
-    sets, needles = BAD[name]
-    args = [str(EXP), "--print-config", "--set", f"run_dir={tmp_path / 'run'}"]
-    for s in sets:
-        args += ["--set", s]
-    capsys.readouterr()
-    code = main(args)
-    out = "".join(capsys.readouterr())
-    assert code == 2 and "Traceback" not in out and "tiny-reward.yaml" in out, out
-    for needle in needles:
-        assert needle in out, f"{needle!r} not in:\n{out}"
+    refused_by_print_config(EXP, *BAD[name], tmp_path, capsys)
 
 
 def test_the_example_s_head_is_a_score_and_its_config_round_trips(tmp_path, capsys):

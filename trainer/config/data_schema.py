@@ -39,7 +39,7 @@ class DataSource(Section):
         "auto", description="file format; auto = from the file extension"
     )
     text_field: str = Field("text", description="column holding the text (json/parquet/hub)")
-    kind: choice("text", "prompt_completion", "chat", "preference", "prompt") = Field(
+    kind: choice("text", "prompt_completion", "chat", "preference", "prompt", "unpaired") = Field(
         "text",
         description="what a row holds: text (documents packed end to end, every token trained), "
         "prompt_completion (prompt_field + completion_field, the loss on the completion), chat "
@@ -47,12 +47,21 @@ class DataSource(Section):
         "turns), preference (prompt_field + chosen_field + rejected_field, for train.objective dpo, ipo, "
         "simpo, orpo; docs/fine-tuning.md) or prompt (prompt_field: a string, or chat messages rendered with the "
         "generation prompt; every other column goes to the reward functions; train.objective grpo, docs/rl.md, or "
-        "distill on-policy, docs/distillation.md)",
+        "distill on-policy, docs/distillation.md), or unpaired (prompt_field + completion_field + label_field: one "
+        "response labelled desirable or not, or preference pairs taken apart; train.objective kto, "
+        "docs/preference.md)",
     )
     prompt_field: str = Field(
-        "prompt", description="kinds prompt_completion, preference, prompt: the prompt's column"
+        "prompt", description="kinds prompt_completion, preference, prompt, unpaired: the prompt's column"
     )
-    completion_field: str = Field("completion", description="kind prompt_completion: the completion's column")
+    completion_field: str = Field(
+        "completion", description="kinds prompt_completion, unpaired: the completion's column"
+    )
+    label_field: str = Field(
+        "label",
+        description="kind unpaired: the column of each row's label, true (a desirable response) or false (TRL's "
+        "unpaired preference format); every row must hold one",
+    )
     chosen_field: str = Field(
         "chosen",
         description="kind preference: the preferred response's column (a string or assistant messages)",

@@ -1,5 +1,5 @@
-"""The rules of train.objective reward (a reward model: model.head score; docs/preference.md), registered with
-rules.py's others. Its data, chunked loss, packing and sequence parallelism are the preference objectives' rules
+"""The rules of train.objective reward (a reward model: model.head score; docs/preference.md) and of kto, registered
+with rules.py's others. Its data, chunked loss, packing and sequence parallelism are the preference objectives' rules
 (rules.py: _objective); tensor and pipeline parallelism axes_rules.py's."""
 
 from __future__ import annotations
@@ -41,4 +41,22 @@ def _reward(exp: Experiment) -> list[tuple[str, str]]:
     if t.micro_batch_size == "auto":
         out.append(("train.micro_batch_size", "auto is not planned for a reward model yet; give the pairs a micro "
                     "step"))  # fmt: skip
+    return out
+
+
+@contradiction
+def _kto(exp: Experiment) -> list[tuple[str, str]]:
+    """train.kto goes with train.objective kto; kto's data is one source of unpaired rows, the prompt not trained."""
+    t, d = exp.train, exp.data
+    if t.objective != "kto":
+        if t.kto != type(t.kto)():  # (as written; a saved experiment holds the defaults)
+            return [("train.kto", f"is train.objective kto's; the objective is {t.objective}: remove it")]
+        return []
+    out = []
+    if len(d.sources) > 1:
+        out.append(("data.train", "kto reads one source (each row's label is kept beside it); give one file or hub "
+                    "dataset, or concatenate them"))  # fmt: skip
+    if d.train_on_prompt:
+        out.append(("data.train_on_prompt", "kto scores a response after its prompt (each row's mismatched pair "
+                    "takes another row's response from its first target); set it false"))  # fmt: skip
     return out

@@ -361,17 +361,24 @@ def _objective(exp: Experiment) -> list[tuple[str, str]]:
     if "prompt" in kinds:
         return [("data.train.kind", f"prompt data (prompts alone, no responses) trains only by generating: set "
                  f"train.objective: grpo (train.rl), not {t.objective}")]  # fmt: skip
+    if "unpaired" in kinds and t.objective != "kto":
+        return [("data.train.kind", f"unpaired rows (one response labelled desirable or not) train with "
+                 f"train.objective: kto, not {t.objective}")]  # fmt: skip
     if t.objective == "sft":
         if "preference" in kinds:
             return [("train.objective", "sft trains on one response, and the data is of kind preference (chosen "
                      "and rejected pairs); set train.objective: dpo (or ipo, simpo, orpo)")]  # fmt: skip
         return []
     out = []
-    if kinds != {"preference"}:
+    if t.objective == "kto" and kinds != {"unpaired"}:
+        out.append(("data.train.kind", "train.objective kto trains on unpaired rows; give data of kind unpaired "
+                    f"(prompt, completion, label), not {', '.join(sorted(kinds - {'unpaired'}))} (preference pairs "
+                    "as kind unpaired are taken apart, as TRL's KTOTrainer does)"))  # fmt: skip
+    elif t.objective != "kto" and kinds != {"preference"}:
         out.append(("data.train.kind", f"train.objective {t.objective} trains on pairs; give data of kind "
                     f"preference (prompt, chosen, rejected), not {', '.join(sorted(kinds - {'preference'}))}"))  # fmt: skip
     if d.packing and "packing" in d.model_fields_set:
-        out.append(("data.packing", "preference pairs are not packed (each response is a row of its own, a "
+        out.append(("data.packing", "preference rows are not packed (each response is a row of its own, a "
                     "micro batch padded to its longest); remove data.packing"))  # fmt: skip
     if exp.model.chunked_loss is True:
         out.append(("model.chunked_loss", f"{t.objective} needs each response's log-probability, which the "

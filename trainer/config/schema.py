@@ -23,6 +23,7 @@ from trainer.config.fields import (
     choice,
     thaw,
 )
+from trainer.config.preference_schema import KTOSection, PreferenceSection, RewardSection  # noqa: F401
 from trainer.config.rl_schema import RLSection
 from trainer.config.strategy_schema import StrategySection
 
@@ -205,56 +206,25 @@ class ModelSection(Section):
         return self.lora is None or self.pretrained is None
 
 
-class PreferenceSection(Section):
-    """The preference objectives' settings (train.objective dpo, ipo, simpo, orpo)."""
-
-    beta: float | None = Field(
-        None,
-        gt=0.0,
-        description="the objective's temperature; null = its usual value: dpo 0.1, ipo 0.1 (the margin "
-        "1 / (2 beta)), simpo 2.0, orpo 0.1 (the odds-ratio term's weight)",
-    )
-    label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="dpo: the share of pairs assumed flipped (conservative DPO)"
-    )
-    gamma: float = Field(0.5, ge=0.0, description="simpo: the target reward margin")
-    disable_dropout: bool = Field(
-        True,
-        description="turn every dropout of the model off (as TRL's DPOConfig does by default): the reference's "
-        "log-probs are computed without dropout, so a policy trained with it differs from its reference from "
-        "the first step; false keeps the model's dropout in training",
-    )
-
-
-class RewardSection(Section):
-    """train.objective reward's settings (TRL's RewardConfig's)."""
-
-    center_rewards_coefficient: float | None = Field(
-        None,
-        ge=0.0,
-        allow_inf_nan=False,
-        description="adds this x the mean of (chosen reward + rejected reward)^2 to the loss, centring the rewards "
-        "on 0 (TRL's; 0.01 recommended there); null = none",
-    )
-
-
 class TrainSection(Section):
     """Batch, length and precision of training."""
 
-    objective: choice("sft", "dpo", "ipo", "simpo", "orpo", "grpo", "distill", "reward") = Field(
+    objective: choice("sft", "dpo", "ipo", "simpo", "orpo", "grpo", "distill", "reward", "kto") = Field(
         "sft",
         description="sft = next-token loss on the targets; dpo, ipo (against the reference: the model as "
         "training starts, its log-probs computed once) and simpo, orpo (reference-free) train on data of kind "
         "preference (docs/fine-tuning.md); grpo generates completions of prompts (data of kind prompt) and "
         "trains on their rewards (train.rl, docs/rl.md); distill trains on a teacher's next-token distributions "
         "over the data's tokens (train.distill, docs/distillation.md); reward trains a reward model on preference "
-        "pairs (model.head score, train.reward, docs/preference.md)",
+        "pairs (model.head score, train.reward, docs/preference.md); kto trains on unpaired rows, each response "
+        "labelled desirable or not (data kind unpaired, train.kto, docs/preference.md)",
     )
     rl: RLSection = Field(
         default_factory=RLSection, description="train.objective grpo's settings (docs/rl.md)"
     )
     preference: PreferenceSection = Field(
-        default_factory=PreferenceSection, description="the preference objectives' settings"
+        default_factory=PreferenceSection,
+        description="the preference objectives' settings (dpo, ipo, simpo, orpo; beta also kto's)",
     )
     distill: DistillSection = Field(
         default_factory=DistillSection, description="train.objective distill's teacher and divergence"
@@ -262,6 +232,7 @@ class TrainSection(Section):
     reward: RewardSection = Field(
         default_factory=RewardSection, description="train.objective reward's settings (docs/preference.md)"
     )
+    kto: KTOSection = Field(default_factory=KTOSection, description="train.objective kto's settings")
 
     micro_batch_size: auto_or_count("a number of sequences") = Field(
         8,

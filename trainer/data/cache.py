@@ -63,7 +63,7 @@ class Data:
     eval_images: Any = None
     idle_image: Any = None  # a blank image's tensors (trainer/model/vision.py: the idle image)
     vision: dict[str, Any] | None = None  # the images' statistics, keys and token types (meta.json)
-    margins: np.ndarray | None = None  # preference pairs: each one's margin (NaN: none; objective reward)
+    margins: np.ndarray | None = None  # pairs: each one's margin (NaN: none; reward); unpaired: its label
     eval_margins: np.ndarray | None = None
 
     @property

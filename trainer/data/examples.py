@@ -97,14 +97,16 @@ def build_rows(
     if src.kind == "text":
         return _document_rows(raw, tok, section, src, key)
     where = locator(src, key)
-    if src.kind == "preference":  # each response rendered after the prompt as prompt_completion data is
+    if src.kind in ("preference", "unpaired"):  # each response rendered after its prompt as prompt_completion
         from trainer.data.preference import build_pairs
+        from trainer.data.unpaired import build_unpaired
 
         pc = src.model_copy(update={"kind": "prompt_completion", "prompt_field": "prompt",
                                     "completion_field": "completion"})  # fmt: skip
         prof_pc: list[Profile | None] = [None]
-        return build_pairs(raw, tok, section, src, key,
-                           lambda row, n: _examples(row, n, pc, section, tok, where, prof_pc, _Counts()))  # fmt: skip
+        build = build_unpaired if src.kind == "unpaired" else build_pairs
+        return build(raw, tok, section, src, key,
+                     lambda row, n: _examples(row, n, pc, section, tok, where, prof_pc, _Counts()))  # fmt: skip
     prof: list[Profile | None] = [chat_profile(section, tok) if src.kind == "chat" else None]
     kept, shown, c = [], None, _Counts()
     pics = image_rows.Images(section) if src.kind == "chat" else None
@@ -285,6 +287,10 @@ def describe(stats: dict[str, Any]) -> str:
         from trainer.data.preference import describe_pairs
 
         return describe_pairs(stats)
+    if stats["kind"] == "unpaired":
+        from trainer.data.unpaired import describe_unpaired
+
+        return describe_unpaired(stats)
     if stats["kind"] == "text":
         return (
             f"text documents kept apart: {stats['examples']:,} documents ({stats.get('split', 0):,} longer than "

@@ -45,6 +45,11 @@ def messages_column(src: DataSource) -> str:
     return src.messages_field
 
 
+def paired(src: DataSource, columns: list[str]) -> bool:
+    """Unpaired data given as preference pairs: the chosen and rejected columns there, no completion column."""
+    return src.completion_field not in columns and {src.chosen_field, src.rejected_field} <= set(columns)
+
+
 def required_columns(src: DataSource) -> list[tuple[str, str]]:
     """(the setting that names it, the column) for each column a row must have."""
     if src.kind == "text":
@@ -53,6 +58,9 @@ def required_columns(src: DataSource) -> list[tuple[str, str]]:
         return [("prompt_field", src.prompt_field)]
     if src.kind == "prompt_completion":
         return [("prompt_field", src.prompt_field), ("completion_field", src.completion_field)]
+    if src.kind == "unpaired":
+        return [("prompt_field", src.prompt_field), ("completion_field", src.completion_field),
+                ("label_field", src.label_field)]  # fmt: skip
     if src.kind == "preference":  # the prompt may be implicit (whole conversations: preference.py)
         return [("chosen_field", src.chosen_field), ("rejected_field", src.rejected_field)]
     if preset(src) == "alpaca":

@@ -34,6 +34,7 @@ TOKEN_MODULES = (
     "sources",
     "templates",
     "tokenizer",
+    "unpaired",
 )
 
 

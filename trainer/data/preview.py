@@ -53,7 +53,12 @@ def preview(exp: Experiment, data: Any, n: int, world_size: int, packing: str | 
     d = exp.data
     if data.columns is not None:  # prompts (train.objective grpo)
         return _prompts(data, exp, n)
-    what = f"pairs ({2 * len(data.train):,} sequences)" if data.pairs else "sequences"
+    unpaired = (data.finetune or {}).get("kind") == "unpaired"  # (each row beside its mismatched pair)
+    what = (
+        f"{'rows' if unpaired else 'pairs'} ({2 * len(data.train):,} sequences)"
+        if data.pairs
+        else "sequences"
+    )
     lines = [f"data: {len(data.train):,} training {what} of {d.seq_len} tokens in {data.cache_path}"]
     if data.mixture:
         lines.append("mixture: " + "; ".join(f"{m['source']} (weight {m['weight']:g}, {m['sequences']:,} sequences)"
@@ -123,14 +128,19 @@ def _images(ex: Any, data: Any) -> list[str]:
 
 
 def _pairs(data: Any, exp: Experiment, n: int) -> list[str]:
-    """Preference data: the first `n` pairs of the first epoch, each response with its targets."""
+    """Preference data: the first `n` pairs of the first epoch, each response with its targets (unpaired data: each
+    row, its label and its mismatched pair)."""
     from trainer.data.stream import RankSampler
 
     sampler = RankSampler(len(data.train), 0, 1, 1, exp.seed, exp.data.shuffle)
+    unpaired = data.finetune.get("kind") == "unpaired"  # a row (its label in margins) and its mismatched pair
     lines = []
     for shown, r in enumerate(sampler.order(0)[:n], 1):
-        lines += ["", f"pair {shown} (pair {int(r)} of the data):"]
-        for name, row in zip(("chosen", "rejected"), data.train[r], strict=True):
+        what = "row" if unpaired else "pair"
+        label = f", {'desirable' if data.margins[r] > 0.5 else 'undesirable'}" if unpaired else ""
+        lines += ["", f"{what} {shown} ({what} {int(r)} of the data{label}):"]
+        names = ("response", "mismatched pair (KL)") if unpaired else ("chosen", "rejected")
+        for name, row in zip(names, data.train[r], strict=True):
             (ex,) = examples_of(row)
             lines += [
                 f"  {name} ({len(ex.ids)} tokens, {sum(ex.targets[1:])} targets): {ex.show(data.tokenizer, limit=None)}",

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainer.common.errors import UserError
 from trainer.config import DataSource, thaw
-from trainer.data.formats import required_columns
+from trainer.data.formats import paired, required_columns
 
 FORMATS = {
     ".txt": "text",
@@ -71,7 +71,8 @@ def _fields(src: DataSource) -> dict[str, Any]:
     """The columns a source's kind reads and how (text: only text_field, so text caches keep their key)."""
     if src.kind == "text":
         return {"text_field": src.text_field}
-    return {"kind": src.kind, "columns": [c for _, c in required_columns(src)], "tools": src.tools_field,
+    pairs = [src.chosen_field, src.rejected_field] if src.kind == "unpaired" else []  # (pairs taken apart)
+    return {"kind": src.kind, "columns": [c for _, c in required_columns(src)] + pairs, "tools": src.tools_field,
             "formatting": src.formatting, "format_map": thaw(src.format_map)}  # fmt: skip
 
 
@@ -112,7 +113,7 @@ def load_raw(src: DataSource, key: str) -> Any:
                 f"{key}.hub: cannot load '{src.hub}' (split {src.split}): {str(e).splitlines()[0]}"
             ) from None
     for name, column in required_columns(src):
-        if column not in ds.column_names:
+        if column not in ds.column_names and not (src.kind == "unpaired" and paired(src, ds.column_names)):
             how = f"{key}.formatting: {src.formatting}" if src.formatting else f"{key}.kind: {src.kind}"
             raise UserError(
                 f"{key}.{name}: '{column}' is not a column of the data ({how}); its columns are "

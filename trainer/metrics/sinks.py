@@ -107,7 +107,7 @@ class ConsoleSink:
     def write(self, rec: dict[str, Any]) -> None:
         if "eval_loss" in rec:
             what = (
-                f"margin {rec['eval_reward_margin']:.3f}  acc {rec['eval_reward_accuracy']:.2f}  rewards chosen "
+                f"margin {rec['eval_reward_margin']:.3f}{_extra(rec, 'eval_')}  rewards chosen "
                 f"{rec['eval_rewards_chosen']:.3f} rejected {rec['eval_rewards_rejected']:.3f}"
                 if "eval_reward_margin" in rec
                 else f"ppl {rec['eval_ppl']:.2f}"
@@ -124,7 +124,7 @@ class ConsoleSink:
         gn = rec["grad_norm"]
         mfu = f"  mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
         if "reward_margin" in rec:  # a preference objective
-            mfu = f"  margin {rec['reward_margin']:.3f}  acc {rec['reward_accuracy']:.2f}" + mfu
+            mfu = f"  margin {rec['reward_margin']:.3f}{_extra(rec)}" + mfu
         elif "zero_std_share" in rec:  # grpo: the rewards, the completions, generation's share of the time
             share = f"  gen {rec['generation_share']:.0%}" if "generation_share" in rec else ""
             # (no reward: every function gave None in the interval; no std: one completion scored)
@@ -153,3 +153,10 @@ class ConsoleSink:
             self._bar.close()
             self._redirect.__exit__(None, None, None)
             self._bar = self._redirect = None
+
+
+def _extra(rec: dict[str, Any], prefix: str = "") -> str:
+    """A preference objective's line after the margin: the pairs' accuracy; kto's KL reference point instead."""
+    if f"{prefix}reward_accuracy" in rec:
+        return f"  acc {rec[prefix + 'reward_accuracy']:.2f}"
+    return f"  kl {rec[prefix + 'kl']:.4f}" if f"{prefix}kl" in rec else ""

@@ -9,6 +9,7 @@
 - `reference_free.py`: SimPO and ORPO;
 - `reference.py`: the reference's log-probs, computed once before training from the model as it
   starts (with LoRA: the base, the adapters adding nothing yet) and cached with the data;
+- `kto.py`: KTO over unpaired rows (each beside its mismatched pair), against the reference's log-probs;
 - `reward.py`: a reward model (train.objective reward): TRL's RewardTrainer's loss over each pair's scores;
 - `grpo.py`: GRPO and its relatives (train.objective: grpo): the advantages of a step's completions and
   the clipped policy loss (generation and rewards: trainer/rl/).
@@ -40,6 +41,10 @@ def make(exp: Any) -> Any:
 
         return GRPO(exp.train.rl, 1, exp.train.grad_accum)  # its world is set when the run is prepared
 
+    if exp.train.objective == "kto":
+        from trainer.objectives.kto import KTO
+
+        return KTO(exp.train.preference, exp.train.kto)
     if exp.train.objective == "reward":
         from trainer.objectives.reward import Reward
 

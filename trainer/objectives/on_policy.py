@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from trainer.data.pack import IGNORE
+from trainer.data.step_stream import StepStream
 from trainer.data.stream import Position
 
 DATA, STUDENT, TEACHER = "the data's", "the student's", "the teacher's"
@@ -94,45 +95,23 @@ def rows_of(examples: list[tuple[list[int], list[int]]], multiple: int, seq_len:
     return torch.from_numpy(out)
 
 
-class PolicyStream:
+class PolicyStream(StepStream):
     """See the module's doc. `attach` gives it the student's sampler (and the teacher's, with seq_kd) once the
     engine exists; everything else is its TrainStream's (the position, the checkpoint's, the eval's)."""
 
     def __init__(self, inner: Any, settings: Any, *, seed: int, seq_len: int, pack: bool = False) -> None:
-        self.inner, self.d, self.seed, self.seq_len, self.pack = inner, settings, seed, seq_len, pack
+        super().__init__(inner)
+        self.d, self.seed, self.seq_len, self.pack = settings, seed, seq_len, pack
         self.capped = False  # (said once: a step's longest prompt left less than max_new_tokens in seq_len)
         self.samplers: dict[str, Any] = {}
-        self.queue: list[Any] | None = None
         self.fed = 0
         self.counts = {DATA: 0, STUDENT: 0, TEACHER: 0, "completions": 0, "tokens": 0}  # since the last log
 
     def attach(self, student: Any, teacher: Any = None) -> None:
         self.samplers = {STUDENT: student, TEACHER: teacher}
 
-    def __getattr__(self, name: str) -> Any:  # the TrainStream's (sampler, steps_per_epoch, padding...)
-        return getattr(self.inner, name)
-
-    @property
-    def position(self) -> Position:
-        return self.inner.position
-
-    @property
-    def record(self) -> Any:
-        return self.inner.record
-
-    @record.setter
-    def record(self, value: Any) -> None:
-        self.inner.record = value
-
-    def seek(self, position: Position) -> None:
-        self.inner.seek(position)
-        self.queue = None
-
     def step_tokens(self, micro_steps: int) -> int | None:
         return self.fed if self.queue is not None else self.inner.step_tokens(micro_steps)
-
-    def next(self) -> Any:
-        return self.queue.pop(0) if self.queue is not None else self.inner.next()
 
     def loss_denominator(self, micro_steps: int) -> float | None:
         """A step begins: its kind drawn; on a generated step its completions sampled (every rank together) and the

@@ -72,8 +72,11 @@ def summary(
     prefs = [r for r in train if "reward_margin" in r]
     if prefs:
         first, final = prefs[0], prefs[-1]
-        rows.append(("reward margin / accuracy", f"{first['reward_margin']:.3f} / {first['reward_accuracy']:.2f} at "
-                     f"step {first['step']} -> {final['reward_margin']:.3f} / {final['reward_accuracy']:.2f}"))  # fmt: skip
+        acc = "reward_accuracy" in first  # (kto's rows are unpaired: a margin, no accuracy)
+        show = (lambda r: f"{r['reward_margin']:.3f} / {r['reward_accuracy']:.2f}") if acc else (
+            lambda r: f"{r['reward_margin']:.3f}")  # fmt: skip
+        rows.append(("reward margin / accuracy" if acc else "reward margin",
+                     f"{show(first)} at step {first['step']} -> {show(final)}"))  # fmt: skip
     rl = [r for r in train if r.get("reward") is not None]  # grpo: the combined reward, first and final
     if rl:
         rows.append(
@@ -81,8 +84,9 @@ def summary(
         )
     if evals and "eval_reward_margin" in evals[-1]:
         e = evals[-1]
-        rows.append(("final eval loss (margin / accuracy)",
-                     f"{e['eval_loss']:.4f} ({e['eval_reward_margin']:.3f} / {e['eval_reward_accuracy']:.2f})"))  # fmt: skip
+        acc = f" / {e['eval_reward_accuracy']:.2f}" if "eval_reward_accuracy" in e else ""
+        rows.append((f"final eval loss (margin{' / accuracy' if acc else ''})",
+                     f"{e['eval_loss']:.4f} ({e['eval_reward_margin']:.3f}{acc})"))  # fmt: skip
     elif evals and "eval_ppl" not in evals[-1]:
         rows.append(("final eval loss (the divergence to the teacher)", f"{evals[-1]['eval_loss']:.4f}"))
     elif evals:
@@ -186,7 +190,8 @@ def plot(run_dir: Path, train: list[dict[str, Any]], evals: list[dict[str, Any]]
         twin = ax.twinx()
         at = [r["step"] for r in prefs]
         twin.plot(at, [r["reward_margin"] for r in prefs], color="tab:cyan", label="reward margin")
-        twin.plot(at, [r["reward_accuracy"] for r in prefs], color="tab:olive", label="reward accuracy")
+        if "reward_accuracy" in prefs[0]:
+            twin.plot(at, [r["reward_accuracy"] for r in prefs], color="tab:olive", label="reward accuracy")
         twin.legend(loc="upper right")
         ax.set_title("loss; reward margin and accuracy")
     rl = [r for r in train if "zero_std_share" in r]  # grpo: the reward curve, combined and each function's

@@ -165,10 +165,17 @@ def prepare_objective(
         objective.attach(data, engine.ds.module)  # (the margins, the pad token its score is read by)
         return [f"objective: {objective.describe()}; each pair's two responses in one forward, pad token "
                 f"{objective.pad_id}"]  # fmt: skip
-    lines = [f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward; "
-             + ("dropout off (train.preference.disable_dropout, as TRL: the reference is computed without it)"
-                if exp.train.preference.disable_dropout else "the model's dropout kept (train.preference."
-                "disable_dropout: false): the policy differs from its reference from the first step")]  # fmt: skip
+    if exp.train.objective == "kto":
+        from trainer.objectives.kto import prepare as kto_prepare
+
+        lines = kto_prepare(objective, engine, data, stream, env.rank == 0)
+    else:
+        lines = [
+            f"objective: {objective.describe()}: each pair's chosen and rejected responses in one forward"
+        ]
+    lines[0] += ("; dropout off (train.preference.disable_dropout, as TRL: the reference is computed without it)"
+                 if exp.train.preference.disable_dropout else "; the model's dropout kept (train.preference."
+                 "disable_dropout: false): the policy differs from its reference from the first step")  # fmt: skip
     if objective.needs_reference:
         from trainer.objectives.reference import prepare
 
@@ -201,7 +208,7 @@ def claim_and_agree(
     if data.built:
         why = f" (rebuilt: {data.rebuilt}; the earlier cache is not reused)" if data.rebuilt else ""
         log.info(f"data: tokenized and cached in {data.cache_path}{why}")
-    if exp.train.objective in ("dpo", "ipo"):  # what the reference's log-probs depend on (reference.py)
+    if exp.train.objective in ("dpo", "ipo", "kto"):  # what the reference's log-probs depend on: reference.py
         from trainer.objectives.reference import reference_key
 
         data.fingerprint["reference"] = reference_key(
@@ -326,6 +333,10 @@ def data_for_rank(
                                accum=t.grad_accum, seed=exp.seed, seq_len=exp.data.seq_len, tokenizer=data.tokenizer)  # fmt: skip
         return stream, Evaluator(None, 0, env.world_size, None)
     stream = data_mod.TrainStream(data, exp.data, seed=exp.seed, accum=t.grad_accum, **where)
+    if t.objective == "kto" and t.kto.loss_type == "kto":  # the step's KL reference point at its start
+        from trainer.objectives.kto import KLStream
+
+        stream = KLStream(stream)  # (its objective and engine: kto.prepare)
     if t.objective == "distill" and (t.distill.lmbda > 0 or t.distill.seq_kd):  # completions sampled a step
         from trainer.objectives.on_policy import PolicyStream
 

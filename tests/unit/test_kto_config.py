@@ -1,0 +1,52 @@
+"""train.objective kto's bad input (issue 74): a row without a label (or with one that is not true or false) stops
+the run with exit 2 naming the file's line and the fix, before a model loads (--prepare-data too); the config's
+contradictions are refused by --print-config naming the key: unpaired rows with another objective, kto over
+preference or chat data, train.kto with another objective, train_on_prompt, weights that are not positive, an
+unknown loss type. A saved tiny-kto experiment validates as it was written (a resume compares the two)."""
+
+import json
+
+import pytest
+from helpers import ROOT, cli, refused_by_print_config
+
+EXP = ROOT / "configs" / "experiments" / "tiny-kto.yaml"
+
+BAD = {
+    "unpaired-with-dpo": (["train.objective=dpo"], ["data.train.kind", "train.objective: kto"]),
+    "kto-over-pairs": (["data.train.kind=preference"], ["data.train.kind", "kind unpaired", "taken apart"]),
+    "kto-over-chat": (["data.train.kind=chat"], ["data.train.kind", "kind unpaired"]),
+    "kto-section-elsewhere": (["train.objective=dpo", "data.train.kind=preference", "train.kto.desirable_weight=2"],
+                              ["train.kto", "is train.objective kto's"]),
+    "train-on-prompt": (["data.train_on_prompt=true"], ["data.train_on_prompt", "set it false"]),
+    "zero-weight": (["train.kto.undesirable_weight=0"], ["undesirable_weight"]),
+    "loss-type": (["train.kto.loss_type=bco"], ["loss_type"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_kto_key_exits_2_naming_the_file_the_key_and_the_fix(name, tmp_path, capsys):
+    refused_by_print_config(EXP, *BAD[name], tmp_path, capsys)
+
+
+def test_a_saved_kto_experiment_validates_as_it_was_written():
+    import yaml
+
+    from trainer.config import load, validate
+
+    exp = load(EXP, ["train.kto.loss_type=apo_zero_unpaired"])
+    assert validate(yaml.safe_load(exp.to_yaml())).to_dict() == exp.to_dict()
+
+
+@pytest.mark.parametrize("mode", ["run", "prepare-data"])
+def test_a_row_without_a_label_exits_2_naming_its_line_before_a_model_loads(tmp_path, mode):
+    rows = [{"prompt": "q0?", "completion": " yes", "label": True}, {"prompt": "q1?", "completion": " no"},
+            {"prompt": "q2?", "completion": " maybe", "label": False}]  # fmt: skip
+    path = tmp_path / "feedback.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = {"train.objective": "kto", "data.train.files": str(path), "data.train.kind": "unpaired",
+            "data.eval_fraction": 0, "train.eval_every": 0, "train.max_steps": 2, "train.micro_batch_size": 1,
+            "data.cache_dir": str(tmp_path / "cache"), "run_dir": str(tmp_path / "run"), "checkpoint.every_steps": 0}  # fmt: skip
+    code, out = cli(sets, *(["--prepare-data"] if mode == "prepare-data" else []))
+    assert code == 2 and "Traceback" not in out, out[-3000:]
+    assert "feedback.jsonl:2" in out and "the row has no label" in out and "give true" in out, out[-3000:]
+    assert "model:" not in out  # before the model
