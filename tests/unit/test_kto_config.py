@@ -50,3 +50,22 @@ def test_a_row_without_a_label_exits_2_naming_its_line_before_a_model_loads(tmp_
     assert code == 2 and "Traceback" not in out, out[-3000:]
     assert "feedback.jsonl:2" in out and "the row has no label" in out and "give true" in out, out[-3000:]
     assert "model:" not in out  # before the model
+
+
+def test_a_resume_whose_labels_changed_is_refused_as_changed_data(tmp_path):
+    """The labels are the training signal but not in the rows: a resume over the same rows with a label flipped
+    (the same tokens) must be refused as other data, as a changed token is (checkpoint.on_data_change: error)."""
+    rows = [{"prompt": f"q{i}?", "completion": f" a{i}", "label": i % 2 == 0} for i in range(8)]
+    path = tmp_path / "feedback.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = {"train.objective": "kto", "data.train.files": str(path), "data.train.kind": "unpaired",
+            "data.eval_fraction": 0, "train.eval_every": 0, "train.max_steps": 2, "train.micro_batch_size": 4,
+            "data.cache_dir": str(tmp_path / "cache"), "run_dir": str(tmp_path / "run"), "checkpoint.every_steps": 2}  # fmt: skip
+    code, out = cli(sets)
+    assert code == 0, out[-3000:]
+    rows[3]["label"] = not rows[3]["label"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out = cli(
+        {**sets, "train.max_steps": 4}, "--resume", str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    )
+    assert code == 2 and "the training data differs" in out and "labels" in out, out[-3000:]

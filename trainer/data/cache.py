@@ -26,8 +26,8 @@ import numpy as np
 from trainer.common.errors import UserError
 from trainer.common.files import file_lock, write_atomic
 from trainer.config import DataSection
-from trainer.data.image_rows import images_digest, save_images, stale_images, stored_images
-from trainer.data.keys import cache_key, file_digest, rebuilt_why
+from trainer.data.image_rows import save_images, stale_images, stored_images
+from trainer.data.keys import cache_key, data_changes, file_digest, rebuilt_why, side_digests  # noqa: F401
 from trainer.data.pack import IGNORE, blocks, fill_blocks, tokenize_documents
 from trainer.data.prompts import read_columns
 from trainer.data.sources import _where, load_raw
@@ -124,7 +124,7 @@ def build(
         "train_digest": meta["train_digest"],
         "sources": meta["train"],
         "tokenizer": meta["tokenizer"],
-        **{k: meta[k] for k in ("images_digest",) if k in meta},  # the pixels the rows' images hold
+        **{k: meta[k] for k in ("images_digest", "margins_digest") if k in meta},  # pixels; labels, margins
     }
     return Data(
         **stored_images(final, (meta.get("finetune") or {}).get("vision")),
@@ -172,48 +172,6 @@ def row_lengths(rows: np.ndarray) -> np.ndarray:
     has = labels != IGNORE
     last = labels.shape[1] - np.argmax(has[:, ::-1], axis=1)
     return np.where(has.any(axis=1), last, 1).astype(np.int32)
-
-
-def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """How the training data differs from the data a checkpoint was trained on (both `Data.fingerprint`),
-    each difference in words; [] when the packed sequences are the same (a file that was only touched
-    or re-tokenized to the same tokens is no change)."""
-    out = [f"{what}: {saved.get(key)} at the checkpoint, {now[key]} now{why}" for key, what, why in (
-        ("reference", "the reference's log-probs (train.objective dpo or ipo) computed for",
-         " (another model, precision or data); a resumed run keeps its reference"),
-        ("teacher", "the teacher (train.distill.teacher)", "")) if key in now and saved.get(key) != now[key]]  # fmt: skip
-    if saved.get("images_digest") != now.get("images_digest"):
-        out.append("the images' pixels differ from the checkpoint's (an image file changed since)")
-    if (
-        saved.get("train_digest") == now["train_digest"]
-        and saved.get("train_sequences") == now["train_sequences"]
-    ):
-        return out
-    if saved.get("train_sequences") != now["train_sequences"]:
-        out.append(
-            f"training sequences: {saved.get('train_sequences')} at the checkpoint, {now['train_sequences']} now"
-        )
-    else:
-        out.append(f"the same number of training sequences ({now['train_sequences']}) with other tokens")
-    if saved.get("tokenizer") != now["tokenizer"]:
-        out.append(f"tokenizer: {saved.get('tokenizer')} at the checkpoint, {now['tokenizer']} now")
-    before, after = saved.get("sources") or {}, now["sources"]
-    if "files" in before and "files" in after:
-        old = {f[0]: (f[1], f[2]) for f in before["files"]}
-        new = {f[0]: (f[1], f[2]) for f in after["files"]}
-        for path in sorted(old.keys() - new.keys()):
-            out.append(f"{path}: gone")
-        for path in sorted(new.keys() - old.keys()):
-            out.append(f"{path}: new ({new[path][0]:,} bytes)")
-        for path in sorted(old.keys() & new.keys()):
-            (s0, t0), (s1, t1) = old[path], new[path]
-            if s0 != s1:
-                out.append(f"{path}: {s0:,} bytes at the checkpoint, {s1:,} now")
-            elif t0 != t1:
-                out.append(f"{path}: modified since the checkpoint (same size)")
-    elif before != after:
-        out.append(f"source: {before} at the checkpoint, {after} now")
-    return out
 
 
 def _build_cache(
@@ -316,7 +274,7 @@ def _publish(final: Path, write_train: Any, write_eval: Any, meta: dict[str, Any
         write_train(tmp)
         if write_eval is not None:
             write_eval(tmp)
-        meta = {**meta, "train_digest": file_digest(tmp / "train.npy"), **images_digest(tmp)}
+        meta = {**meta, "train_digest": file_digest(tmp / "train.npy"), **side_digests(tmp)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         try:
             os.rename(tmp, final)

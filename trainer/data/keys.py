@@ -159,3 +159,60 @@ def file_digest(path: Path, chunk: int = 1 << 24) -> str:
     from trainer.common.files import hash_file
 
     return hash_file(path, hashlib.sha256(), chunk)
+
+
+def side_digests(directory: Path) -> dict[str, str]:
+    """What the training rows hold beside their tokens, digested for the fingerprint (a resume over other values
+    is other data): the images' pixels (images_digest), the unpaired rows' labels or the pairs' margins
+    (margins_digest, margins.npy); {} for neither."""
+    from trainer.data.image_rows import images_digest
+
+    margins = directory / "margins.npy"
+    return {
+        **images_digest(directory),
+        **({"margins_digest": file_digest(margins)} if margins.exists() else {}),
+    }
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the training data differs from the data a checkpoint was trained on (both `Data.fingerprint`),
+    each difference in words; [] when the packed sequences are the same (a file that was only touched
+    or re-tokenized to the same tokens is no change)."""
+    out = [f"{what}: {saved.get(key)} at the checkpoint, {now[key]} now{why}" for key, what, why in (
+        ("reference", "the reference's log-probs (train.objective dpo or ipo) computed for",
+         " (another model, precision or data); a resumed run keeps its reference"),
+        ("teacher", "the teacher (train.distill.teacher)", "")) if key in now and saved.get(key) != now[key]]  # fmt: skip
+    if saved.get("images_digest") != now.get("images_digest"):
+        out.append("the images' pixels differ from the checkpoint's (an image file changed since)")
+    if saved.get("margins_digest") != now.get("margins_digest"):
+        out.append("the rows' labels (unpaired data) or the pairs' margins differ from the checkpoint's")
+    if (
+        saved.get("train_digest") == now["train_digest"]
+        and saved.get("train_sequences") == now["train_sequences"]
+    ):
+        return out
+    if saved.get("train_sequences") != now["train_sequences"]:
+        out.append(
+            f"training sequences: {saved.get('train_sequences')} at the checkpoint, {now['train_sequences']} now"
+        )
+    else:
+        out.append(f"the same number of training sequences ({now['train_sequences']}) with other tokens")
+    if saved.get("tokenizer") != now["tokenizer"]:
+        out.append(f"tokenizer: {saved.get('tokenizer')} at the checkpoint, {now['tokenizer']} now")
+    before, after = saved.get("sources") or {}, now["sources"]
+    if "files" in before and "files" in after:
+        old = {f[0]: (f[1], f[2]) for f in before["files"]}
+        new = {f[0]: (f[1], f[2]) for f in after["files"]}
+        for path in sorted(old.keys() - new.keys()):
+            out.append(f"{path}: gone")
+        for path in sorted(new.keys() - old.keys()):
+            out.append(f"{path}: new ({new[path][0]:,} bytes)")
+        for path in sorted(old.keys() & new.keys()):
+            (s0, t0), (s1, t1) = old[path], new[path]
+            if s0 != s1:
+                out.append(f"{path}: {s0:,} bytes at the checkpoint, {s1:,} now")
+            elif t0 != t1:
+                out.append(f"{path}: modified since the checkpoint (same size)")
+    elif before != after:
+        out.append(f"source: {before} at the checkpoint, {after} now")
+    return out
