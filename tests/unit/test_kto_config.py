@@ -20,6 +20,8 @@ BAD = {
     "train-on-prompt": (["data.train_on_prompt=true"], ["data.train_on_prompt", "set it false"]),
     "zero-weight": (["train.kto.undesirable_weight=0"], ["undesirable_weight"]),
     "loss-type": (["train.kto.loss_type=bco"], ["loss_type"]),
+    "label-smoothing": (["train.preference.label_smoothing=0.1"], ["train.preference.label_smoothing", "kto has no"]),
+    "gamma": (["train.preference.gamma=1.0"], ["train.preference.gamma", "remove it"]),
 }  # fmt: skip
 
 

@@ -23,6 +23,8 @@ BAD = {
     "infinite-centring": (["train.reward.center_rewards_coefficient=inf"], ["center_rewards_coefficient"]),
     "margin-field-for-dpo": (["train.objective=dpo", "train.reward.center_rewards_coefficient=null",
                               "data.train.margin_field=mm"], ["data.train.margin_field", "is train.objective reward's"]),
+    "beta": (["train.preference.beta=0.5"], ["train.preference.beta", "reward has no beta"]),
+    "label-smoothing": (["train.preference.label_smoothing=0.1"], ["train.preference.label_smoothing", "remove it"]),
 }  # fmt: skip
 
 

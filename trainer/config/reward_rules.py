@@ -60,3 +60,14 @@ def _kto(exp: Experiment) -> list[tuple[str, str]]:
         out.append(("data.train_on_prompt", "kto scores a response after its prompt (each row's mismatched pair "
                     "takes another row's response from its first target); set it false"))  # fmt: skip
     return out
+
+
+@contradiction
+def _preference_keys(exp: Experiment) -> list[tuple[str, str]]:
+    """train.preference's keys that reward and kto have no use for are refused, not ignored (as written: a saved
+    experiment holds the defaults)."""
+    t, owner = exp.train, {"beta": "the pair objectives", "label_smoothing": "dpo", "gamma": "simpo"}
+    unused = {"reward": ("beta", "label_smoothing", "gamma"), "kto": ("label_smoothing", "gamma")}
+    default = type(t.preference)()
+    return [(f"train.preference.{k}", f"{t.objective} has no {k} ({owner[k]}'s); remove it")
+            for k in unused.get(t.objective, ()) if getattr(t.preference, k) != getattr(default, k)]  # fmt: skip
