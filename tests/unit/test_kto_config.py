@@ -71,3 +71,20 @@ def test_a_resume_whose_labels_changed_is_refused_as_changed_data(tmp_path):
         {**sets, "train.max_steps": 4}, "--resume", str(tmp_path / "run" / "checkpoints" / "step_00000002")
     )
     assert code == 2 and "the training data differs" in out and "labels" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("objective", ["kto", "dpo"])
+def test_overfit_batch_learns_one_fixed_batch_of_rows_and_pairs(objective, tmp_path):
+    """--overfit-batch over preference rows crashed (a Pairs batch has no dim()); kto's step takes its KL from the
+    fixed batch."""
+    from helpers import bin_train
+
+    dpo = ["--set", "train.objective=dpo", "--set", "data.train.kind=preference", "--set",
+           f"data.train.files={ROOT / 'data' / 'tiny' / 'python_prefs.jsonl'}"]  # fmt: skip
+    p = bin_train(EXP, "--overfit-batch", "--set", f"run_dir={tmp_path / 'run'}", "--set", "train.max_steps=30",
+                  "--set", "train.micro_batch_size=4", "--set", "train.log_every=5", *(dpo if objective == "dpo" else []))  # fmt: skip
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Traceback" not in out, out[-3000:]
+    line = next(x for x in out.splitlines() if "overfit-batch: loss" in x)
+    first, last = (float(v) for v in line.split("loss ")[1].split(" on ")[0].split(" -> "))
+    assert last < first, line

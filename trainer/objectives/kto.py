@@ -156,19 +156,24 @@ class KLStream(StepStream):
         self.engine: Any = None
 
     def loss_denominator(self, micro_steps: int) -> float | None:
-        import torch.distributed as dist
-
         out = self.inner.loss_denominator(micro_steps)
         self.queue = [self.inner.next() for _ in range(micro_steps)]
+        self.step_start(self.queue)
+        return out
+
+    def step_start(self, batches: list[Any]) -> None:
+        """The objective's KL from this rank's micro batches of the step and every other rank's (one all-reduce;
+        --overfit-batch calls it with its fixed batch)."""
+        import torch.distributed as dist
+
         engine = self.engine
         total = torch.zeros(2, dtype=torch.float64, device=engine.device)
-        for batch in self.queue:
+        for batch in batches:
             s, n = self.objective.pair_kl(engine.ds, batch.to(engine.device))
             total += torch.stack([s, torch.tensor(float(n), dtype=torch.float64, device=engine.device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
         self.objective.step_kl(max(float(total[0] / total[1]), 0.0))
-        return out
 
 
 def imbalance(desirable: int, undesirable: int, dw: float, uw: float) -> str | None:

@@ -52,6 +52,9 @@ class FixedBatch:
         ranks x micro steps; every micro step is the same batch. So the loss is the mean over the
         targets (under sequence parallelism too: not over positions), a rank whose batch has no target
         adds 0 (not NaN). None for token blocks (every micro batch as many targets)."""
+        start = getattr(self._stream, "step_start", None)  # (kto: the step's KL over its micro batches)
+        if start is not None:
+            start([self.batch] * micro_steps)
         if self.targets is None:
             return None
         return max(self.targets * micro_steps, 1) / (self.sampler.world * micro_steps)
@@ -59,9 +62,10 @@ class FixedBatch:
     def step_tokens(self, micro_steps: int) -> int | None:
         """Fine-tuning rows: this rank's batch as fed, counted for every rank (the ranks' batches differ
         in width; --overfit-batch does not gather them)."""
-        if self.batch.dim() != 3:
+        rows = getattr(self.batch, "rows", self.batch)  # (preference pairs: their rows)
+        if rows.dim() != 3:
             return None
-        return int(self.batch.shape[0] * self.batch.shape[-1]) * self.sampler.world * micro_steps
+        return int(rows.shape[0] * rows.shape[-1]) * self.sampler.world * micro_steps
 
     def next(self) -> Any:
         if self.record is not None:
