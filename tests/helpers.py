@@ -605,10 +605,12 @@ SPLITS = {
 }
 
 
-def split_losses(tmp: Path, sets_for, names=tuple(SPLITS), check=None) -> dict[str, dict[int, float]]:
+def split_losses(
+    tmp: Path, sets_for, names=tuple(SPLITS), check=None, rel: float = 1e-6
+) -> dict[str, dict[int, float]]:
     """Per-step losses of each split in `names` (sets_for(split) gives the run's sets; `check(result)`,
     if given, is asserted on each run), and the assertion that every split logs micro4's losses at
-    every step within 1e-6 relative."""
+    every step within `rel` (1e-6 relative)."""
     losses = {}
     for name in names:
         split, launcher, n = SPLITS[name]
@@ -619,7 +621,7 @@ def split_losses(tmp: Path, sets_for, names=tuple(SPLITS), check=None) -> dict[s
     ref = losses[names[0]]
     for name in names[1:]:
         for step, value in ref.items():
-            assert losses[name][step] == pytest.approx(value, rel=1e-6), (name, step, losses[name], ref)
+            assert losses[name][step] == pytest.approx(value, rel=rel), (name, step, losses[name], ref)
     return losses
 
 

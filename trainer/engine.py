@@ -165,15 +165,15 @@ class Engine:
         self.step()
         return out
 
-    def eval_loss(self, batch: Any) -> Any:
-        """The summed loss of a batch's targets (`eval_weight` is their count)."""
+    def eval_loss(self, batch: Any, split: str = "eval") -> Any:
+        """The summed loss of a batch's targets (`eval_weight`: their count); `split` train: training rows (--check)."""
         import torch
 
         if self.pipe is not None:  # through the stages: averaged over the data-parallel ranks
             return self.pipe.eval(batch)
         with torch.no_grad():
             if self.objective is not None:  # the pairs' losses, summed (eval_weight: the pairs)
-                return self.objective.forward(self.ds, batch.to(self.device), training=False, split="eval")
+                return self.objective.forward(self.ds, batch.to(self.device), training=False, split=split)
             experts = self.experts  # eval: the LM loss alone (no auxiliary term), no expert load counted
             self.experts = None if experts is None else (experts[0], None)
             try:

@@ -72,8 +72,14 @@ def qwen3():
     return AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
 
 
+def targets(side):
+    return int((side[1] != -100).sum())
+
+
 @pytest.mark.parametrize("data", ["text", "chat"])
-def test_each_row_and_its_mismatched_pair_are_trls_tokens(data):
+def test_each_row_and_its_mismatched_pair_are_trls_tokens_and_completion_mask(data):
+    """The tokens and, as targets, TRL's completion mask: every token after the prompt (chat: ChatML's newline after
+    <|im_end|> too, which the review found left out)."""
     tok = byte_tokenizer() if data == "text" else qwen3()
     rows_in = TEXT if data == "text" else CHAT
     rows, stats = our_rows(rows_in, tok)
@@ -85,23 +91,68 @@ def test_each_row_and_its_mismatched_pair_are_trls_tokens(data):
         assert real(ours[0]) == t["prompt_ids"] + t["completion_ids"]
         assert real(ours[1]) == t["prompt_ids"] + t["KL_completion_ids"]
         first = int(np.argmax(ours[0, 1] != -100))
-        assert first == len(t["prompt_ids"])  # the completion's first token is the first target
-        assert int(np.argmax(ours[1, 1] != -100)) == first
+        assert first == len(t["prompt_ids"]) and int(np.argmax(ours[1, 1] != -100)) == first
+        assert (targets(ours[0]), targets(ours[1])) == (len(t["completion_ids"]), len(t["KL_completion_ids"]))
 
 
-def test_preference_pairs_as_unpaired_rows_are_taken_apart_as_trls():
-    """kind unpaired over pairs (prompt, chosen, rejected): TRL's unpair_preference_dataset's rows (every chosen
-    response, then every rejected one) and its mismatched pairs over them, token for token, and its labels."""
-    pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": TEXT[(i + 1) % 4]["completion"]}
-             for i, r in enumerate(TEXT)]  # fmt: skip
+def test_a_truncated_rows_completion_makes_its_neighbours_pair_whole_then_cut_as_trls_collator():
+    """seq_len 40: TRL's collator cuts prompt + the other row's whole completion at max_length; the review found the
+    pair built from the other row's already-truncated completion (22 targets where TRL's has 49)."""
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
+
+    data = [
+        dict(TEXT[0], completion="a long answer " * 6),
+        TEXT[3],
+        TEXT[1],
+        TEXT[2],
+    ]  # (row 1: a short prompt)
+    tok = byte_tokenizer()
+    rows, _ = our_rows(data, tok, "data.seq_len=40")
+    theirs = DataCollatorForUnpairedPreference(pad_token_id=256, max_length=40)(trl_prepared(data, tok))
+    for ours, ids, mask, kl_ids, kl_mask, attn, kl_attn in zip(rows, theirs["input_ids"], theirs["completion_mask"],
+            theirs["KL_input_ids"], theirs["KL_completion_mask"], theirs["attention_mask"], theirs["KL_attention_mask"],
+            strict=True):  # fmt: skip
+        assert real(ours[0]) == ids[attn.bool()].tolist() and targets(ours[0]) == int(mask.sum())
+        assert real(ours[1]) == kl_ids[kl_attn.bool()].tolist() and targets(ours[1]) == int(kl_mask.sum())
+    assert targets(rows[1][1]) > targets(rows[0][0])  # the long completion, cut only by the pair's end
+
+
+def test_preference_pairs_as_unpaired_rows_are_taken_apart_pair_by_pair():
+    """kind unpaired over pairs (prompt, chosen, rejected): TRL's unpair_preference_dataset's rows, token for token,
+    with their labels, but pair by pair (a held-out tail holds both classes: the review found an eval of rejected
+    responses only, their chosen twins in training); each mismatched pair takes another prompt's completion."""
+    pairs = [
+        {"prompt": r["prompt"], "chosen": r["completion"], "rejected": f"Not {r['completion']}"} for r in TEXT
+    ]
     tok = byte_tokenizer()
     rows, stats = our_rows(pairs, tok)
     theirs = trl_prepared(pairs, tok, batch=8)
-    assert stats["margins"].tolist() == [1.0] * 4 + [0.0] * 4 and stats["examples"] == 8
+    assert stats["margins"].tolist() == [1.0, 0.0] * 4 and stats["examples"] == 8
     assert [t["label"] for t in theirs] == [True] * 4 + [False] * 4
-    for ours, t in zip(rows, theirs, strict=True):
-        assert real(ours[0]) == t["prompt_ids"] + t["completion_ids"]
-        assert real(ours[1]) == t["prompt_ids"] + t["KL_completion_ids"]
+    for k in range(4):  # our rows 2k, 2k + 1: TRL's k (chosen) and 4 + k (rejected)
+        for ours, t in ((rows[2 * k], theirs[k]), (rows[2 * k + 1], theirs[4 + k])):
+            assert real(ours[0]) == t["prompt_ids"] + t["completion_ids"]
+            first = len(t["prompt_ids"])
+            other = real(ours[1])[first:]
+            assert other not in (
+                theirs[k]["completion_ids"],
+                theirs[4 + k]["completion_ids"],
+            )  # another prompt's
+
+
+def test_the_mismatched_pairs_skip_a_run_of_one_prompt_in_one_pass():
+    """Rows answering one prompt side by side take the completion of the nearest row before the run (the review: a
+    search from each row was quadratic in a run's length, 13 s for 16k rows of one prompt)."""
+    from trainer.data.unpaired import others
+
+    assert others(["a", "b", "b", "b", "c"]) == [4, 0, 0, 0, 3]
+    assert others(["a", "a", "b", "a"]) == [2, 2, 1, 2]  # (cyclic: the run wraps round the end)
+    assert others(["a"] * 3) == [2, 0, 1]  # one prompt throughout: the previous row
+    import time
+
+    t = time.perf_counter()
+    assert others(["x"] * 100_000 + ["y"])[:2] == [100_000, 100_000]
+    assert time.perf_counter() - t < 5  # (linear: ~0.1 s; the quadratic search took hours at this size)
 
 
 def tiny_model(seed):
@@ -113,18 +164,18 @@ def tiny_model(seed):
     return GPT2LMHeadModel(cfg).double()
 
 
-def trl_trainer(policy, ref, tmp_path, peft_config=None, **kto):
+def trl_trainer(policy, ref, tmp_path, peft_config=None, data=TEXT, tok=None, **kto):
     import datasets
     from trl import KTOConfig, KTOTrainer
 
     args = KTOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=4,
                      max_length=None, disable_dropout=True, bf16=False, fp16=False, gradient_checkpointing=False,
                      **kto)  # fmt: skip
-    return KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(TEXT),
-                      processing_class=byte_tokenizer(), peft_config=peft_config)  # fmt: skip
+    return KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(data),
+                      processing_class=tok or byte_tokenizer(), peft_config=peft_config)  # fmt: skip
 
 
-def trl_batch(rows, labels):
+def trl_batch(rows, labels, pad=256):
     from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 
     examples = []
@@ -133,7 +184,7 @@ def trl_batch(rows, labels):
         mine, other = real(pair[0]), real(pair[1])
         examples.append({"prompt_ids": mine[:first], "completion_ids": mine[first:],
                          "KL_completion_ids": other[first:], "label": bool(label)})  # fmt: skip
-    return DataCollatorForUnpairedPreference(pad_token_id=256)(examples)
+    return DataCollatorForUnpairedPreference(pad_token_id=pad)(examples)
 
 
 def reference_table(ref, rows):
@@ -169,7 +220,9 @@ def test_the_loss_metrics_and_gradients_equal_trls(case, tmp_path):
 
     mine = copy.deepcopy(policy)
     batch = _collate((rows, np.arange(len(rows))), 1)
-    stream = KLStream(types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None))
+    stream = KLStream(
+        types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None, step_tokens=lambda k: None)
+    )
     stream.objective, stream.engine = objective, types.SimpleNamespace(ds=mine, device="cpu")
     if objective.loss_type == "kto":
         stream.loss_denominator(1)
@@ -196,6 +249,51 @@ def test_the_loss_metrics_and_gradients_equal_trls(case, tmp_path):
     )
 
 
+def qwen3_model(seed, vocab):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab)  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg).double()
+
+
+def test_chat_rows_loss_and_gradients_equal_trls(tmp_path):
+    """Chat rows with Qwen3's published tokenizer and a tiny Qwen3: the loss, the KL and every gradient equal TRL's
+    (the review: the newline after <|im_end|> outside our targets made the log-probs -119.1 against TRL's -131.1)."""
+    tok = qwen3()
+    rows, stats = our_rows(CHAT, tok)
+    policy, ref = qwen3_model(0, len(tok)), qwen3_model(SEED_CHAT, len(tok))
+    objective = make(experiment())
+    objective.reference, objective.labels = {"train": reference_table(ref, rows)}, {"train": stats["margins"]}
+    import copy
+
+    mine = copy.deepcopy(policy)
+    batch = _collate((rows, np.arange(len(rows))), 1)
+    stream = KLStream(
+        types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None, step_tokens=lambda k: None)
+    )
+    stream.objective, stream.engine = objective, types.SimpleNamespace(ds=mine, device="cpu")
+    stream.loss_denominator(1)
+    loss = objective.loss(mine, stream.next())
+    loss.backward()
+    trainer = trl_trainer(policy, ref, tmp_path, data=CHAT, tok=tok)
+    theirs = trainer.compute_loss(trainer.model, trl_batch(rows, stats["margins"], tok.pad_token_id))
+    theirs.backward()
+    kl = trainer._metrics["train"]["kl"][-1]
+    # (the KL a difference of log-probs near -130 in fp32 on both sides: to 1e-4)
+    assert abs(loss.item() - theirs.item()) <= 1e-6 and kl > 1e-3 and abs(objective.kl - kl) <= 1e-4, (
+        loss,
+        kl,
+    )
+    worst = max((a.grad - b.grad).abs().max().item()
+                for a, b in zip(mine.parameters(), trainer.model.parameters(), strict=True))  # fmt: skip
+    assert worst <= 1e-6, worst
+
+
+SEED_CHAT = 1
+
+
 def test_lora_kto_equals_trls_with_the_adapters_disabled_as_the_reference(tmp_path):
     """LoRA: the reference is the base (the adapters disabled), computed once by us for the rows and their pairs,
     by TRL in the step; the adapters made nonzero (as after some steps): the loss, the KL and the adapters'
@@ -217,7 +315,9 @@ def test_lora_kto_equals_trls_with_the_adapters_disabled_as_the_reference(tmp_pa
     objective = make(experiment("train.preference.beta=0.5"))
     objective.reference, objective.labels = {"train": table}, {"train": stats["margins"]}
     batch = _collate((rows, np.arange(len(rows))), 1)
-    stream = KLStream(types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None))
+    stream = KLStream(
+        types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None, step_tokens=lambda k: None)
+    )
     stream.objective, stream.engine = objective, types.SimpleNamespace(ds=model, device="cpu")
     stream.loss_denominator(1)
     loss = objective.loss(model, stream.next())
@@ -252,7 +352,11 @@ def test_the_steps_kl_and_loss_do_not_depend_on_its_micro_batches():
         )
         batches = [_collate((rows[i : i + micro], np.arange(i, i + micro)), 1) for i in range(0, 4, micro)]
         it = iter(batches)
-        stream = KLStream(types.SimpleNamespace(next=lambda it=it: next(it), loss_denominator=lambda k: None))
+        stream = KLStream(
+            types.SimpleNamespace(
+                next=lambda it=it: next(it), loss_denominator=lambda k: None, step_tokens=lambda k: None
+            )
+        )
         stream.objective, stream.engine = objective, types.SimpleNamespace(ds=policy, device="cpu")
         stream.loss_denominator(len(batches))
         total = 0.0
@@ -287,6 +391,16 @@ def test_the_imbalance_warning_has_trls_bounds():
         and imbalance(3, 1, 1.0, 2.5) is None
         and imbalance(2, 2, 1, 5) is None
     )
+    # no desirable row: TRL counts one (max(sum, 1)) and the rest undesirable (the review: our bounds differed)
+    assert imbalance(0, 2, 1.0, 1.0) is None and "desirable_weight in [2.0, 2.66]" in imbalance(
+        0, 3, 1.0, 1.0
+    )
+
+
+def test_labels_as_numbers_one_and_zero_are_read_as_trls():
+    """TRL takes the label column as bool tensors: 1.0 and 0.0 (a float column) are true and false here too."""
+    rows = [dict(TEXT[0], label=1.0), dict(TEXT[1], label=0.0)]
+    assert our_rows(rows, byte_tokenizer())[1]["margins"].tolist() == [1.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -295,6 +409,7 @@ def test_the_imbalance_warning_has_trls_bounds():
         ({"prompt": "Q\n", "completion": "A", "label": None}, "label: the row has no label"),
         ({"prompt": "Q\n", "completion": "A", "label": "yes"}, "label is 'yes'"),
         ({"prompt": "Q\n", "completion": "A", "label": 2}, "label is 2"),
+        ({"prompt": "Q\n", "completion": "A", "label": 0.5}, "label is 0.5"),
         ({"prompt": "Q\n", "completion": "  ", "label": True}, "completion is empty"),
         ({"prompt": [{"role": "user", "content": "Q"}], "completion": "A", "label": True}, "both strings"),
     ],

@@ -329,3 +329,36 @@ def test_two_nodes_writing_the_reference_table_to_a_shared_cache_never_share_a_t
     assert not errors, errors
     with np.load(path) as saved:
         assert np.array_equal(saved["train"], table["train"])
+
+
+def test_chat_pairs_targets_are_trls_completion_mask():
+    """Chat pairs with Qwen3's published tokenizer: our rows are TRL's DPOTrainer._prepare_dataset tokens, and the
+    targets are TRL's completion mask, every token after the prompt (the newline after <|im_end|> too: left out
+    before, so a chat response's log-prob differed from TRL's by that token's)."""
+    pytest.importorskip("trl")
+    import types
+
+    import datasets
+    from helpers import tokenizer_dir
+    from transformers import AutoTokenizer
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
+    pairs = [{"prompt": [{"role": "user", "content": p["prompt"].strip()}],
+              "chosen": [{"role": "assistant", "content": p["chosen"]}],
+              "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in PAIRS]  # fmt: skip
+    from trainer.data.examples import build_rows
+
+    exp = config.load(TINY, ["data.train.kind=preference", "train.objective=dpo"])
+    src = exp.data.train.model_copy(update={"files": None, "hub": "in-memory"})
+    rows, _ = build_rows(datasets.Dataset.from_list(pairs), tok, exp.data, src, "data.train")
+    t = DPOTrainer.__new__(DPOTrainer)
+    t._tokenizer = tok
+    args = types.SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
+    theirs = list(t._prepare_dataset(datasets.Dataset.from_list(pairs), tok, args, "train"))
+    for pair, th in zip(rows, theirs, strict=True):
+        for side, key in zip(pair, ("chosen_ids", "rejected_ids"), strict=True):
+            first = int(np.argmax(side[1] != -100))
+            real = int((side[2, 1:] != 0).argmin()) + 1 if (side[2, 1:] == 0).any() else side.shape[1]
+            assert side[0, :real].tolist() == th["prompt_ids"] + th[key] and first == len(th["prompt_ids"])
+            assert int((side[1] != -100).sum()) == len(th[key])

@@ -6,8 +6,9 @@ chosen_field, rejected_field) as plain text (three strings) or as messages (TRL'
 form: the prompt a list of messages, each response a list of assistant messages), or, with no prompt
 column, `chosen` and `rejected` as whole conversations whose shared beginning is the prompt (TRL's
 implicit prompt). Each response is rendered with the prompt exactly as prompt_completion data is
-(trainer/data/chat.py: the template, the targets = the response's tokens and its end of turn), so a
-pair's two rows start with the same prompt tokens. The same truncation rules apply to the pair: one
+(trainer/data/chat.py: the template), so a pair's two rows start with the same prompt tokens; the
+targets are every token after the prompt, as TRL's DPO and KTO trainers mask a completion (the response, its end
+of turn and what the template writes after it: ChatML's newline after <|im_end|>, `completion_targets`). The same truncation rules apply to the pair: one
 response longer than seq_len truncates both (right) or drops the pair (drop). Pairs are never
 packed: each response is a row of its own, and a pair's rows always travel together (stream.py).
 
@@ -124,6 +125,13 @@ def _without_prompt(prompt: list[Any], response: Any, field: str, prompt_field: 
     )
 
 
+def completion_targets(ex: Example) -> Example:
+    """A response's targets as TRL's preference trainers mask them: every token after the prompt (the response, its
+    end of turn and what the template writes after it, such as ChatML's newline after <|im_end|>)."""
+    first = ex.targets.index(True) if True in ex.targets else len(ex.ids)
+    return Example(ex.ids, [False] * first + [True] * (len(ex.ids) - first), ex.text)
+
+
 class PairCounts:
     """What build_pairs counts for the banner and the cache's meta.json, and each kept pair's margin (the
     margin_field's number where the row has one, else NaN: train.objective reward reads them, margins.npy)."""
@@ -172,7 +180,7 @@ def build_pairs(
                     f"{where(n)}: {field} renders as {len(rendered)} trained turns; a response is one assistant turn "
                     "(with its tool calls)"
                 )
-            pair.append(rendered[0])
+            pair.append(completion_targets(rendered[0]))
         if max(len(e.ids) for e in pair) > seq_len:
             if section.truncation == "drop":
                 c.dropped_long += 1

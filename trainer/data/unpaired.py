@@ -2,22 +2,23 @@
 label (true: desirable, false: undesirable), TRL's unpaired preference format, as plain text (strings) or as
 messages (the prompt a list of messages, the completion a list of assistant messages).
 
-Each row is rendered as prompt_completion data is (the response's tokens and its end of turn the targets), and
-beside it the row's **mismatched pair** for KTO's KL reference point: its own prompt followed by the previous kept
-row's completion (the first row takes the last row's; a previous row of the same prompt is passed over for the
-nearest before it of another), token for token (the prompt's tokens up to the first target,
-the other row's from its first target on), as TRL's KTOTrainer rotates completions by one within each batch of
-`per_device_train_batch_size` of the dataset's order. Here the rotation is over the whole data's order, once, so
-the pairs are data (their reference log-probs computed once, with the rows'); the KL is then the mean over a
-step's pairs (trainer/objectives/kto.py). A mismatched pair longer than seq_len is cut at it (TRL's collator
-truncates the same way); a row longer than seq_len follows data.truncation.
+Each row is rendered as prompt_completion data is (every token after the prompt a target, as TRL's: preference.py
+`completion_targets`), and beside it the row's **mismatched pair** for KTO's KL reference point: its own prompt
+followed by the previous kept row's whole completion (the first row takes the last row's; a previous row of the
+same prompt is passed over for the nearest before it of another), token for token (the prompt's tokens up to the
+first target, the other row's from its first target on, before that row's own truncation), as TRL's KTOTrainer
+rotates completions by one within each batch of `per_device_train_batch_size` of the dataset's order. Here the
+rotation is over the whole data's order, once, so the pairs are data (their reference log-probs computed once,
+with the rows'); the KL is then the mean over a step's pairs (trainer/objectives/kto.py). A mismatched pair longer
+than seq_len is cut at it (as TRL's collator cuts it); a row longer than seq_len follows data.truncation.
 
 Cached as (rows, 2, 3, seq_len) int32 as preference pairs are: [the row, its mismatched pair] x [input_ids,
 labels, position_ids]; the labels (1.0 desirable, 0.0 undesirable) where the pairs' margins are (margins.npy).
 
 Preference pairs (prompt, chosen, rejected: no completion column) given as kind unpaired are taken apart as TRL's
-KTOTrainer does (`unpair_preference_dataset`): each pair's chosen response a desirable row, its rejected one an
-undesirable row, every chosen response first and then every rejected one.
+KTOTrainer takes them apart (`unpair_preference_dataset`), each pair's chosen response a desirable row and its
+rejected one an undesirable row, but pair by pair (TRL: every chosen response of a block of 1,000 pairs, then
+every rejected one), so that a held-out tail or an eval batch holds both classes.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from trainer.config import DataSection, DataSource
 from trainer.data.chat import Example
 from trainer.data.formats import paired
 from trainer.data.pack import pack_examples
-from trainer.data.preference import _empty
+from trainer.data.preference import _empty, completion_targets
 from trainer.data.sources import locator
 
 
 def label_of(row: Mapping[str, Any], src: DataSource, where: Any) -> bool:
-    """A row's label: true or false (1 and 0 read as them); anything else, or none, is refused."""
+    """A row's label: true or false (1 and 0, 1.0 and 0.0 read as them); anything else, or none, is refused."""
     value = row.get(src.label_field)
-    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+    if isinstance(value, bool) or (isinstance(value, int | float) and value in (0, 1)):
         return bool(value)
     what = "has no label" if value is None else f"label is {value!r}"
     raise UserError(f"{where}: {src.label_field}: the row {what}; give true (a desirable response) or false (an "
@@ -65,8 +66,9 @@ def split_row(row: Mapping[str, Any], src: DataSource, where: Any) -> tuple[Any,
 
 def _responses(raw: Any, src: DataSource, where: Any) -> Any:
     """(row number, row, prompt, completion, label) of each response: an unpaired row's; preference pairs taken
-    apart as TRL's unpair_preference_dataset does, every pair's chosen response (true) and then every pair's
-    rejected one (false), so that a row's mismatched pair is another prompt's."""
+    apart pair by pair, the chosen response (true) then the rejected one (false), so that a held-out tail or an eval
+    batch holds both classes (TRL's unpair_preference_dataset puts every chosen response of a block of 1,000 pairs
+    before every rejected one); `mismatched` passes over the pair's own other response."""
     if not paired(src, raw.column_names):
         for n, row in enumerate(raw):
             label = label_of(row, src, where(n))
@@ -74,25 +76,38 @@ def _responses(raw: Any, src: DataSource, where: Any) -> Any:
         return
     from trainer.data.preference import split_pair
 
-    rejected = []
     for n, row in enumerate(raw):
-        prompt, chosen, other = split_pair(row, src, where(n))
-        rejected.append((n, row, prompt, other, False))
+        prompt, chosen, rejected = split_pair(row, src, where(n))
         yield n, row, prompt, chosen, True
-    yield from rejected
+        yield n, row, prompt, rejected, False
+
+
+def others(prompts: list[Any]) -> list[int]:
+    """For each row, the row whose completion makes its mismatched pair: the previous (the first row: the last),
+    or where that answers the same prompt the nearest before it that does not (none: the previous). One pass from a
+    place where the prompt changes, so a long run of one prompt costs no more than other rows."""
+    n = len(prompts)
+    start = next((k for k in range(n) if prompts[k - 1] != prompts[k]), None)
+    if start is None:  # (one prompt throughout: no other to take)
+        return [(i - 1) % n for i in range(n)]
+    out = [0] * n
+    for t in range(n):
+        i = (start + t) % n
+        prev = (i - 1) % n
+        out[i] = prev if prompts[prev] != prompts[i] else out[prev]
+    return out
 
 
 def mismatched(rows: list[Example], seq_len: int) -> list[Example]:
-    """Each row's prompt followed by the previous row's completion (the first row: the last's), cut at seq_len; where
-    the previous row answers the same prompt (its pair would not be mismatched), the nearest before it that does
-    not (none: the previous)."""
+    """Each row's prompt followed by another row's whole completion (`others`), cut at seq_len as TRL's collator
+    cuts the pair; `rows` as rendered, before their own truncation."""
     starts = [ex.targets.index(True) for ex in rows]
-    prompts = [tuple(ex.ids[:p]) for ex, p in zip(rows, starts, strict=True)]
     out = []
-    for i, ex in enumerate(rows):
-        j = next((i - k for k in range(1, len(rows)) if prompts[i - k] != prompts[i]), i - 1)
+    for i, j in enumerate(others([tuple(ex.ids[:p]) for ex, p in zip(rows, starts, strict=True)])):
         p, q, other = starts[i], starts[j], rows[j]
-        out.append(Example(ex.ids[:p] + other.ids[q:], [False] * p + other.targets[q:]).truncated(seq_len))
+        out.append(
+            Example(rows[i].ids[:p] + other.ids[q:], [False] * p + other.targets[q:]).truncated(seq_len)
+        )
     return out
 
 
@@ -104,6 +119,7 @@ def build_unpaired(
     where = locator(src, key)
     seq_len = section.seq_len
     kept: list[Example] = []
+    whole: list[Example] = []  # (each kept row before its truncation: its completion makes another's pair)
     labels: list[float] = []
     n_rows = truncated = dropped_long = no_target = 0
     for n, row, prompt, completion, label in _responses(raw, src, where):
@@ -114,7 +130,8 @@ def build_unpaired(
         if len(rendered) != 1:
             raise UserError(f"{where(n)}: a response renders as {len(rendered)} trained turns; a response is one "
                             "assistant turn (with its tool calls)")  # fmt: skip
-        ex = rendered[0]
+        ex = completion_targets(rendered[0])
+        full = ex
         if len(ex.ids) > seq_len:
             if section.truncation == "drop":
                 dropped_long += 1
@@ -124,11 +141,12 @@ def build_unpaired(
             no_target += 1
             continue
         kept.append(ex)
+        whole.append(full)
         labels.append(1.0 if label else 0.0)
     if not kept:
         raise UserError(f"{key}: no row with a response to train on ({truncated} truncated, {dropped_long} longer than "
                         f"data.seq_len {seq_len} dropped, {no_target} with no target left); raise data.seq_len")  # fmt: skip
-    both = [e for pair in zip(kept, mismatched(kept, seq_len), strict=True) for e in pair]
+    both = [e for pair in zip(kept, mismatched(whole, seq_len), strict=True) for e in pair]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     packed = pack_examples(both, seq_len, pad if pad is not None else 0, one_per_row=True)
     rows = np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)

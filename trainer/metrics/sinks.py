@@ -107,7 +107,9 @@ class ConsoleSink:
     def write(self, rec: dict[str, Any]) -> None:
         if "eval_loss" in rec:
             what = (
-                f"margin {rec['eval_reward_margin']:.3f}{_extra(rec, 'eval_')}  rewards chosen "
+                _unpaired(rec, "eval_")
+                if "eval_desirable" in rec
+                else f"margin {rec['eval_reward_margin']:.3f}  acc {rec['eval_reward_accuracy']:.2f}  rewards chosen "
                 f"{rec['eval_rewards_chosen']:.3f} rejected {rec['eval_rewards_rejected']:.3f}"
                 if "eval_reward_margin" in rec
                 else f"ppl {rec['eval_ppl']:.2f}"
@@ -123,8 +125,10 @@ class ConsoleSink:
             return
         gn = rec["grad_norm"]
         mfu = f"  mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else ""
-        if "reward_margin" in rec:  # a preference objective
-            mfu = f"  margin {rec['reward_margin']:.3f}{_extra(rec)}" + mfu
+        if "desirable" in rec:  # kto's unpaired rows
+            mfu = f"  {_unpaired(rec)}" + mfu
+        elif "reward_margin" in rec:  # a preference objective's pairs
+            mfu = f"  margin {rec['reward_margin']:.3f}  acc {rec['reward_accuracy']:.2f}" + mfu
         elif "zero_std_share" in rec:  # grpo: the rewards, the completions, generation's share of the time
             share = f"  gen {rec['generation_share']:.0%}" if "generation_share" in rec else ""
             # (no reward: every function gave None in the interval; no std: one completion scored)
@@ -155,8 +159,12 @@ class ConsoleSink:
             self._bar = self._redirect = None
 
 
-def _extra(rec: dict[str, Any], prefix: str = "") -> str:
-    """A preference objective's line after the margin: the pairs' accuracy; kto's KL reference point instead."""
-    if f"{prefix}reward_accuracy" in rec:
-        return f"  acc {rec[prefix + 'reward_accuracy']:.2f}"
-    return f"  kl {rec[prefix + 'kl']:.4f}" if f"{prefix}kl" in rec else ""
+def _unpaired(rec: dict[str, Any], prefix: str = "") -> str:
+    """kto's line: the margin (where both classes were seen), the KL reference point, and at an eval each class's
+    mean reward (those seen)."""
+    out = [f"margin {rec[prefix + 'reward_margin']:.3f}"] if f"{prefix}reward_margin" in rec else []
+    out += [f"kl {rec[prefix + 'kl']:.4f}"] if f"{prefix}kl" in rec else []
+    if prefix:
+        out += [f"rewards {k} {rec[prefix + 'rewards_' + k]:.3f}" for k in ("chosen", "rejected")
+                if f"{prefix}rewards_{k}" in rec]  # fmt: skip
+    return "  ".join(out) or f"{rec[prefix + 'rows']} rows"

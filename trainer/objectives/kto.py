@@ -16,8 +16,8 @@ the batch's). Here the mismatched pairs are data (trainer/data/unpaired.py: each
 completion), and the KL is the mean over **every pair of the step**, on every rank: at the step's start `KLStream`
 takes the step's micro batches, runs the policy over their pairs without gradients, and one all-reduce gives the
 same KL to every micro batch of every rank. A step's loss and gradients are therefore the same however it is split
-(ranks, accumulation); with the whole step in one micro batch on one rank it is TRL's. The eval takes each eval
-batch's own pairs (its rank's).
+(ranks, accumulation); where TRL's batch is the whole data in order, on one rank, they are TRL's. An eval's KL is
+the mean over every eval pair, every rank's (`eval_start`, before the eval's batches).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class KTO(PairObjective):
         self.weights = (kto.desirable_weight, kto.undesirable_weight)
         self.labels: dict[str, Any] = {"train": None, "eval": None}  # by row: 1.0 desirable, 0.0 undesirable
         self.kl = 0.0  # the step's reference point (KLStream sets it)
+        self.eval_kl: float | None = None  # the eval set's (eval_start, for one eval)
 
     def describe(self) -> str:
         d, u = self.weights
@@ -82,12 +83,13 @@ class KTO(PairObjective):
         return (logps.detach().double() - ref).sum(), m
 
     def forward(self, ds: Any, batch: Any, training: bool = True, split: str = "train") -> Any:
-        """The rows' losses of one micro batch, summed (training: with the step's KL; eval: the batch's own)."""
+        """The rows' losses of one micro batch, summed: training with the step's KL; an eval with the eval set's
+        (`eval_start`); any other batch without gradients (a probe) with its own pairs'."""
         m = batch.pairs
         idx = batch.index.numpy()
-        if training:
+        if training or (split == "eval" and self.eval_kl is not None):
             logps, _ = response_logps(ds, batch.rows[:m])
-            kl = torch.tensor(self.kl, device=logps.device, dtype=logps.dtype)
+            kl = torch.tensor(self.kl if training else self.eval_kl, device=logps.device, dtype=logps.dtype)
         else:  # (no gradients: the rows and their pairs in one forward)
             both, _ = response_logps(ds, batch.rows)
             logps = both[:m]
@@ -115,6 +117,12 @@ class KTO(PairObjective):
         name = "sums" if split == "train" else "eval_sums"
         setattr(self, name, row if getattr(self, name) is None else getattr(self, name) + row)
 
+    def eval_start(self, engine: Any, batches: Any) -> None:
+        """An eval's KL: the mean over every eval batch's pairs on every rank (one pass without gradients and one
+        all-reduce before the eval's batches), so that the eval loss does not depend on how the eval set is split."""
+        if self.loss_type == "kto":
+            self.eval_kl = kl_over(self, engine, batches, "eval")
+
     def step_kl(self, kl: float) -> None:
         """The step's reference point (every rank's), counted once for the interval's mean."""
         self.kl = kl
@@ -133,6 +141,8 @@ class KTO(PairObjective):
         if dist.is_initialized() and world_size > 1:
             dist.all_reduce(sums)
         setattr(self, name, None)
+        if split == "eval":
+            self.eval_kl = None
         s = dict(zip(STATS, sums.tolist(), strict=True))
         out: dict[str, Any] = {"rows": int(s["rows"]), "desirable": int(s["desirable"])}
         for side, n in (("chosen", s["desirable"]), ("rejected", s["undesirable"])):
@@ -154,32 +164,45 @@ class KLStream(StepStream):
         super().__init__(inner)
         self.objective: Any = None
         self.engine: Any = None
+        self.fed: int | None = None  # the step's tokens, counted before its batches were taken
 
     def loss_denominator(self, micro_steps: int) -> float | None:
         out = self.inner.loss_denominator(micro_steps)
+        self.fed = self.inner.step_tokens(
+            micro_steps
+        )  # (before its batches are taken: the inner is then ahead)
         self.queue = [self.inner.next() for _ in range(micro_steps)]
         self.step_start(self.queue)
         return out
 
-    def step_start(self, batches: list[Any]) -> None:
-        """The objective's KL from this rank's micro batches of the step and every other rank's (one all-reduce;
-        --overfit-batch calls it with its fixed batch)."""
-        import torch.distributed as dist
+    def step_tokens(self, micro_steps: int) -> int | None:
+        return self.fed if self.queue is not None else self.inner.step_tokens(micro_steps)
 
-        engine = self.engine
-        total = torch.zeros(2, dtype=torch.float64, device=engine.device)
-        for batch in batches:
-            s, n = self.objective.pair_kl(engine.ds, batch.to(engine.device))
-            total += torch.stack([s, torch.tensor(float(n), dtype=torch.float64, device=engine.device)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        self.objective.step_kl(max(float(total[0] / total[1]), 0.0))
+    def step_start(self, batches: list[Any]) -> None:
+        """The objective's KL from this rank's micro batches of the step and every other rank's (--overfit-batch
+        calls it with its fixed batch)."""
+        self.objective.step_kl(kl_over(self.objective, self.engine, batches, "train"))
+
+
+def kl_over(objective: KTO, engine: Any, batches: Any, split: str) -> float:
+    """The mean of log pi - log pi_ref over the mismatched pairs of `batches` on every rank (one all-reduce; every
+    rank calls it), clamped at 0."""
+    import torch.distributed as dist
+
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    for batch in batches:
+        s, n = objective.pair_kl(engine.ds, batch.to(engine.device), split)
+        total += torch.stack([s, torch.tensor(float(n), dtype=torch.float64, device=engine.device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return max(float(total[0] / total[1].clamp(min=1)), 0.0)
 
 
 def imbalance(desirable: int, undesirable: int, dw: float, uw: float) -> str | None:
     """TRL's warning where the two classes' counts and weights are out of the KTO paper's range (its Eq. 8: the
     desirable weight x count over the undesirable's within [1, 4/3]), the same bounds; None where they are in it."""
-    d, u = max(desirable, 1), max(undesirable, 1)
+    d = max(desirable, 1)  # (TRL's counts: the undesirable are the rest of the rows after that)
+    u = max(desirable + undesirable - d, 1)
     if d == u:
         return None
     dl, dh = round(u * uw / d, 2), round(u * uw / d * 1.33, 2)

@@ -88,7 +88,8 @@ def summary(
         rows.append((f"final eval loss (margin{' / accuracy' if acc else ''})",
                      f"{e['eval_loss']:.4f} ({e['eval_reward_margin']:.3f}{acc})"))  # fmt: skip
     elif evals and "eval_ppl" not in evals[-1]:
-        rows.append(("final eval loss (the divergence to the teacher)", f"{evals[-1]['eval_loss']:.4f}"))
+        what = "kto, one class" if "eval_desirable" in evals[-1] else "the divergence to the teacher"
+        rows.append((f"final eval loss ({what})", f"{evals[-1]['eval_loss']:.4f}"))
     elif evals:
         rows.append(("final eval loss (ppl)", f"{evals[-1]['eval_loss']:.4f} ({evals[-1]['eval_ppl']:.2f})"))
     mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]

@@ -63,6 +63,8 @@ class Evaluator:
             return None
         self.last_step = step
         engine.train(False)
+        if hasattr(engine.objective, "eval_start"):  # (kto: the eval set's KL, before its batches)
+            engine.objective.eval_start(engine, self.batches)
         total = torch.zeros(2, dtype=torch.float64, device=engine.device)
         for batch in self.batches:  # a mean over batches (text), or over target tokens (fine-tuning)
             total[0] += engine.eval_loss(batch).double()

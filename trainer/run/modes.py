@@ -124,9 +124,11 @@ def dry_run(run: Run) -> int:
 def check_run(run: Run) -> int:
     """--check: the preflight; one training step and the post-step checks; a checkpoint round trip
     (save, take another step, load: the loss on a fixed batch must come back exactly)."""
+    import numpy as np
     import torch
 
     from trainer.checkpoint import Found, Store, read_state, restore
+    from trainer.data.stream import _collate
     from trainer.run import consistency
 
     start(run, checks=True)
@@ -142,11 +144,14 @@ def check_run(run: Run) -> int:
     state.step, state.moved = 1, lr > 0 and engine.applied
     for line in consistency.after_first_step(engine, env.world_size, run.hosts):
         log.info(line)
-    probe = torch.from_numpy(run.data.train[: stream.sampler.micro].astype("int64"))
+    rows = np.asarray(run.data.train[: stream.sampler.micro])
+    probe = (
+        _collate((rows, np.arange(len(rows)))) if rows.ndim == 4 else torch.from_numpy(rows.astype("int64"))
+    )
 
     def probe_loss() -> float:  # the mean over the batch's targets (eval_loss sums them)
         engine.train(False)
-        loss = float(engine.eval_loss(probe)) / max(1.0, float(engine.eval_weight(probe)))
+        loss = float(engine.eval_loss(probe, split="train")) / max(1.0, float(engine.eval_weight(probe)))
         engine.train(True)
         return loss
 
