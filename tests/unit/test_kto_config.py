@@ -124,3 +124,47 @@ def test_the_tokens_of_a_kto_step_are_counted_before_its_batches_are_taken():
     stream.step_start = lambda batches: None
     stream.loss_denominator(2)
     assert stream.step_tokens(2) == 1000  # this step's, counted before its 2 batches were taken
+
+
+def test_a_checkpoint_older_than_the_labels_digest_resumes_and_pairs_without_margins_have_none(tmp_path):
+    """The second review: pairs' caches always hold margins.npy (NaN without a margin column), so every DPO
+    checkpoint made before the digest was kept was refused on resume as 'the pairs' margins differ'. A fingerprint
+    without the key is no difference; pairs without margins record None; a changed digest still is one."""
+    import numpy as np
+
+    from trainer.data import data_changes
+    from trainer.data.keys import side_digests
+
+    now = {
+        "train_digest": "t",
+        "train_sequences": 4,
+        "sources": {},
+        "tokenizer": "byte",
+        "margins_digest": "m",
+    }
+    older = {k: v for k, v in now.items() if k != "margins_digest"}
+    assert data_changes(older, now) == []
+    assert data_changes({**now, "margins_digest": "other"}, now) != []
+    assert data_changes({**now, "margins_digest": None}, now) != []  # (a margin column added since)
+    np.save(tmp_path / "margins.npy", np.full(3, np.nan))
+    assert side_digests(tmp_path) == {"margins_digest": None}
+    np.save(tmp_path / "margins.npy", np.asarray([1.0, 0.0, np.nan]))
+    assert side_digests(tmp_path)["margins_digest"] is not None
+
+
+def test_pairs_taken_apart_hold_out_whole_pairs(tmp_path):
+    """eval_fraction over pairs given as kind unpaired: an odd count held out put one pair's chosen response in
+    training and its rejected one in the eval (the second review's suspicion): 23 pairs at 0.1 hold out 2 pairs
+    (4 rows: 46 x 0.1 rounds to 5), never a half."""
+    from trainer import config
+    from trainer.data import build
+
+    rows = [{"prompt": f"q{i}?", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(23)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    exp = config.load(
+        EXP, [f"data.train.files={path}", "data.eval_fraction=0.1", f"data.cache_dir={tmp_path}"]
+    )
+    data = build(exp.data, exp.seed)
+    assert len(data.eval) % 2 == 0 and len(data.train) % 2 == 0, (len(data.train), len(data.eval))
+    assert data.eval_margins.tolist() == [1.0, 0.0] * (len(data.eval) // 2)

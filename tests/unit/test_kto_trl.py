@@ -120,7 +120,8 @@ def test_a_truncated_rows_completion_makes_its_neighbours_pair_whole_then_cut_as
 def test_preference_pairs_as_unpaired_rows_are_taken_apart_pair_by_pair():
     """kind unpaired over pairs (prompt, chosen, rejected): TRL's unpair_preference_dataset's rows, token for token,
     with their labels, but pair by pair (a held-out tail holds both classes: the review found an eval of rejected
-    responses only, their chosen twins in training); each mismatched pair takes another prompt's completion."""
+    responses only, their chosen twins in training); and TRL's mismatched pairs, each row with the previous pair's
+    response of its own side (the second review: every pair took a rejected response, chosen ones never)."""
     pairs = [
         {"prompt": r["prompt"], "chosen": r["completion"], "rejected": f"Not {r['completion']}"} for r in TEXT
     ]
@@ -129,15 +130,18 @@ def test_preference_pairs_as_unpaired_rows_are_taken_apart_pair_by_pair():
     theirs = trl_prepared(pairs, tok, batch=8)
     assert stats["margins"].tolist() == [1.0, 0.0] * 4 and stats["examples"] == 8
     assert [t["label"] for t in theirs] == [True] * 4 + [False] * 4
-    for k in range(4):  # our rows 2k, 2k + 1: TRL's k (chosen) and 4 + k (rejected)
+    # our rows 2k, 2k + 1: TRL's k (chosen) and 4 + k (rejected), with TRL's mismatched pairs: the previous pair's
+    # response of the same side (TRL's block wraps round from the other side's last: its first pair's differ)
+    for k in range(4):
         for ours, t in ((rows[2 * k], theirs[k]), (rows[2 * k + 1], theirs[4 + k])):
             assert real(ours[0]) == t["prompt_ids"] + t["completion_ids"]
-            first = len(t["prompt_ids"])
-            other = real(ours[1])[first:]
-            assert other not in (
-                theirs[k]["completion_ids"],
-                theirs[4 + k]["completion_ids"],
-            )  # another prompt's
+            if k:
+                assert real(ours[1]) == t["prompt_ids"] + t["KL_completion_ids"]
+    for side in (0, 1):  # the first pair's: its side's last
+        assert (
+            real(rows[side][1])[len(theirs[4 * side]["prompt_ids"]) :]
+            == theirs[4 * side + 3]["completion_ids"]
+        )
 
 
 def test_the_mismatched_pairs_skip_a_run_of_one_prompt_in_one_pass():

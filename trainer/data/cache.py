@@ -385,6 +385,10 @@ def _build_finetune_cache(section: DataSection, tok: Any, key: dict[str, Any], f
         }
     elif section.eval_fraction > 0:
         n_eval = _held_out(len(train), section.eval_fraction, seq_len=section.seq_len)
+        if (
+            stats.get("whole_pairs") and n_eval % 2 and n_eval + 1 < len(train)
+        ):  # (a pair's two rows together)
+            n_eval += 1
         train, eval_ = train[:-n_eval], train[-n_eval:]
         if margins is not None:
             margins, eval_margins = margins[:-n_eval], margins[-n_eval:]

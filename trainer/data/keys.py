@@ -164,14 +164,12 @@ def file_digest(path: Path, chunk: int = 1 << 24) -> str:
 def side_digests(directory: Path) -> dict[str, str]:
     """What the training rows hold beside their tokens, digested for the fingerprint (a resume over other values
     is other data): the images' pixels (images_digest), the unpaired rows' labels or the pairs' margins
-    (margins_digest, margins.npy); {} for neither."""
+    (margins_digest, margins.npy; None where there are none)."""
     from trainer.data.image_rows import images_digest
 
     margins = directory / "margins.npy"
-    return {
-        **images_digest(directory),
-        **({"margins_digest": file_digest(margins)} if margins.exists() else {}),
-    }
+    held = margins.exists() and _any_value(margins)
+    return {**images_digest(directory), "margins_digest": file_digest(margins) if held else None}
 
 
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -184,7 +182,8 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         ("teacher", "the teacher (train.distill.teacher)", "")) if key in now and saved.get(key) != now[key]]  # fmt: skip
     if saved.get("images_digest") != now.get("images_digest"):
         out.append("the images' pixels differ from the checkpoint's (an image file changed since)")
-    if saved.get("margins_digest") != now.get("margins_digest"):
+    # (a checkpoint older than the labels' digest has none: not a difference)
+    if "margins_digest" in saved and saved["margins_digest"] != now.get("margins_digest"):
         out.append("the rows' labels (unpaired data) or the pairs' margins differ from the checkpoint's")
     if (
         saved.get("train_digest") == now["train_digest"]
@@ -216,3 +215,10 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     elif before != after:
         out.append(f"source: {before} at the checkpoint, {after} now")
     return out
+
+
+def _any_value(margins: Path) -> bool:
+    """margins.npy holds a label or a margin (pairs without a margin column hold NaN alone)."""
+    import numpy as np
+
+    return bool(np.isfinite(np.load(margins)).any())

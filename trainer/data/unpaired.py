@@ -18,7 +18,9 @@ labels, position_ids]; the labels (1.0 desirable, 0.0 undesirable) where the pai
 Preference pairs (prompt, chosen, rejected: no completion column) given as kind unpaired are taken apart as TRL's
 KTOTrainer takes them apart (`unpair_preference_dataset`), each pair's chosen response a desirable row and its
 rejected one an undesirable row, but pair by pair (TRL: every chosen response of a block of 1,000 pairs, then
-every rejected one), so that a held-out tail or an eval batch holds both classes.
+every rejected one), so that a held-out tail or an eval batch holds both classes; a row's mismatched pair takes the
+previous pair's response of its own side, as TRL's rotation within each block does (chosen with chosen, rejected
+with rejected).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def _responses(raw: Any, src: DataSource, where: Any) -> Any:
     """(row number, row, prompt, completion, label) of each response: an unpaired row's; preference pairs taken
     apart pair by pair, the chosen response (true) then the rejected one (false), so that a held-out tail or an eval
     batch holds both classes (TRL's unpair_preference_dataset puts every chosen response of a block of 1,000 pairs
-    before every rejected one); `mismatched` passes over the pair's own other response."""
+    before every rejected one); `mismatched` pairs each row with the previous pair's response of its side."""
     if not paired(src, raw.column_names):
         for n, row in enumerate(raw):
             label = label_of(row, src, where(n))
@@ -98,12 +100,21 @@ def others(prompts: list[Any]) -> list[int]:
     return out
 
 
-def mismatched(rows: list[Example], seq_len: int) -> list[Example]:
+def mismatched(rows: list[Example], seq_len: int, sides: list[Any] | None = None) -> list[Example]:
     """Each row's prompt followed by another row's whole completion (`others`), cut at seq_len as TRL's collator
-    cuts the pair; `rows` as rendered, before their own truncation."""
+    cuts the pair; `rows` as rendered, before their own truncation. With `sides` (pairs taken apart: each row's
+    label) a row takes the completion of the previous row of its side, as TRL's rotation within its block of chosen
+    responses and within its block of rejected ones does."""
     starts = [ex.targets.index(True) for ex in rows]
+    prompts = [tuple(ex.ids[:p]) for ex, p in zip(rows, starts, strict=True)]
+    keys = sides if sides is not None else [None] * len(rows)
+    other_of = list(range(len(rows)))
+    for side in set(keys):
+        group = [i for i, k in enumerate(keys) if k == side]
+        for i, j in zip(group, others([prompts[i] for i in group]), strict=True):
+            other_of[i] = group[j]
     out = []
-    for i, j in enumerate(others([tuple(ex.ids[:p]) for ex, p in zip(rows, starts, strict=True)])):
+    for i, j in enumerate(other_of):
         p, q, other = starts[i], starts[j], rows[j]
         out.append(
             Example(rows[i].ids[:p] + other.ids[q:], [False] * p + other.targets[q:]).truncated(seq_len)
@@ -146,7 +157,9 @@ def build_unpaired(
     if not kept:
         raise UserError(f"{key}: no row with a response to train on ({truncated} truncated, {dropped_long} longer than "
                         f"data.seq_len {seq_len} dropped, {no_target} with no target left); raise data.seq_len")  # fmt: skip
-    both = [e for pair in zip(kept, mismatched(whole, seq_len), strict=True) for e in pair]
+    pairs = paired(src, raw.column_names)
+    sides = labels if pairs else None  # (pairs: each side's pairs from its own side)
+    both = [e for pair in zip(kept, mismatched(whole, seq_len, sides), strict=True) for e in pair]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     packed = pack_examples(both, seq_len, pad if pad is not None else 0, one_per_row=True)
     rows = np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
@@ -167,6 +180,8 @@ def build_unpaired(
         "rows": 2 * len(kept),
         "padding_share": 1 - sum(len(e.ids) for e in both) / (2 * len(kept) * seq_len),
         "example": f"{'desirable' if labels[0] else 'undesirable'}: {kept[0].show(tok)}",
+        # pairs taken apart, none of their rows dropped: an eval_fraction holds out whole pairs (cache.py)
+        "whole_pairs": pairs and not dropped_long and not no_target,
         "margins": np.asarray(labels, dtype=np.float64),  # (the labels: popped into margins.npy by the cache)
     }
     return rows, stats
