@@ -159,6 +159,18 @@ def test_the_mismatched_pairs_skip_a_run_of_one_prompt_in_one_pass():
     assert time.perf_counter() - t < 5  # (linear: ~0.1 s; the quadratic search took hours at this size)
 
 
+def step_start(objective, model, batches):
+    """A KLStream over `batches` (one step's micro batches, this rank's) with the step begun: kto's KL over their
+    pairs set (apo_zero_unpaired: none)."""
+    it = iter(batches)
+    stream = KLStream(types.SimpleNamespace(next=lambda: next(it), loss_denominator=lambda k: None,
+                                            step_tokens=lambda k: None))  # fmt: skip
+    stream.objective, stream.engine = objective, types.SimpleNamespace(ds=model, device="cpu")
+    if objective.loss_type == "kto":
+        stream.loss_denominator(len(batches))
+    return stream
+
+
 def tiny_model(seed):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -223,13 +235,7 @@ def test_the_loss_metrics_and_gradients_equal_trls(case, tmp_path):
     import copy
 
     mine = copy.deepcopy(policy)
-    batch = _collate((rows, np.arange(len(rows))), 1)
-    stream = KLStream(
-        types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None, step_tokens=lambda k: None)
-    )
-    stream.objective, stream.engine = objective, types.SimpleNamespace(ds=mine, device="cpu")
-    if objective.loss_type == "kto":
-        stream.loss_denominator(1)
+    stream = step_start(objective, mine, [_collate((rows, np.arange(len(rows))), 1)])
     loss = objective.loss(mine, stream.next())
     loss.backward()
     ours = objective.flush(1)
@@ -273,12 +279,7 @@ def test_chat_rows_loss_and_gradients_equal_trls(tmp_path):
     import copy
 
     mine = copy.deepcopy(policy)
-    batch = _collate((rows, np.arange(len(rows))), 1)
-    stream = KLStream(
-        types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None, step_tokens=lambda k: None)
-    )
-    stream.objective, stream.engine = objective, types.SimpleNamespace(ds=mine, device="cpu")
-    stream.loss_denominator(1)
+    stream = step_start(objective, mine, [_collate((rows, np.arange(len(rows))), 1)])
     loss = objective.loss(mine, stream.next())
     loss.backward()
     trainer = trl_trainer(policy, ref, tmp_path, data=CHAT, tok=tok)
@@ -318,12 +319,7 @@ def test_lora_kto_equals_trls_with_the_adapters_disabled_as_the_reference(tmp_pa
     model.base_model.model.gradient_checkpointing_disable()
     objective = make(experiment("train.preference.beta=0.5"))
     objective.reference, objective.labels = {"train": table}, {"train": stats["margins"]}
-    batch = _collate((rows, np.arange(len(rows))), 1)
-    stream = KLStream(
-        types.SimpleNamespace(next=lambda: batch, loss_denominator=lambda k: None, step_tokens=lambda k: None)
-    )
-    stream.objective, stream.engine = objective, types.SimpleNamespace(ds=model, device="cpu")
-    stream.loss_denominator(1)
+    stream = step_start(objective, model, [_collate((rows, np.arange(len(rows))), 1)])
     loss = objective.loss(model, stream.next())
     loss.backward()
     adapters = [p for p in model.parameters() if p.requires_grad]
@@ -355,14 +351,7 @@ def test_the_steps_kl_and_loss_do_not_depend_on_its_micro_batches():
             {"train": stats["margins"]},
         )
         batches = [_collate((rows[i : i + micro], np.arange(i, i + micro)), 1) for i in range(0, 4, micro)]
-        it = iter(batches)
-        stream = KLStream(
-            types.SimpleNamespace(
-                next=lambda it=it: next(it), loss_denominator=lambda k: None, step_tokens=lambda k: None
-            )
-        )
-        stream.objective, stream.engine = objective, types.SimpleNamespace(ds=policy, device="cpu")
-        stream.loss_denominator(len(batches))
+        stream = step_start(objective, policy, batches)
         total = 0.0
         for _ in batches:
             loss = objective.loss(policy, stream.next()) / len(batches)

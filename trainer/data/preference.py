@@ -132,6 +132,26 @@ def completion_targets(ex: Example) -> Example:
     return Example(ex.ids, [False] * first + [True] * (len(ex.ids) - first), ex.text)
 
 
+def one_response(render: Any, row: Mapping[str, Any], n: int, prompt: Any, response: Any, tools: str,
+                 what: str) -> Example:  # fmt: skip
+    """A response rendered after its prompt (`render`: as prompt_completion data is), one assistant turn, its
+    targets TRL's completion mask (`completion_targets`); `what` names it in the error."""
+    rendered = render({"prompt": prompt, "completion": response, tools: row.get(tools)}, n)
+    if len(rendered) != 1:
+        raise UserError(f"{what} renders as {len(rendered)} trained turns; a response is one assistant turn (with its "
+                        "tool calls)")  # fmt: skip
+    return completion_targets(rendered[0])
+
+
+def two_row_blocks(examples: list[Example], seq_len: int, tok: Any) -> np.ndarray:
+    """Examples two by two (a pair's responses; an unpaired row and its mismatched pair) as (n, 2, 3, seq_len)
+    int32 rows of [input_ids, labels, position_ids], one example a row, padded with the pad token (else EOS)."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    packed = pack_examples(examples, seq_len, pad if pad is not None else 0, one_per_row=True)
+    rows = np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
+    return rows.reshape(len(examples) // 2, 2, 3, seq_len)
+
+
 class PairCounts:
     """What build_pairs counts for the banner and the cache's meta.json, and each kept pair's margin (the
     margin_field's number where the row has one, else NaN: train.objective reward reads them, margins.npy)."""
@@ -172,15 +192,9 @@ def build_pairs(
         prompt, chosen, rejected = split_pair(row, src, where(n))
         pair = []
         for field, response in ((src.chosen_field, chosen), (src.rejected_field, rejected)):
-            rendered = render(
-                {"prompt": prompt, "completion": response, src.tools_field: row.get(src.tools_field)}, n
+            pair.append(
+                one_response(render, row, n, prompt, response, src.tools_field, f"{where(n)}: {field}")
             )
-            if len(rendered) != 1:
-                raise UserError(
-                    f"{where(n)}: {field} renders as {len(rendered)} trained turns; a response is one assistant turn "
-                    "(with its tool calls)"
-                )
-            pair.append(completion_targets(rendered[0]))
         if max(len(e.ids) for e in pair) > seq_len:
             if section.truncation == "drop":
                 c.dropped_long += 1
@@ -205,10 +219,7 @@ def build_pairs(
             f"{key}: no pair with a response to train on ({c.truncated} truncated, {c.dropped_long} longer than "
             f"data.seq_len {seq_len} dropped, {c.no_target} with no target left); raise data.seq_len"
         )
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    packed = pack_examples(kept, seq_len, pad if pad is not None else 0, one_per_row=True)
-    rows = np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
-    rows = rows.reshape(c.kept, 2, 3, seq_len)
+    rows = two_row_blocks(kept, seq_len, tok)
     stats = {
         "kind": "preference",
         "examples": c.pairs,

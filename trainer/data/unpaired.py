@@ -34,8 +34,7 @@ from trainer.common.errors import UserError
 from trainer.config import DataSection, DataSource
 from trainer.data.chat import Example
 from trainer.data.formats import paired
-from trainer.data.pack import pack_examples
-from trainer.data.preference import _empty, completion_targets
+from trainer.data.preference import _empty, one_response, two_row_blocks
 from trainer.data.sources import locator
 
 
@@ -135,14 +134,9 @@ def build_unpaired(
     n_rows = truncated = dropped_long = no_target = 0
     for n, row, prompt, completion, label in _responses(raw, src, where):
         n_rows += 1
-        rendered = render(
-            {"prompt": prompt, "completion": completion, src.tools_field: row.get(src.tools_field)}, n
+        ex = full = one_response(
+            render, row, n, prompt, completion, src.tools_field, f"{where(n)}: a response"
         )
-        if len(rendered) != 1:
-            raise UserError(f"{where(n)}: a response renders as {len(rendered)} trained turns; a response is one "
-                            "assistant turn (with its tool calls)")  # fmt: skip
-        ex = completion_targets(rendered[0])
-        full = ex
         if len(ex.ids) > seq_len:
             if section.truncation == "drop":
                 dropped_long += 1
@@ -160,10 +154,7 @@ def build_unpaired(
     pairs = paired(src, raw.column_names)
     sides = labels if pairs else None  # (pairs: each side's pairs from its own side)
     both = [e for pair in zip(kept, mismatched(whole, seq_len, sides), strict=True) for e in pair]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    packed = pack_examples(both, seq_len, pad if pad is not None else 0, one_per_row=True)
-    rows = np.stack([packed["input_ids"], packed["labels"], packed["position_ids"]], axis=1).astype(np.int32)
-    rows = rows.reshape(len(kept), 2, 3, seq_len)
+    rows = two_row_blocks(both, seq_len, tok)
     tokens = sum(len(e.ids) for e in kept)
     desirable = int(sum(labels))
     stats = {

@@ -104,31 +104,38 @@ class KTO(PairObjective):
         z = logps - ref
         losses = self.losses(z, desirable, kl)
         if training or split == "eval":
-            self._tally(z.detach(), logps.detach(), desirable, "train" if training else "eval", kl, training)
+            self._tally(z.detach(), logps.detach(), desirable, "sums" if training else "eval_sums")
         return losses.sum()
 
-    def _tally(self, z: Any, logps: Any, desirable: Any, split: str, kl: Any, training: bool) -> None:
+    def _tally(self, z: Any, logps: Any, desirable: Any, name: str) -> None:
         d = desirable.to(torch.float64)
         r, lp = self.beta * z.double(), logps.double()
-        row = torch.stack([torch.tensor(float(len(z)), device=z.device, dtype=torch.float64), d.sum(), (1 - d).sum(),
-                           (r * d).sum(), (r * (1 - d)).sum(), (lp * d).sum(), (lp * (1 - d)).sum(),
-                           kl.double() * (0 if training else 1), torch.tensor(0.0 if training else 1.0,
-                           device=z.device, dtype=torch.float64)])  # fmt: skip
-        name = "sums" if split == "train" else "eval_sums"
+        row = torch.zeros(len(STATS), dtype=torch.float64, device=z.device)
+        row[0] = float(len(z))
+        row[1:7] = torch.stack([d.sum(), (1 - d).sum(), (r * d).sum(), (r * (1 - d)).sum(), (lp * d).sum(),
+                                (lp * (1 - d)).sum()])  # fmt: skip
+        self._add(name, row)
+
+    def _add(self, name: str, row: Any) -> None:
         setattr(self, name, row if getattr(self, name) is None else getattr(self, name) + row)
+
+    def _count_kl(self, name: str, kl: float) -> None:
+        """A reference point counted once (a step's, an eval's) for the mean the log shows."""
+        row = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
+        row[STATS.index("kl")], row[STATS.index("steps")] = kl, 1.0
+        self._add(name, row)
 
     def eval_start(self, engine: Any, batches: Any) -> None:
         """An eval's KL: the mean over every eval batch's pairs on every rank (one pass without gradients and one
         all-reduce before the eval's batches), so that the eval loss does not depend on how the eval set is split."""
         if self.loss_type == "kto":
             self.eval_kl = kl_over(self, engine, batches, "eval")
+            self._count_kl("eval_sums", self.eval_kl)
 
     def step_kl(self, kl: float) -> None:
         """The step's reference point (every rank's), counted once for the interval's mean."""
         self.kl = kl
-        row = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
-        row[STATS.index("kl")], row[STATS.index("steps")] = kl, 1.0
-        self.sums = row if self.sums is None else self.sums + row
+        self._count_kl("sums", kl)
 
     def flush(self, world_size: int, split: str = "train") -> dict[str, Any]:
         """The interval's (or the eval's) means over every rank's rows: the rewards (beta x the log-ratio) and
@@ -151,7 +158,8 @@ class KTO(PairObjective):
                 out[f"logps_{side}"] = s[f"logps_{side}"] / n
         if s["desirable"] and s["undesirable"]:
             out["reward_margin"] = out["rewards_chosen"] - out["rewards_rejected"]
-        if self.loss_type == "kto" and s["steps"]:  # (train: the steps'; eval: each rank's batches')
+        # the reference point: the mean of the steps' (or the eval's), every rank's
+        if self.loss_type == "kto" and s["steps"]:
             out["kl"] = s["kl"] / s["steps"]
         return out
 
